@@ -1,0 +1,53 @@
+# Two commands do all set-up on a fresh machine:
+#   make run   - virtual environment, install, run the agent on the embedded defaults
+#   make test  - the above plus the Debian packages the tests use, then ruff, mypy --strict, pytest
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.gpuwarden-installed
+# torch is pinned for tests: 2.13.0 is a CPU build already on these machines' disks, while an
+# unpinned torch pulls a CUDA build of several GB. The daemon never imports it.
+TORCH ?= torch==2.13.0
+# Debian packages the tests run for real: a broker, promtool and Prometheus, systemd-analyze,
+# and node_exporter for the side-by-side benchmarks.
+DEBS := mosquitto mosquitto-clients prometheus prometheus-node-exporter systemd openssl
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: run test check lint typecheck unit debs bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' '$(TORCH)'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/gpuwarden run $(ARGS)
+
+debs:
+	@missing=""; for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+test: debs $(STAMP)
+	$(MAKE) --no-print-directory check VENV=$(VENV)
+
+check: lint typecheck unit
+
+lint:
+	$(VENV)/bin/ruff check .
+
+typecheck:
+	$(VENV)/bin/mypy
+
+unit:
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""One module per command of the command line; each has `add_arguments` and `main`."""

@@ -1,0 +1,111 @@
+"""Run the agent in the foreground until SIGTERM or SIGINT; SIGHUP reloads the configuration.
+
+Exit code 0 after a clean stop, 1 if the agent could not start (a port taken, say), 2 for a
+configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+
+import structlog
+
+from agent import config as config_module
+from agent import logs
+from agent.runtime import Runtime
+from agent.settings import ConfigError
+from agent.state import StateStore
+from agent.systemd import Notifier, run_watchdog, watchdog_interval
+
+log = structlog.get_logger(component="run")
+
+FIRST_ROUND_WAIT = 30.0
+"""READY=1 waits for the first round of every collector, but not forever."""
+STOP_BUDGET = 4.0
+"""SIGTERM to exit: well inside systemd's and the contract's 5 seconds."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
+                        help="auto: JSON lines unless stdout is a terminal")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_module.load(args.config)
+    except ConfigError as exc:
+        print(f"gpuwarden: configuration error: {exc}", file=sys.stderr)
+        return 2
+    json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
+    logs.configure(cfg.core.log_level, json=json_logs)
+    return asyncio.run(serve(cfg, args.config))
+
+
+async def serve(cfg: config_module.Config, path: Path | None) -> int:
+    loop = asyncio.get_running_loop()
+    log.info("starting", config=cfg.source, node=cfg.node_id, state_dir=str(cfg.state_dir))
+    store = await asyncio.to_thread(StateStore.open, cfg.state_dir)
+    runtime = Runtime(cfg, store)
+    notifier = Notifier()
+    stop = asyncio.Event()
+    reloads: asyncio.Queue[None] = asyncio.Queue()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reloads.put_nowait, None)
+    try:
+        await runtime.start()
+    except OSError as exc:
+        log.error("cannot start", error=str(exc))
+        await runtime.stop()
+        store.close()
+        return 1
+    helpers = [asyncio.create_task(_reload_loop(runtime, path, reloads))]
+    try:
+        await asyncio.wait_for(runtime.first_round.wait(), FIRST_ROUND_WAIT)
+    except TimeoutError:
+        log.warning("first collection round still running; reporting ready anyway")
+    notifier.ready(runtime.health().summary())
+    log.info("ready", collectors=sorted(runtime.collectors), sinks=sorted(runtime.sinks))
+    interval = watchdog_interval()
+    helpers.append(asyncio.create_task(
+        run_watchdog(notifier, runtime.supervisor, interval or 10.0,
+                     lambda: runtime.health().summary())
+        if interval else _status_loop(notifier, runtime)
+    ))
+    await stop.wait()
+    began = time.monotonic()
+    log.info("stopping: signal received")
+    notifier.stopping()
+    for task in helpers:
+        task.cancel()
+    try:
+        await asyncio.wait_for(runtime.stop(), STOP_BUDGET)
+    except TimeoutError:
+        log.warning("some tasks did not stop in time; exiting anyway")
+    store.close()
+    notifier.close()
+    log.info("stopped", seconds=round(time.monotonic() - began, 3))
+    return 0
+
+
+async def _status_loop(notifier: Notifier, runtime: Runtime) -> None:
+    while True:
+        notifier.status(runtime.health().summary())
+        await asyncio.sleep(10.0)
+
+
+async def _reload_loop(runtime: Runtime, path: Path | None, reloads: asyncio.Queue[None]) -> None:
+    while True:
+        await reloads.get()
+        try:
+            new = await asyncio.to_thread(config_module.load, path)
+        except ConfigError as exc:
+            log.error("reload refused; keeping the old configuration", error=str(exc))
+            continue
+        changes = await runtime.reload(new)
+        log.info("configuration reloaded", source=new.source, changes=changes or ["none"])

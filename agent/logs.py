@@ -1,0 +1,38 @@
+"""Logging: structlog, JSON lines when stdout is not a terminal (journald), console otherwise."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+import structlog
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+          "error": logging.ERROR}
+
+
+def configure(level: str = "info", stream: TextIO | None = None, json: bool | None = None) -> None:
+    """Configure structlog once per process. `json=None`: JSON unless `stream` is a terminal."""
+    stream = sys.stdout if stream is None else stream
+    if json is None:
+        json = not stream.isatty()
+    processors: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if json:
+        processors += [
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(sort_keys=False),
+        ]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS.get(level, logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=False,
+    )

@@ -1,0 +1,385 @@
+"""The runtime: schedules collectors, keeps the snapshot, stores and fans out events, knows health.
+
+Each collector runs in its own task on its own interval. A collector that raises or hangs
+changes its own status series and nothing else. The snapshot is replaced per collector after
+each round; a scrape renders the last snapshot and never waits on hardware. Events are stored
+(and queued in the outbox) before anyone is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from agent import registry
+from agent.blocking import PooledCaller
+from agent.collector import (
+    CallStillHung,
+    CallTimedOut,
+    CollectContext,
+    Collector,
+    CollectorDeps,
+    CollectorSettings,
+    SharedServices,
+)
+from agent.config import Config
+from agent.heartbeat import HeartbeatSettings
+from agent.model import Event, MetricFamily, Sample, Severity
+from agent.runtime_metrics import RuntimeMetrics
+from agent.sink import EventListener, Sink
+from agent.state import StateStore, StateStoreError
+from agent.systemd import Supervisor
+
+log = structlog.get_logger(component="runtime")
+
+THREAD_POOL_SIZE = 8
+"""Bounded: each hung resource holds at most one thread, and the rest keep working."""
+
+
+@dataclass
+class CollectorStatus:
+    name: str
+    settings: CollectorSettings
+    collector: Collector
+    caller: PooledCaller
+    samples: Sequence[Sample] = ()
+    success: bool | None = None
+    last_success: float | None = None
+    last_attempt: float | None = None
+    duration: float = 0.0
+    runs: int = 0
+    failures: int = 0
+    last_error: str = ""
+    started: float = field(default_factory=time.time)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    problems: tuple[str, ...]
+
+    def summary(self) -> str:
+        return "ok" if self.ok else "degraded: " + "; ".join(self.problems)
+
+
+@dataclass
+class SinkLedger:
+    """Per sink: when it last confirmed a delivery, and how often it failed."""
+
+    last_delivery: float | None = None
+    failures: int = 0
+    last_failure: str = ""
+    up: bool = False
+
+
+class Runtime:
+    def __init__(self, config: Config, store: StateStore) -> None:
+        self.config = config
+        self.store = store
+        self.node_id = config.node_id
+        self.shared = SharedServices()
+        self.supervisor = Supervisor()
+        self.started = time.time()
+        self.collectors: dict[str, CollectorStatus] = {}
+        self.sinks: dict[str, Sink] = {}
+        self.ledger: dict[str, SinkLedger] = {}
+        self.events_by_key: Counter[tuple[str, str, str]] = Counter()
+        self.recent_events: deque[Event] = deque(maxlen=200)
+        self.outbox_enabled = False
+        self.first_round = asyncio.Event()
+        self.metrics = RuntimeMetrics(self)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            THREAD_POOL_SIZE, thread_name_prefix="gpuwarden-call"
+        )
+        self._listeners: list[EventListener] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._pending_events: list[Event] = []
+        self._sink_tasks: dict[str, asyncio.Task[None]] = {}
+        for problem in store.problems:
+            self._pending_events.append(
+                Event(source="state", kind=problem.kind, severity=Severity.CRITICAL,
+                      message=problem.message, action=problem.action, subject=str(config.state_dir))
+            )
+
+    # -- events -----------------------------------------------------------------------------
+
+    def subscribe(self, listener: EventListener) -> None:
+        self._listeners.append(listener)
+
+    def emit(self, event: Event) -> None:
+        """Record an event. Thread-safe: background threads may call it."""
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self._emit_now, event)
+        elif loop is None:
+            self._pending_events.append(event)
+        else:
+            self._emit_now(event)
+
+    def _emit_now(self, event: Event) -> None:
+        if not event.node:
+            event = dataclasses.replace(event, node=self.node_id)
+        try:
+            self.store.record_event(event, outbox=self.outbox_enabled)
+        except StateStoreError as exc:
+            log.error("event not stored", event_id=event.id, error=str(exc))
+        self.events_by_key[(event.source, event.kind, event.severity.label)] += 1
+        self.recent_events.append(event)
+        logger = log.bind(source=event.source)
+        level = "info" if event.severity is Severity.INFO else (
+            "warning" if event.severity is Severity.WARNING else "error")
+        getattr(logger, level)(
+            event.message, kind=event.kind, severity=event.severity.label, subject=event.subject,
+            action=event.action, event_id=event.id,
+        )
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not lose the event for the others
+                log.exception("event listener failed", listener=repr(listener))
+
+    # -- collectors -------------------------------------------------------------------------
+
+    def _deps(self) -> CollectorDeps:
+        return CollectorDeps(
+            node_id=self.node_id,
+            state_dir=self.config.state_dir,
+            state=self.store,
+            shared=self.shared,
+            emit=self.emit,
+        )
+
+    def _add_collector(self, name: str, settings: CollectorSettings) -> None:
+        spec = registry.collector_spec(name)
+        collector = spec.make(settings, self._deps())
+        caller = PooledCaller(
+            self._executor,
+            settings.timeout,
+            on_hang=lambda key, timeout: self.emit(Event(
+                source=name, kind="call_hung", severity=Severity.WARNING, subject=key,
+                message=f"{name}: call {key} did not return within {timeout:g} s; "
+                        "it is not retried until it returns",
+                action="look for a hung driver, device or network mount behind " + key,
+            )),
+            on_recover=lambda key, took: self.emit(Event(
+                source=name, kind="call_recovered", severity=Severity.INFO, subject=key,
+                message=f"{name}: call {key} returned after {took:.1f} s",
+            )),
+        )
+        status = CollectorStatus(name, settings, collector, caller)
+        self.collectors[name] = status
+        self.supervisor.register(f"collector:{name}", max(settings.interval, settings.timeout) * 3 + 5)
+
+    async def _collector_loop(self, status: CollectorStatus) -> None:
+        loop = asyncio.get_running_loop()
+        interval = status.settings.interval
+        next_at = loop.time()
+        logger = log.bind(collector=status.name)
+        round_number = 0
+        while True:
+            await self._run_round(status, round_number, logger)
+            round_number += 1
+            self.supervisor.beat(f"collector:{status.name}")
+            if round_number == 1:
+                self._maybe_first_round_done()
+            next_at += interval
+            now = loop.time()
+            if next_at < now:  # a slow round: skip the missed slots, don't burst to catch up
+                next_at = now + interval - ((now - next_at) % interval)
+            await asyncio.sleep(next_at - now)
+
+    async def _run_round(self, status: CollectorStatus, round_number: int,
+                         logger: structlog.stdlib.BoundLogger) -> None:
+        ctx = CollectContext(caller=status.caller, now=time.time(), round=round_number)
+        started = time.monotonic()
+        status.last_attempt = ctx.now
+        status.runs += 1
+        # A generous bound for a round; each blocking call has its own, shorter timeout.
+        round_limit = max(status.settings.interval, status.settings.timeout) * 4
+        error = ""
+        try:
+            result = await asyncio.wait_for(status.collector.collect(ctx), round_limit)
+        except (CallTimedOut, CallStillHung) as exc:
+            error = str(exc)
+        except TimeoutError:
+            error = f"round did not finish within {round_limit:g} s"
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if error != status.last_error:
+                logger.exception("collector failed")
+        else:
+            status.samples = tuple(result.samples)
+            status.success = True
+            status.last_success = time.time()
+            status.last_error = ""
+            for event in result.events:
+                self.emit(event)
+        status.duration = time.monotonic() - started
+        if error:
+            if error != status.last_error:
+                logger.warning("collector round failed", error=error)
+            status.samples = ()
+            status.success = False
+            status.failures += 1
+            status.last_error = error
+
+    def _maybe_first_round_done(self) -> None:
+        if all(s.runs > 0 for s in self.collectors.values()):
+            self.first_round.set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        for event in self._pending_events:
+            self._emit_now(event)
+        self._pending_events.clear()
+        for name, settings in self.config.collectors.items():
+            if settings.enabled:
+                self._add_collector(name, settings)
+        for name in registry.SINKS:
+            spec = registry.sink_spec(name)
+            sink_settings = self.config.sections[name]
+            if spec.enabled(sink_settings):
+                sink = spec.factory(sink_settings, self)
+                await sink.start()
+                self.sinks[name] = sink
+                self.ledger[name] = SinkLedger()
+        if not self.collectors:
+            self.first_round.set()
+        for status in self.collectors.values():
+            status.task = asyncio.create_task(self._collector_loop(status), name=status.name)
+        for name, sink in self.sinks.items():
+            self.supervisor.register(f"sink:{name}", None)
+            task = asyncio.create_task(sink.run(), name=f"sink:{name}")
+            task.add_done_callback(functools.partial(self._sink_ended, name))
+            self._sink_tasks[name] = task
+
+    def _sink_ended(self, name: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("sink stopped with an error", sink=name, error=repr(exc))
+            self.record_failure(name, f"sink task ended: {exc!r}")
+
+    async def stop(self) -> None:
+        for status in self.collectors.values():
+            if status.task is not None:
+                status.task.cancel()
+        await asyncio.gather(
+            *(s.task for s in self.collectors.values() if s.task is not None),
+            return_exceptions=True,
+        )
+        for sink in self.sinks.values():
+            try:
+                await asyncio.wait_for(sink.stop(), 3.0)
+            except Exception as exc:
+                log.warning("sink did not stop cleanly", sink=sink.name, error=repr(exc))
+        for task in self._sink_tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._sink_tasks.values(), return_exceptions=True)
+        for status in self.collectors.values():
+            try:
+                await asyncio.wait_for(status.collector.close(), 2.0)
+            except Exception as exc:
+                log.warning("collector did not close cleanly", collector=status.name, error=repr(exc))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def reload(self, config: Config) -> list[str]:
+        """Apply a new configuration to collectors; returns what changed. Core settings
+        (node_id, state_dir) and sink settings need a restart and are reported, not applied."""
+        changes: list[str] = []
+        if config.core != self.config.core or dict(config.sections) != dict(self.config.sections):
+            changes.append("core or sink settings changed: they take effect after a restart")
+        for name, settings in config.collectors.items():
+            old = self.config.collectors.get(name)
+            if old == settings:
+                continue
+            current = self.collectors.pop(name, None)
+            if current is not None:
+                if current.task is not None:
+                    current.task.cancel()
+                    await asyncio.gather(current.task, return_exceptions=True)
+                await current.collector.close()
+                self.supervisor.unregister(f"collector:{name}")
+            if settings.enabled:
+                self._add_collector(name, settings)
+                status = self.collectors[name]
+                status.task = asyncio.create_task(self._collector_loop(status), name=name)
+            changes.append(f"collector {name} {'restarted' if settings.enabled else 'stopped'}")
+        self.config = config
+        return changes
+
+    # -- ledger and health ------------------------------------------------------------------
+
+    def record_delivery(self, sink: str, when: float | None = None) -> None:
+        entry = self.ledger.setdefault(sink, SinkLedger())
+        entry.last_delivery = time.time() if when is None else when
+        entry.up = True
+        self.supervisor.beat(f"sink:{sink}")
+
+    def record_failure(self, sink: str, reason: str) -> None:
+        entry = self.ledger.setdefault(sink, SinkLedger())
+        entry.failures += 1
+        entry.last_failure = reason
+        entry.up = False
+
+    def health(self, now: float | None = None) -> Health:
+        now = time.time() if now is None else now
+        rounds = self.heartbeat_settings.stale_after_intervals
+        problems: list[str] = []
+        for status in self.collectors.values():
+            limit = status.settings.interval * rounds + status.settings.timeout
+            since = status.last_success or status.started
+            if now - since > limit:
+                reason = status.last_error or "no successful round"
+                problems.append(
+                    f"collector {status.name} stale for {now - since:.0f} s ({reason})"
+                )
+        for name, sink in self.sinks.items():
+            if sink.expected_interval is None:
+                continue
+            entry = self.ledger.get(name, SinkLedger())
+            since = entry.last_delivery or self.started
+            if now - since > sink.expected_interval * rounds:
+                problems.append(f"sink {name} has not delivered for {now - since:.0f} s")
+        if not self.store.durable:
+            problems.append("state store is in memory (state dir unusable)")
+        return Health(not problems, tuple(problems))
+
+    @property
+    def heartbeat_settings(self) -> HeartbeatSettings:
+        return self.config.section("heartbeat", HeartbeatSettings)
+
+    # -- snapshot ---------------------------------------------------------------------------
+
+    def families(self) -> list[MetricFamily]:
+        out = list(self.metrics.families())
+        for status in self.collectors.values():
+            out.extend(status.collector.families())
+        for sink in self.sinks.values():
+            out.extend(sink.families())
+        return out
+
+    def samples(self) -> list[Sample]:
+        """The last snapshot of every collector, the sinks' and the runtime's own series."""
+        out = list(self.metrics.samples())
+        for status in self.collectors.values():
+            out.extend(status.samples)
+        for sink in self.sinks.values():
+            out.extend(sink.samples())
+        return out
+

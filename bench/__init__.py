@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print a table comparing gpuwarden with a reference in one run."""

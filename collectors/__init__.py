@@ -1,0 +1,1 @@
+"""Collectors: turn the machine into samples and events. One collector, one module."""

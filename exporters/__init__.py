@@ -1,0 +1,1 @@
+"""Exporters (sinks): carry the agent's snapshot and events off the process."""

@@ -1,0 +1,228 @@
+"""The Prometheus endpoint: /metrics rendered from the last snapshot, /healthz that never lies.
+
+A small asyncio HTTP/1.1 server (one request per connection) so that a scrape is served on the
+agent's own loop and never waits on hardware. Rendering goes through prometheus_client: a
+custom collector builds fresh metric families from the snapshot at each scrape, so series of a
+GPU or a mount that went away do not linger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+
+from agent.model import MetricFamily, MetricType, Sample
+from agent.settings import ConfigError, setting
+from agent.sink import SinkSpec
+
+if TYPE_CHECKING:
+    from agent.runtime import Runtime
+
+log = structlog.get_logger(component="prometheus")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MAX_REQUEST_BYTES = 8192
+REQUEST_TIMEOUT = 5.0
+
+
+def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit() or not host:
+        raise ConfigError(key, f"expected host:port (like 127.0.0.1:9445), got {value!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ConfigError(key, f"port must be 1-65535, got {port}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+@dataclass(frozen=True)
+class PrometheusSettings:
+    enabled: bool = setting(True, help="serve /metrics and /healthz")
+    # 9445: not among the ports that common exporters registered in the Prometheus wiki's
+    # default port allocations at the time of writing.
+    listen: str = setting("127.0.0.1:9445", help="host:port to listen on")
+
+    def __post_init__(self) -> None:
+        parse_listen(self.listen, "listen")
+
+
+def render(families: Iterable[MetricFamily], samples: Iterable[Sample]) -> list[Metric]:
+    """Snapshot -> prometheus_client metric families (samples grouped by family name)."""
+    declared: dict[str, MetricFamily] = {}
+    for family in families:
+        declared.setdefault(family.name, family)
+    grouped: dict[str, list[Sample]] = {}
+    for sample in samples:
+        declared.setdefault(sample.family.name, sample.family)
+        grouped.setdefault(sample.family.name, []).append(sample)
+    out: list[Metric] = []
+    for name in sorted(grouped):
+        family = declared[name]
+        metric: GaugeMetricFamily | CounterMetricFamily
+        if family.type is MetricType.COUNTER:
+            metric = CounterMetricFamily(name, family.help, labels=family.labels)
+        else:
+            metric = GaugeMetricFamily(name, family.help, labels=family.labels)
+        seen: set[tuple[str, ...]] = set()
+        for sample in grouped[name]:
+            if sample.label_values in seen:  # a duplicate series would make the output invalid
+                continue
+            seen.add(sample.label_values)
+            metric.add_metric(list(sample.label_values), sample.value)
+        out.append(metric)
+    return out
+
+
+class _SnapshotCollector:
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterable[Metric]:
+        return render(self._runtime.families(), self._runtime.samples())
+
+    def describe(self) -> Sequence[Metric]:
+        return ()
+
+
+class PrometheusSink:
+    expected_interval: float | None = None
+
+    def __init__(self, settings: PrometheusSettings, runtime: Runtime) -> None:
+        self.name = "prometheus"
+        self.settings = settings
+        self.runtime = runtime
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_SnapshotCollector(runtime))
+        self.registry.register(ProcessCollector(registry=None))
+        self.scrapes = 0
+        self._server: asyncio.Server | None = None
+
+    def families(self) -> Sequence[MetricFamily]:
+        return ()
+
+    def samples(self) -> Sequence[Sample]:
+        return ()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._server is None or not self._server.sockets:
+            return parse_listen(self.settings.listen)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return str(host), int(port)
+
+    async def start(self) -> None:
+        host, port = parse_listen(self.settings.listen)
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot listen on {self.settings.listen}: {exc.strerror}; "
+                "is another process using the port? set [prometheus] listen"
+            ) from exc
+        log.info("serving metrics", listen=f"{self.address[0]}:{self.address[1]}")
+
+    async def run(self) -> None:
+        assert self._server is not None
+        async with self._server:
+            await self._server.serve_forever()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def metrics_body(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def healthz(self) -> tuple[int, bytes]:
+        if not self.runtime.first_round.is_set():
+            return 503, b"starting: the first collection round has not finished\n"
+        health = self.runtime.health()
+        if health.ok:
+            return 200, b"ok\n"
+        return 503, ("\n".join(health.problems) + "\n").encode()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
+                ConnectionError):
+            writer.close()
+            return
+        try:
+            status, headers, body = self.respond(head)
+            writer.write(_response(status, headers, body))
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    def respond(self, head: bytes) -> tuple[int, dict[str, str], bytes]:
+        """Answer one request head: (status, headers, body)."""
+        if len(head) > MAX_REQUEST_BYTES:
+            return 431, {}, b"request header too large\n"
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3:
+            return 400, {}, b"bad request\n"
+        method, target, _ = parts
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if method not in ("GET", "HEAD"):
+            return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"
+        path = target.split("?", 1)[0]
+        if path == "/metrics":
+            started = time.monotonic()
+            body = self.metrics_body()
+            out_headers = {"Content-Type": CONTENT_TYPE}
+            if "gzip" in headers.get("accept-encoding", ""):
+                body = gzip.compress(body, compresslevel=1)
+                out_headers["Content-Encoding"] = "gzip"
+            self.scrapes += 1
+            self.runtime.record_delivery(self.name)
+            log.debug("scrape served", seconds=round(time.monotonic() - started, 4))
+            return 200, out_headers, b"" if method == "HEAD" else body
+        if path == "/healthz":
+            status, body = self.healthz()
+            return status, {"Content-Type": "text/plain; charset=utf-8"}, body
+        if path == "/":
+            return 200, {"Content-Type": "text/plain; charset=utf-8"}, (
+                b"gpuwarden: /metrics (Prometheus), /healthz (200 while collection is fresh)\n"
+            )
+        return 404, {}, b"not found\n"
+
+
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+            405: "Method Not Allowed", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
+
+
+def _response(status: int, headers: dict[str, str], body: bytes) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
+    merged = {"Content-Type": "text/plain; charset=utf-8", **headers,
+              "Content-Length": str(len(body)), "Connection": "close"}
+    lines += [f"{k}: {v}" for k, v in merged.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+SPEC = SinkSpec(
+    name="prometheus",
+    description="Prometheus /metrics and /healthz endpoint (pull)",
+    settings_type=PrometheusSettings,
+    factory=PrometheusSink,
+)
