@@ -15,8 +15,9 @@ import functools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -29,6 +30,7 @@ from agent.collector import (
     Collector,
     CollectorDeps,
     CollectorSettings,
+    CollectorSpec,
     SharedServices,
 )
 from agent.config import Config
@@ -43,6 +45,20 @@ log = structlog.get_logger(component="runtime")
 
 THREAD_POOL_SIZE = 8
 """Bounded: each hung resource holds at most one thread, and the rest keep working."""
+
+
+async def cancel_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Cancel until done: on Python 3.11 `wait_for` can swallow a cancellation that races
+    with its inner future finishing, and the task would run on."""
+    pending = [task for task in tasks if not task.done()]
+    while pending:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.5)
+        pending = [task for task in pending if not task.done()]
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("task ended with an error", task=task.get_name(), error=repr(task.exception()))
 
 
 @dataclass
@@ -83,8 +99,15 @@ class SinkLedger:
 
 
 class Runtime:
-    def __init__(self, config: Config, store: StateStore) -> None:
+    def __init__(
+        self,
+        config: Config,
+        store: StateStore,
+        specs: Mapping[str, CollectorSpec[Any]] | None = None,
+    ) -> None:
+        """`specs` overrides the registry's collectors (tests run their own)."""
         self.config = config
+        self._specs = dict(specs or {})
         self.store = store
         self.node_id = config.node_id
         self.shared = SharedServices()
@@ -161,7 +184,7 @@ class Runtime:
         )
 
     def _add_collector(self, name: str, settings: CollectorSettings) -> None:
-        spec = registry.collector_spec(name)
+        spec = self._specs.get(name) or registry.collector_spec(name)
         collector = spec.make(settings, self._deps())
         caller = PooledCaller(
             self._executor,
@@ -276,21 +299,13 @@ class Runtime:
             self.record_failure(name, f"sink task ended: {exc!r}")
 
     async def stop(self) -> None:
-        for status in self.collectors.values():
-            if status.task is not None:
-                status.task.cancel()
-        await asyncio.gather(
-            *(s.task for s in self.collectors.values() if s.task is not None),
-            return_exceptions=True,
-        )
+        await cancel_tasks([s.task for s in self.collectors.values() if s.task is not None])
         for sink in self.sinks.values():
             try:
                 await asyncio.wait_for(sink.stop(), 3.0)
             except Exception as exc:
                 log.warning("sink did not stop cleanly", sink=sink.name, error=repr(exc))
-        for task in self._sink_tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._sink_tasks.values(), return_exceptions=True)
+        await cancel_tasks(list(self._sink_tasks.values()))
         for status in self.collectors.values():
             try:
                 await asyncio.wait_for(status.collector.close(), 2.0)
@@ -311,8 +326,7 @@ class Runtime:
             current = self.collectors.pop(name, None)
             if current is not None:
                 if current.task is not None:
-                    current.task.cancel()
-                    await asyncio.gather(current.task, return_exceptions=True)
+                    await cancel_tasks([current.task])
                 await current.collector.close()
                 self.supervisor.unregister(f"collector:{name}")
             if settings.enabled:
@@ -356,7 +370,7 @@ class Runtime:
             since = entry.last_delivery or self.started
             if now - since > sink.expected_interval * rounds:
                 problems.append(f"sink {name} has not delivered for {now - since:.0f} s")
-        if not self.store.durable:
+        if any(p.kind == "state_store_unwritable" for p in self.store.problems):
             problems.append("state store is in memory (state dir unusable)")
         return Health(not problems, tuple(problems))
 

@@ -107,6 +107,19 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
+def _open_checked(path: Path) -> sqlite3.Connection:
+    conn = _connect(str(path))
+    try:
+        check = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {check}")
+        _migrate(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 class StateStore:
     """Thread-safe: one connection behind a lock (writes are small and rare)."""
 
@@ -125,14 +138,11 @@ class StateStore:
         path = state_dir / DB_NAME
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
-            conn = _connect(str(path))
             try:
-                check = conn.execute("PRAGMA quick_check").fetchone()[0]
-                if check != "ok":
-                    raise sqlite3.DatabaseError(f"quick_check: {check}")
-                _migrate(conn)
+                conn = _open_checked(path)
             except sqlite3.DatabaseError as exc:
-                conn.close()
+                if isinstance(exc, sqlite3.OperationalError):
+                    raise  # cannot open or write: not corruption
                 aside = path.with_name(f"{DB_NAME}.corrupt-{int(time.time())}")
                 for suffix in ("", "-wal", "-shm"):
                     part = Path(str(path) + suffix)
@@ -146,8 +156,8 @@ class StateStore:
                         f"keep {aside} for support; check the disk of {state_dir} for errors",
                     )
                 )
-                conn = _connect(str(path))
-                _migrate(conn)
+                log.error("state database corrupt, moved aside", path=str(path), aside=str(aside))
+                conn = _open_checked(path)
             conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
             conn.execute("DROP TABLE _probe")
             return cls(conn, path, problems)

@@ -26,10 +26,14 @@ class Notifier:
         address = os.environ.get("NOTIFY_SOCKET") if address is None else address
         self._address: str | bytes | None = None
         self._sock: socket.socket | None = None
+        self._failing = False
         if address:
             # A leading '@' names a socket in the abstract namespace.
             self._address = b"\0" + address[1:].encode() if address.startswith("@") else address
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            # Never block the event loop on a full receive queue (a busy or stuck systemd):
+            # a dropped WATCHDOG=1 costs less than a frozen agent.
+            self._sock.setblocking(False)
 
     @property
     def enabled(self) -> bool:
@@ -42,8 +46,11 @@ class Notifier:
         try:
             self._sock.sendto(message, self._address)
         except OSError as exc:
-            log.warning("sd_notify failed", error=str(exc))
+            if not self._failing:  # once per failure spell, not once per ping
+                log.warning("sd_notify failed", error=str(exc))
+            self._failing = True
             return False
+        self._failing = False
         return True
 
     def ready(self, status: str) -> bool:
