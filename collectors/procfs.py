@@ -155,7 +155,9 @@ def parse_mountinfo_line(line: str) -> MountInfo:
 
 
 def parse_mountinfo(text: str) -> list[MountInfo]:
-    return [parse_mountinfo_line(line) for line in text.splitlines() if line.strip()]
+    # Only "\n" ends a line: splitlines() would also split on \x0b, \x85, \u2028..., which the
+    # kernel does not escape in paths.
+    return [parse_mountinfo_line(line) for line in text.split("\n") if line.strip(" ")]
 
 
 def read_mountinfo(proc_root: Path) -> list[MountInfo]:
