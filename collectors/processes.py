@@ -47,8 +47,9 @@ PROCESS_SCAN = MetricFamily(
 # Names (comm, at most 15 characters) of the NVIDIA driver's kernel threads and GPU tools. A
 # Python process that uses the GPU cannot be told apart by name, so it is not listed.
 DEFAULT_GPU_NAMES = (
-    "nvidia*", "nv_queue", "nv-hostengine", "dcgm*", "nvidia-smi", "nvidia-persistenced",
-    "UVM *", "nvidia-modeset*", "nvidia-fabricmanager", "nv-fabricmanager",
+    # nvidia* covers nvidia-smi, nvidia-persistenced, the nvidia and nvidia-modeset kernel
+    # threads; comm is cut at 15 characters, hence nv-fabricmanage*.
+    "nvidia*", "nv_queue", "nv-hostengine", "nv-fabricmanage*", "dcgm*", "UVM *",
 )
 
 
