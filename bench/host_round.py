@@ -119,13 +119,16 @@ class _Snapshot(PromCollector):
 class HostRound:
     """The three host collectors, run the way the runtime runs them."""
 
-    def __init__(self) -> None:
+    def __init__(self, scan_threads: bool) -> None:
         self.executor = concurrent.futures.ThreadPoolExecutor(4)
         events: list[Event] = []
         deps = CollectorDeps("bench", Path("/tmp"), MemoryKeyValueStore(), SharedServices(),
                              events.append)
-        self.collectors = [spec.make(spec.defaults(), deps)
-                           for spec in (DISK_SPEC, PROCESSES_SPEC, SYSTEM_SPEC)]
+        self.collectors = [
+            DISK_SPEC.make(DISK_SPEC.defaults(), deps),
+            PROCESSES_SPEC.make(PROCESSES_SPEC.defaults().replace(scan_threads=scan_threads), deps),
+            SYSTEM_SPEC.make(SYSTEM_SPEC.defaults(), deps),
+        ]
         self.callers = [PooledCaller(self.executor, 5.0) for _ in self.collectors]
         self.families = [f for c in self.collectors for f in c.families()]
         self.round = 0
@@ -167,27 +170,32 @@ def count_processes() -> int:
 
 
 async def run(args: argparse.Namespace) -> None:
-    host = HostRound()
+    with_threads, without_threads = HostRound(scan_threads=True), HostRound(scan_threads=False)
     with sleepers(args.processes), node_exporter() as (pid, port):
         scrape(port)
-        await host.measure(2)  # warm caches and imports on both sides
+        await with_threads.measure(2)  # warm caches and imports on both sides
+        await without_threads.measure(2)
         ours: list[tuple[float, float, int, int]] = []
+        ours_lean: list[tuple[float, float, int, int]] = []
         theirs: list[tuple[float, float, int, int]] = []
         for _ in range(args.blocks):
-            ours.append(await host.measure(args.per_block))
+            ours.append(await with_threads.measure(args.per_block))
             theirs.append(measure_exporter(pid, port, args.per_block))
+            ours_lean.append(await without_threads.measure(args.per_block))
         total = count_processes()
-    host.executor.shutdown()
+    with_threads.executor.shutdown()
+    without_threads.executor.shutdown()
     rusage = resource.getrusage(resource.RUSAGE_SELF)
     print(f"processes on the host during the run: {total} ({args.processes} sleepers spawned); "
           f"{args.blocks} blocks x {args.per_block} rounds/scrapes; CPU {os.cpu_count()} cores")
     print()
-    print(f"{'':34} {'CPU ms/round':>13} {'(min..max)':>16} {'wall ms':>9} {'series':>7} {'bytes':>8}")
+    print(f"{'':36} {'CPU ms/round':>13} {'(min..max)':>16} {'wall ms':>9} {'series':>7} {'bytes':>8}")
     for name, rows in (("gpuwarden disk+processes+system", ours),
+                       ("  same, scan_threads = false", ours_lean),
                        ("node_exporter processes+filesystem", theirs)):
         cpu = [r[0] * 1000 for r in rows]
         wall = statistics.median(r[1] * 1000 for r in rows)
-        print(f"{name:34} {statistics.median(cpu):13.1f} "
+        print(f"{name:36} {statistics.median(cpu):13.1f} "
               f"{f'({min(cpu):.1f}..{max(cpu):.1f})':>16} {wall:9.1f} {rows[-1][2]:7d} {rows[-1][3]:8d}")
     print()
     print(f"this process's max RSS: {rusage.ru_maxrss / 1024:.0f} MiB")

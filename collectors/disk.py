@@ -73,6 +73,7 @@ DEFAULT_EXCLUDED_MOUNTPOINTS = (
 )
 
 Statvfs = Callable[[str], os.statvfs_result]
+STATVFS_CONCURRENCY = 4
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,16 @@ class DiskCollector:
     async def collect(self, ctx: CollectContext) -> Collection:
         mounts = await ctx.call("proc:mountinfo", read_mountinfo, self.settings.proc_root)
         selected = select_mounts(mounts, self.settings)
-        outcomes = await asyncio.gather(*(self._stat(ctx, m) for m in selected))
+        # Concurrent, so a newly hung mount costs one timeout per round, not one per mount; but
+        # bounded, because the runtime's thread pool is shared and every hung statvfs keeps a
+        # thread until the kernel lets it go.
+        limit = asyncio.Semaphore(STATVFS_CONCURRENCY)
+
+        async def bounded(mount: MountInfo) -> _Outcome:
+            async with limit:
+                return await self._stat(ctx, mount)
+
+        outcomes = await asyncio.gather(*(bounded(m) for m in selected))
         samples: list[Sample] = []
         events: list[Event] = []
         for mount, outcome in zip(selected, outcomes, strict=True):

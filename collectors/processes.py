@@ -5,8 +5,10 @@ process and reads more). Only stat and, for D-state processes, wchan are read: /
 cmdline and environ take the target's memory lock and can themselves hang on a process that is
 stuck in the kernel. A process that exits between listing and reading is left out, normally.
 
-Limitation: the state is the thread-group leader's (what /proc/[pid]/stat shows). A worker
-thread in D state under a sleeping main thread is not seen.
+Counts per state are per process, by the thread-group leader's state (what /proc/[pid]/stat
+shows). With `scan_threads` a process also counts as stuck in D when any of its threads is (a
+worker thread blocked in a driver call under a sleeping main thread); that costs one directory
+listing and one read per thread.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from agent.collector import CollectContext, CollectorDeps, CollectorSettings, CollectorSpec
 from agent.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
 from agent.settings import setting
-from collectors.procfs import ProcStat, read_all_stats, read_wchan
+from collectors.procfs import ProcStat, find_thread_in_state, read_all_stats, read_wchan
 
 G = MetricType.GAUGE
 SOURCE = "processes"
@@ -60,6 +62,8 @@ class ProcessesSettings(CollectorSettings):
         120.0, exclusive_minimum=0, help="seconds in D state after which a process is reported")
     gpu_process_names: tuple[str, ...] = setting(
         DEFAULT_GPU_NAMES, help="glob patterns of process names whose D state is critical (the GPU driver and tools)")
+    scan_threads: bool = setting(
+        True, help="also look for D state in every thread, not only in each process's main thread")
     zombie_threshold: int = setting(
         10, minimum=1, help="zombies under one parent that raise an event (cleared below half)")
     max_d_state_series: int = setting(20, minimum=0, help="D-state series kept, longest first")
@@ -70,12 +74,27 @@ class ProcessesSettings(CollectorSettings):
 class Scan:
     stats: dict[int, ProcStat]
     wchan: dict[int, str]
+    """For every process taken as in D: where it (or its D thread) waits."""
+    d_thread: dict[int, int]
+    """pid -> a thread in D, for processes whose leader is not in D (with scan_threads)."""
+
+    def in_d_state(self) -> list[ProcStat]:
+        return [s for s in self.stats.values() if s.state == "D" or s.pid in self.d_thread]
 
 
-def scan(proc_root: Path) -> Scan:
+def scan(proc_root: Path, threads: bool = False) -> Scan:
     stats = read_all_stats(proc_root)
+    d_thread: dict[int, int] = {}
+    if threads:
+        for pid, stat in stats.items():
+            # A leader in D is counted already; a single-threaded process has no other thread.
+            if stat.state != "D" and stat.num_threads > 1:
+                tid = find_thread_in_state(proc_root, pid, "D")
+                if tid is not None:
+                    d_thread[pid] = tid
     wchan = {pid: read_wchan(proc_root, pid) for pid, s in stats.items() if s.state == "D"}
-    return Scan(stats, wchan)
+    wchan.update({pid: read_wchan(proc_root, pid, tid) for pid, tid in d_thread.items()})
+    return Scan(stats, wchan, d_thread)
 
 
 def count_states(stats: dict[int, ProcStat]) -> dict[str, int]:
@@ -122,7 +141,8 @@ class ProcessesCollector:
         return (PROCESSES, D_STATE, ZOMBIES, PROCESS_SCAN)
 
     async def collect(self, ctx: CollectContext) -> Collection:
-        result = await ctx.call("proc:processes", scan, self.settings.proc_root)
+        result = await ctx.call("proc:processes", scan, self.settings.proc_root,
+                                self.settings.scan_threads)
         samples = [PROCESSES.sample(n, state) for state, n in count_states(result.stats).items()]
         samples.append(PROCESS_SCAN.sample(len(result.stats)))
         events: list[Event] = []
@@ -132,7 +152,7 @@ class ProcessesCollector:
 
     def _d_state(self, now: float, result: Scan, samples: list[Sample],
                  events: list[Event]) -> None:
-        in_d = {(s.pid, s.starttime): s for s in result.stats.values() if s.state == "D"}
+        in_d = {(s.pid, s.starttime): s for s in result.in_d_state()}
         for key in list(self._d_since):
             if key not in in_d:
                 since = self._d_since.pop(key)
@@ -152,14 +172,15 @@ class ProcessesCollector:
             rows.append((seconds, stat, wchan))
             if seconds >= self.settings.d_state_threshold and key not in self._d_reported:
                 self._d_reported.add(key)
-                events.append(self._d_event(stat, seconds, wchan))
+                events.append(self._d_event(stat, seconds, wchan, result.d_thread.get(stat.pid)))
         rows.sort(key=lambda row: (-row[0], row[1].pid))
         for seconds, stat, wchan in rows[: self.settings.max_d_state_series]:
             samples.append(D_STATE.sample(seconds, str(stat.pid), stat.comm, wchan))
 
-    def _d_event(self, stat: ProcStat, seconds: float, wchan: str) -> Event:
+    def _d_event(self, stat: ProcStat, seconds: float, wchan: str, tid: int | None) -> Event:
         gpu = any(fnmatch.fnmatchcase(stat.comm, p) for p in self.settings.gpu_process_names)
         where = f"in the kernel function {wchan}" if wchan else "in the kernel"
+        who = f"process {stat.comm} (pid {stat.pid}" + (f", thread {tid})" if tid else ")")
         no_kill = ("a process in D state does not die from any signal, SIGKILL included, "
                    "until its wait ends")
         if gpu:
@@ -174,10 +195,10 @@ class ProcessesCollector:
             source=SOURCE, kind="process_stuck_d_state",
             severity=Severity.CRITICAL if gpu else Severity.WARNING,
             subject=f"pid {stat.pid}",
-            message=f"process {stat.comm} (pid {stat.pid}) has been in uninterruptible sleep "
+            message=f"{who} has been in uninterruptible sleep "
                     f"(D state) for at least {seconds:.0f} s, waiting {where}",
             action=action,
-            attributes={"pid": stat.pid, "comm": stat.comm, "wchan": wchan,
+            attributes={"pid": stat.pid, "tid": tid, "comm": stat.comm, "wchan": wchan,
                         "seconds": round(seconds, 1), "gpu_process": gpu},
         )
 

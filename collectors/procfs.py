@@ -28,6 +28,7 @@ class ProcStat:
     comm: str  # (2) at most 15 bytes, may hold spaces and parentheses
     state: str  # (3) one letter: R S D Z T t X I P W K
     ppid: int  # (4)
+    num_threads: int  # (20)
     starttime: int  # (22) clock ticks after boot: with pid, identifies one process for good
 
 
@@ -51,6 +52,7 @@ def parse_stat(text: str) -> ProcStat:
             comm=text[open_at + 1 : close_at],
             state=rest[0],
             ppid=int(rest[1]),
+            num_threads=int(rest[17]),
             starttime=int(rest[19]),
         )
     except ValueError as exc:
@@ -80,13 +82,36 @@ def read_all_stats(proc_root: Path) -> dict[int, ProcStat]:
     return stats
 
 
-def read_wchan(proc_root: Path, pid: int) -> str:
-    """The kernel function a process sleeps in ("" if unknown, hidden, or the process left)."""
+def read_wchan(proc_root: Path, pid: int, tid: int | None = None) -> str:
+    """The kernel function a process (or one of its threads) sleeps in; "" if unknown or gone."""
+    path = Path(proc_root, str(pid)) if tid is None else Path(proc_root, str(pid), "task", str(tid))
     try:
-        text = Path(proc_root, str(pid), "wchan").read_text(errors="replace").strip()
+        text = (path / "wchan").read_text(errors="replace").strip()
     except OSError:
         return ""
     return "" if text in ("0", "") else text
+
+
+def find_thread_in_state(proc_root: Path, pid: int, state: str) -> int | None:
+    """A thread (not the leader) of `pid` in `state`, or None; a thread that exits is skipped."""
+    task = f"{proc_root}/{pid}/task"
+    try:
+        tids = os.listdir(task)
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return None
+    for name in tids:
+        if name == str(pid) or not name.isdigit():
+            continue
+        try:
+            with open(f"{task}/{name}/stat", "rb") as handle:
+                raw = handle.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        # The state letter follows the last ")" (see parse_stat); no full parse needed here.
+        close_at = raw.rfind(b")")
+        if close_at >= 0 and raw[close_at + 2 : close_at + 3].decode("ascii", "replace") == state:
+            return int(name)
+    return None
 
 
 # -- /proc/self/mountinfo ---------------------------------------------------------------------

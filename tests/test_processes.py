@@ -78,6 +78,27 @@ class TestDState:
         assert [e.kind for e in ended.events] == ["process_d_state_ended"]
         assert values(ended, "gpuwarden_process_d_state_seconds") == {}
 
+    async def test_a_worker_thread_in_d_under_a_sleeping_leader(self, tmp_path: Path) -> None:
+        tree = ProcTree(tmp_path / "proc")
+        tree.add_process(300, "python3", "S", starttime=10, threads=2)
+        tree.add_thread(300, 300, "python3", "S")
+        tree.add_thread(300, 311, "pt_nccl_watchdg", "D", wchan="nv_wait_event")
+        with pooled_caller() as caller:
+            blind = _collector(tree.root, scan_threads=False, d_state_threshold=5.0)
+            await run_round(blind, caller, now=0.0)
+            unseen = await run_round(blind, caller, now=10.0)
+            seeing = _collector(tree.root, d_state_threshold=5.0)
+            await run_round(seeing, caller, now=0.0)
+            seen = await run_round(seeing, caller, now=10.0)
+        assert unseen.events == []
+        (event,) = seen.events
+        assert event.attributes["tid"] == 311
+        assert "thread 311" in event.message
+        assert values(seen, "gpuwarden_process_d_state_seconds") == {
+            ("300", "python3", "nv_wait_event"): 10.0}
+        counts = {labels[0]: v for labels, v in values(seen, "gpuwarden_processes").items()}
+        assert counts["disk_sleep"] == 0  # counts stay per process, by the leader's state
+
     async def test_gpu_driver_thread_is_critical(self) -> None:
         collector = _collector(HOST1, d_state_threshold=10.0)
         with pooled_caller() as caller:

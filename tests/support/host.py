@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -63,9 +64,11 @@ def sample_names(samples: Iterable[Sample]) -> set[str]:
     return {s.family.name for s in samples}
 
 
-def stat_line(pid: int, comm: str, state: str, ppid: int, starttime: int = 1000) -> str:
+def stat_line(pid: int, comm: str, state: str, ppid: int, starttime: int = 1000, *,
+              num_threads: int = 1) -> str:
     """A /proc/[pid]/stat line with the fields the kernel writes (52 of them)."""
-    fields = [state, str(ppid)] + ["0"] * 17 + [str(starttime)] + ["0"] * 30
+    fields = ([state, str(ppid)] + ["0"] * 15 + [str(num_threads), "0", str(starttime)]
+              + ["0"] * 30)
     return f"{pid} ({comm}) {' '.join(fields)}\n"
 
 
@@ -77,17 +80,20 @@ class ProcTree:
         root.mkdir(parents=True, exist_ok=True)
 
     def add_process(self, pid: int, comm: str, state: str, *, ppid: int = 1,
-                    starttime: int = 1000, wchan: str = "0") -> None:
+                    starttime: int = 1000, wchan: str = "0", threads: int = 1) -> None:
         directory = self.root / str(pid)
         directory.mkdir(exist_ok=True)
-        (directory / "stat").write_text(stat_line(pid, comm, state, ppid, starttime))
+        (directory / "stat").write_text(stat_line(pid, comm, state, ppid, starttime, num_threads=threads))
+        (directory / "wchan").write_text(wchan)
+
+    def add_thread(self, pid: int, tid: int, comm: str, state: str, wchan: str = "0") -> None:
+        directory = self.root / str(pid) / "task" / str(tid)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "stat").write_text(stat_line(tid, comm, state, 1))
         (directory / "wchan").write_text(wchan)
 
     def remove_process(self, pid: int) -> None:
-        directory = self.root / str(pid)
-        for child in directory.iterdir():
-            child.unlink()
-        directory.rmdir()
+        shutil.rmtree(self.root / str(pid))
 
     def set_mountinfo(self, text: str) -> None:
         (self.root / "self").mkdir(exist_ok=True)
