@@ -66,10 +66,8 @@ def read_all_stats(proc_root: Path) -> dict[int, ProcStat]:
     for name in os.listdir(root):
         if not name.isdigit():
             continue
-        try:
-            with open(f"{root}/{name}/stat", "rb") as handle:
-                raw = handle.read()
-        except (FileNotFoundError, ProcessLookupError):
+        raw = _read_small(f"{root}/{name}/stat")
+        if raw is None:
             continue
         try:
             stat = parse_stat(raw.decode("utf-8", "replace"))
@@ -80,6 +78,25 @@ def read_all_stats(proc_root: Path) -> dict[int, ProcStat]:
             continue
         stats[stat.pid] = stat
     return stats
+
+
+def _read_small(path: str) -> bytes | None:
+    """One read of a small /proc file, None if its process is gone.
+
+    os.open/os.read rather than open(): no buffered file object per process, about a third less
+    CPU over a scan of thousands (measured with bench/host_round.py). A stat line is far below
+    4 KiB (52 numbers and a 15-byte name).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        return os.read(fd, 4096)
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def read_wchan(proc_root: Path, pid: int, tid: int | None = None) -> str:
@@ -102,10 +119,8 @@ def find_thread_in_state(proc_root: Path, pid: int, state: str) -> int | None:
     for name in tids:
         if name == str(pid) or not name.isdigit():
             continue
-        try:
-            with open(f"{task}/{name}/stat", "rb") as handle:
-                raw = handle.read()
-        except (FileNotFoundError, ProcessLookupError):
+        raw = _read_small(f"{task}/{name}/stat")
+        if raw is None:
             continue
         # The state letter follows the last ")" (see parse_stat); no full parse needed here.
         close_at = raw.rfind(b")")
