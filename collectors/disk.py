@@ -232,7 +232,18 @@ class DiskCollector:
         events: list[Event] = []
         for mount, outcome in zip(selected, outcomes, strict=True):
             self._report(mount, outcome, samples, events)
+        self._forget_unmounted({m.mount_point for m in selected})
         return Collection(samples=samples, events=events)
+
+    def _forget_unmounted(self, mounted: set[str]) -> None:
+        """Drop what is remembered about mounts that are gone (a stuck one stays: still listed)."""
+        self._stuck &= mounted
+        for table in (self._errors, self._read_only):
+            for mp in [mp for mp in table if mp not in mounted]:
+                del table[mp]
+        for key in [k for k in self._levels if k.partition(":")[2] not in mounted]:
+            del self._levels[key]
+            self.deps.state.delete(_LEVEL_NAMESPACE, key)
 
     async def _stat(self, ctx: CollectContext, mount: MountInfo) -> _Outcome:
         path = os.path.join(str(self.settings.rootfs), mount.mount_point.lstrip("/"))

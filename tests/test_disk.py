@@ -166,6 +166,19 @@ class TestThresholdEvents:
         assert again.events == []
 
 
+    async def test_an_unmounted_file_system_is_forgotten(self, tmp_path: Path) -> None:
+        tree = _only_root(tmp_path)
+        store = MemoryKeyValueStore()
+        statvfs = ScriptedStatvfs({"/": fake_statvfs_result(size=100 * GIB, available=5 * GIB)})
+        collector = DiskCollector(_settings(tree.root), make_deps(store), statvfs)
+        with pooled_caller() as caller:
+            await run_round(collector, caller)
+            assert store.items("disk.levels") == {"space:/": 2}
+            tree.set_mountinfo("28 1 259:3 / /data rw - xfs /dev/sdb1 rw\n")
+            await run_round(collector, caller)
+        assert store.items("disk.levels") == {}
+
+
 class TestReadOnly:
     """A mount that turns read-only while watched is critical; one read-only from the start is not."""
 

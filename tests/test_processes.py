@@ -44,6 +44,15 @@ class TestCounts:
                           "stopped": 1, "idle": 1}
         assert values(result, "gpuwarden_processes_scanned") == {(): 12}
 
+    def test_processes_exiting_during_real_scans_are_not_errors(self) -> None:
+        churn = subprocess.Popen(["sh", "-c", "while :; do /bin/true; done"])
+        try:
+            scans = [read_all_stats(Path("/proc")) for _ in range(30)]
+        finally:
+            churn.kill()
+            churn.wait()
+        assert all(churn.pid in scan for scan in scans)
+
     def test_vanished_pid_is_not_an_error(self) -> None:
         stats = read_all_stats(HOST1)
         assert 900 not in stats
