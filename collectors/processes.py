@@ -37,7 +37,7 @@ ALWAYS_REPORTED = ("running", "sleeping", "disk_sleep", "zombie", "stopped", "id
 
 PROCESSES = MetricFamily("gpuwarden_processes", G, "Processes per state (the thread-group leader's state)", ("state",))
 D_STATE = MetricFamily(
-    "gpuwarden_process_d_state_seconds", G,
+    "gpuwarden_process_disk_sleep_seconds", G,
     "Seconds a process has been seen in uninterruptible sleep (D), at least; only D processes, top N",
     ("pid", "comm", "wchan"), "seconds")
 ZOMBIES = MetricFamily(

@@ -82,10 +82,10 @@ class TestDState:
         assert "rpc_wait_bit_killable" in event.message
         assert "SIGKILL" in event.action
         assert later.events == []
-        assert values(later, "gpuwarden_process_d_state_seconds") == {
+        assert values(later, "gpuwarden_process_disk_sleep_seconds") == {
             ("4242", "rsync", "rpc_wait_bit_killable"): 200.0}
         assert [e.kind for e in ended.events] == ["process_d_state_ended"]
-        assert values(ended, "gpuwarden_process_d_state_seconds") == {}
+        assert values(ended, "gpuwarden_process_disk_sleep_seconds") == {}
 
     async def test_a_worker_thread_in_d_under_a_sleeping_leader(self, tmp_path: Path) -> None:
         tree = ProcTree(tmp_path / "proc")
@@ -103,7 +103,7 @@ class TestDState:
         (event,) = seen.events
         assert event.attributes["tid"] == 311
         assert "thread 311" in event.message
-        assert values(seen, "gpuwarden_process_d_state_seconds") == {
+        assert values(seen, "gpuwarden_process_disk_sleep_seconds") == {
             ("300", "python3", "nv_wait_event"): 10.0}
         counts = {labels[0]: v for labels, v in values(seen, "gpuwarden_processes").items()}
         assert counts["disk_sleep"] == 0  # counts stay per process, by the leader's state
@@ -127,7 +127,7 @@ class TestDState:
             tree.add_process(77, "dd", "D", starttime=999)  # another process, same pid
             result = await run_round(collector, caller, now=100.0)
         assert result.events == []
-        assert values(result, "gpuwarden_process_d_state_seconds") == {("77", "dd", ""): 0.0}
+        assert values(result, "gpuwarden_process_disk_sleep_seconds") == {("77", "dd", ""): 0.0}
 
     async def test_series_are_capped_longest_first(self, tmp_path: Path) -> None:
         tree = ProcTree(tmp_path / "proc")
@@ -138,7 +138,7 @@ class TestDState:
             for pid in (11, 12, 13):
                 tree.add_process(pid, f"new{pid}", "D")
             result = await run_round(collector, caller, now=50.0)
-        assert values(result, "gpuwarden_process_d_state_seconds") == {
+        assert values(result, "gpuwarden_process_disk_sleep_seconds") == {
             ("10", "old", ""): 50.0, ("11", "new11", ""): 0.0}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import registry
 from tests.support.agent_proc import AgentProcess, http_get
 
 PROMTOOL = shutil.which("promtool")
@@ -23,6 +24,42 @@ def _wait_for(agent: AgentProcess, needles: list[str], timeout: float = 20.0) ->
             return body
         time.sleep(0.2)
     raise AssertionError(f"missing {needles} after {timeout} s:\n{body}\n{agent.log()}")
+
+
+def _every_family_once() -> str:
+    """One sample of every family the host collectors declare, in the exposition format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agent.model import MetricFamily, Sample
+    from exporters.prometheus import render
+    from tests.support.host import make_deps
+
+    families: list[MetricFamily] = []
+    for name in ("disk", "processes", "system", "io_probe"):
+        spec = registry.collector_spec(name)
+        families += spec.make(spec.defaults(), make_deps()).families()
+    samples: list[Sample] = [f.sample(1, *("x" for _ in f.labels)) for f in families]
+
+    class Snapshot:
+        def collect(self) -> object:
+            return render(families, samples)
+
+    prom = CollectorRegistry()
+    prom.register(Snapshot())  # type: ignore[arg-type]
+    return generate_latest(prom).decode()
+
+
+class TestNames:
+    """Every declared host family passes promtool's lint, with samples or not."""
+
+    @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) missing")
+    def test_promtool_is_clean_on_every_family(self) -> None:
+        assert PROMTOOL is not None
+        body = _every_family_once()
+        assert "gpuwarden_process_disk_sleep_seconds" in body
+        lint = subprocess.run([PROMTOOL, "check", "metrics"], input=body, text=True,
+                              capture_output=True, check=False)
+        assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
 
 
 class TestHostCollectorsInTheAgent:
