@@ -49,9 +49,10 @@ PROCESS_SCAN = MetricFamily(
 # Names (comm, at most 15 characters) of the NVIDIA driver's kernel threads and GPU tools. A
 # Python process that uses the GPU cannot be told apart by name, so it is not listed.
 DEFAULT_GPU_NAMES = (
-    # nvidia* covers nvidia-smi, nvidia-persistenced, the nvidia and nvidia-modeset kernel
-    # threads; comm is cut at 15 characters, hence nv-fabricmanage*.
-    "nvidia*", "nv_queue", "nv-hostengine", "nv-fabricmanage*", "dcgm*", "UVM *",
+    # nvidia* covers nvidia-smi, nvidia-persistenced and the "nvidia" kernel thread; nv_* the
+    # driver's nv_queue and nv_open_q threads and "UVM *" the UVM queues (seen on an H200 with
+    # driver 580); comm is cut at 15 characters, hence nv-fabricmanage*.
+    "nvidia*", "nv_*", "nv-hostengine", "nv-fabricmanage*", "dcgm*", "UVM *",
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import signal
 import subprocess
 import sys
@@ -118,6 +119,19 @@ class TestDState:
         nv = next(e for e in result.events if e.attributes["comm"] == "nv_queue")
         assert "Xid" in nv.action
 
+    # Names as /proc/[pid]/stat shows them (15 characters) on an H200 with driver 580, and tools.
+    @pytest.mark.parametrize("comm", ["nv_queue", "nv_open_q", "UVM global queu", "UVM deferred re",
+                                      "UVM Tools Event", "nvidia", "nvidia-smi", "nvidia-persiste",
+                                      "nv-hostengine", "dcgmi", "nv-fabricmanage"])
+    async def test_nvidia_names_are_critical(self, tmp_path: Path, comm: str) -> None:
+        tree = ProcTree(tmp_path / "proc")
+        tree.add_process(50, comm, "D")
+        collector = _collector(tree.root, d_state_threshold=1.0)
+        with pooled_caller() as caller:
+            await run_round(collector, caller, now=0.0)
+            (event,) = (await run_round(collector, caller, now=2.0)).events
+        assert event.severity is Severity.CRITICAL
+
     async def test_a_reused_pid_starts_a_new_clock(self, tmp_path: Path) -> None:
         tree = ProcTree(tmp_path / "proc")
         tree.add_process(77, "dd", "D", starttime=100)
@@ -140,6 +154,18 @@ class TestDState:
             result = await run_round(collector, caller, now=50.0)
         assert values(result, "gpuwarden_process_disk_sleep_seconds") == {
             ("10", "old", ""): 50.0, ("11", "new11", ""): 0.0}
+
+
+@pytest.mark.gpu
+class TestRealNvidiaThreads:
+    """On a host with the NVIDIA driver loaded, its kernel threads match the default names."""
+
+    def test_driver_threads_match_gpu_process_names(self) -> None:
+        names = {s.comm for s in read_all_stats(Path("/proc")).values()
+                 if s.ppid == 2 and (s.comm.startswith(("nv", "UVM")))}
+        assert "nv_queue" in names
+        patterns = ProcessesSettings().gpu_process_names
+        assert {n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in patterns)} == set()
 
 
 class TestZombieFixtures:
