@@ -157,6 +157,8 @@ class TestDState:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not Path("/proc/driver/nvidia/version").exists(),
+                    reason="the NVIDIA driver is not loaded here")
 class TestRealNvidiaThreads:
     """On a host with the NVIDIA driver loaded, its kernel threads match the default names."""
 
