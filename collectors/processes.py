@@ -50,8 +50,9 @@ PROCESS_SCAN = MetricFamily(
 # Python process that uses the GPU cannot be told apart by name, so it is not listed.
 DEFAULT_GPU_NAMES = (
     # nvidia* covers nvidia-smi, nvidia-persistenced and the "nvidia" kernel thread; nv_* the
-    # driver's nv_queue and nv_open_q threads and "UVM *" the UVM queues (seen on an H200 with
-    # driver 580); comm is cut at 15 characters, hence nv-fabricmanage*.
+    # driver's nv_queue and nv_open_q threads and "UVM *" the UVM queues (all seen in
+    # /proc/[pid]/stat on an H200, driver 580.159.04, where kernel threads show full names). A
+    # user process's comm is cut at 15 characters, hence nv-fabricmanage*.
     "nvidia*", "nv_*", "nv-hostengine", "nv-fabricmanage*", "dcgm*", "UVM *",
 )
 

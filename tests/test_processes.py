@@ -119,9 +119,11 @@ class TestDState:
         nv = next(e for e in result.events if e.attributes["comm"] == "nv_queue")
         assert "Xid" in nv.action
 
-    # Names as /proc/[pid]/stat shows them (15 characters) on an H200 with driver 580, and tools.
-    @pytest.mark.parametrize("comm", ["nv_queue", "nv_open_q", "UVM global queu", "UVM deferred re",
-                                      "UVM Tools Event", "nvidia", "nvidia-smi", "nvidia-persiste",
+    # Kernel threads as /proc/[pid]/stat showed them on an H200 (driver 580.159.04; older
+    # kernels cut them at 15 characters), and the tools' names, cut at 15.
+    @pytest.mark.parametrize("comm", ["nv_queue", "nv_open_q", "UVM global queue",
+                                      "UVM deferred release queue", "UVM Tools Event Queue",
+                                      "UVM deferred re", "nvidia", "nvidia-smi", "nvidia-persiste",
                                       "nv-hostengine", "dcgmi", "nv-fabricmanage"])
     async def test_nvidia_names_are_critical(self, tmp_path: Path, comm: str) -> None:
         tree = ProcTree(tmp_path / "proc")
