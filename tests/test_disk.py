@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent.collector import MemoryKeyValueStore
 from agent.model import Severity
@@ -105,6 +107,17 @@ class TestLevels:
         assert level is Level.WARNING
         assert limits.next_level(level, 10.0, int(10.4 * GIB)) is Level.WARNING
         assert limits.next_level(level, 10.0, int(10.6 * GIB)) is Level.OK
+
+    @given(st.lists(st.floats(0, 100), max_size=60))
+    def test_transitions_happen_only_past_the_lines(self, readings: list[float]) -> None:
+        level = Level.OK
+        for used in readings:
+            after = self.limits.next_level(level, used, 0)
+            if after > level:  # raised: at or past that level's threshold
+                assert used >= (90.0 if after is Level.WARNING else 95.0)
+            if after < level:  # lowered: below the left level's threshold by the margin
+                assert used < (90.0 if level is Level.WARNING else 95.0) - 5.0
+            level = after
 
     def test_zero_thresholds_are_off(self) -> None:
         limits = Limits(0.0, 0.0, 0.0, 0.0, 5.0)
