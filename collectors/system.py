@@ -1,14 +1,22 @@
-"""System: memory, swap, load, uptime and boot id, read from /proc."""
+"""System: memory, swap, load, uptime and boot id, read from /proc; reboots while the agent was away.
+
+Every round persists the boot id and the time the agent was last alive. The first round after a
+start compares the stored boot id with the current one: a different one means the host rebooted
+since the agent last ran, and the event carries the previous boot id and the last time the agent
+saw that boot alive (the reboot happened after it).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.collector import CollectContext, CollectorDeps, CollectorSettings, CollectorSpec
-from agent.model import Collection, MetricFamily, MetricType, Sample
+from agent.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
 from agent.settings import setting
+from collectors.procfs import read_boot_id
 
 G = MetricType.GAUGE
 
@@ -21,6 +29,12 @@ SWAP_FREE = MetricFamily("gpuwarden_swap_free_bytes", G, "SwapFree from /proc/me
 LOAD = MetricFamily("gpuwarden_load_average", G, "Load average over the window", ("window",))
 UPTIME = MetricFamily("gpuwarden_uptime_seconds", G, "Seconds since the host booted", unit="seconds")
 BOOT_INFO = MetricFamily("gpuwarden_boot_info", G, "The current boot id, always 1", ("boot_id",))
+PREVIOUS_BOOT_LAST_ALIVE = MetricFamily(
+    "gpuwarden_previous_boot_last_alive_timestamp_seconds", G,
+    "When the agent was last alive in the previous boot (present after a reboot was detected)",
+    unit="seconds")
+
+STATE_NAMESPACE = "system"
 
 
 @dataclass(frozen=True)
@@ -40,17 +54,26 @@ def read_meminfo(proc_root: Path) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class SystemReading:
+    samples: list[Sample]
+    boot_id: str
+    uptime_seconds: float
+
+
 class SystemCollector:
     name = "system"
 
     def __init__(self, settings: SystemSettings, deps: CollectorDeps) -> None:
         self.settings = settings
         self.deps = deps
+        self._previous_boot: tuple[str, float] | None = None
 
     def families(self) -> Sequence[MetricFamily]:
-        return (MEMORY_TOTAL, MEMORY_AVAILABLE, SWAP_TOTAL, SWAP_FREE, LOAD, UPTIME, BOOT_INFO)
+        return (MEMORY_TOTAL, MEMORY_AVAILABLE, SWAP_TOTAL, SWAP_FREE, LOAD, UPTIME, BOOT_INFO,
+                PREVIOUS_BOOT_LAST_ALIVE)
 
-    def _read(self) -> list[Sample]:
+    def _read(self) -> SystemReading:
         root = self.settings.proc_root
         samples: list[Sample] = []
         mem = read_meminfo(root)
@@ -61,16 +84,52 @@ class SystemCollector:
         load = (root / "loadavg").read_text().split()
         for window, value in zip(("1m", "5m", "15m"), load[:3], strict=False):
             samples.append(LOAD.sample(float(value), window))
-        samples.append(UPTIME.sample(float((root / "uptime").read_text().split()[0])))
-        boot_id = (root / "sys/kernel/random/boot_id").read_text().strip()
+        uptime = float((root / "uptime").read_text().split()[0])
+        samples.append(UPTIME.sample(uptime))
+        boot_id = read_boot_id(root)
         samples.append(BOOT_INFO.sample(1, boot_id))
-        return samples
+        return SystemReading(samples, boot_id, uptime)
 
     async def collect(self, ctx: CollectContext) -> Collection:
-        return Collection(samples=await ctx.call("proc:system", self._read))
+        reading = await ctx.call("proc:system", self._read)
+        events: list[Event] = []
+        state = self.deps.state
+        stored_boot = state.get(STATE_NAMESPACE, "boot_id")
+        stored_alive = state.get(STATE_NAMESPACE, "last_alive")
+        if isinstance(stored_boot, str) and stored_boot != reading.boot_id:
+            last_alive = float(stored_alive) if isinstance(stored_alive, (int, float)) else None
+            events.append(_reboot_event(stored_boot, reading.boot_id, last_alive, ctx.now,
+                                        reading.uptime_seconds))
+            if last_alive is not None:
+                self._previous_boot = (stored_boot, last_alive)
+        state.put(STATE_NAMESPACE, "boot_id", reading.boot_id)
+        state.put(STATE_NAMESPACE, "last_alive", ctx.now)
+        samples = list(reading.samples)
+        if self._previous_boot is not None:
+            samples.append(PREVIOUS_BOOT_LAST_ALIVE.sample(self._previous_boot[1]))
+        return Collection(samples=samples, events=events)
 
     async def close(self) -> None:
         return None
+
+
+def _reboot_event(previous: str, current: str, last_alive: float | None, now: float,
+                  uptime: float) -> Event:
+    boot_time = now - uptime
+    if last_alive is not None:
+        alive_text = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last_alive))
+        gap = f"; the agent was last alive at {alive_text}, {boot_time - last_alive:.0f} s before this boot"
+    else:
+        gap = ""
+    boot_text = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(boot_time))
+    return Event(
+        source="system", kind="host_rebooted", severity=Severity.WARNING, subject=current,
+        message=f"the host rebooted since the agent last ran: it booted at {boot_text}{gap}",
+        action="if nobody planned this reboot, look for its cause in the previous boot's log "
+               "(journalctl -b -1 -e; a kernel panic, an Xid, a power or watchdog event)",
+        attributes={"previous_boot_id": previous, "boot_id": current,
+                    "previous_last_alive": last_alive, "boot_time": round(boot_time, 1)},
+    )
 
 
 SPEC = CollectorSpec(
