@@ -13,6 +13,7 @@ from typing import Any, Final
 COLLECTORS: Final[dict[str, str]] = {
     # name in [collectors.<name>] -> module exporting SPEC
     "system": "collectors.system",
+    "gpu": "collectors.gpu",
 }
 
 SINKS: Final[dict[str, str]] = {
