@@ -18,8 +18,8 @@ C = MetricType.COUNTER
 L = GPU_LABELS
 
 NVML_UP = MetricFamily("gpuwarden_nvml_up", G, "1 when the NVML library and the NVIDIA driver answer, 0 when not")
-GPU_COUNT = MetricFamily("gpuwarden_gpu_count", G, "GPUs visible to NVML")
-GPU_EXPECTED = MetricFamily("gpuwarden_gpu_expected_count", G, "GPUs this host should have (setting expected_gpus)")
+GPU_COUNT = MetricFamily("gpuwarden_gpus_visible", G, "GPUs visible to NVML")
+GPU_EXPECTED = MetricFamily("gpuwarden_gpus_expected", G, "GPUs this host should have (setting expected_gpus)")
 GPU_EVENT_THREAD_UP = MetricFamily(
     "gpuwarden_gpu_event_thread_up", G, "1 while the NVML event thread (Xid, ECC events) runs")
 INFO = MetricFamily(

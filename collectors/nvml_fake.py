@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +133,8 @@ class FakeGpu:
     lost: bool = False
     hang: threading.Event | None = None
     """While set to an unset Event, every call on this GPU blocks until the Event is set."""
-    calls: int = 0
+    calls: Counter[str] = field(default_factory=Counter)
+    """pynvml function name -> calls made on this GPU (hung and failed ones included)."""
     registered_events: int = 0
 
     @classmethod
@@ -169,7 +171,7 @@ class FakeNvml:
     def _enter(self, gpu: FakeGpu, name: str) -> None:
         if not self.initialised:
             _fail(pynvml.NVML_ERROR_UNINITIALIZED)
-        gpu.calls += 1
+        gpu.calls[name] += 1
         if gpu.hang is not None:
             gpu.hang.wait()
         if gpu.lost:
