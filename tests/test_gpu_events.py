@@ -45,8 +45,7 @@ class TestEventThread:
         assert thread.ready.wait(5)
         assert thread.running
         assert thread.registered == {0: WANTED_EVENTS, 1: WANTED_EVENTS}
-        assert thread.stop()
-        assert not thread.running
+        assert thread.stop()  # True: the thread has ended
         assert fake.event_sets_open == 0
 
     def test_only_supported_types_are_registered(self) -> None:

@@ -32,7 +32,7 @@ class _Snapshot:
 
 def exposition(collection: Collection) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(FAMILIES, collection.samples))  # type: ignore[arg-type]
+    registry.register(_Snapshot(FAMILIES, collection.samples))
     return generate_latest(registry)
 
 
