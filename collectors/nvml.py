@@ -327,8 +327,9 @@ class NvmlBackend:
     def identity(self, index: int) -> GpuIdentity:
         return self._guard(lambda: self._identity(index, _Funnel(index)))
 
-    def _identity(self, index: int, funnel: _Funnel) -> GpuIdentity:
-        handle = self._handle(index, funnel)
+    def _identity(self, index: int, funnel: _Funnel, handle: Any = None) -> GpuIdentity:
+        if handle is None:
+            handle = self._handle(index, funnel)
         uuid = funnel.get("uuid", self.lib.nvmlDeviceGetUUID, handle)
         name = funnel.get("name", self.lib.nvmlDeviceGetName, handle)
         pci = funnel.get("pci_info", self.lib.nvmlDeviceGetPciInfo, handle)
@@ -378,15 +379,14 @@ class NvmlBackend:
             return GpuRound(
                 index=index,
                 reading=self._reading(handle, _Funnel(index)),
-                static=self._static(index, _Funnel(index)) if static else None,
+                static=self._static(index, handle, _Funnel(index)) if static else None,
                 slow=self._slow(handle, _Funnel(index)) if slow else None,
             )
         return self._guard(read)
 
-    def _static(self, index: int, f: _Funnel) -> GpuStatic:
+    def _static(self, index: int, h: Any, f: _Funnel) -> GpuStatic:
         lib = self.lib
-        identity = self._identity(index, f)
-        h = self._handle(index, f)
+        identity = self._identity(index, f, h)
         driver = f.get("driver_version", lib.nvmlSystemGetDriverVersion)
         serial = f.get("serial", lib.nvmlDeviceGetSerial, h)
         vbios = f.get("vbios_version", lib.nvmlDeviceGetVbiosVersion, h)

@@ -7,11 +7,12 @@ NVLink state and error counters are not supported there (fixtures/h200/nvidia-sm
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,7 @@ def backend() -> Iterator[NvmlBackend]:
     instance.stop()
 
 
-@pytest.fixture
-async def collection(backend: NvmlBackend) -> AsyncIterator[Collection]:
+async def one_round(backend: NvmlBackend) -> Collection:
     shared = SharedServices()
     shared.put(NvmlBackend, backend)
     emitted: list[Event] = []
@@ -51,11 +51,17 @@ async def collection(backend: NvmlBackend) -> AsyncIterator[Collection]:
                          emitted.append)
     collector = GpuCollector(GpuSettings(event_thread=False), deps)
     executor = concurrent.futures.ThreadPoolExecutor(4)
-    caller = PooledCaller(executor, 5.0)
-    result = await collector.collect(CollectContext(caller, time.time(), 0))
-    yield result
-    await collector.close()
-    executor.shutdown()
+    try:
+        return await collector.collect(CollectContext(PooledCaller(executor, 5.0), time.time(), 0))
+    finally:
+        await collector.close()
+        executor.shutdown()
+
+
+@pytest.fixture
+def collection(backend: NvmlBackend) -> Collection:
+    # Synchronous on purpose: the GPU machine may lack pytest-asyncio.
+    return asyncio.run(one_round(backend))
 
 
 def nvidia_smi() -> list[dict[str, str]]:
@@ -147,8 +153,14 @@ class TestAgainstNvidiaSmi:
             limit = value(collection, "gpuwarden_gpu_power_limit_watts", gpu=gpu)
             assert limit is not None
             assert abs(limit - float(row["power.limit"])) <= 1
-            for clock, field in (("sm", "clocks.sm"), ("memory", "clocks.mem")):
-                hertz = value(collection, "gpuwarden_gpu_clock_hertz", gpu=gpu, clock=clock)
-                assert hertz is not None
-                smi_mhz = float(row[field])
-                assert abs(hertz / 1e6 - smi_mhz) <= max(0.15 * smi_mhz, 100), clock
+            memory_hertz = value(collection, "gpuwarden_gpu_clock_hertz", gpu=gpu, clock="memory")
+            assert memory_hertz is not None
+            assert abs(memory_hertz / 1e6 - float(row["clocks.mem"])) <= 0.02 * memory_hertz / 1e6
+            # The SM clock of an idle GPU jumps between 345 and 1980 MHz on the lent H200,
+            # and running nvidia-smi itself wakes it: compare against the range, not the value.
+            sm_hertz = value(collection, "gpuwarden_gpu_clock_hertz", gpu=gpu, clock="sm")
+            sm_max = value(collection, "gpuwarden_gpu_clock_max_hertz", gpu=gpu, clock="sm")
+            assert sm_hertz is not None
+            assert sm_max is not None
+            assert 0 < sm_hertz <= sm_max
+            assert 0 < float(row["clocks.sm"]) <= sm_max / 1e6
