@@ -43,7 +43,7 @@ TEMPERATURE_THRESHOLD = MetricFamily(
 POWER = MetricFamily("gpuwarden_gpu_power_watts", G, "Power draw", L, "watts")
 POWER_LIMIT = MetricFamily("gpuwarden_gpu_power_limit_watts", G, "Enforced power limit", L, "watts")
 ENERGY = MetricFamily(
-    "gpuwarden_gpu_energy_joules_total", C, "Energy used since the driver loaded (read on the slow interval)",
+    "gpuwarden_gpu_energy_joules_total", C, "Energy used since the driver loaded (read every energy_interval)",
     L, "joules")
 CLOCK = MetricFamily("gpuwarden_gpu_clock_hertz", G, "Current clock", (*L, "clock"), "hertz")
 CLOCK_MAX = MetricFamily("gpuwarden_gpu_clock_max_hertz", G, "Maximum clock", (*L, "clock"), "hertz")
@@ -125,8 +125,11 @@ def static_samples(labels: Mapping[str, str], static: GpuStatic) -> list[Sample]
     return out.samples
 
 
-def reading_samples(labels: Mapping[str, str], r: GpuReading) -> list[Sample]:
+def reading_samples(labels: Mapping[str, str], r: GpuReading,
+                    energy_joules: float | None = None) -> list[Sample]:
+    """`energy_joules`: the last energy reading (it is read on its own, slower interval)."""
     out = _Out(labels)
+    out.add(ENERGY, energy_joules)
     out.add(TEMPERATURE, r.temperature_gpu_celsius, "gpu")
     out.add(TEMPERATURE, r.temperature_memory_celsius, "memory")
     out.add(POWER, r.power_draw_watts)
@@ -157,7 +160,6 @@ def reading_samples(labels: Mapping[str, str], r: GpuReading) -> list[Sample]:
 
 def slow_samples(labels: Mapping[str, str], s: GpuSlowReading) -> list[Sample]:
     out = _Out(labels)
-    out.add(ENERGY, s.energy_joules)
     out.add(PCIE_REPLAYS, s.pcie_replays)
     out.add(RETIRED_PAGES, s.retired_pages_single_bit, "single_bit")
     out.add(RETIRED_PAGES, s.retired_pages_double_bit, "double_bit")

@@ -123,13 +123,14 @@ class TestTelemetry:
     async def test_slow_reads_on_their_interval(self) -> None:
         rig = GpuRig(FakeNvml(fake_gpus(1)),
                      settings=GpuSettings(event_thread=False, slow_interval=60.0,
-                                          static_refresh_interval=600.0))
+                                          static_refresh_interval=600.0, energy_interval=100.0))
         try:
             for _ in range(12):  # 120 s at a 10 s interval
                 result = await rig.collect(advance=10)
                 assert value(result, "gpuwarden_gpu_energy_joules_total") == 1000.0
             calls = rig.fake.gpus[0].calls
-            assert calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
+            assert calls["nvmlDeviceGetTotalEnergyConsumption"] == 2  # at 0 s and 100 s
+            assert calls["nvmlDeviceGetPcieReplayCounter"] == 2  # at 0 s and 60 s
             assert calls["nvmlDeviceGetSerial"] == 1
             assert calls["nvmlDeviceGetTemperature"] == 12
         finally:
