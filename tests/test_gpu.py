@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pynvml
 import pytest
 
 from agent.collector import MemoryKeyValueStore
 from agent.model import Severity
+from agent.state import StateStore
 from collectors.gpu import GpuSettings
 from collectors.nvml import CLOCK_EVENT_REASONS
 from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
@@ -233,6 +235,26 @@ class TestCounters:
             assert result.events[0].attributes["delta"] == 1
         finally:
             await rig.close()
+
+    async def test_restart_with_the_sqlite_store(self, tmp_path: Path) -> None:
+        store = StateStore.open(tmp_path)
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=store)
+        try:
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 1
+            rig.fake.gpus[0].remapped_rows = (0, 0, 1, 0)
+            assert kinds(await rig.collect()) == ["row_remap_pending"]
+            await rig.close()
+            store.close()
+            store = StateStore.open(tmp_path)
+            rig = GpuRig(rig.fake, state=store)
+            assert kinds(await rig.collect()) == []
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 4
+            result = await rig.collect()
+            assert kinds(result) == ["ecc_uncorrected_volatile_increase"]
+            assert result.events[0].attributes["delta"] == 3
+        finally:
+            await rig.close()
+            store.close()
 
     async def test_reset_is_a_new_baseline(self, rig: GpuRig) -> None:
         rig.fake.gpus[0].ecc[CORRECTED_VOLATILE] = 10
