@@ -245,13 +245,13 @@ class TestCounters:
             assert kinds(await rig.collect()) == ["row_remap_pending"]
             await rig.close()
             store.close()
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 4  # while the agent was down
             store = StateStore.open(tmp_path)
             rig = GpuRig(rig.fake, state=store)
-            assert kinds(await rig.collect()) == []
-            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 4
             result = await rig.collect()
-            assert kinds(result) == ["ecc_uncorrected_volatile_increase"]
+            assert kinds(result) == ["ecc_uncorrected_volatile_increase"]  # not the remap again
             assert result.events[0].attributes["delta"] == 3
+            assert kinds(await rig.collect()) == []
         finally:
             await rig.close()
             store.close()
