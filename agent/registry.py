@@ -13,6 +13,7 @@ from typing import Any, Final
 COLLECTORS: Final[dict[str, str]] = {
     # name in [collectors.<name>] -> module exporting SPEC
     "system": "collectors.system",
+    "gpu": "collectors.gpu",
     "disk": "collectors.disk",
     "processes": "collectors.processes",
     "io_probe": "collectors.io_probe",

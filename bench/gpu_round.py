@@ -1,0 +1,187 @@
+"""One gpu collection round against one `nvidia-smi --query-gpu` call, side by side.
+
+Prints a table of medians over N runs: wall time and CPU time (this process for the round, the
+child for nvidia-smi). With a driver present the real GPUs are measured; without one the fake
+NVML with 8 GPUs gives the collector's own CPU cost per round (the fake answers in about a
+microsecond, a real call in 2-8 µs: FIELD-NOTES.md), and nvidia-smi is reported absent.
+
+Goal on the H200: a steady round costs at most 1/50 of the nvidia-smi call.
+
+    python bench/gpu_round.py [--runs 50] [--fake] [--fake-gpus 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent.blocking import PooledCaller
+from agent.collector import (
+    CollectContext,
+    CollectorDeps,
+    MemoryKeyValueStore,
+    SharedServices,
+)
+from collectors.gpu import GpuCollector, GpuSettings
+from collectors.nvml import NvmlBackend, NvmlUnavailable
+from collectors.nvml_fake import FakeGpu, FakeNvml
+
+# The nvidia-smi fields comparable to what a steady round reads (identity, temperatures, power,
+# clocks, throttle reasons, utilization, memory, PCIe, ECC, remapped rows).
+SMI_FIELDS = (
+    "index,uuid,name,pci.bus_id,temperature.gpu,temperature.memory,power.draw,power.limit,"
+    "clocks.sm,clocks.mem,clocks_event_reasons.active,utilization.gpu,utilization.memory,"
+    "memory.total,memory.used,memory.reserved,pcie.link.gen.current,pcie.link.gen.max,"
+    "pcie.link.width.current,pcie.link.width.max,ecc.errors.corrected.volatile.total,"
+    "ecc.errors.uncorrected.volatile.total,remapped_rows.pending,remapped_rows.failure"
+)
+
+
+class TimedLibrary:
+    """Wraps the pynvml module (or the fake) and records the wall time of every nvml* call."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.times: dict[str, list[float]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._lib, name)
+        if not (name.startswith("nvml") and callable(target)):
+            return target
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return target(*args, **kwargs)
+            finally:
+                self.times.setdefault(name, []).append(time.perf_counter() - start)
+        return timed
+
+
+def print_calls(lib: TimedLibrary, rounds: int) -> None:
+    print(f"\n{'NVML call (full rounds)':<44} {'median us':>9} {'per round':>9} {'total ms':>9}")
+    rows = sorted(lib.times.items(), key=lambda item: -sum(item[1]))
+    for name, times in rows:
+        print(f"{name:<44} {statistics.median(times) * 1e6:>9.1f} {len(times) / rounds:>9.1f} "
+              f"{sum(times) / rounds * 1e3:>9.3f}")
+
+
+@dataclass
+class Timing:
+    label: str
+    wall: list[float]
+    cpu: list[float]
+
+    @property
+    def wall_ms(self) -> float:
+        return statistics.median(self.wall) * 1e3
+
+    @property
+    def cpu_ms(self) -> float:
+        return statistics.median(self.cpu) * 1e3
+
+
+def make_backend(force_fake: bool, fake_gpus: int) -> tuple[NvmlBackend, str]:
+    if not force_fake:
+        backend = NvmlBackend()
+        try:
+            backend.start()
+            return backend, f"real NVML, {backend.device_count()} GPU(s)"
+        except NvmlUnavailable as exc:
+            print(f"NVML not available ({exc}): measuring the fake with {fake_gpus} GPUs")
+    backend = NvmlBackend(FakeNvml([FakeGpu.h200(i) for i in range(fake_gpus)]))
+    backend.start()
+    return backend, f"fake NVML, {fake_gpus} GPUs"
+
+
+async def time_rounds(backend: NvmlBackend, runs: int, advance: float, label: str) -> Timing:
+    """Rounds of a fresh collector; `advance` seconds of clock between rounds decide which
+    parts are due (1 s: fast reads only; 100000 s: static and slow reads every round)."""
+    shared = SharedServices()
+    shared.put(NvmlBackend, backend)
+    deps = CollectorDeps("bench", Path("/nonexistent"), MemoryKeyValueStore(), shared,
+                         lambda event: None)
+    collector = GpuCollector(GpuSettings(event_thread=False), deps)
+    executor = concurrent.futures.ThreadPoolExecutor(8)
+    caller = PooledCaller(executor, 5.0)
+    now = time.time()
+    await collector.collect(CollectContext(caller, now, 0))  # first round: static and slow
+    wall: list[float] = []
+    cpu: list[float] = []
+    for number in range(1, runs + 1):
+        now += advance
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        await collector.collect(CollectContext(caller, now, number))
+        wall.append(time.perf_counter() - wall0)
+        cpu.append(time.process_time() - cpu0)
+    await collector.close()
+    executor.shutdown()
+    return Timing(label, wall, cpu)
+
+
+def time_nvidia_smi(runs: int) -> Timing | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    command = [smi, f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits"]
+    wall: list[float] = []
+    cpu: list[float] = []
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        wall0 = time.perf_counter()
+        subprocess.run(command, capture_output=True, check=False)
+        wall.append(time.perf_counter() - wall0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return Timing("nvidia-smi --query-gpu (one call)", wall, cpu)
+
+
+def print_table(rows: list[Timing], reference: Timing | None) -> None:
+    print(f"{'what':<44} {'wall ms':>9} {'CPU ms':>9} {'wall vs smi':>12}")
+    for row in rows:
+        ratio = f"1/{reference.wall_ms / row.wall_ms:,.0f}" if reference and row.wall_ms else "-"
+        print(f"{row.label:<44} {row.wall_ms:>9.3f} {row.cpu_ms:>9.3f} {ratio:>12}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--fake", action="store_true", help="measure the fake even with a GPU")
+    parser.add_argument("--fake-gpus", type=int, default=8)
+    args = parser.parse_args()
+    backend, what = make_backend(args.fake, args.fake_gpus)
+    print(f"gpu collection round, {what}, median of {args.runs} runs")
+    steady = asyncio.run(time_rounds(backend, args.runs, 1.0, "gpu round, steady (fast reads)"))
+    full = asyncio.run(time_rounds(backend, args.runs, 1e5, "gpu round, full (static + slow)"))
+    smi = time_nvidia_smi(args.runs)
+    rows = [steady, full] + ([smi] if smi else [])
+    print_table(rows, smi)
+    timed = TimedLibrary(backend.lib)
+    backend.lib = timed
+    asyncio.run(time_rounds(backend, args.runs, 1e5, "per call"))
+    print_calls(timed, args.runs + 1)
+    if smi is None:
+        print("nvidia-smi: absent on this host (no driver); no side-by-side figure")
+        return 0
+    if what.startswith("fake"):
+        return 0  # the fake's cost is the collector's own; the goal is about real GPUs
+    goal = smi.wall_ms / 50
+    verdict = "meets" if steady.wall_ms <= goal else "MISSES"
+    print(f"goal: steady round <= 1/50 of nvidia-smi ({goal:.3f} ms): {verdict} the goal")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,361 @@
+"""The gpu collector: NVML telemetry, memory and link errors, GPU count, and the NVML event thread.
+
+One `ctx.call` per GPU per round, under the key `nvml:gpu<index>`: a GPU whose driver call hangs
+is reported unresponsive and not called again until that call returns, while the other GPUs
+keep reporting. Static facts are read at start, every `static_refresh_interval` and when the
+GPU set changes; costly reads (PCIe replays, retired pages, NVLink) every `slow_interval`, and
+the energy counter (about 3.3 ms per call on the H200) every `energy_interval`. No NVIDIA driver is a normal outcome for this collector, not a failure: it
+reports `gpuwarden_nvml_up 0` and one event, and tries `nvmlInit` again every
+`nvml_retry_interval`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from agent.collector import (
+    CallStillHung,
+    CallTimedOut,
+    CollectContext,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+)
+from agent.model import Collection, Event, MetricFamily, Sample, Severity
+from agent.settings import setting
+from collectors import gpu_metrics as m
+from collectors.gpu_checks import (
+    FAST_COUNTERS,
+    SLOW_COUNTERS,
+    SOURCE,
+    ConditionTracker,
+    CounterTracker,
+    condition_events,
+    condition_inputs,
+    counter_events,
+    where,
+)
+from collectors.gpu_events import GpuEventThread
+from collectors.nvml import (
+    GpuLost,
+    GpuRound,
+    GpuSlowReading,
+    GpuStatic,
+    NvmlBackend,
+    NvmlUnavailable,
+)
+from collectors.xid import XidCorrelator
+
+STATE_NAMESPACE: Final = "gpu"
+HOST_SUBJECT: Final = "host"
+
+
+@dataclass(frozen=True)
+class GpuSettings(CollectorSettings):
+    expected_gpus: int = setting(
+        0, minimum=0, maximum=256,
+        help="GPUs this host should have; fewer visible is a critical event (0: no expectation)")
+    slow_interval: float = setting(
+        60.0, minimum=1.0, maximum=86400.0,
+        help="seconds between costly reads: PCIe replays, retired pages, NVLink")
+    energy_interval: float = setting(
+        300.0, minimum=1.0, maximum=86400.0,
+        help="seconds between reads of the energy counter (about 3.3 ms per call on an H200)")
+    static_refresh_interval: float = setting(
+        600.0, minimum=10.0, maximum=86400.0,
+        help="seconds between re-reads of static facts (names, serials, VBIOS, thresholds, modes)")
+    nvml_retry_interval: float = setting(
+        60.0, minimum=1.0, maximum=86400.0,
+        help="seconds between nvmlInit attempts while NVML or the driver is missing")
+    event_thread: bool = setting(
+        True, help="run the NVML event thread (Xid and ECC events as they happen)")
+    event_wait_ms: int = setting(
+        1000, minimum=10, maximum=10000,
+        help="milliseconds the event thread waits per nvmlEventSetWait (its stop latency)")
+
+
+@dataclass
+class _Gpu:
+    """What the collector remembers of one GPU index between rounds."""
+
+    static: GpuStatic | None = None
+    static_at: float = 0.0
+    slow: GpuSlowReading | None = None
+    slow_at: float = 0.0
+    energy_joules: float | None = None
+    energy_at: float | None = None
+    error: str | None = None
+
+    def labels(self, index: int) -> dict[str, str]:
+        if self.static is not None:
+            return self.static.identity.labels()
+        return {"gpu": str(index), "uuid": "", "pci_bus_id": "", "model": ""}
+
+
+@dataclass
+class _Round:
+    samples: list[Sample] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+
+class GpuCollector:
+    name = "gpu"
+
+    def __init__(self, settings: GpuSettings, deps: CollectorDeps,
+                 backend: NvmlBackend | None = None) -> None:
+        self.settings = settings
+        self.deps = deps
+        self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
+        self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
+        self.counters = CounterTracker(deps.state)
+        self.conditions = ConditionTracker(deps.state)
+        self.gpus: dict[int, _Gpu] = {}
+        self.count: int | None = None
+        self.nvml_down_reason: str | None = None
+        self.next_init_at = 0.0
+        self.events_thread: GpuEventThread | None = None
+        self._start_count_checked = False
+
+    def families(self) -> Sequence[MetricFamily]:
+        return m.FAMILIES
+
+    # -- NVML availability ----------------------------------------------------------------------
+
+    async def _ensure_nvml(self, ctx: CollectContext, out: _Round) -> bool:
+        if self.backend.up:
+            return True
+        if ctx.now < self.next_init_at:
+            return False
+        self.next_init_at = ctx.now + self.settings.nvml_retry_interval
+        try:
+            await ctx.call("nvml:init", self.backend.start)
+        except NvmlUnavailable as exc:
+            self._nvml_down(exc.reason, out)
+            return False
+        except (CallTimedOut, CallStillHung) as exc:
+            self._nvml_down(f"nvmlInit did not return ({exc})", out)
+            return False
+        if self.nvml_down_reason is not None:
+            out.events.append(Event(
+                source=SOURCE, kind="nvml_available", severity=Severity.INFO, subject=HOST_SUBJECT,
+                message="NVML answers again: GPU monitoring resumed"))
+        self.nvml_down_reason = None
+        return True
+
+    def _nvml_down(self, reason: str, out: _Round) -> None:
+        self._stop_event_thread()
+        self.backend.stop()
+        if self.nvml_down_reason is None:  # one finding per outage, not one per retry
+            expected = self.settings.expected_gpus
+            out.events.append(Event(
+                source=SOURCE, kind="nvml_unavailable",
+                severity=Severity.CRITICAL if expected else Severity.WARNING,
+                subject=HOST_SUBJECT,
+                message=f"NVML is not available ({reason}): no NVIDIA driver is loaded or "
+                        "libnvidia-ml.so.1 is missing, so no GPU is monitored"
+                        + (f" although {expected} are expected" if expected else ""),
+                action="on a GPU host: check that the NVIDIA driver is installed and loaded "
+                       "(`lsmod | grep nvidia`, NVRM lines in the kernel log); gpuwarden retries "
+                       f"every {self.settings.nvml_retry_interval:g} s. On a host without "
+                       "NVIDIA GPUs: set [collectors.gpu] enabled = false",
+                attributes={"reason": reason}))
+        self.nvml_down_reason = reason
+        self.gpus.clear()
+        self.count = None
+
+    # -- the round ------------------------------------------------------------------------------
+
+    async def collect(self, ctx: CollectContext) -> Collection:
+        out = _Round()
+        try:
+            if await self._ensure_nvml(ctx, out):
+                await self._collect_gpus(ctx, out)
+        except NvmlUnavailable as exc:
+            self._nvml_down(exc.reason, out)
+            out.samples = []
+        out.samples.append(m.NVML_UP.sample(1 if self.backend.up else 0))
+        if self.settings.expected_gpus:
+            out.samples.append(m.GPU_EXPECTED.sample(self.settings.expected_gpus))
+        thread = self.events_thread
+        if self.backend.up and self.settings.event_thread:
+            out.samples.append(m.GPU_EVENT_THREAD_UP.sample(
+                1 if thread is not None and thread.running else 0))
+        out.events.extend(self.correlator.drain(ctx.now))
+        return Collection(samples=out.samples, events=out.events)
+
+    async def _collect_gpus(self, ctx: CollectContext, out: _Round) -> None:
+        count = await ctx.call("nvml:system", self.backend.device_count)
+        changed = count != self.count
+        if changed:
+            self._count_changed(count, out)
+        out.samples.append(m.GPU_COUNT.sample(count))
+        results = await asyncio.gather(
+            *(self._read_gpu(ctx, index, changed) for index in range(count)))
+        for index, result in enumerate(results):
+            self._handle_gpu(ctx, index, result, out)
+        if changed or (self.events_thread is None and self.settings.event_thread
+                       and any(g.static is not None for g in self.gpus.values())):
+            self._restart_event_thread()
+
+    async def _read_gpu(self, ctx: CollectContext, index: int,
+                        changed: bool) -> GpuRound | str:
+        """The GPU's round, or the name of its error state: 'lost' or 'unresponsive'."""
+        gpu = self.gpus.setdefault(index, _Gpu())
+        static = (changed or gpu.static is None or gpu.error is not None
+                  or ctx.now - gpu.static_at >= self.settings.static_refresh_interval)
+        slow = gpu.slow is None or ctx.now - gpu.slow_at >= self.settings.slow_interval
+        energy = (gpu.energy_at is None
+                  or ctx.now - gpu.energy_at >= self.settings.energy_interval)
+        try:
+            return await ctx.call(f"nvml:gpu{index}", self.backend.read_gpu, index, static, slow,
+                                  energy)
+        except GpuLost:
+            return "lost"
+        except (CallTimedOut, CallStillHung):
+            return "unresponsive"
+
+    def _handle_gpu(self, ctx: CollectContext, index: int, result: GpuRound | str,
+                    out: _Round) -> None:
+        gpu = self.gpus[index]
+        if isinstance(result, str):
+            labels = gpu.labels(index)
+            if gpu.error != result:
+                out.events.append(self._gpu_error_event(labels, result))
+            gpu.error = result
+            out.samples.extend(m.state_samples(labels, result))
+            return
+        if result.static is not None:
+            gpu.static, gpu.static_at = result.static, ctx.now
+            identity = result.static.identity
+            if identity.pci_bus_id:
+                self.correlator.set_identity(identity.pci_bus_id, identity.labels())
+        if result.slow is not None:
+            gpu.slow, gpu.slow_at = result.slow, ctx.now
+        if result.energy_read:
+            gpu.energy_joules, gpu.energy_at = result.reading.energy_joules, ctx.now
+        labels = gpu.labels(index)
+        if gpu.error is not None:
+            out.events.append(Event(
+                source=SOURCE, kind="gpu_recovered", severity=Severity.INFO,
+                subject=labels["uuid"], attributes=dict(labels),
+                message=f"{where(labels)} answers NVML again (was {gpu.error})"))
+            gpu.error = None
+        out.samples.extend(m.state_samples(labels, None))
+        out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules))
+        errors = dict(result.reading.errors)
+        if gpu.static is not None:
+            out.samples.extend(m.static_samples(labels, gpu.static))
+            errors.update(gpu.static.errors)
+        if gpu.slow is not None:
+            out.samples.extend(m.slow_samples(labels, gpu.slow))
+            errors.update(gpu.slow.errors)
+        out.samples.extend(m.error_samples(labels, errors))
+        if not labels["uuid"]:
+            return  # without a UUID there is no stable key for counters and conditions
+        out.events.extend(counter_events(self.counters, labels, result.reading, FAST_COUNTERS))
+        if result.slow is not None:
+            out.events.extend(counter_events(self.counters, labels, result.slow, SLOW_COUNTERS))
+        inputs = condition_inputs(gpu.static, result.reading, gpu.slow)
+        out.events.extend(condition_events(self.conditions, labels, inputs,
+                                           {"pcie_link_degraded": _link_detail(gpu.static, result)}))
+
+    def _gpu_error_event(self, labels: Mapping[str, str], state: str) -> Event:
+        if state == "lost":
+            return Event(
+                source=SOURCE, kind="gpu_lost", severity=Severity.CRITICAL,
+                subject=labels["uuid"] or labels["gpu"], attributes=dict(labels),
+                message=f"{where(labels)} is lost: NVML says the GPU has fallen off the bus or "
+                        "needs a reset",
+                action="drain the node; look for Xid 79 in the kernel log; reboot the host. "
+                       "If it returns after a reboot, have the GPU and its slot inspected")
+        return Event(
+            source=SOURCE, kind="gpu_unresponsive", severity=Severity.CRITICAL,
+            subject=labels["uuid"] or labels["gpu"], attributes=dict(labels),
+            message=f"{where(labels)} does not answer NVML within "
+                    f"{self.settings.timeout:g} s; it is not asked again until the call returns",
+            action="look for Xid errors and NVRM messages in the kernel log; drain the node and "
+                   "reset the GPU or reboot if it stays unresponsive")
+
+    def _count_changed(self, count: int, out: _Round) -> None:
+        previous = self.count
+        self.count = count
+        for index in [i for i in self.gpus if i >= count]:
+            del self.gpus[index]
+        expected = self.settings.expected_gpus
+        if not self._start_count_checked:
+            self._start_count_checked = True
+            at_last_start = self.deps.state.get(STATE_NAMESPACE, "count_at_start")
+            self.deps.state.put(STATE_NAMESPACE, "count_at_start", count)
+            if isinstance(at_last_start, int) and count < at_last_start:
+                out.events.append(Event(
+                    source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
+                    subject=HOST_SUBJECT, attributes={"visible": count, "before": at_last_start},
+                    message=f"{count} GPUs visible, {at_last_start} at the agent's last start",
+                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                           "missing from lspci; reboot; if still missing, inspect the hardware"))
+        elif previous is not None and count < previous:
+            out.events.append(Event(
+                source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
+                subject=HOST_SUBJECT, attributes={"visible": count, "before": previous},
+                message=f"{count} GPUs visible, {previous} a round ago",
+                action="look for Xid 79 / 'fallen off the bus' in the kernel log; drain and reboot"))
+        if expected:
+            started = self.conditions.update(HOST_SUBJECT, "gpus_missing", count < expected)
+            if started is not None:
+                out.events.append(Event(
+                    source=SOURCE, kind="gpus_missing" if started else "gpus_missing_cleared",
+                    severity=Severity.CRITICAL if started else Severity.INFO,
+                    subject=HOST_SUBJECT, attributes={"visible": count, "expected": expected},
+                    message=f"{count} GPUs visible, {expected} expected" if started
+                    else f"all {expected} expected GPUs are visible again",
+                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                           "missing from lspci; reboot; if still missing, inspect the hardware"
+                           if started else ""))
+
+    # -- the event thread ---------------------------------------------------------------------
+
+    def _identities(self) -> dict[str, dict[str, str]]:
+        return {g.static.identity.pci_bus_id: g.static.identity.labels()
+                for g in list(self.gpus.values()) if g.static is not None}
+
+    def _restart_event_thread(self) -> None:
+        self._stop_event_thread()
+        if not self.settings.event_thread:
+            return
+        gpus = [(i, g.static.supported_event_types) for i, g in self.gpus.items()
+                if g.static is not None and g.error is None]
+        if not gpus:
+            return
+        thread = GpuEventThread(self.backend, self.correlator, self.deps.emit, gpus,
+                                self._identities, wait_ms=self.settings.event_wait_ms)
+        thread.start()
+        self.events_thread = thread
+
+    def _stop_event_thread(self) -> None:
+        thread, self.events_thread = self.events_thread, None
+        if thread is not None:
+            thread.request_stop()  # it ends within one wait; never join on the event loop
+
+    async def close(self) -> None:
+        thread, self.events_thread = self.events_thread, None
+        if thread is not None:
+            await asyncio.to_thread(thread.stop)
+
+
+def _link_detail(static: GpuStatic | None, result: GpuRound) -> str:
+    r = result.reading
+    if static is None:
+        return ""
+    return (f" (generation {r.pcie_generation} of {static.pcie_generation_max}, "
+            f"width x{r.pcie_width} of x{static.pcie_width_max})")
+
+
+SPEC = CollectorSpec(
+    name="gpu",
+    description="NVIDIA GPUs through NVML: telemetry, ECC, row remapping, PCIe, NVLink, Xid events",
+    settings_type=GpuSettings,
+    factory=GpuCollector,
+)

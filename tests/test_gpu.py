@@ -1,0 +1,357 @@
+"""The gpu collector over the fake NVML: telemetry, failures, counters, conditions, GPU count."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from agent.collector import MemoryKeyValueStore
+from agent.model import Severity
+from agent.state import StateStore
+from collectors.gpu import GpuSettings
+from collectors.nvml import CLOCK_EVENT_REASONS
+from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
+from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
+
+CORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
+UNCORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[GpuRig]:
+    instance = GpuRig(FakeNvml(fake_gpus(2)))
+    yield instance
+    await instance.close()
+
+
+class TestNoDriver:
+    """No driver: the collector succeeds, says so once, and retries nvmlInit later."""
+
+    async def test_reports_once_and_succeeds(self) -> None:
+        fake = FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        rig = GpuRig(fake, settings=GpuSettings(event_thread=False, nvml_retry_interval=60.0))
+        try:
+            first = await rig.collect(advance=10)
+            assert kinds(first) == ["nvml_unavailable"]
+            assert first.events[0].severity is Severity.WARNING
+            assert "no NVIDIA driver" in first.events[0].message
+            assert value(first, "gpuwarden_nvml_up") == 0
+            for _ in range(10):
+                later = await rig.collect(advance=10)
+                assert kinds(later) == []
+                assert value(later, "gpuwarden_nvml_up") == 0
+            assert fake.init_calls == 2  # at 0 s and at 60 s, not every round
+        finally:
+            await rig.close()
+
+    async def test_critical_when_gpus_are_expected(self) -> None:
+        fake = FakeNvml(init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        rig = GpuRig(fake, settings=GpuSettings(event_thread=False, expected_gpus=8))
+        try:
+            first = await rig.collect()
+            assert first.events[0].severity is Severity.CRITICAL
+            assert "8 are expected" in first.events[0].message
+        finally:
+            await rig.close()
+
+    async def test_driver_appears_later(self) -> None:
+        fake = FakeNvml(fake_gpus(1), init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        rig = GpuRig(fake, settings=GpuSettings(event_thread=False, nvml_retry_interval=30.0))
+        try:
+            await rig.collect(advance=30)
+            fake.init_error = None
+            back = await rig.collect()
+            assert kinds(back) == ["nvml_available"]
+            assert value(back, "gpuwarden_nvml_up") == 1
+            assert value(back, "gpuwarden_gpus_visible") == 1
+        finally:
+            await rig.close()
+
+    async def test_driver_unloaded_mid_run(self, rig: GpuRig) -> None:
+        await rig.collect()
+        for gpu in rig.fake.gpus:
+            gpu.failures["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+        down = await rig.collect()
+        assert kinds(down) == ["nvml_unavailable"]
+        assert value(down, "gpuwarden_nvml_up") == 0
+        assert find(down, "gpuwarden_gpu_temperature_celsius") == []
+
+
+class TestTelemetry:
+    """Every per-GPU series carries the GPU labels; absent fields have no sample."""
+
+    async def test_labels_and_values(self, rig: GpuRig) -> None:
+        result = await rig.collect()
+        labels = {"gpu": "1", "uuid": rig.fake.gpus[1].uuid, "pci_bus_id": "0000:28:00.0",
+                  "model": "NVIDIA H200"}
+        assert value(result, "gpuwarden_gpu_temperature_celsius", sensor="gpu", **labels) == 33
+        assert value(result, "gpuwarden_gpu_power_limit_watts", **labels) == 700
+        assert value(result, "gpuwarden_gpu_up", **labels) == 1
+        assert value(result, "gpuwarden_gpus_visible") == 2
+        info = find(result, "gpuwarden_gpu_info", **labels)
+        assert info[0].labels["driver_version"] == "580.159.04"
+        assert info[0].labels["mig_mode"] == "disabled"
+        assert value(result, "gpuwarden_gpu_pcie_link_width_lanes", which="max", **labels) == 16
+
+    async def test_unsupported_is_absent(self, rig: GpuRig) -> None:
+        rig.fake.gpus[0].unsupported.add("nvmlDeviceGetPowerUsage")
+        result = await rig.collect()
+        assert len(find(result, "gpuwarden_gpu_power_watts")) == 1
+        assert find(result, "gpuwarden_gpu_power_watts", gpu="0") == []
+        assert find(result, "gpuwarden_gpu_retired_pages_total") == []
+        assert find(result, "gpuwarden_gpu_field_error") == []
+
+    async def test_field_error_is_its_own_series(self, rig: GpuRig) -> None:
+        rig.fake.gpus[0].failures["nvmlDeviceGetPowerUsage"] = pynvml.NVML_ERROR_UNKNOWN
+        result = await rig.collect()
+        assert value(result, "gpuwarden_gpu_field_error", gpu="0", field="power_draw") == 1
+        assert find(result, "gpuwarden_gpu_power_watts", gpu="0") == []
+
+    async def test_throttle_reasons_one_series_each(self, rig: GpuRig) -> None:
+        rig.fake.gpus[0].clock_event_reasons = (CLOCK_EVENT_REASONS["sw_power_cap"]
+                                                | CLOCK_EVENT_REASONS["hw_thermal_slowdown"])
+        result = await rig.collect()
+        series = find(result, "gpuwarden_gpu_clock_event_active", gpu="0")
+        assert len(series) == len(CLOCK_EVENT_REASONS)
+        active = {s.labels["reason"] for s in series if s.value == 1}
+        assert active == {"sw_power_cap", "hw_thermal_slowdown"}
+        assert "hardware_slowdown" in kinds(result)
+
+    async def test_slow_reads_on_their_interval(self) -> None:
+        rig = GpuRig(FakeNvml(fake_gpus(1)),
+                     settings=GpuSettings(event_thread=False, slow_interval=60.0,
+                                          static_refresh_interval=600.0, energy_interval=100.0))
+        try:
+            for _ in range(12):  # 120 s at a 10 s interval
+                result = await rig.collect(advance=10)
+                assert value(result, "gpuwarden_gpu_energy_joules_total") == 1000.0
+            calls = rig.fake.gpus[0].calls
+            assert calls["nvmlDeviceGetTotalEnergyConsumption"] == 2  # at 0 s and 100 s
+            assert calls["nvmlDeviceGetPcieReplayCounter"] == 2  # at 0 s and 60 s
+            assert calls["nvmlDeviceGetSerial"] == 1
+            assert calls["nvmlDeviceGetTemperature"] == 12
+        finally:
+            await rig.close()
+
+
+class TestLostGpu:
+    """A lost GPU is a critical event once, its own series, and the others keep reporting."""
+
+    async def test_lost_mid_run(self, rig: GpuRig) -> None:
+        await rig.collect()
+        rig.fake.gpus[1].lost = True
+        lost = await rig.collect()
+        assert kinds(lost) == ["gpu_lost"]
+        event = lost.events[0]
+        assert event.severity is Severity.CRITICAL
+        assert "Xid 79" in event.action
+        assert event.subject == rig.fake.gpus[1].uuid
+        assert value(lost, "gpuwarden_gpu_up", gpu="1") == 0
+        assert value(lost, "gpuwarden_gpu_error", gpu="1", reason="lost") == 1
+        assert find(lost, "gpuwarden_gpu_temperature_celsius", gpu="1") == []
+        assert value(lost, "gpuwarden_gpu_temperature_celsius", gpu="0", sensor="gpu") == 33
+        again = await rig.collect()
+        assert kinds(again) == []
+        rig.fake.gpus[1].lost = False
+        back = await rig.collect()
+        assert kinds(back) == ["gpu_recovered"]
+        assert value(back, "gpuwarden_gpu_up", gpu="1") == 1
+
+
+class TestHungGpu:
+    """A hung GPU is reported, not called again while hung, and does not blank the others."""
+
+    async def test_hang(self) -> None:
+        rig = GpuRig(FakeNvml(fake_gpus(2)), timeout=0.3)
+        release = threading.Event()
+        try:
+            await rig.collect()
+            hung = rig.fake.gpus[1]
+            hung.hang = release
+            first = await rig.collect()
+            assert kinds(first) == ["gpu_unresponsive"]
+            assert value(first, "gpuwarden_gpu_error", gpu="1", reason="unresponsive") == 1
+            assert value(first, "gpuwarden_gpu_temperature_celsius", gpu="0", sensor="gpu") == 33
+            calls_while_hung = sum(hung.calls.values())
+            second = await rig.collect()
+            assert sum(hung.calls.values()) == calls_while_hung  # not called on top of itself
+            assert kinds(second) == []
+            assert value(second, "gpuwarden_gpu_up", gpu="1") == 0
+            assert value(second, "gpuwarden_gpu_up", gpu="0") == 1
+            hung.hang = None
+            release.set()
+            for _ in range(50):  # the hung call returns in its own thread
+                if "nvml:gpu1" not in rig.caller.hung:
+                    break
+                await asyncio.sleep(0.02)
+            back = await rig.collect()
+            assert kinds(back) == ["gpu_recovered"]
+        finally:
+            release.set()
+            await rig.close()
+
+
+class TestCounters:
+    """Events fire on increases with the delta; restarts and resets never fake an increase."""
+
+    async def test_increase_event_with_delta(self, rig: GpuRig) -> None:
+        await rig.collect()
+        rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 3
+        result = await rig.collect()
+        assert kinds(result) == ["ecc_uncorrected_volatile_increase"]
+        event = result.events[0]
+        assert event.severity is Severity.CRITICAL
+        assert event.attributes["delta"] == 3
+        assert event.subject == rig.fake.gpus[0].uuid
+        assert kinds(await rig.collect()) == []
+
+    async def test_nonzero_at_first_sight_is_history(self) -> None:
+        gpu = FakeGpu.h200(0)
+        gpu.ecc[CORRECTED_VOLATILE] = 50
+        rig = GpuRig(FakeNvml([gpu]))
+        try:
+            assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    async def test_restart_neither_realerts_nor_forgets(self) -> None:
+        state = MemoryKeyValueStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
+        try:
+            await rig.collect()
+            rig.fake.gpus[0].remapped_rows = (0, 2, 0, 0)
+            assert kinds(await rig.collect()) == ["remapped_rows_uncorrectable_increase"]
+            await rig.restart()
+            assert kinds(await rig.collect()) == []
+            rig.fake.gpus[0].remapped_rows = (0, 3, 0, 0)
+            await rig.restart()
+            result = await rig.collect()
+            assert kinds(result) == ["remapped_rows_uncorrectable_increase"]
+            assert result.events[0].attributes["delta"] == 1
+        finally:
+            await rig.close()
+
+    async def test_restart_with_the_sqlite_store(self, tmp_path: Path) -> None:
+        store = StateStore.open(tmp_path)
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=store)
+        try:
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 1
+            rig.fake.gpus[0].remapped_rows = (0, 0, 1, 0)
+            assert kinds(await rig.collect()) == ["row_remap_pending"]
+            await rig.close()
+            store.close()
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 4  # while the agent was down
+            store = StateStore.open(tmp_path)
+            rig = GpuRig(rig.fake, state=store)
+            result = await rig.collect()
+            assert kinds(result) == ["ecc_uncorrected_volatile_increase"]  # not the remap again
+            assert result.events[0].attributes["delta"] == 3
+            assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+            store.close()
+
+    async def test_reset_is_a_new_baseline(self, rig: GpuRig) -> None:
+        rig.fake.gpus[0].ecc[CORRECTED_VOLATILE] = 10
+        await rig.collect()
+        rig.fake.gpus[0].ecc[CORRECTED_VOLATILE] = 0  # driver reload
+        reset = await rig.collect()
+        assert kinds(reset) == ["counter_reset"]
+        assert reset.events[0].severity is Severity.INFO
+        rig.fake.gpus[0].ecc[CORRECTED_VOLATILE] = 2
+        again = await rig.collect()
+        assert kinds(again) == ["ecc_corrected_volatile_increase"]
+        assert again.events[0].attributes["delta"] == 2
+
+    async def test_slow_counter(self) -> None:
+        rig = GpuRig(FakeNvml(fake_gpus(1)), settings=GpuSettings(event_thread=False,
+                                                                  slow_interval=10.0))
+        try:
+            await rig.collect()
+            rig.fake.gpus[0].pcie_replays = 5
+            result = await rig.collect()
+            assert kinds(result) == ["pcie_replays_increase"]
+            assert value(result, "gpuwarden_gpu_pcie_replays_total") == 5
+        finally:
+            await rig.close()
+
+
+class TestConditions:
+    """Conditions raise one event when they start and one when they end, across restarts."""
+
+    async def test_row_remap_pending_and_failure(self, rig: GpuRig) -> None:
+        await rig.collect()
+        rig.fake.gpus[0].remapped_rows = (0, 0, 1, 0)
+        pending = await rig.collect()
+        assert kinds(pending) == ["row_remap_pending"]
+        assert pending.events[0].action
+        assert kinds(await rig.collect()) == []
+        rig.fake.gpus[0].remapped_rows = (0, 0, 0, 1)
+        failed = await rig.collect()
+        assert sorted(kinds(failed)) == ["row_remap_failure", "row_remap_pending_cleared"]
+        failure = next(e for e in failed.events if e.kind == "row_remap_failure")
+        assert failure.severity is Severity.CRITICAL
+        assert value(failed, "gpuwarden_gpu_row_remap_failure", gpu="0") == 1
+
+    async def test_condition_survives_restart(self) -> None:
+        rig = GpuRig(FakeNvml(fake_gpus(1)))
+        try:
+            rig.fake.gpus[0].remapped_rows = (0, 0, 1, 0)
+            assert kinds(await rig.collect()) == ["row_remap_pending"]
+            await rig.restart()
+            assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    async def test_pcie_narrow_link(self, rig: GpuRig) -> None:
+        rig.fake.gpus[1].pcie_width = (8, 16)
+        result = await rig.collect()
+        assert kinds(result) == ["pcie_link_degraded"]
+        assert "x8 of x16" in result.events[0].message
+
+    async def test_pcie_low_generation_only_counts_when_busy(self, rig: GpuRig) -> None:
+        gpu = rig.fake.gpus[0]
+        gpu.pcie_generation = (1, 5)  # idle GPUs lower the link speed to save power
+        assert kinds(await rig.collect()) == []
+        gpu.clock_event_reasons = 0
+        gpu.utilization = FakeUtilization(95, 60)
+        busy = await rig.collect()
+        assert kinds(busy) == ["pcie_link_degraded"]
+        gpu.pcie_generation = (5, 5)
+        assert kinds(await rig.collect()) == ["pcie_link_degraded_cleared"]
+
+
+class TestGpuCount:
+    """Fewer GPUs than expected, or than at the last start, is critical."""
+
+    async def test_expected_gpus(self) -> None:
+        rig = GpuRig(FakeNvml(fake_gpus(2)), settings=GpuSettings(event_thread=False,
+                                                                  expected_gpus=4))
+        try:
+            first = await rig.collect()
+            assert kinds(first) == ["gpus_missing"]
+            assert first.events[0].severity is Severity.CRITICAL
+            assert value(first, "gpuwarden_gpus_expected") == 4
+            assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    async def test_fewer_than_at_last_start(self) -> None:
+        state = MemoryKeyValueStore()
+        rig = GpuRig(FakeNvml(fake_gpus(4)), state=state)
+        try:
+            assert kinds(await rig.collect()) == []
+            del rig.fake.gpus[3]
+            await rig.restart()
+            dropped = await rig.collect()
+            assert kinds(dropped) == ["gpu_count_dropped"]
+            assert dropped.events[0].attributes == {"visible": 3, "before": 4}
+            await rig.restart()
+            assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()

@@ -1,0 +1,69 @@
+"""The rendered /metrics of a full fake round passes `promtool check metrics`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterable, Sequence
+
+import pynvml
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+
+from agent.model import Collection, MetricFamily, Sample
+from collectors.gpu import GpuSettings
+from collectors.gpu_metrics import FAMILIES
+from collectors.nvml_fake import FakeGpu, FakeNvml
+from exporters.prometheus import render
+from tests.support.nvml import GpuRig
+
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+
+class _Snapshot:
+    def __init__(self, families: Sequence[MetricFamily], samples: Sequence[Sample]) -> None:
+        self.families = families
+        self.samples = samples
+
+    def collect(self) -> Iterable[Metric]:
+        return render(self.families, self.samples)
+
+
+def exposition(collection: Collection) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(FAMILIES, collection.samples))
+    return generate_latest(registry)
+
+
+def everything_gpu(index: int) -> FakeGpu:
+    """A GPU that answers every field, NVLink and retired pages included (an A100-like one)."""
+    gpu = FakeGpu.h200(index, nvlink_states=[1, 1], retired_pending=0, retired_pages={
+        pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: [0x1000],
+        pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: [],
+    })
+    for link in range(2):
+        for counter in range(4):
+            gpu.nvlink_errors[(link, counter)] = link + counter
+    gpu.failures["nvmlDeviceGetPcieReplayCounter"] = pynvml.NVML_ERROR_UNKNOWN
+    return gpu
+
+
+@pytest.mark.skipif(not shutil.which(PROMTOOL), reason="promtool not installed")
+class TestPromtool:
+    """A full round renders to exposition text that promtool accepts, with every family used."""
+
+    async def test_full_round(self) -> None:
+        fake = FakeNvml([everything_gpu(0), FakeGpu.h200(1), FakeGpu.h200(2, lost=True)])
+        rig = GpuRig(fake, settings=GpuSettings(expected_gpus=3, event_wait_ms=50))
+        try:
+            collection = await rig.collect()
+        finally:
+            await rig.close()
+        text = exposition(collection)
+        names = {s.family.name for s in collection.samples}
+        assert names == {f.name for f in FAMILIES}, "a family the round never produced"
+        result = subprocess.run([PROMTOOL, "check", "metrics"], input=text,
+                                capture_output=True, timeout=30, check=False)
+        assert result.returncode == 0, (result.stdout + result.stderr).decode()
+        assert b'gpuwarden_gpu_nvlink_errors_total{' in text

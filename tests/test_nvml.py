@@ -1,0 +1,175 @@
+"""The NVML backend over the fake library: the one error mapping, units, absent fields."""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from collectors.nvml import (
+    CLOCK_EVENT_REASONS,
+    GpuLost,
+    NvmlBackend,
+    NvmlUnavailable,
+    decode_clock_event_reasons,
+)
+from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
+
+
+def started(*gpus: FakeGpu) -> NvmlBackend:
+    backend = NvmlBackend(FakeNvml(list(gpus)))
+    backend.start()
+    return backend
+
+
+class TestErrorMapping:
+    """Not supported is absent, lost is a state, a missing driver marks the backend down."""
+
+    def test_not_supported_is_absent_not_zero(self) -> None:
+        gpu = FakeGpu.h200(0)
+        gpu.unsupported.add("nvmlDeviceGetPowerUsage")
+        reading = started(gpu).read_gpu(0).reading
+        assert reading.power_draw_watts is None
+        assert reading.power_limit_watts == 700.0
+        assert "power_draw" not in reading.errors
+
+    def test_lost_gpu_raises_gpu_lost(self) -> None:
+        gpu = FakeGpu.h200(0, lost=True)
+        with pytest.raises(GpuLost) as caught:
+            started(gpu).read_gpu(0)
+        assert caught.value.code == pynvml.NVML_ERROR_GPU_IS_LOST
+
+    def test_unexpected_error_is_a_field_error(self) -> None:
+        gpu = FakeGpu.h200(0)
+        gpu.failures["nvmlDeviceGetTemperature"] = pynvml.NVML_ERROR_UNKNOWN
+        reading = started(gpu).read_gpu(0).reading
+        assert reading.temperature_gpu_celsius is None
+        assert "Unknown" in reading.errors["temperature_gpu"]
+
+    def test_driver_missing_at_init(self) -> None:
+        backend = NvmlBackend(FakeNvml([FakeGpu.h200(0)],
+                                       init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+        with pytest.raises(NvmlUnavailable) as caught:
+            backend.start()
+        assert caught.value.code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
+        assert not backend.up
+
+    def test_init_is_retried_once_the_driver_loads(self) -> None:
+        fake = FakeNvml([FakeGpu.h200(0)], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        backend = NvmlBackend(fake)
+        with pytest.raises(NvmlUnavailable):
+            backend.start()
+        fake.init_error = None
+        backend.start()
+        assert backend.up
+        assert backend.device_count() == 1
+
+    def test_driver_gone_mid_run_marks_backend_down(self) -> None:
+        gpu = FakeGpu.h200(0)
+        backend = started(gpu)
+        gpu.failures["nvmlDeviceGetTemperature"] = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+        with pytest.raises(NvmlUnavailable):
+            backend.read_gpu(0)
+        assert not backend.up
+        with pytest.raises(NvmlUnavailable):
+            backend.device_count()
+
+
+class TestReadings:
+    """Readings come in base units; Hopper's unsupported fields are absent."""
+
+    def test_units(self) -> None:
+        gpu = FakeGpu.h200(0, power_mw=123_450, utilization=FakeUtilization(50, 25))
+        result = started(gpu).read_gpu(0, static=True, slow=True, energy=True)
+        r = result.reading
+        assert r.power_draw_watts == 123.45
+        assert r.sm_clock_hertz == 345e6
+        assert r.memory_clock_hertz == 3201e6
+        assert r.utilization_gpu_ratio == 0.5
+        assert r.utilization_memory_ratio == 0.25
+        assert r.memory_total_bytes == 143771 * 2**20
+        assert r.memory_reserved_bytes == 616 * 2**20
+        assert r.temperature_memory_celsius == 35.0
+        assert r.energy_joules == 1000.0
+        assert result.static is not None
+        assert result.static.sm_clock_max_hertz == 1980e6
+
+    def test_static_facts(self) -> None:
+        static = started(FakeGpu.h200(0)).read_gpu(0, static=True).static
+        assert static is not None
+        assert static.identity.pci_bus_id == "0000:18:00.0"
+        assert static.driver_version == "580.159.04"
+        assert static.compute_capability == "9.0"
+        assert static.mig_mode is False
+        assert static.ecc_mode is True
+        assert static.temperature_shutdown_celsius == 92.0
+
+    def test_hopper_has_no_retired_pages_and_no_nvlink(self) -> None:
+        slow = started(FakeGpu.h200(0)).read_gpu(0, slow=True).slow
+        assert slow is not None
+        assert slow.retired_pages_single_bit is None
+        assert slow.retired_pages_pending is None
+        assert slow.nvlinks == ()
+        assert dict(slow.errors) == {}
+
+    def test_nvlinks_enumerated_until_the_last_link(self) -> None:
+        gpu = FakeGpu.h200(0, nvlink_states=[1, 1, 0])
+        gpu.nvlink_errors[(1, pynvml.NVML_NVLINK_ERROR_DL_REPLAY)] = 7
+        slow = started(gpu).read_gpu(0, slow=True).slow
+        assert slow is not None
+        assert [(link.link, link.up) for link in slow.nvlinks] == [(0, True), (1, True), (2, False)]
+        assert slow.nvlinks[1].errors == {"replay": 7}
+        assert slow.nvlinks[0].errors == {}
+
+    def test_memory_info_v1_fallback(self) -> None:
+        gpu = FakeGpu.h200(0)
+        calls: list[int | None] = []
+        fake = FakeNvml([gpu])
+        original = fake.nvmlDeviceGetMemoryInfo
+
+        def v1_only(handle: FakeGpu, version: int | None = None) -> object:
+            calls.append(version)
+            if version is not None:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+            return original(handle)
+
+        fake.nvmlDeviceGetMemoryInfo = v1_only  # type: ignore[method-assign,assignment]
+        backend = NvmlBackend(fake)
+        backend.start()
+        reading = backend.read_gpu(0).reading
+        assert calls == [pynvml.nvmlMemory_v2, None]
+        assert reading.memory_total_bytes == 143771 * 2**20
+
+
+class TestHelpers:
+    """The plain methods the benchmark uses for identity and idle gating."""
+
+    def test_gpus_lists_identities_and_skips_lost(self) -> None:
+        lost = FakeGpu.h200(1, lost=True)
+        backend = started(FakeGpu.h200(0), lost, FakeGpu.h200(2))
+        gpus = backend.gpus()
+        assert [g.index for g in gpus] == [0, 2]
+        assert gpus[1].pci_bus_id == "0000:38:00.0"
+        assert gpus[0].labels()["model"] == "NVIDIA H200"
+
+    def test_process_count_and_utilization(self) -> None:
+        backend = started(FakeGpu.h200(0, processes=3, utilization=FakeUtilization(90, 40)))
+        assert backend.compute_process_count(0) == 3
+        assert backend.utilization(0) == (0.9, 0.4)
+
+
+class TestClockEventReasons:
+    """The reasons bit mask decodes into one flag per known reason."""
+
+    def test_idle(self) -> None:
+        decoded = decode_clock_event_reasons(0x1)
+        assert decoded["gpu_idle"] is True
+        assert sum(decoded.values()) == 1
+
+    @given(st.integers(min_value=0, max_value=2**64 - 1))
+    def test_any_mask(self, mask: int) -> None:
+        decoded = decode_clock_event_reasons(mask)
+        assert set(decoded) == set(CLOCK_EVENT_REASONS)
+        for name, bit in CLOCK_EVENT_REASONS.items():
+            assert decoded[name] == bool(mask & bit)
