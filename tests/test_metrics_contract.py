@@ -1,0 +1,77 @@
+"""Every metric family of every registered component: valid names, promtool clean, in the README."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agent import config, registry
+from agent.collector import CollectorDeps, MemoryKeyValueStore, SharedServices
+from agent.model import METRIC_PREFIX, MetricFamily, Sample
+from agent.runtime import Runtime
+from agent.state import StateStore
+from exporters.prometheus import render
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def all_families(tmp_path: Path) -> list[MetricFamily]:
+    deps = CollectorDeps(node_id="n", state_dir=tmp_path, state=MemoryKeyValueStore(),
+                         shared=SharedServices(), emit=lambda event: None)
+    families: list[MetricFamily] = []
+    for name in registry.COLLECTORS:
+        spec = registry.collector_spec(name)
+        families += spec.make(spec.defaults(), deps).families()
+    runtime = Runtime(config.parse({}), StateStore.in_memory())
+    families += runtime.metrics.families()
+    for name in registry.SINKS:
+        spec = registry.sink_spec(name)
+        families += spec.factory(spec.settings_type(), runtime).families()
+    return families
+
+
+class TestMetricContract:
+    """Names follow the contract and the exposition passes promtool."""
+
+    def test_names_unique_and_prefixed(self, tmp_path: Path) -> None:
+        families = all_families(tmp_path)
+        by_name: dict[str, MetricFamily] = {}
+        for family in families:
+            assert family.name.startswith(METRIC_PREFIX)
+            other = by_name.setdefault(family.name, family)
+            assert other == family, f"{family.name} declared twice with different shapes"
+
+    @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+    def test_promtool_check_metrics(self, tmp_path: Path) -> None:
+        families = all_families(tmp_path)
+        samples = [f.sample(1, *(f"v{i}" for i in range(len(f.labels)))) for f in families]
+
+        class Snapshot:
+            def collect(self) -> list[object]:
+                return list(render(families, samples))
+
+        prom = CollectorRegistry(auto_describe=False)
+        prom.register(Snapshot())  # type: ignore[arg-type]
+        text = generate_latest(prom)
+        result = subprocess.run(["promtool", "check", "metrics"], input=text,
+                                capture_output=True, timeout=60, check=False)
+        assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+
+    def test_readme_lists_every_metric(self, tmp_path: Path) -> None:
+        text = README.read_text()
+        missing = sorted({f.name for f in all_families(tmp_path)
+                          if not re.search(rf"`{re.escape(f.name)}(`|\{{)", text)})
+        assert not missing, f"README.md has no row for: {missing}"
+
+    def test_sample_rejects_nan_and_wrong_labels(self) -> None:
+        family = MetricFamily("gpuwarden_x_celsius", __import__("agent.model").model.MetricType.GAUGE,
+                              "x", ("gpu",))
+        with pytest.raises(ValueError, match="NaN"):
+            family.sample(float("nan"), "0")
+        with pytest.raises(ValueError, match="labels"):
+            Sample(family, (), 1.0)
