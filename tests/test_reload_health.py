@@ -65,7 +65,7 @@ class TestHealthz:
             await asyncio.sleep(0.3)
             assert sink.healthz()[0] == 503  # b has never succeeded: stale after 3 rounds
             assert b"collector b stale" in sink.healthz()[1]
-            status, headers, text = sink.respond(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, _, text = sink.respond(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             assert status == 200
             assert b'gpuwarden_health_ok 0.0' in text
             assert runtime.ledger["prometheus"].last_delivery is not None
