@@ -4,7 +4,8 @@
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.gpuwarden-installed
+RUN_STAMP := $(VENV)/.gpuwarden-run
+TEST_STAMP := $(VENV)/.gpuwarden-test
 # torch is pinned for tests: 2.13.0 is a CPU build already on these machines' disks, while an
 # unpinned torch pulls a CUDA build of several GB. The daemon never imports it.
 TORCH ?= torch==2.13.0
@@ -16,12 +17,17 @@ PYTEST_ARGS ?=
 
 .PHONY: run test check lint typecheck unit debs bench clean
 
-$(STAMP): pyproject.toml
+# The agent alone: no torch, no test tools.
+$(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' '$(TORCH)'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e .
+	touch $(RUN_STAMP)
 
-run: $(STAMP)
+$(TEST_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]' '$(TORCH)'
+	touch $(TEST_STAMP)
+
+run: $(RUN_STAMP)
 	$(VENV)/bin/gpuwarden run $(ARGS)
 
 debs:
@@ -32,7 +38,7 @@ debs:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 
-test: debs $(STAMP)
+test: debs $(TEST_STAMP)
 	$(MAKE) --no-print-directory check VENV=$(VENV)
 
 check: lint typecheck unit
@@ -46,7 +52,7 @@ typecheck:
 unit:
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
