@@ -68,7 +68,8 @@ DROPS_QUIET_AFTER = 60.0
 FAILURE_TEXT = {
     "refused": "the broker refused the connection",
     "bad_credentials": "the broker rejected the user name or password",
-    "not_authorized": "the broker does not authorise this client",
+    "not_authorized": "the broker did not authorise this client (mosquitto 2 says so for a "
+                      "wrong user name or password too)",
     "tls_failed": "the TLS handshake with the broker failed",
     "unreachable": "cannot reach the broker",
     "connection_lost": "the connection to the broker was lost",
@@ -93,6 +94,15 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+def _retrieve_disconnect_error(client: CheckedClient) -> None:
+    """aiomqtt keeps the reason of a lost connection in a future that nobody awaits once the
+    session is over; reading it keeps asyncio from logging 'exception was never retrieved'
+    (the failure itself has been reported already)."""
+    done = client._disconnected
+    if done.done() and not done.cancelled():
+        done.exception()
 
 
 class MqttSink:
@@ -257,6 +267,7 @@ class MqttSink:
             finally:
                 self._client = None
                 self.connected = False
+                _retrieve_disconnect_error(client)
             delay = self._backoff.next_delay()
             log.debug("reconnecting", in_seconds=round(delay, 2))
             await asyncio.sleep(delay)

@@ -88,7 +88,9 @@ def classify(exc: BaseException) -> tuple[str, str]:
         if code in BAD_CREDENTIALS:
             return "bad_credentials", "check [mqtt] username and the password in password_file"
         if code in NOT_AUTHORIZED:
-            return "not_authorized", "the broker does not let this user connect; check its ACL"
+            return "not_authorized", (
+                "check [mqtt] username and the password in password_file, and that the broker "
+                "lets this user connect")
         return "refused", "the broker refused the connection; read the broker's log"
     text = str(exc).lower()
     if any(mark in text for mark in ("certificate", "ssl", "tls", "hostname mismatch")):

@@ -79,3 +79,48 @@ class Subscriber:
 
     def event_ids(self) -> list[str]:
         return [str(m.json()["id"]) for m in self.on("/events")]
+
+
+def persistent_broker_lines(workdir: Any) -> list[str]:
+    """mosquitto.conf lines that keep sessions and queued QoS 1 messages across a restart
+    (the later `persistence` line overrides the generated `persistence false`). Started as
+    root, mosquitto switches to its own user and then cannot write the test's private temporary
+    folder: `user root` keeps it (the option does nothing for a non-root user)."""
+    return ["persistence true", f"persistence_location {workdir}/", "user root"]
+
+
+@dataclass
+class InProcessAgent:
+    """A Runtime with the MQTT sink on, in the test's own event loop."""
+
+    state_dir: Any
+    mqtt: dict[str, Any]
+    heartbeat_interval: float = 0.5
+    extra: dict[str, Any] = field(default_factory=dict)
+    runtime: Any = None
+
+    async def start(self) -> Any:
+        from agent import config as config_module
+        from agent.runtime import Runtime
+        from agent.state import StateStore
+
+        cfg = config_module.parse({
+            "node_id": "node-a", "state_dir": str(self.state_dir),
+            "prometheus": {"enabled": False},
+            "heartbeat": {"interval": self.heartbeat_interval},
+            "mqtt": {"enabled": True, "reconnect_min": 0.1, "reconnect_max": 0.5,
+                     "connect_timeout": 3.0, **self.mqtt},
+            **self.extra,
+        })
+        self.runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+        await self.runtime.start()
+        return self.runtime
+
+    async def stop(self) -> None:
+        if self.runtime is not None:
+            await self.runtime.stop()
+            self.runtime.store.close()
+            self.runtime = None
+
+    def events_of(self, kind: str) -> list[Any]:
+        return [e for e in self.runtime.recent_events if e.kind == kind]
