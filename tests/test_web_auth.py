@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from agent import config as config_module
 from agent.runtime import Runtime
 from agent.state import StateStore
+from exporters.prometheus import PrometheusSink
 from exporters.web_auth import BasicAuth, UsersFileError, parse_authorization, parse_users
 from tests.support.ports import free_port
 from tests.support.tls import Authority
@@ -137,7 +138,9 @@ class TestEndpoint:
             with pytest.raises(ConnectionError):  # plain HTTP to the TLS port: no answer
                 await asyncio.to_thread(
                     urllib.request.urlopen, f"http://127.0.0.1:{port}/metrics", timeout=5)
-            assert runtime.sinks["prometheus"].scrapes == 2
+            sink = runtime.sinks["prometheus"]
+            assert isinstance(sink, PrometheusSink)
+            assert sink.scrapes == 2
         finally:
             await runtime.stop()
             runtime.store.close()
