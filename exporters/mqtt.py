@@ -30,7 +30,7 @@ from agent.settings import ConfigError
 from agent.sink import SinkSpec
 from agent.state import OutboxEntry, StateStoreError
 from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
-from exporters.mqtt_client import CheckedClient, classify, tls_context
+from exporters.mqtt_client import CheckedClient, PublishRefused, classify, tls_context
 from exporters.mqtt_settings import MqttSettings
 from exporters.outbox import Outbox, OutboxLimits
 
@@ -305,31 +305,60 @@ class MqttSink:
     # -- draining the outbox ----------------------------------------------------------------
 
     async def _drain(self, client: CheckedClient) -> None:
+        """Keep up to publish_window entries in flight, in outbox order; delete each batch of
+        acknowledged entries in one statement. Returns only by raising (connection over)."""
+        window = self.settings.publish_window
+        inflight: dict[int, OutboxEntry] = {}
+        last_seq = 0
+        last_progress = time.monotonic()
+        client.on_progress = self._wake.set
         while True:
             self.runtime.supervisor.beat(f"sink:{self.name}")
             self._maybe_enforce()
-            batch = self.outbox.peek(self.settings.publish_window)
-            if not batch:
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), ENFORCE_EVERY)
+            if len(inflight) < window:
+                for entry in self.outbox.peek(window - len(inflight), after_seq=last_seq):
+                    self._publish(client, entry)
+                    inflight[entry.seq] = entry
+                    last_seq = entry.seq
+            if client.completed:
+                done, client.completed = client.completed, []
+                self._settle(done, inflight)
+                last_progress = time.monotonic()
                 continue
-            results = await asyncio.gather(
-                *(self._publish(client, entry) for entry in batch), return_exceptions=True)
-            acked = [entry for entry, result in zip(batch, results, strict=True) if result is None]
-            if acked:
-                self.outbox.ack([entry.seq for entry in acked])
-                self.published.update(entry.kind for entry in acked)
-                self.runtime.record_delivery(self.name)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+            if client.lost:
+                raise aiomqtt.MqttError("the connection to the broker was lost")
+            waited = time.monotonic() - last_progress
+            if inflight and waited > self.settings.connect_timeout:
+                raise aiomqtt.MqttError(
+                    f"no PUBACK for {len(inflight)} publishes within {waited:.0f} s")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), ENFORCE_EVERY)
+            if not inflight:
+                last_progress = time.monotonic()
 
-    async def _publish(self, client: CheckedClient, entry: OutboxEntry) -> None:
+    def _settle(self, done: list[tuple[int, PublishRefused | None]],
+                inflight: dict[int, OutboxEntry]) -> None:
+        acked: list[OutboxEntry] = []
+        refused: PublishRefused | None = None
+        for seq, error in done:
+            entry = inflight.pop(seq, None)
+            if error is not None:
+                refused = refused or error
+            elif entry is not None:
+                acked.append(entry)
+        if acked:
+            self.outbox.ack([entry.seq for entry in acked])
+            self.published.update(entry.kind for entry in acked)
+            self.runtime.record_delivery(self.name)
+        if refused is not None:
+            raise refused
+
+    def _publish(self, client: CheckedClient, entry: OutboxEntry) -> None:
         leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)
         qos = self.settings.metrics_qos if entry.kind == "metrics" else 1
-        await client.publish_acked(self.topic(leaf), entry.payload, qos,
-                                   entry.kind == "heartbeat", timeout=self.settings.connect_timeout)
+        client.publish_tracked(entry.seq, self.topic(leaf), entry.payload, qos,
+                               entry.kind == "heartbeat")
 
     def _maybe_enforce(self) -> None:
         now = time.time()

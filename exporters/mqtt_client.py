@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import aiomqtt
@@ -37,16 +38,50 @@ class PublishRefused(aiomqtt.MqttError):
 
 
 class CheckedClient(aiomqtt.Client):
-    """An aiomqtt.Client whose QoS 1 publishes report the PUBACK reason code."""
+    """An aiomqtt.Client whose publishes report the PUBACK reason code.
+
+    Two ways to publish: `publish_acked()` awaits one message (status), and
+    `publish_tracked()` sends without waiting and reports `(token, error or None)` in
+    `completed` when the broker answers, calling `on_progress`: the outbox drain keeps a
+    window of these in flight without a task or a timer per message.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._puback_reasons: dict[int, ReasonCode] = {}
+        self._tracked: dict[int, tuple[int, str]] = {}
+        self.completed: list[tuple[int, PublishRefused | None]] = []
+        self.lost = False
+        self.on_progress: Callable[[], None] = lambda: None
 
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int,
                     reason_code: ReasonCode, properties: Any) -> None:
+        tracked = self._tracked.pop(mid, None)
+        if tracked is not None:
+            self._complete(tracked[0], tracked[1], reason_code)
+            return
         self._puback_reasons[mid] = reason_code
         super()._on_publish(client, userdata, mid, reason_code, properties)
+
+    def _on_disconnect(self, *args: Any, **kwargs: Any) -> None:
+        super()._on_disconnect(*args, **kwargs)
+        self.lost = True
+        self.on_progress()
+
+    def _complete(self, token: int, topic: str, reason: ReasonCode | None) -> None:
+        error = PublishRefused(topic, reason) if reason is not None and reason.is_failure else None
+        self.completed.append((token, error))
+        self.on_progress()
+
+    def publish_tracked(self, token: int, topic: str, payload: bytes, qos: int,
+                        retain: bool) -> None:
+        info = self._client.publish(topic, payload, qos, retain)
+        if info.rc != paho.MQTT_ERR_SUCCESS:
+            raise aiomqtt.MqttCodeError(info.rc, f"could not publish to {topic}")
+        if info.is_published():  # QoS 0 written at once: on_publish has already run
+            self._complete(token, topic, self._puback_reasons.pop(info.mid, None))
+        else:
+            self._tracked[info.mid] = (token, topic)
 
     async def publish_acked(self, topic: str, payload: bytes, qos: int, retain: bool,
                             timeout: float | None = None) -> None:
