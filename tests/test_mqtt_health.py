@@ -17,7 +17,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from exporters.mqtt import Backoff
 from exporters.mqtt_client import PublishRefused, classify
 from tests.support.mosquitto import Broker
-from tests.support.mqtt import InProcessAgent, Subscriber
+from tests.support.mqtt import InProcessAgent, Subscriber, persistent_broker_lines
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
@@ -42,17 +42,25 @@ class TestStaleSink:
     async def test_sink_stale_and_recovered(self, tmp_path: Path) -> None:
         """Broker away: stale event, gpuwarden_stale 1, /healthz problem, a heartbeat that says
         so once delivered; broker back: sink_recovered and 0."""
-        broker = Broker(tmp_path / "broker").start()
-        sub = Subscriber(broker.port).start()
+        # a persistent session: the heartbeats delivered right after the reconnect are kept
+        # for the subscriber even if the agent is back before it is
+        workdir = tmp_path / "broker"
+        broker = Broker(workdir, extra_config=persistent_broker_lines(workdir)).start()
+        sub = Subscriber(broker.port, client_id="health-sub", persistent=True).start()
         agent = InProcessAgent(tmp_path / "state", {"url": broker.url}, heartbeat_interval=0.3)
         runtime = await agent.start()
         try:
             await until(lambda: runtime.sinks["mqtt"].connected, what="connected")
             assert stale_value(runtime, "sink", "mqtt") == 0
+            sub.stop()
             broker.stop()
             await until(lambda: bool(agent.events_of("sink_stale")), what="sink_stale")
             assert stale_value(runtime, "sink", "mqtt") == 1
             assert any("sink mqtt has not delivered" in p for p in runtime.health().problems)
+            # a heartbeat queued while stale (the first one after the event may predate it)
+            await until(lambda: any(b"sink mqtt has not delivered" in e.payload
+                                    for e in runtime.store.outbox_peek(100)
+                                    if e.kind == "heartbeat"), what="a degraded heartbeat queued")
             broker.start()
             sub.start()
             await until(lambda: bool(agent.events_of("sink_recovered")), what="recovered")
