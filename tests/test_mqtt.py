@@ -95,7 +95,7 @@ class TestTopics:
             self, broker: Broker, agent: Callable[..., InProcessAgent]) -> None:
         """online (retained, bdseq), heartbeats (retained), events with ids, metrics, offline."""
         sub = Subscriber(broker.port).start()
-        first = agent({"url": broker.url, "metrics_interval": 1.0})
+        first = agent({"url": broker.url, "metrics_interval": 1.0, "metrics_qos": 1})
         await first.start()
         ids = emit_events(first, 5, "hello")
         await until(lambda: len(sub.on("/events")) >= 5 and len(sub.on("/metrics")) >= 1
@@ -111,6 +111,8 @@ class TestTopics:
         assert "system" in beat["collectors"]
         assert beat["sinks"]["mqtt"]["last_delivery_ts"] is not None
         assert "prometheus_last_scrape_ts" in beat
+        assert sub.on("/metrics")[-1].qos == 1
+        assert not sub.on("/events")[-1].retain
         metrics = sub.on("/metrics")[-1].json()["metrics"]
         assert metrics["gpuwarden_build_info"]["labels"] == ["version", "python"]
         await first.stop()
@@ -220,13 +222,31 @@ class TestAccess:
 class TestTls:
     """mqtts:// with a CA made by the test; a wrong CA or host name fails loudly."""
 
-    def tls_broker(self, tmp_path: Path, authority: Authority, host: str) -> Broker:
+    def tls_broker(self, tmp_path: Path, authority: Authority, host: str,
+                   client_certs: bool = False) -> Broker:
         server = authority.issue(host, dns_names=(host,), ip_addresses=("127.0.0.1",)
                                  if host == "127.0.0.1" else ())
         workdir = tmp_path / "broker-tls"
         # These lines make the generated listener a TLS one.
-        return Broker(workdir, extra_config=[f"certfile {server.cert}", f"keyfile {server.key}",
-                                             f"cafile {authority.cert}", "user root"]).start()
+        lines = [f"certfile {server.cert}", f"keyfile {server.key}", f"cafile {authority.cert}",
+                 "user root"]
+        if client_certs:
+            lines.append("require_certificate true")
+        return Broker(workdir, extra_config=lines).start()
+
+    async def test_client_certificate(self, tmp_path: Path,
+                                      agent: Callable[..., InProcessAgent]) -> None:
+        """A broker that requires client certificates accepts the node's cert and key."""
+        authority = Authority(tmp_path / "ca").create()
+        broker = self.tls_broker(tmp_path, authority, "127.0.0.1", client_certs=True)
+        client = authority.issue("node-a", client=True)
+        try:
+            a = agent({"url": f"mqtts://127.0.0.1:{broker.port}", "ca_file": str(authority.cert),
+                       "cert_file": str(client.cert), "key_file": str(client.key)})
+            runtime = await a.start()
+            await until(lambda: runtime.sinks["mqtt"].connected, what="mutual TLS connection")
+        finally:
+            broker.stop()
 
     async def test_good_ca_connects(self, tmp_path: Path,
                                     agent: Callable[..., InProcessAgent]) -> None:
