@@ -282,21 +282,22 @@ class Runtime:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        for name, settings in self.config.collectors.items():
-            if settings.enabled:
-                self._add_collector(name, settings)
+        # Sinks are made first: one may turn the outbox on (MQTT), and every event from here
+        # on, the store's startup problems included, must reach it.
         for name in registry.SINKS:
             spec = registry.sink_spec(name)
             sink_settings = self.config.sections[name]
             if spec.enabled(sink_settings):
-                sink = spec.factory(sink_settings, self)
-                await sink.start()
-                self.sinks[name] = sink
+                self.sinks[name] = spec.factory(sink_settings, self)
                 self.ledger[name] = SinkLedger()
-        # After the sinks: one of them may turn the outbox on, and these events must reach it.
         for event in self._pending_events:
             self._emit_now(event)
         self._pending_events.clear()
+        for name, settings in self.config.collectors.items():
+            if settings.enabled:
+                self._add_collector(name, settings)
+        for sink in self.sinks.values():
+            await sink.start()
         if not self.collectors:
             self.first_round.set()
         for status in self.collectors.values():
