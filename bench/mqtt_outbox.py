@@ -109,6 +109,25 @@ async def through_outbox(port: int, count: int, state_dir: Path, *, backlog: boo
     return took
 
 
+async def emit_only(count: int, state_dir: Path) -> float:
+    """Seconds for Runtime.emit alone (store in history + outbox, one log line), no sink:
+    the ceiling of the live path, which this bench does not own."""
+    cfg = config_module.parse({
+        "node_id": "bench", "state_dir": str(state_dir), "prometheus": {"enabled": False},
+        "collectors": {"system": {"enabled": False}}})
+    runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+    runtime.outbox_enabled = True
+    await runtime.start()
+    events = [sample_event(i) for i in range(count)]
+    started = time.perf_counter()
+    for event in events:
+        runtime.emit(event)
+    took = time.perf_counter() - started
+    await runtime.stop()
+    runtime.store.close()
+    return took
+
+
 def bytes_per_event(count: int, state_dir: Path) -> tuple[float, float]:
     """(database bytes per event held in history + outbox, per event in history only)."""
     store = StateStore.open(state_dir)
@@ -139,12 +158,15 @@ def main() -> None:
             bare: list[float] = []
             live: list[float] = []
             backlog: list[float] = []
+            ceiling: list[float] = []
             for n in range(args.rounds):
                 bare.append(args.events / bare_paho(broker.port, payloads))
                 live.append(args.events / asyncio.run(
                     through_outbox(broker.port, args.events, work / f"live-{n}", backlog=False)))
                 backlog.append(args.events / asyncio.run(
                     through_outbox(broker.port, args.events, work / f"backlog-{n}", backlog=True)))
+                ceiling.append(args.events / asyncio.run(
+                    emit_only(args.events, work / f"emit-{n}")))
             per_event, history_only = bytes_per_event(args.events, work / "size")
         finally:
             broker.stop()
@@ -154,7 +176,8 @@ def main() -> None:
     base = statistics.median(bare)
     for name, rates in (("bare paho-mqtt publish loop (stores nothing)", bare),
                         ("emit -> outbox -> PUBACK -> delete", live),
-                        ("outage backlog drained (outbox -> PUBACK)", backlog)):
+                        ("outage backlog drained (outbox -> PUBACK)", backlog),
+                        ("Runtime.emit alone (store + log, no MQTT)", ceiling)):
         median = statistics.median(rates)
         print(f"{name:<44}{median:>18,.0f}{median / base:>9.2f}   "
               + " ".join(f"{r:,.0f}" for r in rates))
