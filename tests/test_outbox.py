@@ -126,8 +126,7 @@ class TestSurvival:
         runtime = await agent.start()
         try:
             queued = [e for e in runtime.store.outbox_peek(100) if e.kind == "event"]
-            # (the foundation currently reports this file as unwritable, not corrupt)
-            assert any(b'"kind":"state_store_' in e.payload for e in queued)
+            assert any(b'"kind":"state_store_corrupt"' in e.payload for e in queued)
         finally:
             await agent.stop()
 
