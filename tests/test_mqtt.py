@@ -315,3 +315,31 @@ class TestOutage:
         finally:
             sub.stop()
             broker.stop()
+
+
+class TestExposition:
+    """The sink's own series pass promtool and show the age of the last PUBACK."""
+
+    async def test_promtool_clean(self, broker: Broker,
+                                  agent: Callable[..., InProcessAgent]) -> None:
+        """/metrics rendering of the delivery series: promtool check metrics exits 0."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from exporters.prometheus import render
+
+        a = agent({"url": broker.url})
+        runtime = await a.start()
+        await until(lambda: runtime.sinks["mqtt"].published["heartbeat"] >= 1, what="a PUBACK")
+
+        class Snapshot:
+            def collect(self) -> object:
+                return render(runtime.families(), runtime.samples())
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Snapshot())  # type: ignore[arg-type]
+        text = generate_latest(registry)
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                               check=False)
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert b"gpuwarden_mqtt_last_ack_age_seconds " in text
+        assert b'gpuwarden_stale{kind="sink",name="mqtt"} 0.0' in text
