@@ -22,6 +22,7 @@ COLLECTORS: Final[dict[str, str]] = {
 SINKS: Final[dict[str, str]] = {
     # name of the top-level table -> module exporting SPEC
     "prometheus": "exporters.prometheus",
+    "mqtt": "exporters.mqtt",
 }
 
 SECTIONS: Final[dict[str, str]] = {

@@ -88,6 +88,19 @@ class Health:
         return "ok" if self.ok else "degraded: " + "; ".join(self.problems)
 
 
+@dataclass(frozen=True)
+class StaleItem:
+    kind: str  # collector | sink
+    name: str
+    seconds: float
+    reason: str
+
+    def problem(self) -> str:
+        if self.kind == "collector":
+            return f"collector {self.name} stale for {self.seconds:.0f} s ({self.reason})"
+        return f"sink {self.name} has not delivered for {self.seconds:.0f} s ({self.reason})"
+
+
 @dataclass
 class SinkLedger:
     """Per sink: when it last confirmed a delivery, and how often it failed."""
@@ -129,6 +142,9 @@ class Runtime:
         self._loop_thread: int | None = None
         self._pending_events: list[Event] = []
         self._sink_tasks: dict[str, asyncio.Task[None]] = {}
+        self._monitor_task: asyncio.Task[None] | None = None
+        self.stale: dict[tuple[str, str], StaleItem] = {}
+        """What the health monitor last found stale: (collector|sink, name) -> item."""
         for problem in store.problems:
             self._pending_events.append(
                 Event(source="state", kind=problem.kind, severity=Severity.CRITICAL,
@@ -266,20 +282,22 @@ class Runtime:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        # Sinks are made first: one may turn the outbox on (MQTT), and every event from here
+        # on, the store's startup problems included, must reach it.
+        for name in registry.SINKS:
+            spec = registry.sink_spec(name)
+            sink_settings = self.config.sections[name]
+            if spec.enabled(sink_settings):
+                self.sinks[name] = spec.factory(sink_settings, self)
+                self.ledger[name] = SinkLedger()
         for event in self._pending_events:
             self._emit_now(event)
         self._pending_events.clear()
         for name, settings in self.config.collectors.items():
             if settings.enabled:
                 self._add_collector(name, settings)
-        for name in registry.SINKS:
-            spec = registry.sink_spec(name)
-            sink_settings = self.config.sections[name]
-            if spec.enabled(sink_settings):
-                sink = spec.factory(sink_settings, self)
-                await sink.start()
-                self.sinks[name] = sink
-                self.ledger[name] = SinkLedger()
+        for sink in self.sinks.values():
+            await sink.start()
         if not self.collectors:
             self.first_round.set()
         for status in self.collectors.values():
@@ -289,6 +307,7 @@ class Runtime:
             task = asyncio.create_task(sink.run(), name=f"sink:{name}")
             task.add_done_callback(functools.partial(self._sink_ended, name))
             self._sink_tasks[name] = task
+        self._monitor_task = asyncio.create_task(self._health_monitor(), name="health-monitor")
 
     def _sink_ended(self, name: str, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -299,7 +318,9 @@ class Runtime:
             self.record_failure(name, f"sink task ended: {exc!r}")
 
     async def stop(self) -> None:
-        await cancel_tasks([s.task for s in self.collectors.values() if s.task is not None])
+        monitor = [self._monitor_task] if self._monitor_task is not None else []
+        await cancel_tasks([s.task for s in self.collectors.values() if s.task is not None]
+                           + monitor)
         for sink in self.sinks.values():
             try:
                 await asyncio.wait_for(sink.stop(), 3.0)
@@ -351,28 +372,63 @@ class Runtime:
         entry.last_failure = reason
         entry.up = False
 
-    def health(self, now: float | None = None) -> Health:
+    def stale_items(self, now: float | None = None) -> list[StaleItem]:
+        """Collectors with no success and sinks with no confirmed delivery for
+        `stale_after_intervals` of their intervals."""
         now = time.time() if now is None else now
         rounds = self.heartbeat_settings.stale_after_intervals
-        problems: list[str] = []
+        items: list[StaleItem] = []
         for status in self.collectors.values():
             limit = status.settings.interval * rounds + status.settings.timeout
             since = status.last_success or status.started
             if now - since > limit:
-                reason = status.last_error or "no successful round"
-                problems.append(
-                    f"collector {status.name} stale for {now - since:.0f} s ({reason})"
-                )
+                items.append(StaleItem("collector", status.name, now - since,
+                                       status.last_error or "no successful round"))
         for name, sink in self.sinks.items():
             if sink.expected_interval is None:
                 continue
             entry = self.ledger.get(name, SinkLedger())
             since = entry.last_delivery or self.started
             if now - since > sink.expected_interval * rounds:
-                problems.append(f"sink {name} has not delivered for {now - since:.0f} s")
+                items.append(StaleItem("sink", name, now - since,
+                                       entry.last_failure or "no confirmed delivery"))
+        return items
+
+    def health(self, now: float | None = None) -> Health:
+        problems = [item.problem() for item in self.stale_items(now)]
+        for sink in self.sinks.values():
+            extra = getattr(sink, "problems", None)  # optional: a sink's own problems
+            if callable(extra):
+                problems.extend(extra())
         if any(p.kind == "state_store_unwritable" for p in self.store.problems):
             problems.append("state store is in memory (state dir unusable)")
         return Health(not problems, tuple(problems))
+
+    async def _health_monitor(self) -> None:
+        """Turn stale collectors and sinks into events, once per transition each way."""
+        while True:
+            interval = self.heartbeat_settings.interval
+            await asyncio.sleep(min(max(interval / 2, 0.2), 5.0))
+            self.check_stale()
+
+    def check_stale(self, now: float | None = None) -> None:
+        current = {(item.kind, item.name): item for item in self.stale_items(now)}
+        for key, item in current.items():
+            if key not in self.stale:
+                self.emit(Event(
+                    source="runtime", kind=f"{item.kind}_stale", severity=Severity.WARNING,
+                    subject=item.name, message=item.problem(),
+                    action=(f"read the agent's log for collector {item.name}" if item.kind ==
+                            "collector" else f"check the {item.name} sink's delivery path"),
+                    attributes={"seconds": round(item.seconds, 1), "reason": item.reason},
+                ))
+        for key, item in self.stale.items():
+            if key not in current:
+                self.emit(Event(
+                    source="runtime", kind=f"{item.kind}_recovered", severity=Severity.INFO,
+                    subject=item.name, message=f"{item.kind} {item.name} is delivering again",
+                ))
+        self.stale = current
 
     @property
     def heartbeat_settings(self) -> HeartbeatSettings:

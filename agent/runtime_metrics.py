@@ -70,6 +70,11 @@ SINK_LAST_DELIVERY = MetricFamily(
 SINK_FAILURES = MetricFamily(
     "gpuwarden_sink_failures_total", C, "Delivery failures of the sink", ("sink",)
 )
+STALE = MetricFamily(
+    "gpuwarden_stale", G,
+    "1 while a collector has not succeeded, or a sink not delivered, for the stale limit",
+    ("kind", "name"),
+)
 
 
 class RuntimeMetrics:
@@ -81,7 +86,7 @@ class RuntimeMetrics:
             BUILD_INFO, NODE_INFO, START_TIME, COLLECTOR_SUCCESS, COLLECTOR_DURATION,
             COLLECTOR_LAST_SUCCESS, COLLECTOR_INTERVAL, COLLECTOR_RUNS, COLLECTOR_FAILURES,
             COLLECTOR_HUNG, EVENTS, HEALTH, STATE_DURABLE, STATE_WRITE_FAILURES, SINK_UP,
-            SINK_LAST_DELIVERY, SINK_FAILURES,
+            SINK_LAST_DELIVERY, SINK_FAILURES, STALE,
         )
 
     def samples(self) -> Iterator[Sample]:
@@ -109,3 +114,9 @@ class RuntimeMetrics:
             yield SINK_FAILURES.sample(entry.failures, sink)
             if entry.last_delivery is not None:
                 yield SINK_LAST_DELIVERY.sample(entry.last_delivery, sink)
+        stale = rt.stale
+        for name in rt.collectors:
+            yield STALE.sample(1 if ("collector", name) in stale else 0, "collector", name)
+        for name, sink_obj in rt.sinks.items():
+            if sink_obj.expected_interval is not None:
+                yield STALE.sample(1 if ("sink", name) in stale else 0, "sink", name)

@@ -288,3 +288,37 @@ class StateStore:
     def outbox_depth(self) -> dict[str, int]:
         rows = self._read("SELECT kind, COUNT(*) FROM outbox GROUP BY kind")
         return {str(kind): int(count) for kind, count in rows}
+
+    # -- outbox bounds (the MQTT sink's exporters/outbox.py decides what to drop) -----------
+
+    def outbox_usage(self) -> tuple[int, int]:
+        """(entries, payload bytes) in the outbox."""
+        (count, size), = self._read("SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM outbox")
+        return int(count), int(size)
+
+    def outbox_oldest(self, kind: str, limit: int, skip_newest: int = 0) -> list[tuple[int, int]]:
+        """(seq, payload bytes) of the oldest entries of one kind, leaving the newest
+        `skip_newest` of that kind out."""
+        rows = self._read(
+            "SELECT seq, LENGTH(payload) FROM outbox WHERE kind=? AND seq NOT IN "
+            "(SELECT seq FROM outbox WHERE kind=? ORDER BY seq DESC LIMIT ?) ORDER BY seq LIMIT ?",
+            (kind, kind, skip_newest, limit),
+        )
+        return [(int(seq), int(size)) for seq, size in rows]
+
+    def outbox_expire(self, created_before: float) -> dict[str, int]:
+        """Delete entries created before the given time; how many of each kind went."""
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                rows = self._conn.execute(
+                    "SELECT kind, COUNT(*) FROM outbox WHERE created < ? GROUP BY kind",
+                    (created_before,)).fetchall()
+                self._conn.execute("DELETE FROM outbox WHERE created < ?", (created_before,))
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self.write_failures += 1
+                with contextlib.suppress(sqlite3.Error):
+                    self._conn.execute("ROLLBACK")
+                raise StateStoreError(f"cannot expire outbox entries: {exc}") from exc
+        return {str(kind): int(count) for kind, count in rows}

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import ssl
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
@@ -23,6 +25,13 @@ from prometheus_client.process_collector import ProcessCollector
 from agent.model import MetricFamily, MetricType, Sample
 from agent.settings import ConfigError, setting
 from agent.sink import SinkSpec
+from exporters.web_auth import (
+    BasicAuth,
+    UsersFileError,
+    load_users,
+    parse_authorization,
+    server_tls_context,
+)
 
 if TYPE_CHECKING:
     from agent.runtime import Runtime
@@ -53,9 +62,15 @@ class PrometheusSettings:
     # 9445: not among the ports that common exporters registered in the Prometheus wiki's
     # default port allocations at the time of writing.
     listen: str = setting("127.0.0.1:9445", help="host:port to listen on")
+    tls_cert_file: Path | None = setting(None, help="serve HTTPS with this certificate (PEM)")
+    tls_key_file: Path | None = setting(None, help="the certificate's key (PEM)")
+    basic_auth_users_file: Path | None = setting(
+        None, help="require basic auth; lines of user:bcrypt-hash")
 
     def __post_init__(self) -> None:
         parse_listen(self.listen, "listen")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("tls_cert_file", "set tls_cert_file and tls_key_file together")
 
 
 def render(families: Iterable[MetricFamily], samples: Iterable[Sample]) -> list[Metric]:
@@ -108,6 +123,7 @@ class PrometheusSink:
         self.registry.register(ProcessCollector(registry=None))
         self.scrapes = 0
         self._server: asyncio.Server | None = None
+        self._auth: BasicAuth | None = None
 
     def families(self) -> Sequence[MetricFamily]:
         return ()
@@ -124,8 +140,19 @@ class PrometheusSink:
 
     async def start(self) -> None:
         host, port = parse_listen(self.settings.listen)
+        settings = self.settings
+        tls: ssl.SSLContext | None = None
         try:
-            self._server = await asyncio.start_server(self._handle, host, port)
+            if settings.basic_auth_users_file is not None:
+                self._auth = BasicAuth(load_users(settings.basic_auth_users_file))
+            if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+                tls = server_tls_context(settings.tls_cert_file, settings.tls_key_file)
+        except (UsersFileError, OSError, ssl.SSLError) as exc:
+            raise OSError(f"prometheus: {exc}") from None
+        try:
+            self._server = await asyncio.start_server(
+                self._handle, host, port, ssl=tls,
+                ssl_handshake_timeout=REQUEST_TIMEOUT if tls else None)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"cannot listen on {self.settings.listen}: {exc.strerror}; "
@@ -157,17 +184,37 @@ class PrometheusSink:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError):
+                ConnectionError, ssl.SSLError):
             writer.close()
             return
         try:
-            status, headers, body = self.respond(head)
+            if await self._authorized(head):
+                status, headers, body = self.respond(head)
+            else:
+                status, headers, body = 401, {"WWW-Authenticate": 'Basic realm="gpuwarden"'}, (
+                    b"unauthorized\n")
             writer.write(_response(status, headers, body))
             await writer.drain()
-        except ConnectionError:
+        except (ConnectionError, ssl.SSLError):
             pass
         finally:
             writer.close()
+
+    async def _authorized(self, head: bytes) -> bool:
+        if self._auth is None:
+            return True
+        header = ""
+        for line in head.decode("latin-1").split("\r\n")[1:]:
+            name, sep, value = line.partition(":")
+            if sep and name.strip().lower() == "authorization":
+                header = value.strip()
+        credentials = parse_authorization(header)
+        if credentials is None:
+            return False
+        if self._auth.cached(*credentials):
+            return True
+        # bcrypt takes ~0.1-0.3 s: off the loop, so collection and other requests go on.
+        return await asyncio.to_thread(self._auth.check, *credentials)
 
     def respond(self, head: bytes) -> tuple[int, dict[str, str], bytes]:
         """Answer one request head: (status, headers, body)."""

@@ -1,0 +1,81 @@
+"""Payloads of the MQTT topics: status (birth and Will), heartbeat and metric snapshots.
+
+The heartbeat is the off-node watcher's view of the node's own health: a sequence number, the
+interval to expect the next one in, when each collector last succeeded, when each sink last
+confirmed a delivery (so the MQTT heartbeat says when Prometheus last scraped), the outbox
+depth and drops, and the overall health with its problems. Ages are seconds at `ts`; a
+timestamp that never happened is null, never 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from agent import __version__
+
+if TYPE_CHECKING:
+    from agent.runtime import Runtime
+
+
+def encode(payload: Mapping[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+
+
+def status_payload(state: str, bdseq: int, ts: float) -> bytes:
+    return encode({"state": state, "bdseq": bdseq, "ts": round(ts, 3), "version": __version__})
+
+
+def _age(now: float, then: float | None) -> float | None:
+    return None if then is None else round(max(0.0, now - then), 3)
+
+
+def heartbeat_payload(runtime: Runtime, *, seq: int, bdseq: int, now: float,
+                      outbox_depth: Mapping[str, int], outbox_dropped: Mapping[str, int]) -> bytes:
+    health = runtime.health(now)
+    collectors = {
+        name: {
+            "ok": status.success,
+            "last_success_ts": status.last_success,
+            "last_success_age_s": _age(now, status.last_success),
+            "interval_s": status.settings.interval,
+        }
+        for name, status in sorted(runtime.collectors.items())
+    }
+    sinks = {
+        name: {
+            "up": entry.up,
+            "last_delivery_ts": entry.last_delivery,
+            "last_delivery_age_s": _age(now, entry.last_delivery),
+            "failures": entry.failures,
+        }
+        for name, entry in sorted(runtime.ledger.items())
+    }
+    prometheus = runtime.ledger.get("prometheus")
+    return encode({
+        "seq": seq,
+        "bdseq": bdseq,
+        "ts": round(now, 3),
+        "interval_s": runtime.heartbeat_settings.interval,
+        "node": runtime.node_id,
+        "version": __version__,
+        "health": "ok" if health.ok else list(health.problems),
+        "collectors": collectors,
+        "sinks": sinks,
+        "prometheus_last_scrape_ts": None if prometheus is None else prometheus.last_delivery,
+        "outbox": {"depth": dict(outbox_depth), "dropped": dict(outbox_dropped)},
+    })
+
+
+def metrics_payload(runtime: Runtime, now: float) -> bytes:
+    """The current samples, compactly: one entry per family, label names once.
+
+    {"ts": ..., "node": ..., "metrics": {name: {"labels": [...], "series": [[v1, ..., value]]}}}
+    """
+    families: dict[str, dict[str, Any]] = {}
+    for sample in runtime.samples():
+        family = families.setdefault(
+            sample.family.name, {"labels": list(sample.family.labels), "series": []})
+        family["series"].append([*sample.label_values, sample.value])
+    return encode({"ts": round(now, 3), "node": runtime.node_id, "metrics": families})

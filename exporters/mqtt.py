@@ -1,0 +1,442 @@
+"""The MQTT sink: status with birth and Will, heartbeat, events and metrics, through a durable
+outbox (ARCHITECTURE.md, MQTT topics contract).
+
+One connection loop: connect (MQTT v5, explicit keepalive, TLS that always checks the host
+name), publish the retained `online` birth, then drain the outbox in order with a window of
+QoS 1 publishes in flight, deleting entries only after their PUBACK. Any failure ends the
+connection; the loop waits (exponential backoff with jitter) and connects again with the next
+birth number. Each kind of failure is logged and raised as an event once per transition, not
+per retry. A clean stop publishes `offline` itself: a broker sends the Will only when a client
+vanishes, never after a clean DISCONNECT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import aiomqtt
+import structlog
+import tenacity
+
+from agent.config import read_secret
+from agent.model import Event, MetricFamily, MetricType, Sample, Severity
+from agent.settings import ConfigError
+from agent.sink import SinkSpec
+from agent.state import OutboxEntry, StateStoreError
+from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
+from exporters.mqtt_client import CheckedClient, PublishRefused, classify, tls_context
+from exporters.mqtt_settings import MqttSettings
+from exporters.outbox import Outbox, OutboxLimits
+
+if TYPE_CHECKING:
+    from agent.runtime import Runtime
+
+log = structlog.get_logger(component="mqtt")
+
+G, C = MetricType.GAUGE, MetricType.COUNTER
+CONNECTED = MetricFamily("gpuwarden_mqtt_connected", G, "1 while connected to the broker")
+LAST_ACK_AGE = MetricFamily(
+    "gpuwarden_mqtt_last_ack_age_seconds", G,
+    "Seconds since the broker last acknowledged a publish (absent before the first)", unit="seconds")
+BIRTH_SEQUENCE = MetricFamily(
+    "gpuwarden_mqtt_birth_sequence", G, "Birth number (bdseq) of the current or last connection")
+OUTBOX_ENTRIES = MetricFamily(
+    "gpuwarden_mqtt_outbox_entries", G, "Undelivered entries in the outbox", ("kind",))
+OUTBOX_DROPPED = MetricFamily(
+    "gpuwarden_mqtt_outbox_dropped_total", C,
+    "Outbox entries dropped undelivered (bounds: entries, bytes, age)", ("kind",))
+PUBLISHED = MetricFamily(
+    "gpuwarden_mqtt_published_total", C, "Publishes the broker acknowledged", ("kind",))
+CONNECT_FAILURES = MetricFamily(
+    "gpuwarden_mqtt_connection_failures_total", C, "Failed connections and lost sessions",
+    ("reason",))
+KINDS = ("event", "heartbeat", "metrics")
+TOPIC_OF_KIND = {"event": "events", "heartbeat": "heartbeat", "metrics": "metrics"}
+ENFORCE_EVERY = 1.0
+"""Seconds between outbox bound checks while draining (each check counts the table)."""
+DISCONNECTED_ENFORCE_EVERY = 5.0
+"""Seconds between outbox bound checks while no broker is reachable."""
+DROPS_QUIET_AFTER = 60.0
+"""Seconds without a drop after which dropping counts as over (one info event)."""
+
+FAILURE_TEXT = {
+    "refused": "the broker refused the connection",
+    "bad_credentials": "the broker rejected the user name or password",
+    "not_authorized": "the broker did not authorise this client (mosquitto 2 says so for a "
+                      "wrong user name or password too)",
+    "tls_failed": "the TLS handshake with the broker failed",
+    "unreachable": "cannot reach the broker",
+    "connection_lost": "the connection to the broker was lost",
+    "publish_refused": "the broker refused a publish",
+}
+
+
+class Backoff:
+    """tenacity's exponential backoff with jitter, outside a retry decorator."""
+
+    def __init__(self, minimum: float, maximum: float) -> None:
+        self._wait = tenacity.wait_exponential_jitter(
+            multiplier=minimum, max=maximum, jitter=minimum, min=minimum)
+        self._retrying = tenacity.AsyncRetrying(wait=self._wait)
+        self.attempt = 0
+
+    def next_delay(self) -> float:
+        self.attempt += 1
+        state = tenacity.RetryCallState(self._retrying, None, (), {})
+        state.attempt_number = self.attempt
+        return float(self._wait(state))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+def _retrieve_disconnect_error(client: CheckedClient) -> None:
+    """aiomqtt keeps the reason of a lost connection in a future that nobody awaits once the
+    session is over; reading it keeps asyncio from logging 'exception was never retrieved'
+    (the failure itself has been reported already)."""
+    done = client._disconnected
+    if done.done() and not done.cancelled():
+        done.exception()
+
+
+class MqttSink:
+    def __init__(self, settings: MqttSettings, runtime: Runtime) -> None:
+        self.name = "mqtt"
+        self.settings = settings
+        self.runtime = runtime
+        self.expected_interval: float | None = runtime.heartbeat_settings.interval
+        self.base_topic = f"{settings.topic_prefix}/{runtime.node_id}"
+        self.outbox = Outbox(runtime.store, OutboxLimits(
+            settings.outbox_max_entries, settings.outbox_max_bytes, settings.outbox_max_age))
+        runtime.outbox_enabled = True
+        runtime.subscribe(lambda _event: self._wake.set())
+        self.bdseq = 0
+        self.heartbeat_seq = 0
+        self.connected = False
+        self.published: Counter[str] = Counter()
+        self.connect_failures: Counter[str] = Counter()
+        self.failure_kind: str | None = None
+        self._password: str | None = None
+        self._tls: ssl.SSLContext | None = None
+        self._client: CheckedClient | None = None
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_enforce = 0.0
+        self._last_drop: float | None = None
+        self._backoff = Backoff(settings.reconnect_min, settings.reconnect_max)
+
+    def topic(self, leaf: str) -> str:
+        return f"{self.base_topic}/{leaf}"
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the password and load the TLS files now: a mistake there stops the agent
+        with a message, instead of a retry loop that can never succeed."""
+        settings = self.settings
+        try:
+            if settings.password_file is not None:
+                self._password = read_secret(settings.password_file, "mqtt.password_file")
+            if settings.key_file is not None:
+                read_secret(settings.key_file, "mqtt.key_file")  # refuses a readable key
+        except ConfigError as exc:
+            raise OSError(f"mqtt: {exc}") from None
+        if settings.address.tls:
+            try:
+                self._tls = tls_context(
+                    None if settings.ca_file is None else str(settings.ca_file),
+                    None if settings.cert_file is None else str(settings.cert_file),
+                    None if settings.key_file is None else str(settings.key_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise OSError(f"mqtt: cannot load the TLS files (ca_file, cert_file, "
+                              f"key_file): {exc}") from None
+
+    async def run(self) -> None:
+        self._tasks = [asyncio.create_task(self._produce(), name="mqtt:produce"),
+                       asyncio.create_task(self._connection_loop(), name="mqtt:connection")]
+        try:
+            await asyncio.gather(*self._tasks)
+        finally:
+            for task in self._tasks:
+                task.cancel()
+
+    async def stop(self) -> None:
+        """Say `offline` (retained, QoS 1) while still connected, then disconnect."""
+        client = self._client
+        if client is not None and self.connected:
+            payload = status_payload("offline", self.bdseq, time.time())
+            try:
+                await client.publish_acked(self.topic("status"), payload, 1, True, timeout=2.0)
+                log.info("published offline", bdseq=self.bdseq)
+            except aiomqtt.MqttError as exc:
+                log.warning("could not publish offline before stopping", error=str(exc))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- producing heartbeats and metric snapshots ------------------------------------------
+
+    async def _produce(self) -> None:
+        loop = asyncio.get_running_loop()
+        heartbeat_every = self.runtime.heartbeat_settings.interval
+        next_heartbeat = loop.time()
+        next_metrics = loop.time() + min(self.settings.metrics_interval, heartbeat_every)
+        while True:
+            now = loop.time()
+            if now >= next_heartbeat:
+                self._queue_heartbeat()
+                next_heartbeat += heartbeat_every * max(1, (now - next_heartbeat) // heartbeat_every)
+            if now >= next_metrics:
+                self._queue("metrics", "snapshot", metrics_payload(self.runtime, time.time()))
+                next_metrics += self.settings.metrics_interval
+                next_metrics = max(next_metrics, now)
+            if not self.connected:  # while connected, the drain loop applies the bounds
+                self._maybe_enforce()
+            wake_at = min(next_heartbeat, next_metrics, loop.time() + DISCONNECTED_ENFORCE_EVERY)
+            await asyncio.sleep(max(0.0, wake_at - loop.time()))
+
+    def _queue_heartbeat(self) -> None:
+        self.heartbeat_seq += 1
+        try:
+            depth = self.outbox.depth()
+        except StateStoreError:
+            depth = {}
+        payload = heartbeat_payload(
+            self.runtime, seq=self.heartbeat_seq, bdseq=self.bdseq, now=time.time(),
+            outbox_depth=depth, outbox_dropped=dict(self.outbox.dropped))
+        self._queue("heartbeat", str(self.heartbeat_seq), payload)
+
+    def _queue(self, kind: str, key: str, payload: bytes) -> None:
+        try:
+            self.outbox.put(kind, key, payload)
+        except StateStoreError as exc:
+            log.error("cannot queue for MQTT", kind=kind, error=str(exc))
+            return
+        self._wake.set()
+
+    # -- connection -------------------------------------------------------------------------
+
+    def _next_bdseq(self) -> int:
+        """Persisted and increased per connection: a Will delayed from an older connection
+        never carries the current number, so a watcher cannot mistake it for this one's."""
+        stored = self.runtime.store.get("mqtt", "bdseq")
+        current = stored if isinstance(stored, int) else 0
+        self.bdseq = max(current, self.bdseq) + 1
+        try:
+            self.runtime.store.put("mqtt", "bdseq", self.bdseq)
+        except StateStoreError as exc:
+            log.error("cannot persist the birth number", error=str(exc))
+        return self.bdseq
+
+    def _client_for(self, bdseq: int) -> CheckedClient:
+        settings = self.settings
+        address = settings.address
+        will = aiomqtt.Will(self.topic("status"), status_payload("offline", bdseq, time.time()),
+                            qos=1, retain=True)
+        client = CheckedClient(
+            address.host, address.port,
+            username=settings.username or None, password=self._password,
+            identifier=settings.client_id or f"gpuwarden-{self.runtime.node_id}",
+            protocol=aiomqtt.ProtocolVersion.V5, will=will, keepalive=settings.keepalive,
+            timeout=settings.connect_timeout, tls_context=self._tls,
+            max_inflight_messages=settings.publish_window,
+        )
+        # aiomqtt warns above this many awaited publishes; a full window is the design here.
+        client.pending_calls_threshold = settings.publish_window + 10
+        return client
+
+    async def _connection_loop(self) -> None:
+        while True:
+            bdseq = self._next_bdseq()
+            client = self._client_for(bdseq)
+            try:
+                async with client:
+                    self._client = client
+                    await client.publish_acked(
+                        self.topic("status"), status_payload("online", bdseq, time.time()), 1, True)
+                    self._on_connected(bdseq)
+                    await self._drain(client)
+            except aiomqtt.MqttError as exc:
+                self._on_failure(exc)
+            finally:
+                self._client = None
+                self.connected = False
+                _retrieve_disconnect_error(client)
+            delay = self._backoff.next_delay()
+            log.debug("reconnecting", in_seconds=round(delay, 2))
+            await asyncio.sleep(delay)
+
+    def _on_connected(self, bdseq: int) -> None:
+        self.connected = True
+        self._backoff.reset()
+        self.runtime.record_delivery(self.name)
+        log.info("connected to the broker", url=self.settings.url, bdseq=bdseq)
+        if self.failure_kind is not None:
+            self.runtime.emit(Event(
+                source="mqtt", kind="broker_connected", severity=Severity.INFO,
+                subject=self.settings.url,
+                message=f"mqtt: connected to {self.settings.url} again (birth number {bdseq}); "
+                        "the outbox is being delivered",
+            ))
+        self.failure_kind = None
+
+    def _on_failure(self, exc: aiomqtt.MqttError) -> None:
+        kind, action = classify(exc)
+        self.connect_failures[kind] += 1
+        self.runtime.record_failure(self.name, f"{kind}: {exc}")
+        if kind == self.failure_kind:
+            log.debug("mqtt still failing", reason=kind, error=str(exc))
+            return
+        self.failure_kind = kind
+        message = f"mqtt: {FAILURE_TEXT[kind]} at {self.settings.url}: {exc}"
+        log.error(message, reason=kind, action=action)
+        self.runtime.emit(Event(
+            source="mqtt", kind=f"broker_{kind}",
+            severity=Severity.WARNING, subject=self.settings.url, message=message, action=action,
+            attributes={"reason": kind},
+        ))
+
+    # -- draining the outbox ----------------------------------------------------------------
+
+    async def _drain(self, client: CheckedClient) -> None:
+        """Keep up to publish_window entries in flight, in outbox order; delete each batch of
+        acknowledged entries in one statement. Returns only by raising (connection over)."""
+        window = self.settings.publish_window
+        inflight: dict[int, OutboxEntry] = {}
+        last_seq = 0
+        last_progress = time.monotonic()
+        client.on_progress = self._wake.set
+        while True:
+            self.runtime.supervisor.beat(f"sink:{self.name}")
+            self._maybe_enforce()
+            if len(inflight) < window:
+                for entry in self.outbox.peek(window - len(inflight), after_seq=last_seq):
+                    self._publish(client, entry)
+                    inflight[entry.seq] = entry
+                    last_seq = entry.seq
+            if client.completed:
+                done, client.completed = client.completed, []
+                self._settle(done, inflight)
+                last_progress = time.monotonic()
+                continue
+            if client.lost:
+                raise aiomqtt.MqttError("the connection to the broker was lost")
+            waited = time.monotonic() - last_progress
+            if inflight and waited > self.settings.connect_timeout:
+                raise aiomqtt.MqttError(
+                    f"no PUBACK for {len(inflight)} publishes within {waited:.0f} s")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), ENFORCE_EVERY)
+            if not inflight:
+                last_progress = time.monotonic()
+
+    def _settle(self, done: list[tuple[int, PublishRefused | None]],
+                inflight: dict[int, OutboxEntry]) -> None:
+        acked: list[OutboxEntry] = []
+        refused: PublishRefused | None = None
+        for seq, error in done:
+            entry = inflight.pop(seq, None)
+            if error is not None:
+                refused = refused or error
+            elif entry is not None:
+                acked.append(entry)
+        if acked:
+            self.outbox.ack([entry.seq for entry in acked])
+            self.published.update(entry.kind for entry in acked)
+            self.runtime.record_delivery(self.name)
+        if refused is not None:
+            raise refused
+
+    def _publish(self, client: CheckedClient, entry: OutboxEntry) -> None:
+        leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)
+        qos = self.settings.metrics_qos if entry.kind == "metrics" else 1
+        client.publish_tracked(entry.seq, self.topic(leaf), entry.payload, qos,
+                               entry.kind == "heartbeat")
+
+    def _maybe_enforce(self) -> None:
+        now = time.time()
+        if now - self._last_enforce < ENFORCE_EVERY:
+            return
+        self._last_enforce = now
+        try:
+            dropped = self.outbox.enforce(now)
+        except StateStoreError as exc:
+            log.error("cannot apply the outbox bounds", error=str(exc))
+            return
+        if dropped:
+            if self._last_drop is None:
+                self._report_drops(dropped)
+            self._last_drop = now
+        elif self._last_drop is not None and now - self._last_drop > DROPS_QUIET_AFTER:
+            self._last_drop = None
+            self.runtime.emit(Event(
+                source="mqtt", kind="outbox_drops_stopped", severity=Severity.INFO,
+                subject="outbox", message="mqtt: the outbox is within its bounds again",
+                attributes={f"dropped_{k}": v for k, v in sorted(self.outbox.dropped.items())},
+            ))
+
+    def enforce_now(self) -> dict[str, int]:
+        """Apply the outbox bounds at once (also used while disconnected)."""
+        self._last_enforce = 0.0
+        before = Counter(self.outbox.dropped)
+        self._maybe_enforce()
+        return {k: v - before[k] for k, v in self.outbox.dropped.items() if v - before[k]}
+
+    def _report_drops(self, dropped: dict[str, int]) -> None:
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(dropped.items()))
+        limits = self.outbox.limits
+        self.runtime.emit(Event(
+            source="mqtt", kind="outbox_dropped",
+            severity=Severity.CRITICAL if dropped.get("event") else Severity.WARNING,
+            subject="outbox",
+            message=f"mqtt: the outbox is full or too old and dropped undelivered entries "
+                    f"({counts}); limits {limits.max_entries} entries, {limits.max_bytes} bytes, "
+                    f"{limits.max_age:g} s",
+            action="restore delivery to the broker, or raise [mqtt] outbox_max_entries / "
+                   "outbox_max_bytes / outbox_max_age",
+            attributes={f"dropped_{k}": v for k, v in sorted(dropped.items())},
+        ))
+
+    def problems(self) -> list[str]:
+        if self._last_drop is None:
+            return []
+        total = sum(self.outbox.dropped.values())
+        return [f"mqtt outbox dropped {total} undelivered entries"]
+
+    # -- metrics ----------------------------------------------------------------------------
+
+    def families(self) -> Sequence[MetricFamily]:
+        return (CONNECTED, LAST_ACK_AGE, BIRTH_SEQUENCE, OUTBOX_ENTRIES, OUTBOX_DROPPED,
+                PUBLISHED, CONNECT_FAILURES)
+
+    def samples(self) -> Sequence[Sample]:
+        out = [CONNECTED.sample(1 if self.connected else 0), BIRTH_SEQUENCE.sample(self.bdseq)]
+        entry = self.runtime.ledger.get(self.name)
+        if entry is not None and entry.last_delivery is not None:
+            out.append(LAST_ACK_AGE.sample(max(0.0, time.time() - entry.last_delivery)))
+        try:
+            depth = self.outbox.depth()
+        except StateStoreError:
+            depth = None
+        if depth is not None:
+            out.extend(OUTBOX_ENTRIES.sample(depth.get(kind, 0), kind) for kind in KINDS)
+        out.extend(OUTBOX_DROPPED.sample(self.outbox.dropped.get(kind, 0), kind) for kind in KINDS)
+        out.extend(PUBLISHED.sample(self.published.get(kind, 0), kind) for kind in KINDS)
+        out.extend(CONNECT_FAILURES.sample(n, reason)
+                   for reason, n in sorted(self.connect_failures.items()))
+        return out
+
+
+SPEC = SinkSpec(
+    name="mqtt",
+    description="MQTT push: status with birth and Will, heartbeat, events, metric snapshots",
+    settings_type=MqttSettings,
+    factory=MqttSink,
+)

@@ -1,0 +1,108 @@
+"""Settings of the MQTT sink ([mqtt] table) and the broker URL they name.
+
+The embedded default is `enabled = false`: with no broker on 127.0.0.1:1883, `make run` would
+otherwise log a connection failure forever. A host configuration turns it on (ARCHITECTURE.md's
+example does). TLS always verifies the broker's certificate and host name; there is no switch
+to turn that off.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from agent.settings import ConfigError, setting
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+_TOPIC_LEVEL = re.compile(r"^[^#+/\x00]+$")
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerAddress:
+    host: str
+    port: int
+    tls: bool
+
+
+def parse_url(value: str, key: str = "mqtt.url") -> BrokerAddress:
+    """'mqtt://host[:port]' or 'mqtts://host[:port]' -> BrokerAddress.
+
+    Credentials in the URL are refused: the password belongs in password_file, where its file
+    mode is checked, not in a configuration file many people can read.
+    """
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(key, f"not a valid URL ({exc}): {value!r}") from None
+    if parts.scheme not in DEFAULT_PORTS:
+        raise ConfigError(key, f"expected mqtt://host:port or mqtts://host:port, got {value!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(key, "put no user or password in the URL; use username and password_file")
+    if not parts.hostname:
+        raise ConfigError(key, f"the URL names no host: {value!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(key, f"an MQTT URL has no path, query or fragment: {value!r}")
+    if port == 0:
+        raise ConfigError(key, "port must be 1-65535, got 0")
+    return BrokerAddress(parts.hostname, port or DEFAULT_PORTS[parts.scheme],
+                         parts.scheme == "mqtts")
+
+
+def check_topic_prefix(prefix: str, key: str = "mqtt.topic_prefix") -> None:
+    levels = prefix.split("/")
+    if not prefix or not all(_TOPIC_LEVEL.match(level) for level in levels):
+        raise ConfigError(
+            key, f"expected topic levels separated by '/', without '+', '#' or empty levels, "
+                 f"got {prefix!r}")
+
+
+@dataclass(frozen=True)
+class MqttSettings:
+    enabled: bool = setting(False, help="push status, heartbeat, events and metrics to a broker")
+    url: str = setting("mqtt://127.0.0.1:1883", help="mqtt://host:port or mqtts://host:port")
+    topic_prefix: str = setting("gpuwarden/v1", help="topics are <prefix>/<node>/<kind>")
+    username: str = setting("", help="broker user name; empty: anonymous")
+    password_file: Path | None = setting(
+        None, help="file holding the broker password (mode 600)", secret=False)
+    client_id: str = setting("", help="MQTT client id; empty: gpuwarden-<node>")
+    keepalive: int = setting(
+        30, minimum=5, maximum=65535,
+        help="seconds; the broker sends the Will after about 1.5 x this of silence (never 0)")
+    ca_file: Path | None = setting(None, help="CA bundle for mqtts://; empty: the system CAs")
+    cert_file: Path | None = setting(None, help="client certificate (PEM) for mqtts://")
+    key_file: Path | None = setting(None, help="client key (PEM, mode 600) for mqtts://")
+    metrics_interval: float = setting(
+        60.0, minimum=1.0, maximum=86400.0, help="seconds between metric snapshots")
+    metrics_qos: int = setting(0, minimum=0, maximum=1, help="QoS of metric snapshots: 0 or 1")
+    outbox_max_entries: int = setting(
+        100_000, minimum=10, help="outbox bound; metric snapshots are dropped first, events last")
+    outbox_max_bytes: int = setting(
+        64 * 1024 * 1024, minimum=4096, help="outbox bound in payload bytes")
+    outbox_max_age: float = setting(
+        7 * 86400.0, minimum=60.0, help="seconds after which an undelivered entry is dropped")
+    publish_window: int = setting(
+        100, minimum=1, maximum=65535, help="QoS 1 publishes in flight at once")
+    reconnect_min: float = setting(1.0, exclusive_minimum=0.0, help="first reconnect delay, s")
+    reconnect_max: float = setting(60.0, exclusive_minimum=0.0, help="longest reconnect delay, s")
+    connect_timeout: float = setting(
+        10.0, exclusive_minimum=0.0, help="seconds for CONNACK and for each PUBACK")
+
+    def __post_init__(self) -> None:
+        address = parse_url(self.url, "url")
+        check_topic_prefix(self.topic_prefix, "topic_prefix")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError("cert_file", "set cert_file and key_file together, or neither")
+        if not address.tls and any(
+                p is not None for p in (self.ca_file, self.cert_file, self.key_file)):
+            raise ConfigError("url", "ca_file, cert_file and key_file need an mqtts:// URL")
+        if self.password_file is not None and not self.username:
+            raise ConfigError("password_file", "a password_file needs a username")
+        if self.reconnect_min > self.reconnect_max:
+            raise ConfigError("reconnect_min", "must not exceed reconnect_max")
+
+    @property
+    def address(self) -> BrokerAddress:
+        return parse_url(self.url)

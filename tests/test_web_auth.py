@@ -1,0 +1,159 @@
+"""Prometheus endpoint security: the users file, basic auth with bcrypt, TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import bcrypt
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent import config as config_module
+from agent.runtime import Runtime
+from agent.state import StateStore
+from exporters.prometheus import PrometheusSink
+from exporters.web_auth import BasicAuth, UsersFileError, parse_authorization, parse_users
+from tests.support.ports import free_port
+from tests.support.tls import Authority
+
+# cost 4: the minimum, to keep the tests fast; the check is the same at any cost
+HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+class TestUsersFile:
+    """user:bcrypt-hash lines, comments, and errors that name the line."""
+
+    def test_parses_users_and_skips_comments(self) -> None:
+        """Comments and blank lines are ignored; each user maps to its hash."""
+        users = parse_users(f"# scrapers\n\nprometheus:{HASH}\n  other : {HASH}  \n")
+        assert users == {"prometheus": HASH.encode(), "other": HASH.encode()}
+
+    @pytest.mark.parametrize(("text", "message"), [
+        ("prometheus", ":1: expected user:bcrypt-hash"),
+        ("prometheus:plaintext", ":1: the hash of 'prometheus' is not a bcrypt hash"),
+        (f"a:{HASH}\na:{HASH}", ":2: user 'a' appears twice"),
+        ("# nobody\n", "no users"),
+    ])
+    def test_errors_name_the_line(self, text: str, message: str) -> None:
+        """A malformed file is refused with the line and what to do."""
+        with pytest.raises(UsersFileError, match=message):
+            parse_users(text, "users")
+
+    @given(st.text(max_size=200))
+    def test_parser_never_crashes(self, text: str) -> None:
+        """Any text is a users mapping or a UsersFileError."""
+        try:
+            users = parse_users(text)
+        except UsersFileError:
+            return
+        assert users
+        assert all(h.startswith(b"$2") and len(h) == 60 for h in users.values())
+
+
+class TestAuthorizationHeader:
+    """'Basic base64(user:password)' and nothing else."""
+
+    @given(st.text(min_size=1).filter(lambda u: ":" not in u), st.text())
+    def test_round_trip(self, user: str, password: str) -> None:
+        """Any user without ':' and any password come back as sent."""
+        assert parse_authorization(basic(user, password)) == (user, password)
+
+    @given(st.text(max_size=100))
+    def test_garbage_is_none_or_a_pair(self, header: str) -> None:
+        """Arbitrary headers never raise."""
+        result = parse_authorization(header)
+        assert result is None or len(result) == 2
+
+    def test_other_schemes_are_refused(self) -> None:
+        """Bearer tokens and undecodable values are not credentials."""
+        assert parse_authorization("Bearer abc") is None
+        assert parse_authorization("Basic !!!") is None
+
+
+class TestBasicAuth:
+    """bcrypt checks, unknown users, and the cache of successes."""
+
+    def test_right_wrong_unknown_and_cache(self) -> None:
+        """Only the right pair passes; a success is cached, a failure never."""
+        auth = BasicAuth(parse_users(f"prometheus:{HASH}"))
+        assert not auth.cached("prometheus", "s3cret")
+        assert auth.check("prometheus", "s3cret")
+        assert auth.cached("prometheus", "s3cret")
+        assert not auth.check("prometheus", "wrong")
+        assert not auth.cached("prometheus", "wrong")
+        assert not auth.check("nobody", "s3cret")
+
+
+class TestEndpoint:
+    """/metrics over TLS with basic auth: right credentials 200, wrong 401."""
+
+    async def test_tls_and_basic_auth(self, tmp_path: Path) -> None:
+        """HTTPS with the CA: 200 with the right password, 401 with a wrong or no password."""
+        authority = Authority(tmp_path / "ca").create()
+        server = authority.issue("localhost", dns_names=("localhost",), ip_addresses=("127.0.0.1",))
+        users = tmp_path / "users"
+        users.write_text(f"prometheus:{HASH}\n")
+        port = free_port()
+        cfg = config_module.parse({
+            "node_id": "n", "state_dir": str(tmp_path / "state"),
+            "prometheus": {"listen": f"127.0.0.1:{port}", "tls_cert_file": str(server.cert),
+                           "tls_key_file": str(server.key),
+                           "basic_auth_users_file": str(users)},
+        })
+        runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+        await runtime.start()
+        context = ssl.create_default_context(cafile=str(authority.cert))
+
+        def get(url: str, authorization: str | None) -> tuple[int, dict[str, str]]:
+            request = urllib.request.Request(url)
+            if authorization is not None:
+                request.add_header("Authorization", authorization)
+            try:
+                with urllib.request.urlopen(request, timeout=10, context=context) as response:
+                    return int(response.status), dict(response.headers)
+            except urllib.error.HTTPError as exc:
+                return int(exc.code), dict(exc.headers)
+
+        url = f"https://localhost:{port}/metrics"
+        try:
+            ok = await asyncio.to_thread(get, url, basic("prometheus", "s3cret"))
+            assert ok[0] == 200
+            again = await asyncio.to_thread(get, url, basic("prometheus", "s3cret"))
+            assert again[0] == 200
+            wrong = await asyncio.to_thread(get, url, basic("prometheus", "nope"))
+            assert wrong[0] == 401
+            missing = await asyncio.to_thread(get, url, None)
+            assert missing[0] == 401
+            assert missing[1]["WWW-Authenticate"] == 'Basic realm="gpuwarden"'
+            with pytest.raises(ConnectionError):  # plain HTTP to the TLS port: no answer
+                await asyncio.to_thread(
+                    urllib.request.urlopen, f"http://127.0.0.1:{port}/metrics", timeout=5)
+            sink = runtime.sinks["prometheus"]
+            assert isinstance(sink, PrometheusSink)
+            assert sink.scrapes == 2
+        finally:
+            await runtime.stop()
+            runtime.store.close()
+
+    async def test_bad_users_file_stops_the_start(self, tmp_path: Path) -> None:
+        """A malformed users file refuses to start the endpoint, naming the line."""
+        users = tmp_path / "users"
+        users.write_text("prometheus:plain\n")
+        cfg = config_module.parse({
+            "state_dir": str(tmp_path / "state"),
+            "prometheus": {"listen": f"127.0.0.1:{free_port()}",
+                           "basic_auth_users_file": str(users)}})
+        runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+        with pytest.raises(OSError, match="users:1"):
+            await runtime.start()
+        await runtime.stop()
