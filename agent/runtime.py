@@ -141,6 +141,7 @@ class Runtime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._pending_events: list[Event] = []
+        self._batch: list[Event] = []
         self._sink_tasks: dict[str, asyncio.Task[None]] = {}
         self._monitor_task: asyncio.Task[None] | None = None
         self.stale: dict[tuple[str, str], StaleItem] = {}
@@ -167,12 +168,26 @@ class Runtime:
             self._emit_now(event)
 
     def _emit_now(self, event: Event) -> None:
+        """On the loop: queue the event; the batch is stored at the next turn of the loop,
+        in one transaction, before any listener or log line hears of it."""
         if not event.node:
             event = dataclasses.replace(event, node=self.node_id)
+        self._batch.append(event)
+        if len(self._batch) == 1 and self._loop is not None:
+            self._loop.call_soon(self.flush_events)
+
+    def flush_events(self) -> None:
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
         try:
-            self.store.record_event(event, outbox=self.outbox_enabled)
+            self.store.record_events(batch, outbox=self.outbox_enabled)
         except StateStoreError as exc:
-            log.error("event not stored", event_id=event.id, error=str(exc))
+            log.error("events not stored", count=len(batch), error=str(exc))
+        for event in batch:
+            self._announce(event)
+
+    def _announce(self, event: Event) -> None:
         self.events_by_key[(event.source, event.kind, event.severity.label)] += 1
         self.recent_events.append(event)
         logger = log.bind(source=event.source)
@@ -293,6 +308,7 @@ class Runtime:
         for event in self._pending_events:
             self._emit_now(event)
         self._pending_events.clear()
+        self.flush_events()  # startup problems are stored before start() returns
         for name, settings in self.config.collectors.items():
             if settings.enabled:
                 self._add_collector(name, settings)
@@ -332,6 +348,7 @@ class Runtime:
                 await asyncio.wait_for(status.collector.close(), 2.0)
             except Exception as exc:
                 log.warning("collector did not close cleanly", collector=status.name, error=repr(exc))
+        self.flush_events()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def reload(self, config: Config) -> list[str]:

@@ -234,27 +234,33 @@ class StateStore:
 
     def record_event(self, event: Event, *, outbox: bool) -> None:
         """Store the event, and queue it for delivery, in one transaction."""
-        body = event.to_json()
+        self.record_events([event], outbox=outbox)
+
+    def record_events(self, events: Sequence[Event], *, outbox: bool) -> None:
+        """Store events, and queue them for delivery, in one transaction (a burst of events
+        costs one commit, not one each)."""
+        rows = [(e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
+                for e in events]
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.execute(
+                self._conn.executemany(
                     "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body)"
                     " VALUES (?,?,?,?,?,?,?)",
-                    (event.id, event.time, int(event.severity), event.source, event.kind,
-                     event.subject, body),
+                    rows,
                 )
                 if outbox:
-                    self._conn.execute(
+                    self._conn.executemany(
                         "INSERT INTO outbox(kind, key, created, payload) VALUES ('event',?,?,?)",
-                        (event.id, event.time, body.encode()),
+                        [(row[0], row[1], row[6].encode()) for row in rows],
                     )
                 self._conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 self.write_failures += 1
                 with contextlib.suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
-                raise StateStoreError(f"cannot store event {event.id}: {exc}") from exc
+                ids = ", ".join(e.id for e in events[:3])
+                raise StateStoreError(f"cannot store {len(events)} event(s) ({ids}...): {exc}") from exc
 
     def recent_events(self, limit: int = 100, min_severity: Severity = Severity.INFO) -> list[Event]:
         rows = self._read(

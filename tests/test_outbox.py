@@ -150,8 +150,10 @@ class TestSinkDrops:
                 produced = event(i)
                 runtime.emit(produced)
                 ids.append(produced.id)
+            runtime.flush_events()  # emit() stores at the loop's next turn; do it now
             assert sink.enforce_now().get("metrics", 0) >= 10
             sink.enforce_now()
+            runtime.flush_events()
             drops = agent.events_of("outbox_dropped")
             assert len(drops) == 1
             assert "raise [mqtt] outbox_max_entries" in drops[0].action
