@@ -69,12 +69,27 @@ class MalformedLine(ValueError):
     """A line that starts like a structured kernel-log shape but does not follow it."""
 
 
-# /dev/kmsg escapes bytes outside printable ASCII (and backslash) as \xNN.
+# /dev/kmsg escapes every byte outside printable ASCII (and the backslash) as \xNN, so a
+# UTF-8 character arrives as a run of escapes that must be decoded together.
 _ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
 
 
 def unescape_kmsg(text: str) -> str:
-    return _ESCAPE.sub(lambda m: chr(int(m[1], 16)), text)
+    if "\\x" not in text:
+        return text
+    out: list[str] = []
+    pending = bytearray()
+    position = 0
+    for match in _ESCAPE.finditer(text):
+        if match.start() > position:
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
+            out.append(text[position:match.start()])
+        pending.append(int(match[1], 16))
+        position = match.end()
+    out.append(pending.decode("utf-8", errors="replace"))
+    out.append(text[position:])
+    return "".join(out)
 
 
 _KMSG = re.compile(r"^(\d{1,4}),(\d{1,20}),(\d{1,20}),([^,;]*)(?:,[^;]*)?;(.*)$", re.DOTALL)
