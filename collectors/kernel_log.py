@@ -9,6 +9,7 @@ counters count every line.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ class KernelLogCollector:
             self.reader = await ctx.call("kernel_log:open", self._open_reader)
         reader = self.reader
         batch = await ctx.call("kernel_log:read", reader.read)
+        self._prune_holdoff(ctx.now)
         events = self._process(batch, reader)
         await ctx.call("kernel_log:commit", reader.commit, batch)
         events.extend(self.correlator.drain(ctx.now))
@@ -195,8 +197,18 @@ class KernelLogCollector:
         return samples
 
     async def close(self) -> None:
+        """Release the descriptor and hand on Xids still waiting for a twin: the cursor is
+        already past them, so they would be lost with the process."""
         if self.reader is not None:
             self.reader.close()
+            self.reader = None
+        for event in self.correlator.drain(math.inf):
+            self.deps.emit(event)
+
+    def _prune_holdoff(self, now: float) -> None:
+        horizon = now - self.settings.repeat_holdoff
+        for key in [k for k, held in self._holdoff.items() if held.last < horizon]:
+            del self._holdoff[key]
 
 
 def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:

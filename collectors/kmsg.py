@@ -147,11 +147,13 @@ class KmsgReader:
         if self._fd is None:
             self._fd = self._open()
         batch = ReadBatch(predates_agent=self._first_batch)
-        self._first_batch = False
         expected = self._last_seq + 1 if self._last_seq >= 0 else None
         while len(batch.records) < MAX_RECORDS_PER_READ:
             data = self._read_one(self._fd)
             if data is None:
+                # The backlog ends at the first EAGAIN, which may be several rounds in when
+                # the ring held more than one round's worth.
+                self._first_batch = False
                 break
             if not data:
                 batch.overruns += 1

@@ -155,6 +155,19 @@ class TestKernelLogCollector:
         assert value(samples, "gpuwarden_xid_errors_total", xid="48") == 1
         await h.collector.close()
 
+    async def test_close_hands_on_waiting_xids(
+            self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
+        """An Xid still inside its correlation window at shutdown is emitted, not lost."""
+        h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
+        emitted: list[Event] = []
+        h.collector.deps = CollectorDeps("node", tmp_path, h.store, h.shared, emitted.append)
+        await h.collect()
+        h.device.write("NVRM: Xid (PCI:0000:3b:00): 94, Contained", usec=int(time.monotonic() * 1e6))
+        events, _ = await h.collect()
+        assert events == []
+        await h.collector.close()
+        assert [e.attributes["xid"] for e in emitted] == [94]
+
     async def test_saved_file_source(self, tmp_path: Path,
                                      executor: concurrent.futures.Executor) -> None:
         """A file of saved lines works as the source, tail-like."""

@@ -88,6 +88,21 @@ class TestReading:
         assert second.records == []
         assert not second.predates_agent
 
+    def test_backlog_longer_than_one_round(self, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+        """A backlog read over several rounds is all marked predates_agent; what follows is not."""
+        monkeypatch.setattr("collectors.kmsg.MAX_RECORDS_PER_READ", 100)
+        device = h200_device()
+        reader = reader_for(device, write_boot_id(tmp_path / "boot_id", BOOT_A),
+                            MemoryKeyValueStore())
+        batches = [reader.read() for _ in range(4)]
+        assert [len(b.records) for b in batches] == [100, 100, 100, len(device.records) - 300]
+        assert all(b.predates_agent for b in batches)
+        device.write("INFO: task python3:1 blocked for more than 120 seconds.")
+        later = reader.read()
+        assert len(later.records) == 1
+        assert not later.predates_agent
+
     def test_short_buffer_is_a_clear_error(self, tmp_path: Path) -> None:
         """A buffer too small for a record fails loudly, naming the cause (it would loop)."""
         device = FakeKmsg.with_records([kmsg_record(0, "x" * 200)])
