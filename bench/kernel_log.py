@@ -2,7 +2,9 @@
 
 Prints a table: lines per second for each shape (the H200 capture mixed with the fixture's
 findings, repeated to about 100k lines), beside a bare regex pass over the same lines as the
-reference floor. Run: `python bench/kernel_log.py`.
+reference floor. Run: `python bench/kernel_log.py [SAVED_LOG ...]`; each saved log named is
+also scanned and summarised (shapes seen, malformed lines, findings by kind), which is how
+captures from a real GPU host are checked.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import re
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -18,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.collector import MemoryKeyValueStore
 from collectors.kmsg import KmsgReader
 from collectors.log_matchers import MatcherSet
-from collectors.logparse import ParseStats, parse_lines
+from collectors.logparse import LogRecord, ParseStats, parse_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "kernel_log"
@@ -43,7 +47,27 @@ def best_of(runs: int, fn: object) -> float:
     return min(times)
 
 
+def summarise(path: Path) -> None:
+    stats = ParseStats()
+    matchers = MatcherSet()
+    shapes: Counter[str] = Counter()
+
+    def counted(records: Iterable[LogRecord]) -> Iterator[LogRecord]:
+        for record in records:
+            shapes[record.format] += 1
+            yield record
+
+    lines = path.read_text(errors="replace").splitlines()
+    findings = Counter(f.kind for f in matchers.scan(counted(parse_lines(lines, stats))))
+    nvrm = sum(1 for line in lines if "NVRM" in line)
+    print(f"{path.name}: {stats.lines} lines, {stats.records} records, {stats.malformed} "
+          f"malformed {stats.malformed_examples[:2]}, shapes {dict(shapes)}, NVRM lines {nvrm}, "
+          f"findings {dict(findings)}, ignored {dict(matchers.ignored)}")
+
+
 def main() -> None:
+    for name in sys.argv[1:]:
+        summarise(Path(name))
     xid = re.compile(r"NVRM: Xid")
     print(f"{'shape':<24}{'lines':>9}{'findings':>10}{'parse+match lines/s':>22}"
           f"{'bare regex lines/s':>20}")
@@ -73,7 +97,15 @@ def main() -> None:
     took = time.perf_counter() - started
     reader.close()
     print(f"/dev/kmsg: {len(batch.records)} records read and parsed in {took * 1e3:.1f} ms "
-          f"({took / max(1, len(batch.records)) * 1e6:.1f} µs per record)")
+          f"({took / max(1, len(batch.records)) * 1e6:.1f} µs per record), "
+          f"malformed {batch.malformed}, lost {batch.lost}")
+    nvrm = [r for r in batch.records if "NVRM" in r.message]
+    facilities = Counter(r.facility for r in nvrm)
+    findings = Counter(f.kind for f in MatcherSet().scan(batch.records))
+    print(f"/dev/kmsg NVRM records: {len(nvrm)}, by facility {dict(facilities)}; "
+          f"findings {dict(findings)}")
+    for record in nvrm[:5]:
+        print(f"  {record.seq} {record.facility},{record.level} {record.message[:110]}")
 
 
 if __name__ == "__main__":
