@@ -26,6 +26,7 @@ class TestShapes:
         (f"4,1005,11172835,-;{XID}", "kmsg", 0, 4, "11.172835"),
         (f"[   11.172835] {XID}", "dmesg", None, None, "11.172835"),
         (f"[Sun Nov 29 17:42:14 2026] {XID}", "dmesg-T", None, None, "Sun Nov 29 17:42:14 2026"),
+        (f"[Mon Nov  9 07:02:04 2026] {XID}", "dmesg-T", None, None, "Mon Nov  9 07:02:04 2026"),
         (f"kern  :warn  : 2026-11-29T17:42:14,172835+00:00 {XID}", "decode+dmesg-iso", 0, 4,
          "2026-11-29T17:42:14,172835+00:00"),
         (f"kern  :err   : [   11.172835] {XID}", "decode+dmesg", 0, 3, "11.172835"),
