@@ -26,7 +26,7 @@ from collectors.logparse import LogRecord, ParseStats, parse_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "kernel_log"
-CAPTURE = Path("/work/shared/fixtures/h200/kmsg-records.txt")
+CAPTURE = FIXTURES / "h200-kmsg-records.txt"
 TARGET_LINES = 100_000
 
 

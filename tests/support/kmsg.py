@@ -15,8 +15,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-H200_CAPTURE = Path("/work/shared/fixtures/h200/kmsg-records.txt")
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kernel_log"
+H200_CAPTURE = FIXTURES / "h200-kmsg-records.txt"
+"""Raw /dev/kmsg records captured on the lent H200 (driver 580.159.04), copied from the shared
+fixtures (fixtures/h200/kmsg-records.txt) so the tests run on any checkout."""
 
 
 def escape_kmsg(text: str) -> str:
