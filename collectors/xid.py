@@ -135,8 +135,15 @@ class XidCorrelator:
     """
 
     def __init__(self, window: float = 5.0, build_event: EventBuilder | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, holdoff: float = 300.0) -> None:
         self.window = window
+        self.holdoff = holdoff
+        """Seconds after an Xid event in which new incidents of the same GPU and code raise no
+        event (an application faulting every second would raise one per window); they are
+        counted, and the next event says how many were held back."""
+        self._last_event: dict[tuple[str, int], float] = {}
+        self._held: dict[tuple[str, int], int] = {}
+        self.held_back = 0
         self._build_event: EventBuilder = build_event or build_xid_event
         self._clock = clock
         self._lock = threading.Lock()
@@ -201,21 +208,33 @@ class XidCorrelator:
             batch = self._ready + [self._pending.pop(k) for k in ready]
             self._ready = []
             for pending in batch:
-                out.append(self._finish(pending))
+                event = self._finish(pending)
+                if event is not None:
+                    out.append(event)
             self._recent = {k: v for k, v in self._recent.items()
                             if now - v[0] <= 2 * self.window}
         return out
 
-    def _finish(self, pending: _Pending) -> Event:
+    def _finish(self, pending: _Pending) -> Event | None:
         first = pending.first
         key = (first.pci_bus_id, first.code)
         self.counts[key] = self.counts.get(key, 0) + pending.occurrences
         sources = frozenset(pending.sources)
-        if not first.predates_agent:
+        if first.predates_agent:
+            held = 0
+        else:
             self._recent[key] = (first.time, sources)
+            last = self._last_event.get(key)
+            if last is not None and 0 <= first.time - last < self.holdoff:
+                self._held[key] = self._held.get(key, 0) + pending.occurrences
+                self.held_back += 1
+                return None
+            self._last_event[key] = first.time
+            held = self._held.pop(key, 0)
         identity = self._identities.get(first.pci_bus_id, {})
         event = self._build_event(first, sources, identity)
-        extra: dict[str, AttributeValue] = {"occurrences": pending.occurrences}
+        extra: dict[str, AttributeValue] = {"occurrences": pending.occurrences,
+                                            "repeats_since_last_event": held}
         if len(pending.texts) > 1:
             extra["texts"] = " | ".join(pending.texts)
         return dataclasses.replace(event, attributes={**event.attributes, **extra})

@@ -143,13 +143,27 @@ class TestCorrelator:
     def test_window_expiry_makes_two_incidents(self) -> None:
         """The same code on the same GPU far apart in time is two events."""
         clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=5.0, clock=clock)
+        correlator = XidCorrelator(window=5.0, clock=clock, holdoff=0.0)
         correlator.observe(obs("kmsg", 1000.0))
         clock.now = 1100.0
         correlator.observe(obs("kmsg", 1100.0))
         events = correlator.drain(1200.0)
         assert len(events) == 2
         assert correlator.counts == {(PCI, 79): 2}
+
+    def test_holdoff_after_an_event(self) -> None:
+        """New incidents soon after an event are counted, not raised; the next event says so."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=5.0, clock=clock, holdoff=300.0)
+        events: list[Event] = []
+        for at in (1000.0, 1060.0, 1120.0, 1400.0):
+            clock.now = at
+            correlator.observe(obs("kmsg", at, code=13))
+            events += correlator.drain(at + 10)
+        assert [e.time for e in events] == [1000.0, 1400.0]
+        assert events[1].attributes["repeats_since_last_event"] == 2
+        assert correlator.counts == {(PCI, 13): 4}
+        assert correlator.held_back == 2
 
     def test_repeats_join_and_count(self) -> None:
         """Three lines and three NVML events of one burst: one event standing for three."""
