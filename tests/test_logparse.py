@@ -176,3 +176,27 @@ class TestProperties:
             (facility, level, seq, usec)
         assert record.message == message
         assert escape_kmsg(record.message).isascii()
+
+
+LIVE = H200_CAPTURE.parent / "h200-live"
+
+
+class TestRealH200Shapes:
+    """The shapes util-linux printed on the real H200 parse whole and agree with the raw records."""
+
+    @pytest.mark.parametrize(("name", "shape"), [
+        ("kmsg.txt", "kmsg"), ("dmesg.txt", "dmesg"), ("dmesg-T.txt", "dmesg-T"),
+        ("dmesg-iso.txt", "decode+dmesg-iso"),
+    ])
+    def test_same_messages_in_every_shape(self, name: str, shape: str) -> None:
+        """Every line is recognised as its shape, none malformed, same messages as the raw
+        records (dmesg prints the unescaped text, the raw records escape it)."""
+        raw = list(parse_lines((LIVE / "kmsg.txt").read_text().splitlines()))
+        stats = ParseStats()
+        records = list(parse_lines((LIVE / name).read_text().splitlines(), stats))
+        assert stats.malformed == 0
+        assert {r.format for r in records} == {shape}
+        assert [r.message.rstrip() for r in records] == [r.message.rstrip() for r in raw]
+        nvrm = [r for r in raw if r.message.startswith("NVRM:")]
+        assert nvrm
+        assert all(r.facility == 0 for r in nvrm)
