@@ -17,6 +17,7 @@ COLLECTORS: Final[dict[str, str]] = {
     "disk": "collectors.disk",
     "processes": "collectors.processes",
     "io_probe": "collectors.io_probe",
+    "kernel_log": "collectors.kernel_log",
 }
 
 SINKS: Final[dict[str, str]] = {

@@ -1,0 +1,249 @@
+"""The Xid catalog, PCI id normalisation and the correlator that makes one event of two sources."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.model import Event, Severity
+from collectors.xid import (
+    XidCorrelator,
+    XidObservation,
+    XidSource,
+    build_xid_event,
+    normalize_pci_bus_id,
+)
+from collectors.xid_catalog import CATALOG_PATH, catalog_source, known_codes, lookup, lookup_sxid
+
+PCI = "0000:3b:00.0"
+IDENTITY = {"gpu": "3", "uuid": "GPU-5b3c1d2e", "pci_bus_id": "00000000:3B:00.0",
+            "model": "NVIDIA H200"}
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def obs(source: XidSource, at: float, code: int = 79, pci: str = PCI,
+        predates: bool = False) -> XidObservation:
+    return XidObservation(source=source, pci_bus_id=pci, code=code, time=at,
+                          text=f"{source} text", predates_agent=predates)
+
+
+class TestCatalog:
+    """The catalog is data with a source; every entry is complete; unknown codes stay visible."""
+
+    def test_entries_are_complete(self) -> None:
+        """Every entry has a name, meaning, fault, severity and action."""
+        data = json.loads(CATALOG_PATH.read_text())
+        assert "NVIDIA" in data["source"]
+        assert catalog_source() == data["source"]
+        for code in known_codes():
+            info = lookup(code)
+            assert info.known
+            assert info.name
+            assert info.meaning
+            assert info.action
+            assert info.fault in ("application", "node", "either")
+
+    def test_field_notes_codes_are_present(self) -> None:
+        """The codes operators act on (FIELD-NOTES.md) are all in the catalog."""
+        for code in (13, 31, 43, 45, 46, 48, 54, 62, 63, 64, 74, 79, 92, 94, 95, 109, 110, 119,
+                     120, 136, 140, 143, *range(144, 152), 154, 155, 156, 158):
+            assert lookup(code).known, code
+
+    def test_application_faults_are_not_critical(self) -> None:
+        """13, 31, 43, 45 are usually the application's fault: at most a warning."""
+        for code in (13, 31, 43, 45):
+            assert lookup(code).fault == "application"
+            assert lookup(code).severity <= Severity.WARNING
+        assert lookup(79).severity is Severity.CRITICAL
+
+    def test_unknown_code(self) -> None:
+        """An unknown code is reported as unknown, with a way forward."""
+        info = lookup(31337)
+        assert (info.known, info.fault, info.severity) == (False, "unknown", Severity.WARNING)
+        assert "31337" in info.meaning
+        assert "31337" in info.action
+
+    def test_sxid_fatal_from_text(self) -> None:
+        """SXid severity follows the fatal / non-fatal word in the text."""
+        assert lookup_sxid(1, "Fatal, Link 2").severity is Severity.CRITICAL
+        assert lookup_sxid(1, "Non-fatal, Link 2").severity is Severity.WARNING
+        assert lookup_sxid(1, "Severity 0 Engine").severity is Severity.WARNING
+
+
+class TestNormalize:
+    """Any PCI address form becomes `0000:3b:00.0`."""
+
+    @pytest.mark.parametrize(("text", "expected"), [
+        ("PCI:0000:3b:00", "0000:3b:00.0"), ("0000:3B:00", "0000:3b:00.0"),
+        ("00000000:3B:00.0", "0000:3b:00.0"), ("3b:00.1", "0000:3b:00.1"),
+        ("0001:0a:1f.7", "0001:0a:1f.7"),
+    ])
+    def test_forms(self, text: str, expected: str) -> None:
+        """Kernel, NVML and short forms agree."""
+        assert normalize_pci_bus_id(text) == expected
+
+    @given(st.text(max_size=30))
+    def test_any_text(self, text: str) -> None:
+        """Anything else raises ValueError; a result is always in the canonical form."""
+        try:
+            out = normalize_pci_bus_id(text)
+        except ValueError:
+            return
+        assert normalize_pci_bus_id(out) == out
+
+
+class TestCorrelator:
+    """The same Xid from the kernel log and NVML is one event that lists both."""
+
+    def test_both_sources_within_the_window(self) -> None:
+        """kmsg and nvml within the window: one event, both sources, counted once."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=5.0, clock=clock)
+        correlator.set_identity(PCI, IDENTITY)
+        correlator.observe(obs("nvml", 1000.0))
+        clock.now = 1002.0
+        correlator.observe(obs("kmsg", 999.8))
+        assert correlator.drain(1004.0) == []  # the window is still open
+        [event] = correlator.drain(1005.0)
+        assert event.attributes["sources"] == "kmsg,nvml"
+        assert "seen by kmsg and nvml" in event.message
+        assert event.subject == "GPU-5b3c1d2e"
+        assert event.attributes["gpu"] == "3"
+        assert event.attributes["model"] == "NVIDIA H200"
+        assert event.severity is Severity.CRITICAL
+        assert event.action == lookup(79).action
+        assert correlator.counts == {(PCI, 79): 1}
+        assert correlator.drain(2000.0) == []
+
+    def test_one_source_says_so(self) -> None:
+        """An Xid only the kernel log saw says `seen only by kmsg`; NVML-only likewise."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=5.0, clock=clock)
+        correlator.observe(obs("kmsg", 1000.0))
+        correlator.observe(obs("nvml", 1000.0, code=48, pci="0000:86:00.0"))
+        events = sorted(correlator.drain(1010.0), key=lambda e: e.attributes["xid"] or 0)
+        assert [(e.attributes["xid"], e.attributes["sources"]) for e in events] == \
+            [(48, "nvml"), (79, "kmsg")]
+        assert "seen only by nvml" in events[0].message
+        assert "seen only by kmsg" in events[1].message
+        assert events[1].attributes["gpu"] == ""
+        assert events[1].subject == PCI
+
+    def test_window_expiry_makes_two_incidents(self) -> None:
+        """The same code on the same GPU far apart in time is two events."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=5.0, clock=clock, holdoff=0.0)
+        correlator.observe(obs("kmsg", 1000.0))
+        clock.now = 1100.0
+        correlator.observe(obs("kmsg", 1100.0))
+        events = correlator.drain(1200.0)
+        assert len(events) == 2
+        assert correlator.counts == {(PCI, 79): 2}
+
+    def test_holdoff_after_an_event(self) -> None:
+        """New incidents soon after an event are counted, not raised; the next event says so."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=5.0, clock=clock, holdoff=300.0)
+        events: list[Event] = []
+        for at in (1000.0, 1060.0, 1120.0, 1400.0):
+            clock.now = at
+            correlator.observe(obs("kmsg", at, code=13))
+            events += correlator.drain(at + 10)
+        assert [e.time for e in events] == [1000.0, 1400.0]
+        assert events[1].attributes["repeats_since_last_event"] == 2
+        assert correlator.counts == {(PCI, 13): 4}
+        assert correlator.held_back == 2
+
+    def test_repeats_join_and_count(self) -> None:
+        """Three lines and three NVML events of one burst: one event standing for three."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=5.0, clock=clock)
+        for source in ("kmsg", "nvml"):
+            for offset in (0.0, 0.5, 1.0):
+                correlator.observe(obs(source, 1000.0 + offset))
+        [event] = correlator.drain(1010.0)
+        assert event.attributes["occurrences"] == 3
+        assert correlator.counts == {(PCI, 79): 3}
+
+    def test_late_twin_is_not_a_second_event(self) -> None:
+        """A twin arriving just after its event went out is counted, not raised."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=5.0, clock=clock)
+        correlator.observe(obs("nvml", 1000.0))
+        assert len(correlator.drain(1005.0)) == 1
+        clock.now = 1006.0
+        correlator.observe(obs("kmsg", 1001.0))
+        assert correlator.drain(1020.0) == []
+        assert correlator.late_twins == 1
+
+    def test_predating_backlog_is_one_event_per_gpu_and_code(self) -> None:
+        """500 old lines of the same Xid: one event at once, marked, saying 500."""
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(5000.0))
+        for i in range(500):
+            correlator.observe(obs("kmsg", 100.0 + i, code=13, predates=True))
+        [event] = correlator.drain(5000.0)
+        assert event.attributes["predates_agent"] is True
+        assert "before the agent started" in event.message
+        assert event.attributes["occurrences"] == 500
+        assert event.time == 100.0
+
+    def test_custom_builder(self) -> None:
+        """set_builder replaces the default; occurrences are still added."""
+        correlator = XidCorrelator(window=0.0, clock=FakeClock(0.0))
+        correlator.set_builder(lambda o, s, i: Event(source="t", kind="x", severity=Severity.INFO,
+                                                     message=f"{o.code} {sorted(s)}"))
+        correlator.observe(obs("nvml", 0.0))
+        [event] = correlator.drain(1.0)
+        assert event.message == "79 ['nvml']"
+        assert event.attributes["occurrences"] == 1
+
+    def test_default_builder_unknown_code(self) -> None:
+        """An unknown code still gives a full event."""
+        event = build_xid_event(obs("kmsg", 0.0, code=4242), frozenset({"kmsg"}), {})
+        assert "4242" in event.message
+        assert event.attributes["known"] is False
+
+    def test_thread_safety_smoke(self) -> None:
+        """Observers on threads and a draining loop lose nothing and count each Xid once."""
+        clock = FakeClock(1000.0)
+        correlator = XidCorrelator(window=0.0, clock=clock)
+        codes = range(40)
+        events: list[Event] = []
+        stop = threading.Event()
+
+        def drainer() -> None:
+            while not stop.is_set():
+                events.extend(correlator.drain(1000.0))
+
+        def observer(source: XidSource) -> None:
+            for code in codes:
+                correlator.observe(obs(source, 1000.0, code=code))
+
+        threads = [threading.Thread(target=observer, args=(s,)) for s in ("kmsg", "nvml")]
+        drain_thread = threading.Thread(target=drainer)
+        drain_thread.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        drain_thread.join()
+        events.extend(correlator.drain(1000.0))
+        # Each code is one event with both sources, or (when drained between the two) one
+        # event plus a late twin: never two events for one code.
+        per_code = sorted(int(e.attributes["xid"] or 0) for e in events)
+        assert per_code == list(codes)
+        both = sum(1 for e in events if e.attributes["sources"] == "kmsg,nvml")
+        assert both + correlator.late_twins == len(codes)
+        assert sum(correlator.counts.values()) == len(codes)
