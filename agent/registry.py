@@ -18,6 +18,7 @@ COLLECTORS: Final[dict[str, str]] = {
     "processes": "collectors.processes",
     "io_probe": "collectors.io_probe",
     "kernel_log": "collectors.kernel_log",
+    "benchmark": "collectors.benchmark",
 }
 
 SINKS: Final[dict[str, str]] = {
