@@ -154,6 +154,15 @@ def cuda_device_plan(gpu: GpuIdentity) -> tuple[str, dict[str, str]]:
     return "cuda:0", {"CUDA_VISIBLE_DEVICES": gpu.uuid}
 
 
+@dataclass(frozen=True)
+class RunResult:
+    gpu: GpuIdentity
+    record: BenchmarkRecord | None
+    """None when the test gave no result (see outcome.failure)."""
+    outcome: ChildOutcome
+    events: Sequence[Event]
+
+
 @dataclass
 class GpuState:
     quiet: collections.deque[bool] = field(default_factory=collections.deque)
@@ -219,7 +228,7 @@ class BenchmarkCollector:
                 self._state(gpu).skips[reason] += 1
             elif chosen is None:
                 chosen = gpu
-        events = await self.benchmark(ctx, chosen, gpus) if chosen else []
+        events = list((await self.benchmark(ctx, chosen, gpus)).events) if chosen else []
         return Collection(samples=self._samples(gpus), events=events)
 
     def _state(self, gpu: GpuIdentity) -> GpuState:
@@ -276,8 +285,8 @@ class BenchmarkCollector:
     # -- a run --------------------------------------------------------------------------------
 
     async def benchmark(self, ctx: CollectContext, gpu: GpuIdentity,
-                        gpus: Sequence[GpuIdentity]) -> list[Event]:
-        """Run the test on `gpu` now and return its events (also used by `gpuwarden bench`)."""
+                        gpus: Sequence[GpuIdentity]) -> RunResult:
+        """Run the test on `gpu` now (also used by `gpuwarden bench`)."""
         state = self._state(gpu)
         device, env = self.device_plan(gpu)
         driver = await ctx.call("benchmark:driver", self.activity.driver_version)
@@ -289,17 +298,21 @@ class BenchmarkCollector:
         record, outcome = self._record(gpu, driver or "", outcome)
         if record is None:
             state.failures[outcome.failure] += 1
-            return self._failure_events(gpu, outcome)
+            return RunResult(gpu, None, outcome, self._failure_events(gpu, outcome))
         history = await ctx.call("benchmark:history", self.history.refresh)
         record = judge(history, record, self.policy)
-        await ctx.call("benchmark:history", self.history.append, record)
+        try:
+            await ctx.call("benchmark:history", self.history.append, record)
+        except OSError as exc:  # a read-only state_dir must not lose the result or the events
+            log.warning("benchmark record not saved", path=str(self.history.path), error=str(exc))
+            self.history.records.append(record)
         state.last, state.last_success = record, finished
         if record.correct is False:
             state.wrong += 1
         events = self._recovery_events(gpu)
         events += bench_events.judge_events(self.deps.state, self.history.records, record,
                                             gpu=gpu, gpus=gpus, policy=self.policy)
-        return events
+        return RunResult(gpu, record, outcome, events)
 
     def _record(self, gpu: GpuIdentity, driver: str,
                 outcome: ChildOutcome) -> tuple[BenchmarkRecord | None, ChildOutcome]:

@@ -1,0 +1,275 @@
+"""The benchmark collector: idle gating, scheduling, events and metrics, with a fake NVML."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import config as config_module
+from agent.model import Event, Severity
+from agent.settings import ConfigError
+from collectors.bench_child import PLANT_WRONG_RESULT_ENV
+from collectors.bench_history import HISTORY_FILE
+from collectors.bench_runner import ChildRunner
+from collectors.benchmark import BenchmarkCollector, BenchmarkSettings
+from tests.support.bench import (
+    RECORD_CHILD,
+    FakeGpuActivity,
+    context,
+    cpu_plan,
+    deps,
+    fake_child,
+    gpu,
+    record,
+    series,
+)
+
+T0 = float(int(time.time()))  # the fake child stamps its records with the real clock
+MINUTE = 60.0
+
+
+class CountingRunner(ChildRunner):
+    def __init__(self, command: list[str], **kwargs: Any) -> None:
+        super().__init__(command, **kwargs)
+        self.arguments: list[list[str]] = []
+        self.envs: list[dict[str, str]] = []
+
+    async def run(self, arguments: Any, extra_env: Any = None) -> Any:
+        self.arguments.append(list(arguments))
+        self.envs.append(dict(extra_env or {}))
+        return await super().run(arguments, extra_env)
+
+
+def make(tmp_path: Path, activity: FakeGpuActivity, *, env: dict[str, str] | None = None,
+         body: str = RECORD_CHILD, **settings: Any) -> tuple[BenchmarkCollector, CountingRunner]:
+    runner = CountingRunner(fake_child(tmp_path, "child", body), timeout=30, env=env)
+    collector = BenchmarkCollector(BenchmarkSettings(**settings), deps(tmp_path / "state"),
+                                   activity=activity, runner=runner)
+    return collector, runner
+
+
+class TestNoGpu:
+    """A host without GPUs says so once and never starts a child."""
+
+    async def test_no_backend(self, tmp_path: Path) -> None:
+        collector, runner = make(tmp_path, FakeGpuActivity(available=False))
+        for i in range(3):
+            result = await collector.collect(context(T0 + i * MINUTE, i))
+            assert series(result.samples, "gpuwarden_benchmark_gpus") == [0]
+        assert runner.arguments == []
+
+    async def test_backend_with_zero_gpus(self, tmp_path: Path) -> None:
+        collector, runner = make(tmp_path, FakeGpuActivity(devices=[]), when="always")
+        result = await collector.collect(context(T0))
+        assert series(result.samples, "gpuwarden_benchmark_gpus") == [0]
+        assert runner.arguments == []
+
+
+class TestIdleGate:
+    """A due GPU runs only after idle_rounds quiet rounds; busy rounds are counted skips."""
+
+    async def test_waits_for_idle_rounds(self, tmp_path: Path) -> None:
+        collector, runner = make(tmp_path, FakeGpuActivity(), idle_rounds=3)
+        for i in range(2):
+            result = await collector.collect(context(T0 + i * MINUTE, i))
+            assert series(result.samples, "gpuwarden_benchmark_skips_total",
+                          reason="settling") == [i + 1]
+        assert runner.arguments == []
+        await collector.collect(context(T0 + 2 * MINUTE, 2))
+        assert len(runner.arguments) == 1
+
+    async def test_compute_process_blocks_and_resets(self, tmp_path: Path) -> None:
+        activity = FakeGpuActivity(processes={0: 1})
+        collector, runner = make(tmp_path, activity, idle_rounds=2)
+        result = await collector.collect(context(T0))
+        result = await collector.collect(context(T0 + MINUTE))
+        assert series(result.samples, "gpuwarden_benchmark_skips_total",
+                      reason="busy_processes") == [2]
+        assert series(result.samples, "gpuwarden_benchmark_gpu_idle") == [0]
+        activity.processes[0] = 0
+        await collector.collect(context(T0 + 2 * MINUTE))
+        assert runner.arguments == []  # one quiet round is not enough
+        activity.utilization[0] = 80.0  # a spike resets the window
+        result = await collector.collect(context(T0 + 3 * MINUTE))
+        assert series(result.samples, "gpuwarden_benchmark_skips_total",
+                      reason="busy_utilization") == [1]
+        activity.utilization[0] = 2.0
+        await collector.collect(context(T0 + 4 * MINUTE))
+        assert runner.arguments == []
+        await collector.collect(context(T0 + 5 * MINUTE))
+        assert len(runner.arguments) == 1
+
+    async def test_unknown_activity_is_not_idle(self, tmp_path: Path) -> None:
+        collector, runner = make(tmp_path, FakeGpuActivity(processes={0: None}), idle_rounds=1)
+        result = await collector.collect(context(T0))
+        assert runner.arguments == []
+        assert series(result.samples, "gpuwarden_benchmark_skips_total",
+                      reason="activity_unknown") == [1]
+
+    async def test_always_runs_on_a_busy_gpu(self, tmp_path: Path) -> None:
+        activity = FakeGpuActivity(processes={0: 3}, utilization={0: 100.0})
+        collector, runner = make(tmp_path, activity, when="always")
+        await collector.collect(context(T0))
+        assert len(runner.arguments) == 1
+
+
+class TestSchedule:
+    """One GPU per round, each once per period, the child pinned to its GPU by UUID."""
+
+    async def test_one_gpu_per_round_then_wait_for_the_period(self, tmp_path: Path) -> None:
+        activity = FakeGpuActivity(devices=[gpu(0), gpu(1)])
+        collector, runner = make(tmp_path, activity, when="always", period=3600.0)
+        for i in range(4):
+            await collector.collect(context(T0 + i * MINUTE, i))
+        assert len(runner.arguments) == 2
+        assert [env["CUDA_VISIBLE_DEVICES"] for env in runner.envs] == [gpu(0).uuid, gpu(1).uuid]
+        assert all(args[args.index("--device") + 1] == "cuda:0" for args in runner.arguments)
+        await collector.collect(context(T0 + 3700.0, 5))
+        assert len(runner.arguments) == 3
+
+    async def test_settings_reach_the_child(self, tmp_path: Path) -> None:
+        collector, runner = make(tmp_path, FakeGpuActivity(), when="always", profile="bf16",
+                                 iterations=7, min_window_seconds=1.5)
+        await collector.collect(context(T0))
+        args = runner.arguments[0]
+        assert args[args.index("--profile") + 1] == "bf16"
+        assert args[args.index("--size") + 1] == "8192"
+        assert args[args.index("--iterations") + 1] == "7"
+        assert args[args.index("--min-window") + 1] == "1.5"
+
+
+class TestRecords:
+    """A run becomes a history line with the GPU's identity, and metrics."""
+
+    async def test_history_line_and_metrics(self, tmp_path: Path) -> None:
+        collector, _ = make(tmp_path, FakeGpuActivity(), env={"FAKE_TFLOPS": "49.5"},
+                            when="always")
+        result = await collector.collect(context(T0))
+        lines = (tmp_path / "state" / HISTORY_FILE).read_text().splitlines()
+        assert len(lines) == 1
+        saved = json.loads(lines[0])
+        assert saved["gpu_uuid"] == gpu(0).uuid
+        assert saved["gpu_name"] == "NVIDIA H200"  # NVML's name, not the child's
+        assert saved["driver_version"] == "580.159.04"
+        assert saved["source"] == "agent"
+        labels = {"uuid": gpu(0).uuid, "pci_bus_id": "0000:10:00.0", "model": "NVIDIA H200"}
+        assert series(result.samples, "gpuwarden_benchmark_flops_per_second",
+                      profile="fp32", **labels) == [pytest.approx(49.5e12)]
+        assert series(result.samples, "gpuwarden_benchmark_correct") == [1]
+        assert series(result.samples, "gpuwarden_benchmark_runs_total") == [1]
+        assert series(result.samples, "gpuwarden_benchmark_baseline_ratio") == []
+        assert len(series(result.samples, "gpuwarden_benchmark_last_run_timestamp_seconds")) == 1
+
+    async def test_child_on_another_gpu_is_rejected(self, tmp_path: Path) -> None:
+        collector, _ = make(tmp_path, FakeGpuActivity(), when="always",
+                            env={"FAKE_SEEN_UUID": "GPU-ffffffff-0000-0000-0000-000000000000"})
+        result = await collector.collect(context(T0))
+        assert [e.kind for e in result.events] == ["benchmark_failed"]
+        assert result.events[0].attributes["reason"] == "wrong_device"
+        assert not (tmp_path / "state" / HISTORY_FILE).exists()
+
+    async def test_same_uuid_without_prefix_is_accepted(self, tmp_path: Path) -> None:
+        bare = gpu(0).uuid.removeprefix("GPU-").upper()
+        collector, _ = make(tmp_path, FakeGpuActivity(), when="always",
+                            env={"FAKE_SEEN_UUID": bare})
+        result = await collector.collect(context(T0))
+        assert result.events == []
+        assert series(result.samples, "gpuwarden_benchmark_correct") == [1]
+
+
+class TestEvents:
+    """Failures once per cause, wrong answers always critical, regressions as states."""
+
+    async def test_failure_once_per_cause_then_recovery(self, tmp_path: Path) -> None:
+        crash = "import sys\nsys.stderr.write('boom\\n')\nsys.exit(9)\n"
+        collector, runner = make(tmp_path, FakeGpuActivity(), when="always", period=60.0,
+                                 body=crash)
+        first = await collector.collect(context(T0))
+        assert [e.kind for e in first.events] == ["benchmark_failed"]
+        event = first.events[0]
+        assert event.severity is Severity.WARNING
+        assert event.subject == gpu(0).uuid
+        assert "crashed" in event.message
+        assert "boom" in str(event.attributes["stderr_tail"])
+        second = await collector.collect(context(T0 + 120))
+        assert second.events == []
+        assert series(second.samples, "gpuwarden_benchmark_failures_total", reason="crash") == [2]
+        runner.command = fake_child(tmp_path, "fixed", RECORD_CHILD)
+        third = await collector.collect(context(T0 + 240))
+        assert [e.kind for e in third.events] == ["benchmark_recovered"]
+
+    async def test_wrong_result_from_the_real_child_is_critical(self, tmp_path: Path) -> None:
+        runner = ChildRunner(timeout=120, env={PLANT_WRONG_RESULT_ENV: "1"})
+        settings = BenchmarkSettings(when="always", size=128, iterations=1, warmup=0, samples=1,
+                                     min_window_seconds=0.0)
+        collector = BenchmarkCollector(settings, deps(tmp_path / "state"),
+                                       activity=FakeGpuActivity(), runner=runner,
+                                       device_plan=cpu_plan)
+        result = await collector.collect(context(T0))
+        assert [e.kind for e in result.events] == ["benchmark_wrong_result"]
+        event = result.events[0]
+        assert event.severity is Severity.CRITICAL
+        assert "silent data corruption" in event.message
+        assert series(result.samples, "gpuwarden_benchmark_wrong_results_total") == [1]
+        assert series(result.samples, "gpuwarden_benchmark_correct") == [0]
+        assert series(result.samples, "gpuwarden_benchmark_flops_per_second") == []
+        saved = json.loads((tmp_path / "state" / HISTORY_FILE).read_text())
+        assert saved["correct"] is False
+
+    async def test_regression_after_two_slow_runs_and_clearing(self, tmp_path: Path) -> None:
+        state = tmp_path / "state"
+        state.mkdir()
+        with (state / HISTORY_FILE).open("w") as f:
+            for i in range(3):
+                f.write(record(50.0, T0 - 10 * 3600 + i, uuid=gpu(0).uuid, torch="2.11.0",
+                               window=0.5).to_json() + "\n")
+        env: dict[str, str] = {"FAKE_TFLOPS": "40"}
+        collector, runner = make(tmp_path, FakeGpuActivity(), env=env, when="always",
+                                 period=60.0)
+        kinds = []
+        for i, tflops in enumerate(["40", "41", "42", "50"]):
+            runner.env["FAKE_TFLOPS"] = tflops
+            result = await collector.collect(context(T0 + i * 120))
+            kinds.append([e.kind for e in result.events])
+        assert kinds == [[], ["benchmark_regression"], [], ["benchmark_regression_cleared"]]
+
+    async def test_peer_slow(self, tmp_path: Path) -> None:
+        activity = FakeGpuActivity(devices=[gpu(0), gpu(1), gpu(2)])
+        collector, runner = make(tmp_path, activity, when="always", period=3600.0)
+        events: list[Event] = []
+        for i, tflops in enumerate(["50", "51", "40"]):
+            runner.env["FAKE_TFLOPS"] = tflops
+            result = await collector.collect(context(T0 + i * MINUTE))
+            events += result.events
+        assert [(e.kind, e.subject) for e in events] == [("benchmark_peer_slow", gpu(2).uuid)]
+        assert "0.79" in events[0].message
+        assert series(result.samples, "gpuwarden_benchmark_peer_ratio",
+                      uuid=gpu(2).uuid) == [pytest.approx(40 / 50.5)]
+
+
+class TestSettings:
+    """Settings are validated where they are read, with the key named."""
+
+    def test_size_outside_profile(self) -> None:
+        with pytest.raises(ConfigError, match="size"):
+            config_module.parse({"collectors": {"benchmark": {"size": 8192}}})
+
+    def test_tensor_profile_allows_large_sizes(self) -> None:
+        cfg = config_module.parse({"collectors": {"benchmark": {"profile": "bf16",
+                                                                "size": 16384}}})
+        assert cfg.collector("benchmark").enabled
+
+    def test_child_timeout_must_fit_the_round(self) -> None:
+        with pytest.raises(ConfigError, match="child_timeout"):
+            config_module.parse({"collectors": {"benchmark": {"interval": 10.0}}})
+
+    def test_defaults(self) -> None:
+        settings = config_module.parse({}).collector("benchmark")
+        assert isinstance(settings, BenchmarkSettings)
+        assert settings.period == 21600.0
+        assert settings.when == "idle"
+        assert settings.request("cuda:0").size == 2048
