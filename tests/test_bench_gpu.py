@@ -15,7 +15,7 @@ import pytest
 from collectors.bench_child import PLANT_WRONG_RESULT_ENV
 from collectors.bench_gpus import GpuBackendUnavailable, GpuIdentity, PynvmlActivity
 from collectors.bench_runner import ChildRunner
-from collectors.benchmark import BenchmarkCollector, BenchmarkSettings
+from collectors.benchmark import BenchmarkCollector, BenchmarkSettings, Profile
 from tests.support.bench import context, deps, series
 
 pytestmark = pytest.mark.gpu
@@ -45,9 +45,9 @@ class TestOnGpu:
     """A real run per profile on GPU 0: right UUID, right answer, nothing left behind."""
 
     @pytest.mark.parametrize(("profile", "size"), [("fp32", 2048), ("tf32", 4096),
-                                                   ("bf16", 8192)])
+                                                   ("bf16", 8192), ("fp16", 8192)])
     async def test_run_is_correct_and_pinned(self, tmp_path: Path, activity: PynvmlActivity,
-                                             profile: str, size: int) -> None:
+                                             profile: Profile, size: int) -> None:
         settings = BenchmarkSettings(when="always", profile=profile, size=size)
         collector = BenchmarkCollector(settings, deps(tmp_path / "state"), activity=activity)
         gpus = activity.gpus()
