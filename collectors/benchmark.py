@@ -109,7 +109,7 @@ class BenchmarkSettings(CollectorSettings):
     min_window_seconds: float = setting(0.5, minimum=0.0, maximum=60.0,
                                         help="iterations grow until a window lasts this long "
                                              "(short bursts read faster than sustained work)")
-    child_timeout: float = setting(120.0, minimum=5.0, maximum=3600.0,
+    child_timeout: float = setting(90.0, minimum=5.0, maximum=3600.0,
                                    help="seconds before the child's process group is killed")
     python: str = setting("", help="Python with torch for the child; empty: the agent's own")
     baseline_runs: int = setting(5, minimum=1, maximum=100,
@@ -128,13 +128,17 @@ class BenchmarkSettings(CollectorSettings):
         if self.size and not profile.min_size <= self.size <= profile.max_size:
             raise ConfigError("size", f"{self.size} is outside {profile.min_size}-"
                               f"{profile.max_size} for the {self.profile} profile")
-        # The runtime abandons a round after 4 x max(interval, timeout): the child must be
-        # killed well before that, or the round is cancelled around a running child.
-        round_limit = 4 * max(self.interval, self.timeout)
-        if self.child_timeout > round_limit - 10:
+        # The runtime's supervisor calls a collector stalled (and withholds the systemd
+        # watchdog ping) when no round ends within 3 x interval + 5 s; between two round ends
+        # lie one interval and one round. A round holds the child, up to 20 s to reap it and
+        # read its pipes, and a few NVML calls: child_timeout must leave room for all that.
+        allowance = 3 * max(self.interval, self.timeout) + 5
+        longest_round = self.child_timeout + 25
+        if max(self.interval, self.timeout) + longest_round > allowance:
             raise ConfigError("child_timeout", f"{self.child_timeout:g} s does not fit in a "
-                              f"round ({round_limit:g} s = 4 x interval); raise interval or "
-                              "lower child_timeout")
+                              f"round: it must be at most 2 x interval - 20 s "
+                              f"({2 * max(self.interval, self.timeout) - 20:g} s here); raise "
+                              "interval or lower child_timeout")
 
     def request(self, device: str) -> Request:
         profile = PROFILES[self.profile]
