@@ -29,9 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from collectors.bench_child import PROFILES, Request, child_arguments  # noqa: E402
-from collectors.bench_gpus import GpuBackendUnavailable, PynvmlActivity  # noqa: E402
+from collectors.bench_gpus import GpuBackendUnavailable, NvmlActivity  # noqa: E402
 from collectors.bench_runner import ChildRunner  # noqa: E402
 from collectors.benchmark import cuda_device_plan  # noqa: E402
+from collectors.nvml import NvmlBackend  # noqa: E402
 
 PLAIN_LOOP = r"""
 import json, statistics, sys, time
@@ -72,7 +73,7 @@ def plain_loop(device: str, env: dict[str, str], request: Request, iterations: i
 
 def gpu_processes() -> int | None:
     """Compute processes on every GPU now; None without NVML."""
-    activity = PynvmlActivity()
+    activity = NvmlActivity(NvmlBackend())
     try:
         gpus = activity.gpus()
     except GpuBackendUnavailable:
@@ -87,7 +88,7 @@ async def measure(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     env: dict[str, str] = {}
     device = "cpu"
     if args.device != "cpu":
-        gpus = {g.index: g for g in PynvmlActivity().gpus()}
+        gpus = {g.index: g for g in NvmlActivity(NvmlBackend()).gpus()}
         device, env = cuda_device_plan(gpus[int(args.device)])
     request = Request(device, profile, size, args.iterations, 5, args.samples, args.min_window)
     runner = ChildRunner(timeout=600)

@@ -34,7 +34,7 @@ from agent.model import GPU_LABELS, Collection, Event, MetricFamily, MetricType,
 from agent.settings import ConfigError, setting
 from collectors import bench_events
 from collectors.bench_child import PROFILES, Request, child_arguments
-from collectors.bench_gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, PynvmlActivity
+from collectors.bench_gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, NvmlActivity
 from collectors.bench_history import (
     BaselinePolicy,
     BenchmarkRecord,
@@ -43,6 +43,7 @@ from collectors.bench_history import (
     judge,
 )
 from collectors.bench_runner import ChildOutcome, ChildRunner, default_command
+from collectors.nvml import NvmlBackend
 
 log = structlog.get_logger(component="benchmark")
 
@@ -189,7 +190,8 @@ class BenchmarkCollector:
                  device_plan: DevicePlan = cuda_device_plan, source: str = "agent") -> None:
         self.settings = settings
         self.deps = deps
-        self.activity: GpuActivity = activity or deps.shared.get(PynvmlActivity, PynvmlActivity)
+        self.activity: GpuActivity = activity or NvmlActivity(
+            deps.shared.get(NvmlBackend, NvmlBackend))
         self.runner = runner or ChildRunner(default_command(settings.python),
                                             settings.child_timeout)
         self.device_plan = device_plan

@@ -7,15 +7,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 
 from agent import config as config_module
 from agent.model import Event, Severity
 from agent.settings import ConfigError
 from collectors.bench_child import PLANT_WRONG_RESULT_ENV
+from collectors.bench_gpus import GpuBackendUnavailable, NvmlActivity
 from collectors.bench_history import HISTORY_FILE
 from collectors.bench_runner import ChildRunner
 from collectors.benchmark import BenchmarkCollector, BenchmarkSettings
+from collectors.nvml import NvmlBackend
+from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 from tests.support.bench import (
     RECORD_CHILD,
     FakeGpuActivity,
@@ -273,3 +277,54 @@ class TestSettings:
         assert settings.period == 21600.0
         assert settings.when == "idle"
         assert settings.request("cuda:0").size == 2048
+
+
+class TestNvmlAdapter:
+    """NvmlActivity reads the shared NVML backend (driven here by its fake pynvml)."""
+
+    def test_identities_processes_and_utilization(self) -> None:
+        fake = FakeNvml([FakeGpu.h200(0), FakeGpu.h200(1, processes=2)])
+        fake.gpus[0].utilization = FakeUtilization(37, 5)
+        activity = NvmlActivity(NvmlBackend(fake))
+        gpus = activity.gpus()
+        assert [g.index for g in gpus] == [0, 1]
+        assert gpus[1].uuid.startswith("GPU-")
+        assert activity.compute_process_count(0) == 0
+        assert activity.compute_process_count(1) == 2
+        assert activity.utilization_percent(0) == pytest.approx(37.0)
+        assert activity.driver_version() == "580.159.04"
+
+    def test_lost_gpu_and_unsupported_read_as_unknown(self) -> None:
+        fake = FakeNvml([FakeGpu.h200(0), FakeGpu.h200(1)])
+        activity = NvmlActivity(NvmlBackend(fake))
+        activity.gpus()
+        fake.gpus[0].lost = True
+        fake.gpus[1].utilization = None
+        assert activity.compute_process_count(0) is None
+        assert activity.utilization_percent(1) is None
+
+    async def test_no_driver_means_no_gpu_and_no_child(self, tmp_path: Path) -> None:
+        fake = FakeNvml([FakeGpu.h200(0)], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        activity = NvmlActivity(NvmlBackend(fake))
+        with pytest.raises(GpuBackendUnavailable):
+            activity.gpus()
+        runner = CountingRunner(fake_child(tmp_path, "child", RECORD_CHILD), timeout=30)
+        collector = BenchmarkCollector(BenchmarkSettings(when="always"), deps(tmp_path / "s"),
+                                       activity=activity, runner=runner)
+        result = await collector.collect(context(T0))
+        assert series(result.samples, "gpuwarden_benchmark_gpus") == [0]
+        assert runner.arguments == []
+
+    async def test_gate_over_the_fake_backend(self, tmp_path: Path) -> None:
+        fake = FakeNvml([FakeGpu.h200(0, processes=1)])
+        activity = NvmlActivity(NvmlBackend(fake))
+        runner = CountingRunner(fake_child(tmp_path, "child", RECORD_CHILD), timeout=30)
+        collector = BenchmarkCollector(BenchmarkSettings(idle_rounds=1), deps(tmp_path / "s"),
+                                       activity=activity, runner=runner)
+        result = await collector.collect(context(T0))
+        assert series(result.samples, "gpuwarden_benchmark_skips_total",
+                      reason="busy_processes") == [1]
+        fake.gpus[0].processes = 0
+        await collector.collect(context(T0 + MINUTE))
+        assert len(runner.arguments) == 1
+        assert runner.envs[0]["CUDA_VISIBLE_DEVICES"] == fake.gpus[0].uuid

@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 
 from collectors.bench_child import PLANT_WRONG_RESULT_ENV
-from collectors.bench_gpus import GpuBackendUnavailable, GpuIdentity, PynvmlActivity
+from collectors.bench_gpus import GpuBackendUnavailable, GpuIdentity, NvmlActivity
 from collectors.bench_runner import ChildRunner
 from collectors.benchmark import BenchmarkCollector, BenchmarkSettings, Profile
+from collectors.nvml import NvmlBackend
 from tests.support.bench import context, deps, series
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def activity() -> PynvmlActivity:
-    real = PynvmlActivity()
+def activity() -> NvmlActivity:
+    real = NvmlActivity(NvmlBackend())
     try:
         if not real.gpus():
             pytest.skip("NVML finds no GPU")
@@ -32,7 +33,7 @@ def activity() -> PynvmlActivity:
     return real
 
 
-def _wait_until_no_process(activity: PynvmlActivity, gpu: GpuIdentity) -> int | None:
+def _wait_until_no_process(activity: NvmlActivity, gpu: GpuIdentity) -> int | None:
     deadline = time.monotonic() + 10
     count = activity.compute_process_count(gpu.index)
     while count and time.monotonic() < deadline:
@@ -46,7 +47,7 @@ class TestOnGpu:
 
     @pytest.mark.parametrize(("profile", "size"), [("fp32", 2048), ("tf32", 4096),
                                                    ("bf16", 8192), ("fp16", 8192)])
-    async def test_run_is_correct_and_pinned(self, tmp_path: Path, activity: PynvmlActivity,
+    async def test_run_is_correct_and_pinned(self, tmp_path: Path, activity: NvmlActivity,
                                              profile: Profile, size: int) -> None:
         settings = BenchmarkSettings(when="always", profile=profile, size=size)
         collector = BenchmarkCollector(settings, deps(tmp_path / "state"), activity=activity)
@@ -64,7 +65,7 @@ class TestOnGpu:
         assert _wait_until_no_process(activity, gpus[0]) == 0
 
     async def test_planted_wrong_result_is_critical(self, tmp_path: Path,
-                                                    activity: PynvmlActivity) -> None:
+                                                    activity: NvmlActivity) -> None:
         settings = BenchmarkSettings(when="always", size=2048, min_window_seconds=0.0)
         runner = ChildRunner(timeout=120, env={PLANT_WRONG_RESULT_ENV: "1"})
         collector = BenchmarkCollector(settings, deps(tmp_path / "state"), activity=activity,
@@ -74,7 +75,7 @@ class TestOnGpu:
         assert series(result.samples, "gpuwarden_benchmark_correct") == [0]
 
     async def test_idle_gate_reads_the_real_gpu(self, tmp_path: Path,
-                                                activity: PynvmlActivity) -> None:
+                                                activity: NvmlActivity) -> None:
         settings = BenchmarkSettings(idle_rounds=2, size=1024, min_window_seconds=0.1)
         collector = BenchmarkCollector(settings, deps(tmp_path / "state"), activity=activity)
         first = await collector.collect(context(round_number=0))

@@ -21,9 +21,10 @@ from agent import config as config_module
 from agent.collector import CollectContext, CollectorDeps, MemoryKeyValueStore, SharedServices
 from agent.settings import ConfigError
 from collectors.bench_child import PROFILES
-from collectors.bench_gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, PynvmlActivity
+from collectors.bench_gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, NvmlActivity
 from collectors.bench_history import BenchmarkRecord, HistoryFile, parse_lines
 from collectors.benchmark import BenchmarkCollector, BenchmarkSettings, RunResult
+from collectors.nvml import NvmlBackend
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRONG = 0, 1, 2, 3
 CPU = GpuIdentity(index=-1, uuid="cpu", name="cpu", pci_bus_id="")
@@ -77,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
 
 async def _run(settings: BenchmarkSettings, node_id: str, state_dir: Path, device: str | None,
                as_json: bool) -> int:
-    activity: GpuActivity = PynvmlActivity()
+    activity: GpuActivity = NvmlActivity(NvmlBackend())
     deps = CollectorDeps(node_id=node_id, state_dir=state_dir, state=MemoryKeyValueStore(),
                          shared=SharedServices(), emit=lambda event: None)
     if device == "cpu":
