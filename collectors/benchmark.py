@@ -211,15 +211,14 @@ class BenchmarkCollector:
     # -- one round ----------------------------------------------------------------------------
 
     async def collect(self, ctx: CollectContext) -> Collection:
+        reason = "NVML lists no GPU"
         try:
             gpus = await ctx.call("benchmark:gpus", self.activity.gpus)
         except GpuBackendUnavailable as exc:
-            gpus = []
-            if not self._no_gpu_logged:
-                log.info("no GPU: the benchmark has nothing to test", reason=str(exc))
+            gpus, reason = [], str(exc)
         if not gpus:
-            if not self._no_gpu_logged:
-                log.info("no GPU found; the benchmark stays idle")
+            if not self._no_gpu_logged:  # said once: a host without GPUs is not an error
+                log.info("no GPU: the benchmark has nothing to test", reason=reason)
                 self._no_gpu_logged = True
             return Collection(samples=[GPUS.sample(0)])
         await ctx.call("benchmark:history", self.history.refresh)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pynvml
 import pytest
+import structlog.testing
 
 from agent import config as config_module
 from agent.model import Event, Severity
@@ -65,6 +66,15 @@ class TestNoGpu:
             result = await collector.collect(context(T0 + i * MINUTE, i))
             assert series(result.samples, "gpuwarden_benchmark_gpus") == [0]
         assert runner.arguments == []
+
+    async def test_said_once(self, tmp_path: Path) -> None:
+        collector, _ = make(tmp_path, FakeGpuActivity(available=False))
+        with structlog.testing.capture_logs() as logs:
+            for i in range(3):
+                await collector.collect(context(T0 + i * MINUTE, i))
+        said = [entry for entry in logs if entry["event"].startswith("no GPU")]
+        assert len(said) == 1
+        assert "driver not loaded" in said[0]["reason"]
 
     async def test_backend_with_zero_gpus(self, tmp_path: Path) -> None:
         collector, runner = make(tmp_path, FakeGpuActivity(devices=[]), when="always")
