@@ -143,6 +143,8 @@ class Fleet:
     def ingest(self, topic: str, payload: bytes, retained: bool, now: float) -> bool:
         """One message. False if it was malformed (counted) or ignored."""
         where = payloads.parse_topic(topic, self.prefix)
+        if where is None:
+            return False
         if isinstance(where, Malformed):
             return self._malformed(where)
         self.counters.messages[where.kind] += 1

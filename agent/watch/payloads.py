@@ -61,11 +61,14 @@ class Heartbeat:
     problems: tuple[str, ...]
 
 
-def parse_topic(topic: str, prefix: str) -> Topic | Malformed:
+def parse_topic(topic: str, prefix: str) -> Topic | Malformed | None:
+    """None for the reserved `<prefix>/_name/...` levels (the watcher's own status)."""
     head = prefix + "/"
     if not topic.startswith(head):
         return Malformed("bad_topic", "outside the prefix")
     node, sep, kind = topic[len(head):].partition("/")
+    if node.startswith("_") and "/" not in kind:
+        return None
     if not sep or kind not in ("status", "heartbeat"):
         return Malformed("bad_topic", "not <prefix>/<node>/status or heartbeat")
     if not NODE_ID.fullmatch(node):

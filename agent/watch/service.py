@@ -26,7 +26,8 @@ from tenacity import (
     RetryCallState,
     retry_if_exception_type,
     stop_never,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from agent import __version__
@@ -149,7 +150,7 @@ class Watcher:
         while True:
             retrying = AsyncRetrying(
                 retry=retry_if_exception_type(aiomqtt.MqttError),
-                wait=wait_exponential_jitter(initial=0.5, max=RECONNECT_MAX_SECONDS),
+                wait=wait_exponential(multiplier=0.5, max=RECONNECT_MAX_SECONDS) + wait_random(0, 0.5),
                 stop=stop_never, before_sleep=self._connect_failed, reraise=True,
             )
             async for attempt in retrying:
