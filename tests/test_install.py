@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -15,8 +16,12 @@ import pytest
 from agent import config
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import config_example  # noqa: E402
+# scripts/ is not a package: load the generator by path.
+_spec = importlib.util.spec_from_file_location("config_example", ROOT / "scripts/config_example.py")
+assert _spec is not None
+assert _spec.loader is not None
+config_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(config_example)
 
 PREFIX = "/opt/gpuwarden"
 
