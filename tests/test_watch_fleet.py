@@ -222,6 +222,25 @@ class TestFleetQuiet:
             beat(fleet, name, T0 + 40 + i * 0.01, seq=2)
         assert cleared(fleet.evaluate(T0 + 41)) == {("fleet_quiet", "")}
 
+    def test_recovery_one_by_one_raises_no_node_alerts(self) -> None:
+        fleet = connected_fleet(quiet_window=30.0)
+        for name in ("a", "b", "c"):
+            status(fleet, name, "online", 1, T0)
+            beat(fleet, name, T0, interval=10.0)
+        assert raised(fleet.evaluate(T0 + 31)) == {("fleet_quiet", "")}
+        beat(fleet, "a", T0 + 40, seq=2, interval=10.0)  # the first one back
+        changes = fleet.evaluate(T0 + 40)
+        assert cleared(changes) == {("fleet_quiet", "")}
+        assert raised(changes) == set()
+        beat(fleet, "b", T0 + 45, seq=2, interval=10.0)
+        assert fleet.evaluate(T0 + 45) == []
+        for t in (50, 60, 69):
+            beat(fleet, "a", T0 + t, seq=t, interval=10.0)
+            beat(fleet, "b", T0 + t, seq=t, interval=10.0)
+            assert fleet.evaluate(T0 + t) == []
+        # c never comes back: after one more stale period it is hung on its own
+        assert raised(fleet.evaluate(T0 + 71)) == {("node_stale", "c")}
+
     def test_wills_for_everyone_at_once(self) -> None:
         fleet = connected_fleet()
         for name in ("a", "b", "c"):

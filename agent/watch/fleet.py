@@ -135,6 +135,9 @@ class Fleet:
         self.connected = False
         self.disconnected_since: float | None = now
         self.connected_at: float | None = None
+        self._quiet_members: set[str] = set()
+        self._recovering: dict[str, float] = {}
+        """Members of a fleet silence that ended: no node alert for them until this time."""
         for node in inventory:
             self.nodes[node] = Node(node, in_inventory=True)
 
@@ -266,11 +269,20 @@ class Fleet:
                 out[node_alert.key] = node_alert
         quiet = self._quiet_group(now)
         if quiet:
-            for name in quiet:
-                out.pop(("node_stale", name), None)
-                out.pop(("node_dead", name), None)
+            self._quiet_members, self._recovering = set(quiet), {}
             alert = _fleet_alert(sorted(quiet), len(self.nodes), now)
             out[alert.key] = alert
+        elif self._quiet_members:
+            # The fleet talks again, but its members come back one by one: give the others
+            # one more stale period before each counts as hung or dead on its own.
+            for name in self._quiet_members:
+                if name in self.nodes:
+                    self._recovering[name] = now + self.k * self.interval_of(self.nodes[name])
+            self._quiet_members = set()
+        self._recovering = {n: t for n, t in self._recovering.items() if now < t}
+        for name in [*quiet, *self._recovering]:
+            out.pop(("node_stale", name), None)
+            out.pop(("node_dead", name), None)
         return out
 
     def _quiet_group(self, now: float) -> list[str]:

@@ -45,6 +45,8 @@ log = structlog.get_logger(component="watch")
 
 MAX_PENDING_ALERTS = 10_000
 RECONNECT_MAX_SECONDS = 30.0
+STOP_SECONDS = 4.0
+"""SIGTERM to exit, inside systemd's TimeoutStopSec=10s."""
 
 
 def load_inventory(path: Path) -> list[str]:
@@ -154,7 +156,10 @@ class Watcher:
                                             retain=True), 2.0)
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # A graceful MQTT disconnect waits for the broker; do not let it hold the exit.
+            _, late = await asyncio.wait(tasks, timeout=STOP_SECONDS)
+            if late:
+                log.warning("tasks did not stop in time; exiting anyway", tasks=len(late))
             if self.metrics is not None:
                 await self.metrics.stop()
 
