@@ -148,18 +148,31 @@ class TestEndToEnd:
         await wait_async(lambda: _not(prometheus_has(
             prom, 'ALERTS{alertname="GpuwardenSinkNotDelivering"}')), 40, "the sink rule to clear")
 
-        # SIGKILL: the broker sends the Will at once; Prometheus sees the target down.
+        # SIGKILL: the broker sends the Will at once; Prometheus sees the target down. Start
+        # from no agent-down alert at all (the SIGSTOP above, or a slow scrape on a loaded
+        # machine, may have left one).
+        async def agent_down_clear() -> bool:
+            return not await asyncio.to_thread(prom.alert_states, "GpuwardenAgentDown")
+        await wait_async(agent_down_clear, 40, "no agent-down alert before the kill")
         seen: list[str] = []
+        timeline: list[tuple[float, list[str]]] = []
+        loop = asyncio.get_running_loop()
         agent.signal(signal.SIGKILL)
-        await until(lambda: watcher.saw(True, "node_dead", NODE), timeout=2.5 * KEEPALIVE,
-                    what="dead within 2.5 x keepalive")
+        killed = loop.time()
 
         async def firing() -> bool:
             states = await asyncio.to_thread(prom.alert_states, "GpuwardenAgentDown")
+            timeline.append((round(loop.time() - killed, 2), sorted(states)))
             seen.extend(sorted(states))
             return "firing" in states
-        await wait_async(firing, 40, "agent-down firing")
-        assert "pending" in seen
+        # Watch Prometheus from the kill on: the pending phase lasts only `for:` (2 s).
+        prometheus_side = asyncio.create_task(wait_async(firing, 40, "agent-down firing"))
+        await until(lambda: watcher.saw(True, "node_dead", NODE), timeout=2.5 * KEEPALIVE,
+                    what="dead within 2.5 x keepalive")
+        print(f"watcher: dead {loop.time() - killed:.2f} s after SIGKILL")
+        await prometheus_side
+        print(f"prometheus: {timeline}")
+        assert "pending" in seen, timeline
         assert seen.index("pending") < seen.index("firing")
         await wait_async(lambda: prometheus_has(prom, 'ALERTS{alertname="GpuwardenNodeDead"}'),
                          30, "the NodeDead rule")
