@@ -15,7 +15,7 @@ DEBS := mosquitto mosquitto-clients prometheus prometheus-node-exporter systemd 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: run test check lint typecheck unit debs bench clean
+.PHONY: run test check lint typecheck unit debs bench clean install
 
 # The agent alone: no torch, no test tools.
 $(RUN_STAMP): pyproject.toml
@@ -54,6 +54,12 @@ unit:
 
 bench: $(TEST_STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Install onto this machine (or into DESTDIR=stage): venv in PREFIX, units, sysusers.d entry,
+# example configuration, alert rules and dashboard (scripts/install.sh says more).
+PREFIX ?= /opt/gpuwarden
+install:
+	DESTDIR='$(DESTDIR)' PREFIX='$(PREFIX)' PYTHON='$(PYTHON)' sh scripts/install.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache

@@ -30,6 +30,7 @@ SINKS: Final[dict[str, str]] = {
 SECTIONS: Final[dict[str, str]] = {
     # top-level tables that are not sinks -> "module:SettingsClass"
     "heartbeat": "agent.heartbeat:HeartbeatSettings",
+    "watch": "agent.watch.settings:WatchSettings",
 }
 
 

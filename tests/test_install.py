@@ -1,0 +1,122 @@
+"""`make install` (scripts/install.sh) into a staging root, and the example configuration."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from agent import config
+
+ROOT = Path(__file__).resolve().parents[1]
+# scripts/ is not a package: load the generator by path.
+_spec = importlib.util.spec_from_file_location("config_example", ROOT / "scripts/config_example.py")
+assert _spec is not None
+assert _spec.loader is not None
+config_example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(config_example)
+
+PREFIX = "/opt/gpuwarden"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel of this tree, built offline from a copy (no build files left in the tree)."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "src"
+    source.mkdir()
+    for name in ("agent", "collectors", "exporters"):
+        shutil.copytree(ROOT / name, source / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index",
+                    "--no-build-isolation", "-w", str(work / "dist"), str(source)],
+                   check=True, capture_output=True, timeout=300)
+    return next((work / "dist").glob("gpuwarden-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def staged(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    destdir = tmp_path_factory.mktemp("destdir")
+    env = {**os.environ, "DESTDIR": str(destdir), "PACKAGE": str(wheel),
+           "PIP_ARGS": "--no-deps --no-index", "PYTHON": sys.executable, "CREATE_USER": "1"}
+    done = subprocess.run(["sh", str(ROOT / "scripts/install.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return destdir
+
+
+class TestStagedInstall:
+    """Everything lands under DESTDIR, pointing at the final paths."""
+
+    def test_layout(self, staged: Path) -> None:
+        for path in ("etc/systemd/system/gpuwarden.service",
+                     "etc/systemd/system/gpuwarden-watch.service",
+                     "usr/lib/sysusers.d/gpuwarden.conf",
+                     "etc/gpuwarden/gpuwarden.toml",
+                     "opt/gpuwarden/share/prometheus/gpuwarden-rules.yml",
+                     "opt/gpuwarden/share/grafana/gpuwarden.json",
+                     "opt/gpuwarden/venv/bin/gpuwarden"):
+            assert (staged / path).is_file(), path
+        secret = staged / "etc/gpuwarden/mqtt-password"
+        assert secret.stat().st_mode & 0o777 == 0o600
+
+    def test_scripts_name_the_final_prefix(self, staged: Path) -> None:
+        script = (staged / "opt/gpuwarden/venv/bin/gpuwarden").read_text()
+        assert script.startswith(f"#!{PREFIX}/venv/bin/python")
+        assert str(staged) not in script
+
+    def test_installed_command_runs(self, staged: Path, tmp_path: Path) -> None:
+        # The wheel went in without dependencies (offline); borrow them from the test's venv.
+        env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+        python = staged / "opt/gpuwarden/venv/bin/python"
+        done = subprocess.run([str(python), str(staged / "opt/gpuwarden/venv/bin/gpuwarden"),
+                               "config", "check", "--config",
+                               str(staged / "etc/gpuwarden/gpuwarden.toml")],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def test_user_created_in_the_staging_root(self, staged: Path) -> None:
+        passwd = (staged / "etc/passwd").read_text()
+        assert any(line.startswith("gpuwarden:") for line in passwd.splitlines())
+
+    def test_edited_config_is_kept(self, staged: Path, wheel: Path) -> None:
+        config_path = staged / "etc/gpuwarden/gpuwarden.toml"
+        config_path.write_text('node_id = "edited"\n')
+        env = {**os.environ, "DESTDIR": str(staged), "PACKAGE": str(wheel),
+               "PIP_ARGS": "--no-deps --no-index", "PYTHON": sys.executable}
+        subprocess.run(["sh", str(ROOT / "scripts/install.sh")], env=env, check=True,
+                       capture_output=True, timeout=300)
+        assert config_path.read_text() == 'node_id = "edited"\n'
+
+
+class TestConfigExample:
+    """configs/gpuwarden.toml.example: generated from the code, and valid once uncommented."""
+
+    def test_matches_the_code(self) -> None:
+        current = (ROOT / "configs/gpuwarden.toml.example").read_text()
+        assert current == config_example.render(), (
+            "configs/gpuwarden.toml.example is out of date: "
+            "run python scripts/config_example.py --write")
+
+    def test_uncommented_it_is_the_defaults(self) -> None:
+        lines = []
+        for line in (ROOT / "configs/gpuwarden.toml.example").read_text().splitlines():
+            is_key = line.startswith("#") and " = " in line and not line.startswith("# ")
+            if is_key and "..." not in line:
+                lines.append(line[1:].split("   #")[0])
+            elif not is_key:
+                lines.append(line)
+        data = tomllib.loads("\n".join(lines))
+        assert data["watch"]["stale_after_intervals"] == 3.0
+        parsed = config.parse(data)
+        assert parsed.sections == config.parse({}).sections

@@ -1,0 +1,82 @@
+"""The watcher's /metrics: promtool-clean, fresh at each scrape, and documented in the README."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from agent.watch.fleet import SETTLE_SECONDS, Fleet
+from agent.watch.metrics import MetricsServer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+T0 = 1_700_000_000.0
+
+
+def fleet_with_nodes() -> Fleet:
+    fleet = Fleet(now=T0, inventory=["spare"])
+    fleet.broker_connected(T0 - SETTLE_SECONDS)
+    for node in ("a", "b"):
+        fleet.ingest(f"gpuwarden/v1/{node}/status",
+                     json.dumps({"state": "online", "bdseq": 2, "ts": T0}).encode(), False, T0)
+        fleet.ingest(f"gpuwarden/v1/{node}/heartbeat",
+                     json.dumps({"seq": 1, "ts": T0, "interval_s": 5}).encode(), False, T0)
+    fleet.ingest("gpuwarden/v1/a/status", b"{", False, T0)
+    fleet.evaluate(T0 + 20)
+    return fleet
+
+
+def exposition(fleet: Fleet, now: float) -> str:
+    server = MetricsServer(fleet, "127.0.0.1", 0, clock=lambda: now)
+    return generate_latest(server.registry).decode()
+
+
+class TestExposition:
+    """What a scrape returns."""
+
+    def test_values(self) -> None:
+        text = exposition(fleet_with_nodes(), T0 + 20)
+        assert 'gpuwarden_watch_node_heartbeat_age_seconds{node="a"} 20.0' in text
+        assert 'gpuwarden_watch_node_state{node="a",state="stale"} 1.0' in text
+        assert 'gpuwarden_watch_node_state{node="a",state="online"} 0.0' in text
+        assert 'gpuwarden_watch_node_state{node="spare",state="missing"} 1.0' in text
+        assert 'gpuwarden_watch_malformed_messages_total{reason="not_json"} 1.0' in text
+        assert 'gpuwarden_watch_nodes{state="stale"} 2.0' in text
+        assert 'gpuwarden_watch_alert_active{kind="fleet_quiet",node="",severity="critical"} 1.0' in text
+
+    def test_forgotten_node_leaves_no_series(self) -> None:
+        fleet = fleet_with_nodes()
+        fleet.ingest("gpuwarden/v1/b/status", b"", True, T0 + 21)
+        assert 'node="b"' not in exposition(fleet, T0 + 21)
+
+    def test_promtool_check_metrics(self) -> None:
+        promtool = shutil.which("promtool") or "/usr/bin/promtool"
+        done = subprocess.run([promtool, "check", "metrics"],
+                              input=exposition(fleet_with_nodes(), T0 + 20),
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def test_http(self) -> None:
+        server = MetricsServer(fleet_with_nodes(), "127.0.0.1", 0)
+        assert server.respond(b"GET /metrics HTTP/1.1\r\n\r\n")[0] == 200
+        assert server.respond(b"GET /healthz HTTP/1.1\r\n\r\n")[0] == 200
+        assert server.respond(b"POST /metrics HTTP/1.1\r\n\r\n")[0] == 405
+        assert server.respond(b"GET /nope HTTP/1.1\r\n\r\n")[0] == 404
+        assert server.respond(b"garbage\r\n\r\n")[0] == 400
+        assert server.respond(b"GET /" + b"x" * 9000 + b" HTTP/1.1\r\n\r\n")[0] == 431
+
+
+class TestReadme:
+    """Every watcher metric has a row in the README's watcher section."""
+
+    def test_rows(self) -> None:
+        names = set(re.findall(r"^# TYPE (\S+)", exposition(fleet_with_nodes(), T0 + 20),
+                               re.MULTILINE))
+        readme = README.read_text()
+        for name in names:
+            base = name.removesuffix("_total")
+            assert f"`{name}`" in readme or f"`{base}_total`" in readme, name
