@@ -162,7 +162,6 @@ class FsStats:
     available_bytes: int
     inodes: int
     inodes_free: int
-    read_only: bool
 
 
 def stat_filesystem(path: str, statvfs: Statvfs = os.statvfs) -> FsStats:
@@ -175,7 +174,6 @@ def stat_filesystem(path: str, statvfs: Statvfs = os.statvfs) -> FsStats:
         available_bytes=st.f_bavail * unit,
         inodes=st.f_files,
         inodes_free=st.f_ffree,
-        read_only=bool(st.f_flag & os.ST_RDONLY),
     )
 
 
@@ -298,7 +296,8 @@ class DiskCollector:
                        samples: list[Sample], events: list[Event]) -> None:
         samples += [SIZE.sample(stats.size_bytes, *labels), FREE.sample(stats.free_bytes, *labels),
                     AVAILABLE.sample(stats.available_bytes, *labels)]
-        read_only = mount.read_only or stats.read_only
+        # Not statvfs's ST_RDONLY: it includes the per-mount flag (see MountInfo.read_only).
+        read_only = mount.read_only
         samples.append(READ_ONLY.sample(int(read_only), *labels))
         self._check_read_only(mount, read_only, events)
         space_used = used_percent(stats.size_bytes - stats.free_bytes, stats.available_bytes)

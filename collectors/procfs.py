@@ -148,8 +148,11 @@ class MountInfo:
 
     @property
     def read_only(self) -> bool:
-        """Read-only at the mount or at the super block (ext4 errors=remount-ro sets the latter)."""
-        return "ro" in self.mount_options or "ro" in self.super_options
+        """Read-only at the super block: what a file system that hit errors does
+        (ext4 errors=remount-ro, xfs shutdown). The per-mount flag is left out on purpose:
+        systemd's ProtectSystem=strict marks every mount of the service's namespace read-only
+        while the file system itself stays writable for everyone else."""
+        return "ro" in self.super_options
 
 
 _OCTAL_ESCAPE = re.compile(rb"\\([0-7]{3})")

@@ -23,8 +23,14 @@ def encode(payload: Mapping[str, Any]) -> bytes:
     return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
 
 
-def status_payload(state: str, bdseq: int, ts: float) -> bytes:
-    return encode({"state": state, "bdseq": bdseq, "ts": round(ts, 3), "version": __version__})
+def status_payload(state: str, bdseq: int, ts: float, reason: str = "") -> bytes:
+    """The status topic's payload. `reason` tells a deliberate stop ("shutdown") from the
+    broker's Will (no reason), so the watcher does not page for a planned stop."""
+    payload: dict[str, object] = {"state": state, "bdseq": bdseq, "ts": round(ts, 3),
+                                  "version": __version__}
+    if reason:
+        payload["reason"] = reason
+    return encode(payload)
 
 
 def _age(now: float, then: float | None) -> float | None:

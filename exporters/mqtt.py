@@ -170,7 +170,7 @@ class MqttSink:
         """Say `offline` (retained, QoS 1) while still connected, then disconnect."""
         client = self._client
         if client is not None and self.connected:
-            payload = status_payload("offline", self.bdseq, time.time())
+            payload = status_payload("offline", self.bdseq, time.time(), reason="shutdown")
             try:
                 await client.publish_acked(self.topic("status"), payload, 1, True, timeout=2.0)
                 log.info("published offline", bdseq=self.bdseq)

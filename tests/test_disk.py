@@ -217,15 +217,22 @@ class TestReadOnly:
         assert "fsck" in event.action
         assert [e.kind for e in back.events] == ["filesystem_writable"]
 
-    async def test_statvfs_read_only_flag_counts_too(self, tmp_path: Path) -> None:
-        tree = _only_root(tmp_path)
+    async def test_per_mount_read_only_is_not_a_failing_file_system(self, tmp_path: Path) -> None:
+        """systemd's ProtectSystem=strict makes every mount of the service read-only (statvfs
+        says ST_RDONLY, mount options say ro) while the super block stays rw: no alarm."""
+        tree = ProcTree(tmp_path / "proc")
+        tree.set_mountinfo("27 1 259:2 / / rw - ext4 /dev/sda1 rw\n")
         statvfs = ScriptedStatvfs({"/": _healthy()})
         collector = DiskCollector(_settings(tree.root), make_deps(), statvfs)
         with pooled_caller() as caller:
             await run_round(collector, caller)
+            tree.set_mountinfo("27 1 259:2 / / ro - ext4 /dev/sda1 rw\n")
             statvfs.answers["/"] = fake_statvfs_result(size=GIB, available=GIB // 2, read_only=True)
             result = await run_round(collector, caller)
-        assert [e.kind for e in result.events] == ["filesystem_readonly"]
+        assert result.events == []
+        readonly = [s.value for s in result.samples
+                    if s.family.name == "gpuwarden_filesystem_readonly"]
+        assert readonly == [0.0]
 
 
 class TestStuckMount:

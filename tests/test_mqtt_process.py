@@ -58,6 +58,7 @@ class TestWillAndBirth:
             sub.wait_for(lambda s: statuses(s)[-1]["state"] == "offline", what="the Will")
             will = statuses(sub)[-1]
             assert will["bdseq"] == first["bdseq"]
+            assert "reason" not in will  # the broker's Will: the watcher reads it as dead
             assert agent_process.stop() == -signal.SIGKILL
 
             agent_process.start()
@@ -69,6 +70,7 @@ class TestWillAndBirth:
             assert agent_process.process.wait(10) == 0
             sub.wait_for(lambda s: statuses(s)[-1]["state"] == "offline", what="offline")
             assert statuses(sub)[-1]["bdseq"] == second["bdseq"]
+            assert statuses(sub)[-1]["reason"] == "shutdown"  # a planned stop, not a death
             assert '"published offline"' in agent_process.log()
         finally:
             sub.stop()
