@@ -72,6 +72,9 @@ _KEY_VALUE = re.compile(
     """
 )
 _HARMLESS_VALUES = frozenset({"", "true", "false", "none", "null", "nil", "yes", "no"})
+# Short numbers after a secret-sounding key are counts and flags (`"access_key_id": 2` in a
+# redaction report, `auth: 0`), not secrets; a numeric password of six digits or more still goes.
+_SHORT_NUMBER = re.compile(r"-?\d{1,5}(?:\.\d+)?")
 
 # Prefixed tokens: the prefixes are the vendors' published formats.
 TOKEN_RULES: Final[tuple[Rule, ...]] = (
@@ -261,6 +264,7 @@ def _key_value(match: re.Match[str], counts: Counter[str]) -> str:
     if (
         _NOT_SECRET_KEYS.search(key)
         or inner.strip().lower() in _HARMLESS_VALUES
+        or _SHORT_NUMBER.fullmatch(inner.strip())
         or inner.startswith(MARKER_PREFIX)
     ):
         return match.group(0)
@@ -286,7 +290,10 @@ def _walk(node: Any, counts: Counter[str], *, in_conversation: bool) -> Any:
         out: dict[str, Any] = {}
         for key, value in node.items():
             lowered = str(key).lower()
-            if lowered in PROMPT_KEYS or (in_conversation and lowered in TEXT_KEYS):
+            # A table under a prompt key is not a prompt (`[collectors.system]` in a config
+            # dump, say): only strings and lists are conversation text.
+            is_text = isinstance(value, (str, list))
+            if is_text and (lowered in PROMPT_KEYS or (in_conversation and lowered in TEXT_KEYS)):
                 out[key] = _blank(value, counts)
             else:
                 out[key] = _walk(value, counts, in_conversation=in_conversation or lowered in CONVERSATION_KEYS)

@@ -68,6 +68,7 @@ TOKENS = [
     ("secret_value", "client_secret: 'opensesame'", "opensesame"),
     ("secret_value", "export DB_PASSWORD=letmein99", "letmein99"),
     ("secret_value", "apiKey = abcd1234efgh", "abcd1234efgh"),
+    ("secret_value", "pin_password: 4711093", "4711093"),
     ("cli_secret", "app --api-key=deadbeefcafe run", "deadbeefcafe"),
     ("email", "mail ops@example.com now", "ops@example.com"),
     ("private_key", "-----BEGIN RSA PRIVATE KEY-----\nMIIabc\n-----END RSA PRIVATE KEY-----", "MIIabc"),
@@ -108,6 +109,8 @@ KEEP = [
     '{"max_tokens": 256, "usage": {"prompt_tokens": 61}}',
     "torchrun --nproc_per_node=8 train.py --max-new-tokens 512",
     "http://127.0.0.1:9445/metrics and mqtt://broker.internal:1883",
+    '{"by_kind": {"aws_access_key_id": 2, "secret_value": 14}, "total": 16}',
+    '{"collectors": {"system": {"proc_root": "/proc", "interval": 15.0}}}',
     "Saving checkpoint to /mnt/ckpt/run-17/global_step240/mp_rank_00_model_states.pt",
 ]
 
