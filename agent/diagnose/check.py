@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from importlib import metadata
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
