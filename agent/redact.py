@@ -160,7 +160,10 @@ class RedactionReport:
             "total": sum(self.by_kind.values()),
             "by_kind": dict(sorted(self.by_kind.items())),
             "by_file": dict(sorted(self.by_file.items())),
-            "skipped_files": dict(sorted(self.skipped_files.items())),
+            # A list of records, not a dict keyed by file name: a name like `mqtt-password`
+            # would read as a secret key to the redactor that runs over this report too.
+            "skipped_files": [{"name": name, "reason": reason}
+                              for name, reason in sorted(self.skipped_files.items())],
         }
 
 

@@ -52,8 +52,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {path} ({len(bundle.members)} files, {size / 1024:.1f} KiB)")
     kinds = ", ".join(f"{kind} {n}" for kind, n in redaction["by_kind"].items())
     print(f"redacted {redaction['total']} item(s){': ' + kinds if kinds else ''}")
-    for name, reason in redaction["skipped_files"].items():
-        print(f"left out {name}: {reason}")
+    for skipped in redaction["skipped_files"]:
+        print(f"left out {skipped['name']}: {skipped['reason']}")
     for note in bundle.notes:
         print(f"note: {note}")
     print("check the bundle before you send it: tar -xzf it and read what is inside")

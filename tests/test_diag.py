@@ -1,0 +1,255 @@
+"""gpuwarden diag: what the bundle holds, that no planted secret survives in any member, that the
+manifest matches, that the state store is left alone, and that the write is atomic."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from agent.config import Config
+from agent.diagnose.bundle import MANIFEST, REDACTION_REPORT, Bundle, write_atomically
+from agent.diagnose.diag import DiagOptions, build_bundle, secret_files
+from agent.model import Event, Severity
+from agent.redact import Redactor
+from agent.settings import setting
+from agent.state import StateStore
+from tests.support.diag import load, make_proc_tree, write_config
+from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
+
+LEAKY_EVENT = f"upload failed for {planted()[0].value}: 403 from s3"
+
+
+def read_bundle(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path, "r:gz") as tar:
+        out = {}
+        for member in tar.getmembers():
+            handle = tar.extractfile(member)
+            assert handle is not None
+            out[member.name.split("/", 1)[1]] = handle.read()
+        return out
+
+
+def skipped(report: dict[str, Any]) -> dict[str, str]:
+    return {entry["name"]: entry["reason"] for entry in report["skipped_files"]}
+
+
+def populate_state(state_dir: Path) -> None:
+    store = StateStore.open(state_dir)
+    store.record_event(Event(source="bench", kind="upload_failed", severity=Severity.WARNING,
+                             message=LEAKY_EVENT, subject="GPU-5f1c2a3e"), outbox=True)
+    store.put("ledger", "mqtt", {"last_delivery": 1795970000.0})
+    store.put("bench", "baseline", {"tflops": 674.0})
+    store.close()
+    (state_dir / "bench-history.jsonl").write_text(
+        json.dumps({"gpu": 0, "tflops": 671.2, "note": "run by jane.doe@example-lab.org"}) + "\n")
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Config, Path]:
+    cfg = load(write_config(tmp_path / "conf", proc_root=make_proc_tree(tmp_path / "proc")))
+    populate_state(cfg.state_dir)
+    return cfg, tmp_path
+
+
+async def make_bundle(cfg: Config, out: Path, includes: tuple[Path, ...] = ()) -> dict[str, bytes]:
+    options = DiagOptions(output=out, includes=includes, run_torch_probe=False)
+    path, _ = await build_bundle(cfg, options)
+    assert path == out
+    return read_bundle(out)
+
+
+class TestContents:
+    """The members support needs are there, and nothing secret is in any of them."""
+
+    async def test_members(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        members = await make_bundle(cfg, tmp / "b.tar.gz", (CORPUS_DIR / "train.log",))
+        for name in (MANIFEST, REDACTION_REPORT, "versions.json", "check.json", "collectors/system.json",
+                     "config/effective.json", "config/gpuwarden.toml", "state/summary.json",
+                     "state/events.json", "state/bench-history.jsonl", "include/train.log"):
+            assert name in members, sorted(members)
+        versions = json.loads(members["versions.json"])
+        assert versions["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+        assert "torch" in versions["packages"]
+        summary = json.loads(members["state/summary.json"])
+        assert summary["outbox"]["depth"] == 1
+        assert summary["kv"]["bench"]["baseline"] == {"tflops": 674.0}
+        events = json.loads(members["state/events.json"])
+        assert events[0]["kind"] == "upload_failed"
+        system = json.loads(members["collectors/system.json"])
+        assert any(s["name"] == "gpuwarden_memory_total_bytes" for s in system["samples"])
+
+    async def test_no_planted_secret_in_any_member(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        includes = tuple(CORPUS_DIR / name for name in CORPUS_FILES)
+        members = await make_bundle(cfg, tmp / "b.tar.gz", includes)
+        texts = [data.decode() for data in members.values()] + list(members)
+        assert surviving_secrets(texts) == []
+        assert "jane.doe@example-lab.org" not in "".join(texts)
+
+    async def test_diagnostic_lines_survive(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        includes = tuple(CORPUS_DIR / name for name in CORPUS_FILES)
+        members = await make_bundle(cfg, tmp / "b.tar.gz", includes)
+        joined = "\n".join(data.decode() for data in members.values())
+        assert [line for line in keep_lines() if line not in joined] == []
+        assert "upload failed for [REDACTED:aws_access_key_id]: 403 from s3" in joined
+
+    async def test_redaction_report_counts_without_values(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        members = await make_bundle(cfg, tmp / "b.tar.gz", (CORPUS_DIR / "dotenv",))
+        report = json.loads(members[REDACTION_REPORT])
+        assert report["by_file"]["include/dotenv"]["anthropic_key"] == 1
+        assert report["by_kind"]["aws_access_key_id"] >= 1  # from the state store's event
+        assert report["total"] == sum(report["by_kind"].values())
+
+    async def test_binary_include_left_out(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        core = tmp / "core.1234"
+        core.write_bytes(b"\x7fELF\x00\x00" + b"AKIAABCDEFGHIJKLMNOP")
+        members = await make_bundle(cfg, tmp / "b.tar.gz", (core, tmp / "missing.log"))
+        report = json.loads(members[REDACTION_REPORT])
+        assert "include/core.1234" not in members
+        assert "binary" in skipped(report)["include/core.1234"]
+        assert "not a regular file" in skipped(report)["include/missing.log"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeSinkSettings:
+    enabled: bool = setting(True)
+    password_file: str = setting("")
+
+
+class TestSecretFiles:
+    """Files named by `*_file` keys are never read into the bundle, even when asked for."""
+
+    async def test_include_of_a_secret_file_is_refused(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        secret = tmp / "mqtt-password"
+        secret.write_text("Zq81-broker-pw-never-shown\n")
+        cfg = dataclasses.replace(cfg, sections={**cfg.sections,
+                                                 "fake": FakeSinkSettings(password_file=str(secret))})
+        assert secret.resolve() in secret_files(cfg)
+        members = await make_bundle(cfg, tmp / "b.tar.gz", (secret,))
+        assert all(b"Zq81-broker-pw-never-shown" not in data for data in members.values())
+        report = json.loads(members[REDACTION_REPORT])
+        assert "secret file" in skipped(report)["include/mqtt-password"]
+
+
+class TestManifest:
+    """Every member is listed with the size and SHA-256 of what is in the archive."""
+
+    async def test_checksums_match(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        members = await make_bundle(cfg, tmp / "b.tar.gz", (CORPUS_DIR / "bash_history",))
+        manifest = json.loads(members[MANIFEST])
+        listed = {f["name"]: f for f in manifest["files"]}
+        assert set(listed) == set(members) - {MANIFEST}
+        for name, data in members.items():
+            if name != MANIFEST:
+                assert listed[name]["size"] == len(data)
+                assert listed[name]["sha256"] == hashlib.sha256(data).hexdigest()
+        assert manifest["node_id"] == "test-node-1"
+        assert manifest["created_utc"].endswith("Z")
+
+
+class TestStateStoreUntouched:
+    """The store is read, never written: same files, same bytes."""
+
+    async def test_stopped_agent(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+
+        def snapshot() -> dict[str, str]:
+            return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in cfg.state_dir.iterdir()}
+
+        before = snapshot()
+        await make_bundle(cfg, tmp / "b.tar.gz")
+        assert snapshot() == before
+
+    async def test_running_agent_wal_is_read(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        live = StateStore.open(cfg.state_dir)  # holds the WAL open, as the daemon does
+        try:
+            live.record_event(Event(source="gpu", kind="xid", severity=Severity.CRITICAL,
+                                    message="Xid 79 on GPU 0000:3b:00.0"), outbox=True)
+            db_before = (cfg.state_dir / "state.db").read_bytes()
+            members = await make_bundle(cfg, tmp / "b.tar.gz")
+            assert (cfg.state_dir / "state.db").read_bytes() == db_before
+        finally:
+            live.close()
+        kinds = [e["kind"] for e in json.loads(members["state/events.json"])]
+        assert "xid" in kinds
+
+
+class TestAtomicWrite:
+    """A failure mid-write leaves no final file and no temp file; an old bundle survives."""
+
+    def test_failure_mid_write(self, tmp_path: Path) -> None:
+        final = tmp_path / "bundle.tar.gz"
+
+        def half_then_fail(handle: IO[bytes]) -> None:
+            handle.write(b"\x1f\x8b" + b"x" * 100_000)
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError, match="No space left"):
+            write_atomically(final, half_then_fail)
+        assert list(tmp_path.iterdir()) == []
+
+    def test_old_file_kept_on_failure(self, tmp_path: Path) -> None:
+        final = tmp_path / "bundle.tar.gz"
+        final.write_bytes(b"previous bundle")
+
+        def fail(handle: IO[bytes]) -> None:
+            handle.write(b"partial")
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            write_atomically(final, fail)
+        assert final.read_bytes() == b"previous bundle"
+        assert [p.name for p in tmp_path.iterdir()] == ["bundle.tar.gz"]
+
+    def test_bundle_tar_is_complete(self, tmp_path: Path) -> None:
+        bundle = Bundle(Redactor())
+        bundle.add_text("a.txt", "hello")
+        bundle.finish({"format": 1})
+        final = tmp_path / "b.tar.gz"
+        write_atomically(final, lambda h: bundle.write_tar(h, "top", 0.0))
+        with tarfile.open(final) as tar:
+            assert sorted(tar.getnames()) == ["top/a.txt", "top/manifest.json", "top/redaction.json"]
+        assert io.BytesIO(final.read_bytes()).read(2) == b"\x1f\x8b"
+
+
+class TestCommandLine:
+    """`gpuwarden diag` as a user runs it."""
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agent", "diag", *args], capture_output=True,
+                              text=True, timeout=120, check=False, cwd=Path(__file__).parent.parent)
+
+    def test_writes_and_reports(self, setup: tuple[Config, Path]) -> None:
+        _, tmp = setup
+        out = tmp / "out.tar.gz"
+        done = self._run("--config", str(tmp / "conf" / "gpuwarden.toml"), "-o", str(out),
+                         "--include", str(CORPUS_DIR / "dotenv"), "--no-torch", "--json")
+        assert done.returncode == 0, done.stderr
+        data = json.loads(done.stdout)
+        assert data["path"] == str(out)
+        assert data["redaction"]["by_kind"]["openai_key"] == 1
+        assert out.is_file()
+
+    def test_unwritable_destination_is_exit_code_1(self, setup: tuple[Config, Path]) -> None:
+        _, tmp = setup
+        done = self._run("--config", str(tmp / "conf" / "gpuwarden.toml"), "--no-torch",
+                         "-o", str(tmp / "no" / "such" / "dir" / "b.tar.gz"))
+        assert done.returncode == 1
+        assert "cannot write the bundle" in done.stderr
+        assert not (tmp / "no").exists()
