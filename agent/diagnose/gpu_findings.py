@@ -1,0 +1,252 @@
+"""Judge one round of the gpu collector for `check`: identity, persistence mode, temperatures
+against the GPU's own thresholds, clock slowdowns, ECC and row remapping, and the PCIe link.
+
+Only the collector's samples and events are read (metric names are its contract): what is
+degraded (a PCIe link, a hardware slowdown, a pending remap) is decided once, in the collector,
+and shows here as its condition events. Lines that are OK on every GPU fold into one line.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from agent.diagnose.collect_once import CollectorResult
+from agent.diagnose.findings import Finding, Status
+from agent.model import GPU_LABELS, Event, Sample, Severity
+
+AREA = "gpu"
+TEMPERATURE_MARGIN_CELSIUS = 5.0
+"""WARN this close to the GPU's slowdown threshold: clocks drop at the threshold itself."""
+# Clock event reasons that are not a problem: idle, an admin's clock setting, sync boost,
+# display. Software power capping under load is normal too, so it is named but not judged.
+BENIGN_REASONS = frozenset({"gpu_idle", "applications_clocks_setting", "sync_boost",
+                            "display_clock_setting", "sw_power_cap"})
+# Condition events of the gpu collector folded into the per-GPU lines below.
+FOLDED_KINDS = {
+    "hardware_slowdown": "clocks",
+    "pcie_link_degraded": "pcie",
+    "row_remap_pending": "ecc",
+    "row_remap_failure": "ecc",
+    "retired_pages_pending": "ecc",
+    "gpu_lost": "identity",
+    "gpu_unresponsive": "identity",
+}
+
+
+@dataclass
+class GpuView:
+    """One GPU's samples, by metric name and the labels beyond GPU_LABELS."""
+
+    labels: dict[str, str]
+    values: dict[tuple[str, tuple[str, ...]], float] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)
+    events: dict[str, list[Event]] = field(default_factory=lambda: defaultdict(list))
+
+    @property
+    def title(self) -> str:
+        return f"GPU {self.labels['gpu']}"
+
+    def get(self, metric: str, *extra: str) -> float | None:
+        return self.values.get((metric, extra))
+
+
+def gpu_views(result: CollectorResult) -> list[GpuView]:
+    views: dict[str, GpuView] = {}
+    for sample in result.samples:
+        if sample.family.labels[: len(GPU_LABELS)] != GPU_LABELS:
+            continue
+        labels = dict(zip(GPU_LABELS, sample.label_values, strict=False))
+        view = views.setdefault(labels["gpu"], GpuView(labels))
+        extra = sample.label_values[len(GPU_LABELS):]
+        view.values[(sample.family.name, extra)] = sample.value
+        if sample.family.name == "gpuwarden_gpu_info":
+            view.info = dict(zip(sample.family.labels[len(GPU_LABELS):], extra, strict=True))
+    by_uuid = {v.labels["uuid"]: v for v in views.values() if v.labels["uuid"]}
+    for event in result.events:
+        owner = by_uuid.get(event.subject)
+        if owner is not None and event.kind in FOLDED_KINDS:
+            owner.events[FOLDED_KINDS[event.kind]].append(event)
+    return sorted(views.values(), key=lambda v: int(v.labels["gpu"]) if v.labels["gpu"].isdigit() else 0)
+
+
+def _from_events(view: GpuView, topic: str, name: str, ok_detail: str) -> Finding:
+    events = view.events.get(topic, [])
+    if not events:
+        return Finding(AREA, f"{view.title} {name}", Status.OK, ok_detail)
+    worst = max(events, key=lambda e: e.severity)
+    detail = "; ".join(e.message for e in events)
+    return Finding(AREA, f"{view.title} {name}", Status.from_severity(worst.severity), detail, worst.action)
+
+
+def identity(view: GpuView) -> Finding:
+    labels, info = view.labels, view.info
+    parts = [labels["model"], labels["pci_bus_id"], labels["uuid"]]
+    if info.get("driver_version"):
+        parts.append(f"driver {info['driver_version']}")
+    if info.get("vbios_version"):
+        parts.append(f"VBIOS {info['vbios_version']}")
+    if info.get("compute_capability"):
+        parts.append(f"compute capability {info['compute_capability']}")
+    if info.get("mig_mode") == "enabled":
+        parts.append("MIG enabled")
+    if view.get("gpuwarden_gpu_up") == 0:
+        return _from_events(view, "identity", "identity", "")
+    return Finding(AREA, f"{view.title} identity", Status.OK, ", ".join(p for p in parts if p))
+
+
+def persistence(view: GpuView) -> Finding:
+    mode = view.info.get("persistence_mode", "")
+    name = f"{view.title} persistence mode"
+    if mode == "enabled":
+        return Finding(AREA, name, Status.OK, "enabled")
+    if mode == "disabled":
+        return Finding(AREA, name, Status.WARN,
+                       "disabled: the driver unloads between jobs, so each job start pays the GPU "
+                       "initialisation and the clocks and ECC state are re-read",
+                       "enable nvidia-persistenced (or nvidia-smi -pm 1)")
+    return Finding(AREA, name, Status.NA, "not reported by this GPU")
+
+
+def temperature(view: GpuView) -> Finding:
+    name = f"{view.title} temperature"
+    checks = [("gpu", "slowdown"), ("memory", "memory_max")]
+    texts, status, action = [], Status.OK, ""
+    for sensor, threshold_name in checks:
+        value = view.get("gpuwarden_gpu_temperature_celsius", sensor)
+        if value is None:
+            continue
+        threshold = view.get("gpuwarden_gpu_temperature_threshold_celsius", threshold_name)
+        text = f"{sensor} {value:.0f} °C"
+        if threshold is not None:
+            text += f" ({threshold_name.replace('_', ' ')} at {threshold:.0f} °C)"
+            if value >= threshold:
+                status, action = Status.FAIL, "the GPU is at its slowdown temperature: check cooling (inlet air, fans, airflow) now"
+            elif value >= threshold - TEMPERATURE_MARGIN_CELSIUS and status is Status.OK:
+                status, action = Status.WARN, "close to the slowdown temperature: check cooling"
+        texts.append(text)
+    if not texts:
+        return Finding(AREA, name, Status.NA, "no temperature reported")
+    return Finding(AREA, name, status, ", ".join(texts), action)
+
+
+def clocks(view: GpuView) -> Finding:
+    active = sorted(reason for (metric, extra), value in view.values.items()
+                    if metric == "gpuwarden_gpu_clock_event_active" and value == 1 for reason in extra)
+    if not any(metric == "gpuwarden_gpu_clock_event_active" for metric, _ in view.values):
+        return Finding(AREA, f"{view.title} throttling", Status.NA, "clock event reasons not reported")
+    concerning = [r for r in active if r not in BENIGN_REASONS]
+    detail = "active reasons: " + (", ".join(active) if active else "none")
+    finding = _from_events(view, "clocks", "throttling", detail)
+    if finding.status is Status.OK and concerning:  # sw_thermal_slowdown: not a condition there
+        return Finding(AREA, finding.name, Status.WARN, detail, "check cooling and power limits")
+    return finding
+
+
+def ecc(view: GpuView) -> Finding:
+    name = f"{view.title} ECC and row remapping"
+    mode = view.info.get("ecc_mode", "")
+    counts = {key: view.get("gpuwarden_gpu_ecc_errors_total", *key)
+              for key in (("uncorrected", "volatile"), ("uncorrected", "aggregate"),
+                          ("corrected", "volatile"))}
+    rows = {cause: view.get("gpuwarden_gpu_remapped_rows_total", cause)
+            for cause in ("correctable", "uncorrectable")}
+    parts = [f"ECC {mode}" if mode else "ECC mode not reported"]
+    parts += [f"{kind} {counter} {value:.0f}" for (kind, counter), value in counts.items() if value is not None]
+    parts += [f"rows remapped ({cause}) {value:.0f}" for cause, value in rows.items() if value is not None]
+    detail = ", ".join(parts)
+    finding = _from_events(view, "ecc", "ECC and row remapping", detail)
+    if finding.status is not Status.OK:
+        return finding
+    if mode == "disabled":
+        return Finding(AREA, name, Status.WARN, detail,
+                       "enable ECC (nvidia-smi -e 1, then reset the GPU): without it memory errors go unnoticed")
+    if (counts[("uncorrected", "volatile")] or 0) > 0:
+        return Finding(AREA, name, Status.WARN, detail + " (uncorrectable errors since the driver loaded)",
+                       "restart the jobs that ran on this GPU; reset the GPU when idle; watch for Xid 48/94/95")
+    if not mode and all(v is None for v in counts.values()):
+        return Finding(AREA, name, Status.NA, "ECC is not reported by this GPU")
+    return finding
+
+
+def pcie(view: GpuView) -> Finding:
+    generation = view.get("gpuwarden_gpu_pcie_link_generation", "current")
+    generation_max = view.get("gpuwarden_gpu_pcie_link_generation", "max")
+    width = view.get("gpuwarden_gpu_pcie_link_width_lanes", "current")
+    width_max = view.get("gpuwarden_gpu_pcie_link_width_lanes", "max")
+    if generation is None and width is None:
+        return Finding(AREA, f"{view.title} PCIe link", Status.NA, "link state not reported")
+
+    def show(value: float | None) -> str:
+        return "?" if value is None else f"{value:.0f}"
+
+    detail = (f"gen {show(generation)} of {show(generation_max)}, "
+              f"x{show(width)} of x{show(width_max)}")
+    if generation is not None and generation_max is not None and generation < generation_max:
+        detail += " (an idle GPU lowers its link generation to save power: normal)"
+    return _from_events(view, "pcie", "PCIe link", detail)
+
+
+PER_GPU = (identity, persistence, temperature, clocks, ecc, pcie)
+
+
+def fold(findings: list[Finding]) -> list[Finding]:
+    """OK (or N/A) lines of the same check on several GPUs become one line."""
+    if len(findings) < 2:
+        return findings
+    out = [f for f in findings if f.status not in (Status.OK, Status.NA)]
+    for status in (Status.OK, Status.NA):
+        same = [f for f in findings if f.status is status]
+        if not same:
+            continue
+        check = same[0].name.split(" ", 2)[2]
+        gpus = ",".join(f.name.split(" ", 2)[1] for f in same)
+        details = list(dict.fromkeys(f.detail for f in same))
+        detail = details[0] if len(details) == 1 else "; ".join(
+            f"{f.name.split(' ', 2)[1]}: {f.detail}" for f in same)
+        out.append(Finding(AREA, f"GPU {gpus} {check}", status, detail))
+    return out
+
+
+def classify_gpus(result: CollectorResult, expected: int | None) -> list[Finding]:
+    """`expected`: None for at least one, N for exactly N (0 is handled by the caller)."""
+    if result.error:
+        return [Finding(AREA, "GPU collector", Status.FAIL, f"one round failed: {result.error}",
+                        "run nvidia-smi; if it hangs too, look for Xids in the kernel log")]
+    nvml_up = result.values("gpuwarden_nvml_up")
+    if not nvml_up or nvml_up[0].value == 0:
+        down = [e for e in result.events if e.kind == "nvml_unavailable"]
+        detail = down[0].message if down else "NVML is not available"
+        return [Finding(AREA, "NVML", Status.FAIL, detail,
+                        "install or load the NVIDIA driver (nvidia-smi must list the GPUs); "
+                        "if this host has no GPU on purpose, run check with --expect-gpus 0")]
+    findings = [gpu_count(result.values("gpuwarden_gpus_visible"), expected)]
+    views = gpu_views(result)
+    for check in PER_GPU:
+        findings.extend(fold([check(view) for view in views]))
+    folded_uuids = {v.labels["uuid"] for v in views}
+    findings.extend(
+        Finding(AREA, event.subject or event.kind, Status.from_severity(event.severity), event.message, event.action)
+        for event in result.events
+        if event.severity >= Severity.WARNING
+        and not (event.kind in FOLDED_KINDS and event.subject in folded_uuids)
+    )
+    return findings
+
+
+def gpu_count(samples: Iterable[Sample], expected: int | None) -> Finding:
+    visible = next((int(s.value) for s in samples), 0)
+    if expected is None:
+        if visible == 0:
+            return Finding(AREA, "GPU count", Status.FAIL, "NVML answers but sees no GPU",
+                           "check lspci for NVIDIA devices and the kernel log for NVRM errors")
+        return Finding(AREA, "GPU count", Status.OK, f"{visible} visible")
+    if visible < expected:
+        return Finding(AREA, "GPU count", Status.FAIL, f"{visible} visible, {expected} expected",
+                       "look for Xid 79 / 'fallen off the bus' in the kernel log and GPUs missing "
+                       "from lspci; reboot; if still missing, have the hardware inspected")
+    if visible > expected:
+        return Finding(AREA, "GPU count", Status.WARN, f"{visible} visible, only {expected} expected",
+                       "update expected_gpus ([collectors.gpu]) or --expect-gpus")
+    return Finding(AREA, "GPU count", Status.OK, f"{visible} visible, as expected")
