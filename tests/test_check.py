@@ -160,6 +160,7 @@ class TestPrometheusAddress:
     @pytest.mark.parametrize(("reply", "status"), [
         (b"HTTP/1.0 200 OK\r\n\r\nok\n", Status.OK),
         (b"HTTP/1.0 503 Service Unavailable\r\n\r\ndegraded\n", Status.WARN),
+        (b"HTTP/1.0 401 Unauthorized\r\n\r\n", Status.OK),
         (b"SSH-2.0-OpenSSH_9.2\r\n", Status.WARN),
     ])
     async def test_something_answers(self, reply: bytes, status: Status) -> None:

@@ -100,7 +100,10 @@ class OneShotCollectors:
         )
         return spec.make(chosen, deps), chosen
 
-    async def run(self, name: str, settings: CollectorSettings | None = None) -> CollectorResult:
+    async def run(self, name: str, settings: CollectorSettings | None = None, *,
+                  rounds: int = 1, gap: float = 0.0) -> CollectorResult:
+        """One round (or `rounds`, `gap` seconds apart: the samples of the last, the events
+        of all). Cached by name when the configured settings are used."""
         if name in self.results and settings is None:
             return self.results[name]
         started = time.monotonic()
@@ -109,25 +112,38 @@ class OneShotCollectors:
         except Exception as exc:  # a collector that cannot even be built is a finding
             return self._keep(name, CollectorResult(name, error=f"{type(exc).__name__}: {exc}"))
         caller = PooledCaller(self._executor, chosen.timeout)
-        ctx = CollectContext(caller=caller, now=time.time(), round=0)
-        # The runtime's own bound for a round (agent/runtime.py), shortened: check must finish
-        # in seconds, and every blocking call has its own timeout anyway.
-        limit = max(chosen.timeout * 2, 5.0)
+        samples: tuple[Sample, ...] = ()
+        events: list[Event] = []
+        error = ""
         try:
-            collection = await asyncio.wait_for(collector.collect(ctx), limit)
-        except TimeoutError:
-            result = CollectorResult(name, error=f"no result within {limit:g} s")
-        except Exception as exc:
-            result = CollectorResult(name, error=f"{type(exc).__name__}: {exc}")
-        else:
-            result = CollectorResult(name, tuple(collection.samples), tuple(collection.events))
+            for number in range(rounds):
+                if number:
+                    await asyncio.sleep(gap)
+                samples, new_events, error = await self._round(collector, caller, chosen, number)
+                events.extend(new_events)
+                if error:
+                    break
         finally:
             # Closing is best effort in a one-shot run: the process exits next.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(collector.close(), 2.0)
-        result = CollectorResult(result.name, result.samples, result.events, result.error,
+        result = CollectorResult(name, () if error else samples, tuple(events), error,
                                  time.monotonic() - started)
         return self._keep(name, result) if settings is None else result
+
+    async def _round(self, collector: Collector, caller: PooledCaller, settings: CollectorSettings,
+                     number: int) -> tuple[tuple[Sample, ...], list[Event], str]:
+        ctx = CollectContext(caller=caller, now=time.time(), round=number)
+        # The runtime's own bound for a round (agent/runtime.py), shortened: check must finish
+        # in seconds, and every blocking call has its own timeout anyway.
+        limit = max(settings.timeout * 2, 5.0)
+        try:
+            collection = await asyncio.wait_for(collector.collect(ctx), limit)
+        except TimeoutError:
+            return (), [], f"no result within {limit:g} s"
+        except Exception as exc:
+            return (), [], f"{type(exc).__name__}: {exc}"
+        return tuple(collection.samples), list(collection.events), ""
 
     def _keep(self, name: str, result: CollectorResult) -> CollectorResult:
         self.results[name] = result

@@ -126,11 +126,19 @@ async def check_broker(url: str, ca_file: Path | None = None) -> Finding:
     return Finding("network", f"{name} {where}", Status.OK, detail)
 
 
-async def check_prometheus_listen(host: str, port: int) -> Finding:
+async def check_prometheus_listen(host: str, port: int, tls: bool = False) -> Finding:
     """If something answers there, ask /healthz; otherwise make sure the agent could bind."""
     name = f"Prometheus listen {host}:{port}"
+    context: ssl.SSLContext | None = None
+    if tls:
+        # Only "is the agent serving here?": whether scrapers trust its certificate is theirs
+        # to check, so this one probe does not verify it.
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, ssl=context), CONNECT_TIMEOUT)
     except (OSError, TimeoutError) as exc:
         if not isinstance(exc, ConnectionRefusedError):
             return Finding("network", name, Status.FAIL, describe_network_error(exc),
@@ -151,6 +159,8 @@ async def check_prometheus_listen(host: str, port: int) -> Finding:
     status_line = head.split(b"\r\n", 1)[0].decode("latin-1")
     if " 200 " in f"{status_line} ":
         return Finding("network", name, Status.OK, "the agent is serving (healthz 200)")
+    if " 401 " in f"{status_line} ":
+        return Finding("network", name, Status.OK, "the agent is serving (basic auth required)")
     if " 503" in status_line:
         return Finding("network", name, Status.WARN, "the agent is serving but reports itself degraded",
                        f"curl http://{host}:{port}/healthz for the reasons")
