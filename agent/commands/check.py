@@ -80,4 +80,10 @@ def main(args: argparse.Namespace) -> int:
     else:
         width = min(os.get_terminal_size().columns, 120) if sys.stdout.isatty() else 100
         print(render_table(report, use_colour(sys.stdout), width))
+    if report.hung_calls:
+        # A call stuck in the driver or on a dead mount keeps its thread, and Python joins
+        # worker threads at exit: leave without waiting, the findings are already printed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(report.exit_code)
     return report.exit_code

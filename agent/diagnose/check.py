@@ -1,31 +1,40 @@
 """`gpuwarden check`: the start-of-instance checklist, one finding per line.
 
-Read-only by default: collectors run once on in-memory state, the state store is opened
-read-only, nothing is written. `--io-test DIR` (a 64 MiB write) and `--bench` (a GPU matmul
-run) are the two opt-in tests that do change something.
+Read-only by default: the read-only collectors (system, gpu, disk, processes) run their own
+code for one round on in-memory state, the kernel log is read with a private cursor, the state
+store is opened read-only, nothing is written. `--io-test DIR` (the io_probe collector's 64 MiB
+write) and `--bench` (one benchmark run) are the opt-in tests that do change something.
 
-No GPU: on a host where GPUs are expected (the default, at least one) a missing NVIDIA driver
-or fewer GPUs than expected is a FAIL with the action to take; `--expect-gpus 0` says this host
-has none on purpose, and the GPU lines become N/A.
+GPUs expected: `--expect-gpus N` if given; else none when `[collectors.gpu] enabled = false`;
+else `[collectors.gpu] expected_gpus` when set; else at least one. Where GPUs are expected, a
+missing NVIDIA driver or fewer GPUs is a FAIL with the action to take; where none are, the GPU
+lines are a single N/A.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from agent import registry
+from agent.collector import CallStillHung, CallTimedOut, SharedServices
 from agent.config import Config
 from agent.diagnose import probes
 from agent.diagnose.collect_once import CollectorResult, OneShotCollectors
 from agent.diagnose.findings import Finding, Status, exit_code
+from agent.diagnose.gpu_findings import classify_gpus
+from agent.diagnose.host_findings import classify_disk, classify_processes
+from agent.diagnose.nvml_versions import read_nvml_versions
 from agent.diagnose.state_reader import read_state
-from agent.model import Severity
+from collectors import io_probe, system
+from collectors.gpu import GpuSettings
+from collectors.io_probe import IoProbeSettings
+from collectors.nvml import NvmlBackend
 from exporters.prometheus import parse_listen
 
 NVIDIA_PROC_VERSION = Path("/proc/driver/nvidia/version")
@@ -36,6 +45,10 @@ MEMORY_WARN_FRACTION = 0.10
 MEMORY_FAIL_FRACTION = 0.05
 OUTBOX_WARN_DEPTH = 1000
 """Undelivered outbox entries: beyond this the MQTT path has been down for a while."""
+PROCESS_GAP_SECONDS = 2.0
+"""Two looks at the process table this far apart: a process in D state in both is stuck for
+at least that long (a D sleep for one disk read lasts milliseconds)."""
+IO_TEST_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -43,15 +56,12 @@ class CheckOptions:
     io_test_dir: Path | None = None
     bench: bool = False
     expect_gpus: int | None = None
-    """None: at least one GPU expected. 0: none expected (GPU lines N/A)."""
+    """From the command line; None: decided by the configuration (module docstring)."""
     python: str = sys.executable
     """The interpreter whose torch is checked (a training venv, say)."""
     torch: bool = True
     nvidia_proc_version: Path = NVIDIA_PROC_VERSION
-
-    @property
-    def gpus_expected(self) -> bool:
-        return self.expect_gpus is None or self.expect_gpus > 0
+    process_gap: float = PROCESS_GAP_SECONDS
 
 
 @dataclass
@@ -60,6 +70,9 @@ class CheckReport:
     findings: list[Finding] = field(default_factory=list)
     collectors: dict[str, CollectorResult] = field(default_factory=dict)
     torch_probe: dict[str, Any] | None = None
+    nvidia_versions: dict[str, str] = field(default_factory=dict)
+    hung_calls: list[str] = field(default_factory=list)
+    """Blocking calls that did not return: their threads would hold the process at exit."""
 
     @property
     def exit_code(self) -> int:
@@ -80,16 +93,23 @@ class CheckReport:
         }
 
 
-# A classifier turns one collector's single round into findings. Collectors without one get
-# the generic treatment: their events become findings, a failed round a WARN.
-Classifier = Callable[[CollectorResult, CheckOptions], list[Finding]]
+def expected_gpus(config: Config, options: CheckOptions) -> int | None:
+    """0: none expected; N: exactly N; None: at least one."""
+    if options.expect_gpus is not None:
+        return options.expect_gpus
+    gpu = config.collectors.get("gpu")
+    if gpu is None or not gpu.enabled:
+        return 0
+    if isinstance(gpu, GpuSettings) and gpu.expected_gpus:
+        return gpu.expected_gpus
+    return None
 
 
-def classify_system(result: CollectorResult, options: CheckOptions) -> list[Finding]:
+def classify_system(result: CollectorResult) -> list[Finding]:
     if result.error:
         return [Finding("host", "memory", Status.WARN, f"cannot read /proc/meminfo: {result.error}")]
-    total = result.values("gpuwarden_memory_total_bytes")
-    available = result.values("gpuwarden_memory_available_bytes")
+    total = result.values(system.MEMORY_TOTAL.name)
+    available = result.values(system.MEMORY_AVAILABLE.name)
     if not total or not available or total[0].value <= 0:
         return [Finding("host", "memory", Status.NA, "MemAvailable not reported by this kernel")]
     fraction = available[0].value / total[0].value
@@ -103,37 +123,13 @@ def classify_system(result: CollectorResult, options: CheckOptions) -> list[Find
     return [Finding("host", "memory", Status.OK, detail)]
 
 
-def classify_generic(result: CollectorResult, options: CheckOptions) -> list[Finding]:
-    if result.error:
-        return [Finding("host", f"collector {result.name}", Status.WARN,
-                        f"one round failed: {result.error}",
-                        f"run `gpuwarden run` with log_level = \"debug\" to see why {result.name} fails")]
-    return [
-        Finding(result.name, event.subject or event.kind, Status.from_severity(event.severity),
-                event.message, event.action)
-        for event in result.events if event.severity >= Severity.WARNING
-    ]
-
-
-CLASSIFIERS: dict[str, Classifier] = {
-    "system": classify_system,
-}
-
-
-def check_driver(options: CheckOptions) -> list[Finding]:
-    """The driver's own /proc file: present exactly when the kernel module is loaded."""
-    if not options.gpus_expected:
-        return [Finding("driver", "NVIDIA driver", Status.NA, "no GPU expected on this host (--expect-gpus 0)")]
+def kernel_module(path: Path) -> str | None:
+    """The NVIDIA kernel module's own /proc file: present exactly when it is loaded."""
     try:
-        first = options.nvidia_proc_version.read_text().splitlines()[0]
+        first = path.read_text().splitlines()[0]
     except (OSError, IndexError):
-        return [Finding(
-            "driver", "NVIDIA driver", Status.FAIL,
-            f"no NVIDIA driver is loaded ({options.nvidia_proc_version} is missing): this host has no usable GPU",
-            "install or load the NVIDIA driver (nvidia-smi must list the GPUs); "
-            "if this host has no GPU on purpose, run check with --expect-gpus 0",
-        )]
-    return [Finding("driver", "NVIDIA driver", Status.OK, first.split(":", 1)[-1].strip())]
+        return None
+    return " ".join(first.split(":", 1)[-1].split())
 
 
 def check_state(config: Config) -> list[Finding]:
@@ -159,54 +155,126 @@ async def check_network(config: Config) -> list[Finding]:
     prometheus = config.sections.get("prometheus")
     if prometheus is not None and getattr(prometheus, "enabled", False):
         host, port = parse_listen(prometheus.listen)
-        jobs.append(probes.check_prometheus_listen(host, port))
+        tls = getattr(prometheus, "tls_cert_file", None) is not None
+        jobs.append(probes.check_prometheus_listen(host, port, tls))
     mqtt = config.sections.get("mqtt")
-    if mqtt is not None and getattr(mqtt, "enabled", False):
+    mqtt_on = mqtt is not None and bool(getattr(mqtt, "enabled", False))
+    if mqtt_on:
         ca_file = getattr(mqtt, "ca_file", None)
-        jobs.append(probes.check_broker(str(mqtt.url), Path(ca_file) if ca_file else None))
+        url = str(getattr(mqtt, "url", ""))
+        jobs.append(probes.check_broker(url, Path(ca_file) if ca_file else None))
     findings = list(await asyncio.gather(*jobs))
-    if mqtt is None or not getattr(mqtt, "enabled", False):
+    if not mqtt_on:
         findings.append(Finding("network", "MQTT broker", Status.SKIP, "MQTT is not enabled in the configuration"))
     return findings
 
 
-async def check_torch(options: CheckOptions) -> tuple[Finding, dict[str, Any] | None]:
+async def probe_torch(options: CheckOptions) -> dict[str, Any] | None:
+    """The torch child's answer; None when not asked for."""
     if not options.torch:
-        return Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)"), None
+        return None
     if options.python == sys.executable:
         try:
-            metadata.version("torch")
+            metadata.version("torch")  # metadata only: a missing torch needs no child
         except metadata.PackageNotFoundError:
-            return probes.classify_torch({"missing": "torch"}, options.gpus_expected, options.python), None
-    probe = await probes.run_torch_probe(options.python)
-    return probes.classify_torch(probe, options.gpus_expected, options.python), probe
+            return {"missing": "torch"}
+    return await probes.run_torch_probe(options.python)
 
 
-def optional_tests(options: CheckOptions) -> list[Finding]:
-    findings = []
-    if options.io_test_dir is None:
-        findings.append(Finding("io", "write probe", Status.SKIP, "not asked for (--io-test DIR)"))
+def torch_line(probe: dict[str, Any] | None, gpus_expected: bool, options: CheckOptions,
+               versions: dict[str, str]) -> Finding:
+    if probe is None:
+        return Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
+    return probes.classify_torch(probe, gpus_expected, options.python,
+                                 versions.get("cuda_driver_version"))
+
+
+async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Finding]:
+    if directory is None:
+        return [Finding("io", "write probe", Status.SKIP, "not asked for (--io-test DIR)")]
+    settings = IoProbeSettings(enabled=True, directories=(str(directory.resolve()),), timeout=IO_TEST_TIMEOUT)
+    result = await runner.run("io_probe", settings)
+    name = f"write probe {directory}"
+    if result.error:
+        return [Finding("io", name, Status.WARN, result.error, "check the file system behind it")]
+    if result.events:
+        return [Finding("io", name, Status.WARN, e.message, e.action) for e in result.events]
+    throughput = result.values(io_probe.THROUGHPUT.name)
+    latency = result.values(io_probe.SYNC_LATENCY.name)
+    if not throughput:
+        return [Finding("io", name, Status.WARN, "the probe gave no measurement")]
+    detail = f"{settings.size_mib} MiB written and fdatasynced at {throughput[0].value / 2**20:.0f} MiB/s"
+    if latency:
+        detail += f"; one 4 KiB write + fdatasync took {latency[0].value * 1000:.1f} ms"
+    return [Finding("io", name, Status.OK, detail)]
+
+
+def optional_bench(options: CheckOptions) -> list[Finding]:
     if not options.bench:
-        findings.append(Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)"))
-    return findings
+        return [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")]
+    return [Finding("bench", "matmul benchmark", Status.SKIP, "the benchmark is not available in this build")]
+
+
+async def run_collectors(runner: OneShotCollectors, config: Config, expected: int | None,
+                         options: CheckOptions) -> dict[str, CollectorResult]:
+    jobs: dict[str, Awaitable[CollectorResult]] = {
+        "system": runner.run("system"),
+        "disk": runner.run("disk"),
+        "processes": runner.run("processes", rounds=2, gap=options.process_gap),
+    }
+    if expected != 0:
+        gpu = config.collectors.get("gpu")
+        settings = gpu if isinstance(gpu, GpuSettings) else GpuSettings()
+        # No event thread in a one-shot round: it would only be started to be stopped.
+        jobs["gpu"] = runner.run("gpu", dataclasses.replace(settings, event_thread=False))
+    results = await asyncio.gather(*jobs.values())
+    return dict(zip(jobs, results, strict=True))
+
+
+def gpu_lines(results: dict[str, CollectorResult], expected: int | None, options: CheckOptions,
+              versions: dict[str, str]) -> list[Finding]:
+    if expected == 0:
+        return [Finding("gpu", "GPUs", Status.NA,
+                        "none expected on this host (--expect-gpus 0, or [collectors.gpu] enabled = false)")]
+    return classify_gpus(results["gpu"], expected, kernel_module(options.nvidia_proc_version), versions)
+
+
+async def nvidia_versions(runner: OneShotCollectors) -> dict[str, str]:
+    """After the gpu round: the shared backend is started if the driver answered."""
+    backend = runner.shared.find(NvmlBackend)
+    if backend is None or not backend.up:
+        return {}
+    try:
+        return await runner.call("nvml:versions", read_nvml_versions, backend)
+    except (CallTimedOut, CallStillHung):
+        return {}
 
 
 async def run_check(config: Config, options: CheckOptions,
-                    collector_names: Sequence[str] | None = None) -> CheckReport:
+                    shared: SharedServices | None = None) -> CheckReport:
+    """`shared`: the services collectors share (tests put a fake NVML backend there)."""
     report = CheckReport(config.node_id)
-    torch_task = asyncio.create_task(check_torch(options))
+    expected = expected_gpus(config, options)
+    torch_task = asyncio.create_task(probe_torch(options))
     network_task = asyncio.create_task(check_network(config))
-    names = list(collector_names if collector_names is not None else registry.COLLECTORS)
-    async with OneShotCollectors(config.node_id, dict(config.collectors)) as runner:
-        results = await asyncio.gather(*(runner.run(name) for name in names))
-    report.collectors = {r.name: r for r in results}
-    report.findings.extend(check_driver(options))
-    torch_finding, report.torch_probe = await torch_task
-    report.findings.append(torch_finding)
-    for result in results:
-        classify = CLASSIFIERS.get(result.name, classify_generic)
-        report.findings.extend(classify(result, options))
+    runner = OneShotCollectors(config.node_id, dict(config.collectors), shared=shared or SharedServices())
+    async with runner:
+        results = await run_collectors(runner, config, expected, options)
+        report.nvidia_versions = await nvidia_versions(runner)
+        io_findings = await check_io(runner, options.io_test_dir)
+        report.hung_calls = runner.hung_calls()
+    report.collectors = results
+    report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
+    report.torch_probe = await torch_task
+    report.findings.append(torch_line(report.torch_probe, expected != 0, options, report.nvidia_versions))
+    host: list[tuple[str, Callable[[CollectorResult], list[Finding]]]] = [
+        ("system", classify_system), ("disk", classify_disk),
+        ("processes", lambda r: classify_processes(r, options.process_gap)),
+    ]
+    for name, classify in host:
+        report.findings.extend(classify(results[name]))
     report.findings.extend(check_state(config))
     report.findings.extend(await network_task)
-    report.findings.extend(optional_tests(options))
+    report.findings.extend(io_findings)
+    report.findings.extend(optional_bench(options))
     return report

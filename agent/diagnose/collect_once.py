@@ -14,11 +14,11 @@ import contextlib
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from agent import registry
 from agent.blocking import PooledCaller
@@ -31,6 +31,8 @@ from agent.collector import (
     SharedServices,
 )
 from agent.model import Event, Sample
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class OneShotCollectors:
         self._executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="check-call")
         self._scratch = tempfile.TemporaryDirectory(prefix="gpuwarden-check-")
         self._lock = threading.Lock()
+        self._callers: list[PooledCaller] = []
 
     async def __aenter__(self) -> OneShotCollectors:
         return self
@@ -83,6 +86,15 @@ class OneShotCollectors:
         # A hung call keeps its thread; do not wait for it (the process is about to exit).
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._scratch.cleanup()
+
+    async def call(self, key: str, fn: Callable[..., T], *args: Any, timeout: float = 5.0) -> T:
+        """A blocking call of check's own on the same bounded pool."""
+        caller = PooledCaller(self._executor, timeout)
+        self._callers.append(caller)
+        return await caller.call(key, fn, *args)
+
+    def hung_calls(self) -> list[str]:
+        return sorted(key for caller in self._callers for key in caller.hung)
 
     def _emit(self, event: Event) -> None:
         with self._lock:
@@ -112,6 +124,7 @@ class OneShotCollectors:
         except Exception as exc:  # a collector that cannot even be built is a finding
             return self._keep(name, CollectorResult(name, error=f"{type(exc).__name__}: {exc}"))
         caller = PooledCaller(self._executor, chosen.timeout)
+        self._callers.append(caller)
         samples: tuple[Sample, ...] = ()
         events: list[Event] = []
         error = ""

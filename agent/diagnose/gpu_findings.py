@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from agent.diagnose.collect_once import CollectorResult
 from agent.diagnose.findings import Finding, Status
 from agent.model import GPU_LABELS, Event, Sample, Severity
+from collectors import gpu_metrics as m
 
 AREA = "gpu"
 TEMPERATURE_MARGIN_CELSIUS = 5.0
@@ -61,7 +62,7 @@ def gpu_views(result: CollectorResult) -> list[GpuView]:
         view = views.setdefault(labels["gpu"], GpuView(labels))
         extra = sample.label_values[len(GPU_LABELS):]
         view.values[(sample.family.name, extra)] = sample.value
-        if sample.family.name == "gpuwarden_gpu_info":
+        if sample.family.name == m.INFO.name:
             view.info = dict(zip(sample.family.labels[len(GPU_LABELS):], extra, strict=True))
     by_uuid = {v.labels["uuid"]: v for v in views.values() if v.labels["uuid"]}
     for event in result.events:
@@ -91,7 +92,7 @@ def identity(view: GpuView) -> Finding:
         parts.append(f"compute capability {info['compute_capability']}")
     if info.get("mig_mode") == "enabled":
         parts.append("MIG enabled")
-    if view.get("gpuwarden_gpu_up") == 0:
+    if view.get(m.UP.name) == 0:
         return _from_events(view, "identity", "identity", "")
     return Finding(AREA, f"{view.title} identity", Status.OK, ", ".join(p for p in parts if p))
 
@@ -111,20 +112,25 @@ def persistence(view: GpuView) -> Finding:
 
 def temperature(view: GpuView) -> Finding:
     name = f"{view.title} temperature"
-    checks = [("gpu", "slowdown"), ("memory", "memory_max")]
+    # The GPU's own limits: its maximum operating temperature (below slowdown on an H200) when
+    # reported, else the slowdown threshold; the memory's maximum for the memory sensor.
+    checks = [("gpu", ("gpu_max", "slowdown")), ("memory", ("memory_max",))]
     texts, status, action = [], Status.OK, ""
-    for sensor, threshold_name in checks:
-        value = view.get("gpuwarden_gpu_temperature_celsius", sensor)
+    for sensor, threshold_names in checks:
+        value = view.get(m.TEMPERATURE.name, sensor)
         if value is None:
             continue
-        threshold = view.get("gpuwarden_gpu_temperature_threshold_celsius", threshold_name)
+        threshold_name, threshold = next(
+            ((n, t) for n in threshold_names
+             if (t := view.get(m.TEMPERATURE_THRESHOLD.name, n)) is not None),
+            (threshold_names[0], None))
         text = f"{sensor} {value:.0f} °C"
         if threshold is not None:
             text += f" ({threshold_name.replace('_', ' ')} at {threshold:.0f} °C)"
             if value >= threshold:
-                status, action = Status.FAIL, "the GPU is at its slowdown temperature: check cooling (inlet air, fans, airflow) now"
+                status, action = Status.FAIL, "at or over its temperature limit, the GPU slows down: check cooling (inlet air, fans, airflow) now"
             elif value >= threshold - TEMPERATURE_MARGIN_CELSIUS and status is Status.OK:
-                status, action = Status.WARN, "close to the slowdown temperature: check cooling"
+                status, action = Status.WARN, "close to its temperature limit: check cooling"
         texts.append(text)
     if not texts:
         return Finding(AREA, name, Status.NA, "no temperature reported")
@@ -133,8 +139,8 @@ def temperature(view: GpuView) -> Finding:
 
 def clocks(view: GpuView) -> Finding:
     active = sorted(reason for (metric, extra), value in view.values.items()
-                    if metric == "gpuwarden_gpu_clock_event_active" and value == 1 for reason in extra)
-    if not any(metric == "gpuwarden_gpu_clock_event_active" for metric, _ in view.values):
+                    if metric == m.CLOCK_EVENT.name and value == 1 for reason in extra)
+    if not any(metric == m.CLOCK_EVENT.name for metric, _ in view.values):
         return Finding(AREA, f"{view.title} throttling", Status.NA, "clock event reasons not reported")
     concerning = [r for r in active if r not in BENIGN_REASONS]
     detail = "active reasons: " + (", ".join(active) if active else "none")
@@ -147,10 +153,10 @@ def clocks(view: GpuView) -> Finding:
 def ecc(view: GpuView) -> Finding:
     name = f"{view.title} ECC and row remapping"
     mode = view.info.get("ecc_mode", "")
-    counts = {key: view.get("gpuwarden_gpu_ecc_errors_total", *key)
+    counts = {key: view.get(m.ECC.name, *key)
               for key in (("uncorrected", "volatile"), ("uncorrected", "aggregate"),
                           ("corrected", "volatile"))}
-    rows = {cause: view.get("gpuwarden_gpu_remapped_rows_total", cause)
+    rows = {cause: view.get(m.REMAPPED_ROWS.name, cause)
             for cause in ("correctable", "uncorrectable")}
     parts = [f"ECC {mode}" if mode else "ECC mode not reported"]
     parts += [f"{kind} {counter} {value:.0f}" for (kind, counter), value in counts.items() if value is not None]
@@ -171,10 +177,10 @@ def ecc(view: GpuView) -> Finding:
 
 
 def pcie(view: GpuView) -> Finding:
-    generation = view.get("gpuwarden_gpu_pcie_link_generation", "current")
-    generation_max = view.get("gpuwarden_gpu_pcie_link_generation", "max")
-    width = view.get("gpuwarden_gpu_pcie_link_width_lanes", "current")
-    width_max = view.get("gpuwarden_gpu_pcie_link_width_lanes", "max")
+    generation = view.get(m.PCIE_GENERATION.name, "current")
+    generation_max = view.get(m.PCIE_GENERATION.name, "max")
+    width = view.get(m.PCIE_WIDTH.name, "current")
+    width_max = view.get(m.PCIE_WIDTH.name, "max")
     if generation is None and width is None:
         return Finding(AREA, f"{view.title} PCIe link", Status.NA, "link state not reported")
 
@@ -209,19 +215,44 @@ def fold(findings: list[Finding]) -> list[Finding]:
     return out
 
 
-def classify_gpus(result: CollectorResult, expected: int | None) -> list[Finding]:
+NO_DRIVER_ACTION = ("install or load the NVIDIA driver (nvidia-smi must list the GPUs); if this "
+                    "host has no GPU on purpose, run check with --expect-gpus 0")
+
+
+def driver_line(result: CollectorResult, kernel_module: str | None,
+                versions: dict[str, str]) -> Finding:
+    """`kernel_module`: the first line of /proc/driver/nvidia/version, None when absent."""
+    nvml_up = result.values(m.NVML_UP.name)
+    if nvml_up and nvml_up[0].value == 1:
+        parts = [versions.get("driver_version", "version not reported")]
+        if "cuda_driver_version" in versions:
+            parts.append(f"CUDA {versions['cuda_driver_version']} supported")
+        if "nvml_version" in versions:
+            parts.append(f"NVML {versions['nvml_version']}")
+        return Finding(AREA, "NVIDIA driver", Status.OK, ", ".join(parts))
+    down = [e for e in result.events if e.kind == "nvml_unavailable"]
+    reason = str(down[0].attributes.get("reason", "")) if down else result.error or "NVML did not start"
+    if kernel_module is None:
+        return Finding(AREA, "NVIDIA driver", Status.FAIL,
+                       "no NVIDIA driver is present: the kernel module is not loaded "
+                       f"(/proc/driver/nvidia/version is missing) and NVML cannot start ({reason})",
+                       NO_DRIVER_ACTION)
+    return Finding(AREA, "NVIDIA driver", Status.FAIL,
+                   f"the NVIDIA kernel module is loaded ({kernel_module}) but NVML does not answer: "
+                   f"{reason}", "a driver and library of different versions (after an upgrade "
+                   "without a reboot) is the usual cause: reboot, or reinstall the driver")
+
+
+def classify_gpus(result: CollectorResult, expected: int | None, kernel_module: str | None = None,
+                  versions: dict[str, str] | None = None) -> list[Finding]:
     """`expected`: None for at least one, N for exactly N (0 is handled by the caller)."""
     if result.error:
         return [Finding(AREA, "GPU collector", Status.FAIL, f"one round failed: {result.error}",
                         "run nvidia-smi; if it hangs too, look for Xids in the kernel log")]
-    nvml_up = result.values("gpuwarden_nvml_up")
-    if not nvml_up or nvml_up[0].value == 0:
-        down = [e for e in result.events if e.kind == "nvml_unavailable"]
-        detail = down[0].message if down else "NVML is not available"
-        return [Finding(AREA, "NVML", Status.FAIL, detail,
-                        "install or load the NVIDIA driver (nvidia-smi must list the GPUs); "
-                        "if this host has no GPU on purpose, run check with --expect-gpus 0")]
-    findings = [gpu_count(result.values("gpuwarden_gpus_visible"), expected)]
+    driver = driver_line(result, kernel_module, versions or {})
+    if driver.status is not Status.OK:
+        return [driver]
+    findings = [driver, gpu_count(result.values(m.GPU_COUNT.name), expected)]
     views = gpu_views(result)
     for check in PER_GPU:
         findings.extend(fold([check(view) for view in views]))
@@ -231,6 +262,7 @@ def classify_gpus(result: CollectorResult, expected: int | None) -> list[Finding
         for event in result.events
         if event.severity >= Severity.WARNING
         and not (event.kind in FOLDED_KINDS and event.subject in folded_uuids)
+        and event.kind != "nvml_unavailable"
     )
     return findings
 

@@ -9,6 +9,7 @@ from collections import defaultdict
 from agent.diagnose.collect_once import CollectorResult
 from agent.diagnose.findings import Finding, Status
 from agent.model import Severity
+from collectors import processes
 
 LEVEL_STATUS = {0: Status.OK, 1: Status.WARN, 2: Status.FAIL}
 
@@ -78,8 +79,8 @@ def classify_processes(result: CollectorResult, observed_seconds: float) -> list
     has been there at least that long (short D sleeps for disk I/O are normal)."""
     if result.error:
         return [Finding("host", "processes", Status.WARN, f"one round of the processes collector failed: {result.error}")]
-    states = {s.labels["state"]: s.value for s in result.values("gpuwarden_processes")}
-    stuck = [s for s in result.values("gpuwarden_process_d_state_seconds") if s.value >= observed_seconds > 0]
+    states = {s.labels["state"]: s.value for s in result.values(processes.PROCESSES.name)}
+    stuck = [s for s in result.values(processes.D_STATE.name) if s.value >= observed_seconds > 0]
     findings = []
     if stuck:
         listed = ", ".join(
@@ -93,7 +94,7 @@ def classify_processes(result: CollectorResult, observed_seconds: float) -> list
         findings.append(Finding("host", "D-state processes", Status.OK,
                                 f"none stuck ({states.get('disk_sleep', 0):.0f} in D state at the last look)"))
     zombies = states.get("zombie", 0)
-    parents = sorted(result.values("gpuwarden_zombie_processes"), key=lambda s: -s.value)
+    parents = sorted(result.values(processes.ZOMBIES.name), key=lambda s: -s.value)
     zombie_events = [e for e in result.events if e.kind == "zombies_accumulating"]
     if zombie_events:
         worst = zombie_events[0]

@@ -241,7 +241,14 @@ async def run_torch_probe(python: str = sys.executable, timeout: float = TORCH_T
     return result
 
 
-def classify_torch(probe: dict[str, Any], gpus_expected: bool, python: str) -> Finding:
+def _major(version: str | None) -> int | None:
+    head = (version or "").split(".")[0]
+    return int(head) if head.isdigit() else None
+
+
+def classify_torch(probe: dict[str, Any], gpus_expected: bool, python: str,
+                   cuda_driver: str | None = None) -> Finding:
+    """`cuda_driver`: the CUDA version the driver supports (NVML), when known."""
     name = "torch on this driver"
     if "missing" in probe:
         return Finding("torch", name, Status.NA, f"torch is not installed for {python}")
@@ -258,6 +265,9 @@ def classify_torch(probe: dict[str, Any], gpus_expected: bool, python: str) -> F
                        "install a CUDA build of torch that this driver supports")
     if not probe.get("available"):
         why = "; ".join(probe.get("warnings", [])) or "torch.cuda.is_available() is False"
+        built, supported = _major(cuda), _major(cuda_driver)
+        if built is not None and supported is not None and built > supported:
+            why = f"it was built for CUDA {cuda}, the driver supports CUDA {cuda_driver} at most; {why}"
         return Finding("torch", name, Status.FAIL, f"{build} cannot use the GPUs: {why}",
                        "install a torch built for a CUDA version this driver supports, or update the driver")
     arches = set(probe.get("arch_list", []))

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 from agent import config as config_module
+from tests.support.host import ProcTree
 from tests.support.ports import free_port
 
 GIB_KB = 1024 * 1024
@@ -21,6 +22,10 @@ def make_proc_tree(root: Path, total_kb: int = 64 * GIB_KB, available_kb: int = 
     (root / "loadavg").write_text("0.52 0.40 0.31 1/612 4242\n")
     (root / "uptime").write_text("5120.33 80000.10\n")
     (root / "sys/kernel/random/boot_id").write_text("3f1e0b7c-2b7a-4d51-9f5e-0b6c1d2e3f40\n")
+    tree = ProcTree(root)
+    tree.set_mountinfo("27 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw\n")
+    tree.add_process(1, "systemd", "S", ppid=0)
+    tree.add_process(4242, "python", "S", ppid=1)
     return root
 
 
@@ -35,7 +40,12 @@ def write_config(directory: Path, proc_root: Path | None = None, extra: str = ""
         f'listen = "127.0.0.1:{port or free_port()}"',
     ]
     if proc_root is not None:
-        lines += ["[collectors.system]", f'proc_root = "{proc_root}"']
+        # Host collectors on the fixture tree; the disk collector watches nothing (disk lines
+        # are tested on scripted statvfs answers, not on this machine's disks).
+        lines += ["[collectors.system]", f'proc_root = "{proc_root}"',
+                  "[collectors.processes]", f'proc_root = "{proc_root}"',
+                  "[collectors.disk]", f'proc_root = "{proc_root}"',
+                  'mountpoints_include = ["/no-such-mount-for-tests"]']
     path = directory / "gpuwarden.toml"
     path.write_text("\n".join(lines) + "\n" + extra)
     return path
