@@ -64,9 +64,11 @@ def gpu_views(result: CollectorResult) -> list[GpuView]:
         view.values[(sample.family.name, extra)] = sample.value
         if sample.family.name == m.INFO.name:
             view.info = dict(zip(sample.family.labels[len(GPU_LABELS):], extra, strict=True))
-    by_uuid = {v.labels["uuid"]: v for v in views.values() if v.labels["uuid"]}
+    # The collector names a GPU by its UUID, or by its index while the UUID is unknown (a GPU
+    # lost before its first read).
+    by_subject = {v.labels["uuid"] or v.labels["gpu"]: v for v in views.values()}
     for event in result.events:
-        owner = by_uuid.get(event.subject)
+        owner = by_subject.get(event.subject)
         if owner is not None and event.kind in FOLDED_KINDS:
             owner.events[FOLDED_KINDS[event.kind]].append(event)
     return sorted(views.values(), key=lambda v: int(v.labels["gpu"]) if v.labels["gpu"].isdigit() else 0)
@@ -93,7 +95,11 @@ def identity(view: GpuView) -> Finding:
     if info.get("mig_mode") == "enabled":
         parts.append("MIG enabled")
     if view.get(m.UP.name) == 0:
-        return _from_events(view, "identity", "identity", "")
+        finding = _from_events(view, "identity", "identity", "")
+        if finding.status is Status.OK:  # down, but its event was not in this round
+            return Finding(AREA, finding.name, Status.FAIL, "the GPU does not answer NVML",
+                           "look for Xid errors in the kernel log; reset the GPU or reboot")
+        return finding
     return Finding(AREA, f"{view.title} identity", Status.OK, ", ".join(p for p in parts if p))
 
 
@@ -254,9 +260,12 @@ def classify_gpus(result: CollectorResult, expected: int | None, kernel_module: 
         return [driver]
     findings = [driver, gpu_count(result.values(m.GPU_COUNT.name), expected)]
     views = gpu_views(result)
-    for check in PER_GPU:
-        findings.extend(fold([check(view) for view in views]))
-    folded_uuids = {v.labels["uuid"] for v in views}
+    answering = [v for v in views if v.get(m.UP.name) != 0]
+    findings.extend(identity(v) for v in views if v.get(m.UP.name) == 0)
+    findings.extend(fold([identity(v) for v in answering]))
+    for check in PER_GPU[1:]:  # a GPU that does not answer has nothing more to judge
+        findings.extend(fold([check(view) for view in answering]))
+    folded_uuids = {v.labels["uuid"] or v.labels["gpu"] for v in views}
     findings.extend(
         Finding(AREA, event.subject or event.kind, Status.from_severity(event.severity), event.message, event.action)
         for event in result.events
