@@ -164,12 +164,12 @@ class TestBroker:
     """A real mosquitto: TCP connect, and a TLS handshake verified against a CA file."""
 
     async def test_reachable(self, broker: Broker) -> None:
-        line = await probes.check_broker(broker.url)
+        line = await probes.check_broker(probes.Endpoint("127.0.0.1", broker.port, tls=False))
         assert line.status is Status.OK
         assert "TCP connect ok" in line.detail
 
     async def test_refused(self) -> None:
-        line = await probes.check_broker(f"mqtt://127.0.0.1:{free_port()}")
+        line = await probes.check_broker(probes.Endpoint("127.0.0.1", free_port(), tls=False))
         assert line.status is Status.FAIL
         assert "refused" in line.detail
 
@@ -181,8 +181,9 @@ class TestBroker:
         tls_broker = Broker(tmp_path / "broker", extra_config=[
             *keep_user, f"cafile {ca}", f"certfile {cert}", f"keyfile {key}"]).start()
         try:
-            good = await probes.check_broker(f"mqtts://127.0.0.1:{tls_broker.port}", ca)
-            unknown_ca = await probes.check_broker(f"mqtts://127.0.0.1:{tls_broker.port}")
+            endpoint = probes.Endpoint("127.0.0.1", tls_broker.port, tls=True)
+            good = await probes.check_broker(endpoint, probes.TlsFiles(ca_file=ca))
+            unknown_ca = await probes.check_broker(endpoint)
         finally:
             tls_broker.stop()
         assert good.status is Status.OK
@@ -191,11 +192,16 @@ class TestBroker:
         assert "certificate" in unknown_ca.detail
 
     async def test_tls_against_plain_listener_fails(self, broker: Broker) -> None:
-        line = await probes.check_broker(f"mqtts://127.0.0.1:{broker.port}")
+        line = await probes.check_broker(probes.Endpoint("127.0.0.1", broker.port, tls=True))
         assert line.status is Status.FAIL
 
-    async def test_bad_url(self) -> None:
-        assert (await probes.check_broker("http://x")).status is Status.FAIL
+    async def test_from_the_configuration(self, tmp_path: Path, broker: Broker) -> None:
+        extra = f'[mqtt]\nenabled = true\nurl = "{broker.url}"\n'
+        cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc"), extra=extra))
+        report = await run_check(cfg, NO_TORCH)
+        line = finding(report.findings, "MQTT broker")
+        assert line.status is Status.OK
+        assert line.name == f"MQTT broker 127.0.0.1:{broker.port}"
 
 
 class TestTorch:

@@ -3,7 +3,6 @@ manifest matches, that the state store is left alone, and that the write is atom
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -20,7 +19,6 @@ from agent.diagnose.bundle import MANIFEST, REDACTION_REPORT, Bundle, write_atom
 from agent.diagnose.diag import DiagOptions, build_bundle, secret_files
 from agent.model import Event, Severity
 from agent.redact import Redactor
-from agent.settings import setting
 from agent.state import StateStore
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
@@ -61,7 +59,7 @@ def setup(tmp_path: Path) -> tuple[Config, Path]:
 
 
 async def make_bundle(cfg: Config, out: Path, includes: tuple[Path, ...] = ()) -> dict[str, bytes]:
-    options = DiagOptions(output=out, includes=includes, run_torch_probe=False)
+    options = DiagOptions(output=out, includes=includes, run_torch_probe=False, process_gap=0.05)
     path, _ = await build_bundle(cfg, options)
     assert path == out
     return read_bundle(out)
@@ -123,23 +121,19 @@ class TestContents:
         assert "not a regular file" in skipped(report)["include/missing.log"]
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeSinkSettings:
-    enabled: bool = setting(True)
-    password_file: str = setting("")
-
-
 class TestSecretFiles:
     """Files named by `*_file` keys are never read into the bundle, even when asked for."""
 
-    async def test_include_of_a_secret_file_is_refused(self, setup: tuple[Config, Path]) -> None:
-        cfg, tmp = setup
-        secret = tmp / "mqtt-password"
+    async def test_include_of_a_secret_file_is_refused(self, tmp_path: Path) -> None:
+        secret = tmp_path / "mqtt-password"
         secret.write_text("Zq81-broker-pw-never-shown\n")
-        cfg = dataclasses.replace(cfg, sections={**cfg.sections,
-                                                 "fake": FakeSinkSettings(password_file=str(secret))})
+        secret.chmod(0o600)
+        extra = (f'[mqtt]\nurl = "mqtt://127.0.0.1:1"\nusername = "node"\n'
+                 f'password_file = "{secret}"\n')
+        cfg = load(write_config(tmp_path / "conf", proc_root=make_proc_tree(tmp_path / "proc"),
+                                extra=extra))
         assert secret.resolve() in secret_files(cfg)
-        members = await make_bundle(cfg, tmp / "b.tar.gz", (secret,))
+        members = await make_bundle(cfg, tmp_path / "b.tar.gz", (secret,))
         assert all(b"Zq81-broker-pw-never-shown" not in data for data in members.values())
         report = json.loads(members[REDACTION_REPORT])
         assert "secret file" in skipped(report)["include/mqtt-password"]

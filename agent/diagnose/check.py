@@ -35,7 +35,8 @@ from collectors import io_probe, system
 from collectors.gpu import GpuSettings
 from collectors.io_probe import IoProbeSettings
 from collectors.nvml import NvmlBackend
-from exporters.prometheus import parse_listen
+from exporters.mqtt_settings import MqttSettings
+from exporters.prometheus import PrometheusSettings, parse_listen
 
 NVIDIA_PROC_VERSION = Path("/proc/driver/nvidia/version")
 
@@ -153,16 +154,15 @@ def check_state(config: Config) -> list[Finding]:
 async def check_network(config: Config) -> list[Finding]:
     jobs: list[Awaitable[Finding]] = []
     prometheus = config.sections.get("prometheus")
-    if prometheus is not None and getattr(prometheus, "enabled", False):
+    if isinstance(prometheus, PrometheusSettings) and prometheus.enabled:
         host, port = parse_listen(prometheus.listen)
-        tls = getattr(prometheus, "tls_cert_file", None) is not None
-        jobs.append(probes.check_prometheus_listen(host, port, tls))
+        jobs.append(probes.check_prometheus_listen(host, port, prometheus.tls_cert_file is not None))
     mqtt = config.sections.get("mqtt")
-    mqtt_on = mqtt is not None and bool(getattr(mqtt, "enabled", False))
-    if mqtt_on:
-        ca_file = getattr(mqtt, "ca_file", None)
-        url = str(getattr(mqtt, "url", ""))
-        jobs.append(probes.check_broker(url, Path(ca_file) if ca_file else None))
+    mqtt_on = isinstance(mqtt, MqttSettings) and mqtt.enabled
+    if isinstance(mqtt, MqttSettings) and mqtt_on:
+        address = mqtt.address
+        files = probes.TlsFiles(mqtt.ca_file, mqtt.cert_file, mqtt.key_file)
+        jobs.append(probes.check_broker(probes.Endpoint(address.host, address.port, address.tls), files))
     findings = list(await asyncio.gather(*jobs))
     if not mqtt_on:
         findings.append(Finding("network", "MQTT broker", Status.SKIP, "MQTT is not enabled in the configuration"))

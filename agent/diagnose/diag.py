@@ -27,7 +27,7 @@ from agent import __version__
 from agent.commands.config_cmd import effective
 from agent.config import EMBEDDED, Config
 from agent.diagnose.bundle import Bundle, utc_stamp, write_atomically
-from agent.diagnose.check import NVIDIA_PROC_VERSION, CheckOptions, run_check
+from agent.diagnose.check import NVIDIA_PROC_VERSION, PROCESS_GAP_SECONDS, CheckOptions, run_check
 from agent.diagnose.state_reader import read_state
 from agent.redact import Redactor
 from agent.settings import to_table
@@ -50,6 +50,7 @@ class DiagOptions:
     event_limit: int = 1000
     run_torch_probe: bool = True
     nvidia_proc_version: Path = NVIDIA_PROC_VERSION
+    process_gap: float = PROCESS_GAP_SECONDS
 
 
 def default_output(node_id: str, now: float) -> Path:
@@ -162,11 +163,15 @@ def add_includes(bundle: Bundle, config: Config, includes: Sequence[Path]) -> No
 async def build_bundle(config: Config, options: DiagOptions, argv: Sequence[str] = ()) -> tuple[Path, Bundle]:
     now = time.time()
     bundle = Bundle(Redactor())
-    check_options = CheckOptions(torch=options.run_torch_probe,
+    check_options = CheckOptions(torch=options.run_torch_probe, process_gap=options.process_gap,
                                  nvidia_proc_version=options.nvidia_proc_version)
     smi_task = asyncio.create_task(asyncio.to_thread(run_nvidia_smi))
     report = await run_check(config, check_options)
-    bundle.add_json("versions.json", collect_versions(options.nvidia_proc_version))
+    versions = collect_versions(options.nvidia_proc_version)
+    versions["nvidia"] = report.nvidia_versions  # from NVML, when the driver answered
+    if report.torch_probe and "version" in report.torch_probe:
+        versions["torch_runtime"] = {k: report.torch_probe.get(k) for k in ("version", "cuda_build")}
+    bundle.add_json("versions.json", versions)
     bundle.add_json("check.json", {**report.to_dict(), "torch_probe": report.torch_probe})
     for name, result in sorted(report.collectors.items()):
         bundle.add_json(f"collectors/{name}.json", result.to_dict())

@@ -14,7 +14,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from agent.diagnose.findings import Finding, Status
 
@@ -60,21 +59,22 @@ class Endpoint:
     tls: bool
 
 
-def parse_broker_url(url: str) -> Endpoint:
-    """mqtt://host[:port] or mqtts://host[:port] (the configuration contract's forms)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-        raise ValueError(f"expected mqtt://host:port or mqtts://host:port, got {url!r}")
-    tls = parts.scheme == "mqtts"
-    return Endpoint(parts.hostname, parts.port or (8883 if tls else 1883), tls)
+@dataclass(frozen=True)
+class TlsFiles:
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
 
 
-async def probe_tcp(endpoint: Endpoint, ca_file: Path | None = None,
+async def probe_tcp(endpoint: Endpoint, files: TlsFiles = TlsFiles(),
                     timeout: float = CONNECT_TIMEOUT) -> str:
     """Connect (and handshake when TLS); returns a short description, raises OSError."""
     context: ssl.SSLContext | None = None
     if endpoint.tls:
-        context = ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
+        # As the MQTT sink connects: the system CAs or ca_file, host name checked.
+        context = ssl.create_default_context(cafile=str(files.ca_file) if files.ca_file else None)
+        if files.cert_file is not None and files.key_file is not None:
+            context.load_cert_chain(files.cert_file, files.key_file)
     reader, writer = await asyncio.wait_for(
         asyncio.open_connection(endpoint.host, endpoint.port, ssl=context,
                                 server_hostname=endpoint.host if context else None),
@@ -108,15 +108,11 @@ def describe_network_error(exc: BaseException) -> str:
     return str(exc)
 
 
-async def check_broker(url: str, ca_file: Path | None = None) -> Finding:
+async def check_broker(endpoint: Endpoint, files: TlsFiles = TlsFiles()) -> Finding:
+    where = f"{endpoint.host}:{endpoint.port}"
     name = "MQTT broker"
     try:
-        endpoint = parse_broker_url(url)
-    except ValueError as exc:
-        return Finding("network", name, Status.FAIL, str(exc), "fix [mqtt] url")
-    where = f"{endpoint.host}:{endpoint.port}"
-    try:
-        detail = await probe_tcp(endpoint, ca_file)
+        detail = await probe_tcp(endpoint, files)
     except (OSError, TimeoutError) as exc:
         return Finding(
             "network", f"{name} {where}", Status.FAIL, describe_network_error(exc),
