@@ -14,12 +14,15 @@ from typing import IO, Any
 
 import pytest
 
+from agent.collector import SharedServices
 from agent.config import Config
 from agent.diagnose.bundle import MANIFEST, REDACTION_REPORT, Bundle, write_atomically
 from agent.diagnose.diag import DiagOptions, build_bundle, secret_files
 from agent.model import Event, Severity
 from agent.redact import Redactor
 from agent.state import StateStore
+from collectors.nvml import NvmlBackend
+from collectors.nvml_fake import FakeGpu, FakeNvml
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
 
@@ -119,6 +122,24 @@ class TestContents:
         assert "include/core.1234" not in members
         assert "binary" in skipped(report)["include/core.1234"]
         assert "not a regular file" in skipped(report)["include/missing.log"]
+
+
+class TestGpuSnapshot:
+    """The gpu collector's round (here on the fake NVML) and the NVIDIA versions are in it."""
+
+    async def test_snapshot_and_versions(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        shared = SharedServices()
+        shared.put(NvmlBackend, NvmlBackend(FakeNvml([FakeGpu.h200(0)])))
+        options = DiagOptions(output=tmp / "b.tar.gz", run_torch_probe=False, process_gap=0.05)
+        await build_bundle(cfg, options, shared=shared)
+        members = read_bundle(tmp / "b.tar.gz")
+        gpu = json.loads(members["collectors/gpu.json"])
+        temperatures = [s for s in gpu["samples"] if s["name"] == "gpuwarden_gpu_temperature_celsius"]
+        assert {s["labels"]["uuid"] for s in temperatures} == {FakeGpu.h200(0).uuid}
+        assert json.loads(members["versions.json"])["nvidia"]["driver_version"] == "580.159.04"
+        check = json.loads(members["check.json"])
+        assert any(f["name"] == "NVIDIA driver" and f["status"] == "OK" for f in check["findings"])
 
 
 class TestSecretFiles:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import __version__
+from agent.collector import SharedServices
 from agent.commands.config_cmd import effective
 from agent.config import EMBEDDED, Config
 from agent.diagnose.bundle import Bundle, utc_stamp, write_atomically
@@ -160,13 +161,15 @@ def add_includes(bundle: Bundle, config: Config, includes: Sequence[Path]) -> No
             bundle.add_file(name, resolved, INCLUDE_LIMIT_BYTES)
 
 
-async def build_bundle(config: Config, options: DiagOptions, argv: Sequence[str] = ()) -> tuple[Path, Bundle]:
+async def build_bundle(config: Config, options: DiagOptions, argv: Sequence[str] = (),
+                       shared: SharedServices | None = None) -> tuple[Path, Bundle]:
+    """`shared`: services the collectors share (tests put a fake NVML backend there)."""
     now = time.time()
     bundle = Bundle(Redactor())
     check_options = CheckOptions(torch=options.run_torch_probe, process_gap=options.process_gap,
                                  nvidia_proc_version=options.nvidia_proc_version)
     smi_task = asyncio.create_task(asyncio.to_thread(run_nvidia_smi))
-    report = await run_check(config, check_options)
+    report = await run_check(config, check_options, shared)
     versions = collect_versions(options.nvidia_proc_version)
     versions["nvidia"] = report.nvidia_versions  # from NVML, when the driver answered
     if report.torch_probe and "version" in report.torch_probe:
