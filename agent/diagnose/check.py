@@ -29,11 +29,13 @@ from agent.diagnose.collect_once import CollectorResult, OneShotCollectors
 from agent.diagnose.findings import Finding, Status, exit_code
 from agent.diagnose.gpu_findings import classify_gpus
 from agent.diagnose.host_findings import classify_disk, classify_processes
+from agent.diagnose.kernel_findings import KernelLogScan, classify_kernel_log, scan_kernel_log
 from agent.diagnose.nvml_versions import read_nvml_versions
 from agent.diagnose.state_reader import read_state
 from collectors import io_probe, system
 from collectors.gpu import GpuSettings
 from collectors.io_probe import IoProbeSettings
+from collectors.kmsg import KmsgIO
 from collectors.nvml import NvmlBackend
 from exporters.mqtt_settings import MqttSettings
 from exporters.prometheus import PrometheusSettings, parse_listen
@@ -50,6 +52,8 @@ PROCESS_GAP_SECONDS = 2.0
 """Two looks at the process table this far apart: a process in D state in both is stuck for
 at least that long (a D sleep for one disk read lasts milliseconds)."""
 IO_TEST_TIMEOUT = 120.0
+KERNEL_LOG_TIMEOUT = 30.0
+"""Reading a full ring buffer (a few MiB) takes well under a second."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class CheckOptions:
     torch: bool = True
     nvidia_proc_version: Path = NVIDIA_PROC_VERSION
     process_gap: float = PROCESS_GAP_SECONDS
+    kmsg_io: KmsgIO | None = None
+    """A stand-in for /dev/kmsg (tests); None: the configured kernel log."""
 
 
 @dataclass
@@ -72,6 +78,7 @@ class CheckReport:
     collectors: dict[str, CollectorResult] = field(default_factory=dict)
     torch_probe: dict[str, Any] | None = None
     nvidia_versions: dict[str, str] = field(default_factory=dict)
+    kernel_log: KernelLogScan | None = None
     hung_calls: list[str] = field(default_factory=list)
     """Blocking calls that did not return: their threads would hold the process at exit."""
 
@@ -257,6 +264,8 @@ async def run_check(config: Config, options: CheckOptions,
     expected = expected_gpus(config, options)
     torch_task = asyncio.create_task(probe_torch(options))
     network_task = asyncio.create_task(check_network(config))
+    kernel_task = asyncio.create_task(asyncio.wait_for(asyncio.to_thread(
+        scan_kernel_log, config.collectors.get("kernel_log"), options.kmsg_io), KERNEL_LOG_TIMEOUT))
     runner = OneShotCollectors(config.node_id, dict(config.collectors), shared=shared or SharedServices())
     async with runner:
         results = await run_collectors(runner, config, expected, options)
@@ -267,6 +276,11 @@ async def run_check(config: Config, options: CheckOptions,
     report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
     report.torch_probe = await torch_task
     report.findings.append(torch_line(report.torch_probe, expected != 0, options, report.nvidia_versions))
+    try:
+        report.kernel_log = await kernel_task
+    except TimeoutError:
+        report.kernel_log = KernelLogScan("kernel log", error=f"not read within {KERNEL_LOG_TIMEOUT:g} s")
+    report.findings.extend(classify_kernel_log(report.kernel_log))
     host: list[tuple[str, Callable[[CollectorResult], list[Finding]]]] = [
         ("system", classify_system), ("disk", classify_disk),
         ("processes", lambda r: classify_processes(r, options.process_gap)),

@@ -178,6 +178,13 @@ async def build_bundle(config: Config, options: DiagOptions, argv: Sequence[str]
     bundle.add_json("check.json", {**report.to_dict(), "torch_probe": report.torch_probe})
     for name, result in sorted(report.collectors.items()):
         bundle.add_json(f"collectors/{name}.json", result.to_dict())
+    if report.kernel_log is not None:
+        bundle.add_json("kernel-log/findings.json", report.kernel_log.to_dict())
+        lines = report.kernel_log.raw_lines()
+        if lines:
+            bundle.add_text("kernel-log/nvidia-and-io-lines.txt", "\n".join(lines) + "\n")
+        if report.kernel_log.error:
+            bundle.notes.append(f"kernel log: {report.kernel_log.error}")
     smi_text, smi_note = await smi_task
     if smi_text:
         bundle.add_text("nvidia-smi-q.txt", smi_text)
