@@ -13,6 +13,7 @@ from agent.collector import SharedServices
 from agent.diagnose.check import CheckOptions, run_check
 from agent.diagnose.collect_once import CollectorResult, OneShotCollectors
 from agent.diagnose.findings import Finding, Status
+from agent.diagnose.gpu_findings import index_ranges
 from agent.diagnose.host_findings import classify_disk, classify_processes
 from collectors.disk import DiskCollector, DiskSettings
 from collectors.nvml import CLOCK_EVENT_REASONS, NvmlBackend
@@ -70,7 +71,7 @@ class TestHealthyGpus:
         fake = FakeNvml([FakeGpu.h200(i) for i in range(4)])
         findings, code = await check_with(tmp_path, fake)
         assert code == 0
-        assert line(findings, "persistence").name == "GPU 0,1,2,3 persistence mode"
+        assert line(findings, "persistence").name == "GPU 0-3 persistence mode"
         assert line(findings, "PCIe").detail == "gen 5 of 5, x16 of x16"
 
 
@@ -240,3 +241,13 @@ class TestIoProbe:
         else:
             assert probe.status is Status.WARN
         assert list((tmp_path / "probe").iterdir()) == []
+
+
+class TestFolding:
+    """GPU indices in a folded line are written as ranges."""
+
+    @pytest.mark.parametrize(("indices", "text"), [
+        (["0", "1", "2", "3"], "0-3"), (["0", "2", "3", "7"], "0,2-3,7"), (["5"], "5"), ([], ""),
+    ])
+    def test_ranges(self, indices: list[str], text: str) -> None:
+        assert index_ranges(indices) == text

@@ -43,7 +43,7 @@ def use_colour(stream: TextIO) -> bool:
 
 def render_table(report: CheckReport, colour: bool, width: int = 100) -> str:
     lines = [f"gpuwarden check on {report.node_id}", ""]
-    name_width = min(max((len(f.name) for f in report.findings), default=10), 34)
+    name_width = min(max((len(f.name) for f in report.findings), default=10), 38)
     for finding in report.findings:
         status = f"{finding.status.value:<4}"
         if colour:

@@ -203,6 +203,23 @@ def pcie(view: GpuView) -> Finding:
 PER_GPU = (identity, persistence, temperature, clocks, ecc, pcie)
 
 
+def index_ranges(indices: list[str]) -> str:
+    """['0', '1', '2', '5'] -> '0-2,5'."""
+    numbers = sorted(int(i) for i in indices if i.isdigit())
+    parts: list[str] = []
+    start = previous = None
+    for n in numbers:
+        if previous is not None and n == previous + 1:
+            previous = n
+            continue
+        if start is not None:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+        start = previous = n
+    if start is not None:
+        parts.append(str(start) if start == previous else f"{start}-{previous}")
+    return ",".join(parts + [i for i in indices if not i.isdigit()])
+
+
 def fold(findings: list[Finding]) -> list[Finding]:
     """OK (or N/A) lines of the same check on several GPUs become one line."""
     if len(findings) < 2:
@@ -213,7 +230,7 @@ def fold(findings: list[Finding]) -> list[Finding]:
         if not same:
             continue
         check = same[0].name.split(" ", 2)[2]
-        gpus = ",".join(f.name.split(" ", 2)[1] for f in same)
+        gpus = index_ranges([f.name.split(" ", 2)[1] for f in same])
         details = list(dict.fromkeys(f.detail for f in same))
         detail = details[0] if len(details) == 1 else "; ".join(
             f"{f.name.split(' ', 2)[1]}: {f.detail}" for f in same)
