@@ -251,3 +251,35 @@ class TestFolding:
     ])
     def test_ranges(self, indices: list[str], text: str) -> None:
         assert index_ranges(indices) == text
+
+
+class TestBench:
+    """--bench runs the benchmark collector's own test per GPU; the host's history is not touched."""
+
+    async def test_no_gpu_to_test(self, tmp_path: Path) -> None:
+        fake = FakeNvml(init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc")))
+        shared = SharedServices()
+        shared.put(NvmlBackend, NvmlBackend(fake))
+        options = CheckOptions(torch=False, process_gap=0.05, expect_gpus=0, bench=True)
+        report = await run_check(cfg, options, shared=shared)
+        bench = line(report.findings, "matmul benchmark")
+        assert bench.status is Status.SKIP
+        assert "no GPU to test" in bench.detail
+
+    async def test_child_that_cannot_use_the_gpu_fails(self, tmp_path: Path) -> None:
+        # The fake GPU exists only for NVML: the real benchmark child finds no CUDA device here
+        # (a CPU-only torch), which is exactly a run that gives no result.
+        cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc")))
+        cfg.state_dir.mkdir(parents=True)
+        history = cfg.state_dir / "benchmark-history.jsonl"
+        history.write_text("")
+        shared = SharedServices()
+        shared.put(NvmlBackend, NvmlBackend(FakeNvml([FakeGpu.h200(0)])))
+        options = CheckOptions(torch=False, process_gap=0.05, bench=True)
+        report = await run_check(cfg, options, shared=shared)
+        bench = line(report.findings, "GPU 0 benchmark")
+        assert bench.status is Status.FAIL
+        assert "the test gave no result" in bench.detail
+        assert report.exit_code == 2
+        assert history.read_text() == ""

@@ -25,6 +25,7 @@ from typing import Any
 from agent.collector import CallStillHung, CallTimedOut, SharedServices
 from agent.config import Config
 from agent.diagnose import probes
+from agent.diagnose.bench_findings import check_bench
 from agent.diagnose.collect_once import CollectorResult, OneShotCollectors
 from agent.diagnose.findings import Finding, Status, exit_code
 from agent.diagnose.gpu_findings import classify_gpus
@@ -216,12 +217,6 @@ async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Fi
     return [Finding("io", name, Status.OK, detail)]
 
 
-def optional_bench(options: CheckOptions) -> list[Finding]:
-    if not options.bench:
-        return [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")]
-    return [Finding("bench", "matmul benchmark", Status.SKIP, "the benchmark is not available in this build")]
-
-
 async def run_collectors(runner: OneShotCollectors, config: Config, expected: int | None,
                          options: CheckOptions) -> dict[str, CollectorResult]:
     jobs: dict[str, Awaitable[CollectorResult]] = {
@@ -271,6 +266,8 @@ async def run_check(config: Config, options: CheckOptions,
         results = await run_collectors(runner, config, expected, options)
         report.nvidia_versions = await nvidia_versions(runner)
         io_findings = await check_io(runner, options.io_test_dir)
+        bench_findings = (await check_bench(runner, config) if options.bench else
+                          [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")])
         report.hung_calls = runner.hung_calls()
     report.collectors = results
     report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
@@ -290,5 +287,5 @@ async def run_check(config: Config, options: CheckOptions,
     report.findings.extend(check_state(config))
     report.findings.extend(await network_task)
     report.findings.extend(io_findings)
-    report.findings.extend(optional_bench(options))
+    report.findings.extend(bench_findings)
     return report

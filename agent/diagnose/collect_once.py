@@ -93,6 +93,16 @@ class OneShotCollectors:
         self._callers.append(caller)
         return await caller.call(key, fn, *args)
 
+    def caller(self, timeout: float) -> PooledCaller:
+        """A caller on the same bounded pool, for code that drives a collector itself."""
+        caller = PooledCaller(self._executor, timeout)
+        self._callers.append(caller)
+        return caller
+
+    @property
+    def scratch_dir(self) -> Path:
+        return Path(self._scratch.name)
+
     def hung_calls(self) -> list[str]:
         return sorted(key for caller in self._callers for key in caller.hung)
 
