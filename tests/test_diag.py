@@ -23,6 +23,7 @@ from agent.redact import Redactor
 from agent.state import StateStore
 from collectors.nvml import NvmlBackend
 from collectors.nvml_fake import FakeGpu, FakeNvml
+from tests.support.agent_proc import AgentProcess
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
 
@@ -268,3 +269,34 @@ class TestCommandLine:
         assert done.returncode == 1
         assert "cannot write the bundle" in done.stderr
         assert not (tmp / "no").exists()
+
+
+class TestLiveAgent:
+    """With the agent running: its /metrics and /healthz (the in-memory delivery ledger) and
+    its live state store go into the bundle, and check sees it serving."""
+
+    async def test_bundle_and_check_with_a_running_agent(self, agent_process: AgentProcess,
+                                                         tmp_path: Path) -> None:
+        agent_process.start()
+        cfg = load(agent_process.config_path)
+        out = tmp_path / "live.tar.gz"
+        options = DiagOptions(output=out, run_torch_probe=False, process_gap=0.05)
+        _, bundle = await build_bundle(cfg, options)
+        members = read_bundle(out)
+        metrics = members["agent/metrics.txt"].decode()
+        assert metrics.startswith("# GET /metrics: HTTP 200")
+        assert 'gpuwarden_sink_last_delivery_timestamp_seconds{sink="prometheus"}' in metrics
+        assert members["agent/healthz.txt"].decode().startswith("# GET /healthz: HTTP ")
+        # The running agent may write its database meanwhile; that diag itself never writes is
+        # TestStateStoreUntouched's business. Here: the live store could be read.
+        assert json.loads(members["state/summary.json"])["available"] is True
+        check = json.loads(members["check.json"])
+        prometheus = next(f for f in check["findings"] if f["name"].startswith("Prometheus listen"))
+        assert "the agent is serving" in prometheus["detail"]
+        assert not any("no live metrics" in note for note in bundle.notes)
+
+    async def test_note_when_the_agent_is_not_running(self, setup: tuple[Config, Path]) -> None:
+        cfg, tmp = setup
+        _, bundle = await build_bundle(cfg, DiagOptions(output=tmp / "b.tar.gz", run_torch_probe=False,
+                                                        process_gap=0.05))
+        assert any("no live metrics or delivery ledger (is it running?)" in n for n in bundle.notes)

@@ -27,12 +27,14 @@ from agent import __version__
 from agent.collector import SharedServices
 from agent.commands.config_cmd import effective
 from agent.config import EMBEDDED, Config
+from agent.diagnose import probes
 from agent.diagnose.bundle import Bundle, utc_stamp, write_atomically
 from agent.diagnose.check import NVIDIA_PROC_VERSION, PROCESS_GAP_SECONDS, CheckOptions, run_check
 from agent.diagnose.state_reader import read_state
 from agent.redact import Redactor
 from agent.settings import to_table
 from agent.state import DB_NAME
+from exporters.prometheus import PrometheusSettings, parse_listen
 
 BUNDLE_FORMAT = 1
 PACKAGES = ("gpuwarden", "nvidia-ml-py", "pynvml", "psutil", "prometheus-client", "aiomqtt",
@@ -125,6 +127,28 @@ def run_nvidia_smi() -> tuple[str, str]:
     return text, note
 
 
+async def add_live_agent(bundle: Bundle, config: Config) -> None:
+    """The running agent's /metrics and /healthz: its snapshot, collector health and the
+    delivery ledger (kept in memory by the agent, so only a live agent can tell)."""
+    prometheus = config.sections.get("prometheus")
+    if not isinstance(prometheus, PrometheusSettings) or not prometheus.enabled:
+        bundle.notes.append("Prometheus endpoint disabled: no live metrics or delivery ledger")
+        return
+    host, port = parse_listen(prometheus.listen)
+    tls = prometheus.tls_cert_file is not None
+    for path, member in (("/healthz", "agent/healthz.txt"), ("/metrics", "agent/metrics.txt")):
+        try:
+            status, body = await probes.http_get(host, port, path, tls)
+        except (OSError, TimeoutError) as exc:
+            bundle.notes.append(f"agent at {prometheus.listen}: {probes.describe_network_error(exc)}; "
+                                "no live metrics or delivery ledger (is it running?)")
+            return
+        if status == 401:
+            bundle.notes.append(f"agent at {prometheus.listen} requires basic auth: no live metrics")
+            return
+        bundle.add_text(member, f"# GET {path}: HTTP {status}\n" + body.decode("utf-8", errors="replace"))
+
+
 def add_config(bundle: Bundle, config: Config) -> None:
     data = effective(config)
     data["_source"] = config.source
@@ -191,6 +215,7 @@ async def build_bundle(config: Config, options: DiagOptions, argv: Sequence[str]
     if smi_note:
         bundle.notes.append(smi_note)
     add_config(bundle, config)
+    await add_live_agent(bundle, config)
     add_state(bundle, config, options.event_limit)
     add_includes(bundle, config, options.includes)
     header = {

@@ -125,13 +125,9 @@ async def check_broker(endpoint: Endpoint, files: TlsFiles = TlsFiles()) -> Find
 async def check_prometheus_listen(host: str, port: int, tls: bool = False) -> Finding:
     """If something answers there, ask /healthz; otherwise make sure the agent could bind."""
     name = f"Prometheus listen {host}:{port}"
-    context: ssl.SSLContext | None = None
-    if tls:
-        # Only "is the agent serving here?": whether scrapers trust its certificate is theirs
-        # to check, so this one probe does not verify it.
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
+    # Only "is the agent serving here?": whether scrapers trust its certificate is theirs to
+    # check, so this one probe does not verify it.
+    context = _insecure_client_context() if tls else None
     try:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, port, ssl=context), CONNECT_TIMEOUT)
@@ -162,6 +158,36 @@ async def check_prometheus_listen(host: str, port: int, tls: bool = False) -> Fi
                        f"curl http://{host}:{port}/healthz for the reasons")
     return Finding("network", name, Status.WARN, f"another server answers there ({status_line or 'no reply'})",
                    "check which process holds the port (ss -ltnp), or change [prometheus] listen")
+
+
+HTTP_LIMIT_BYTES = 32 * 2**20
+
+
+def _insecure_client_context() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+async def http_get(host: str, port: int, path: str, tls: bool = False,
+                   timeout: float = CONNECT_TIMEOUT) -> tuple[int, bytes]:
+    """(status, body) of one HTTP/1.0 GET to the local agent; raises OSError or TimeoutError."""
+    context = _insecure_client_context() if tls else None
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(host, port, ssl=context), timeout)
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(HTTP_LIMIT_BYTES), timeout * 3)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    parts = head.split(b"\r\n", 1)[0].split()
+    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    return status, body
 
 
 def _check_bindable(name: str, host: str, port: int) -> Finding:
