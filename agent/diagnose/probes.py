@@ -212,8 +212,8 @@ cache on network storage can take much longer."""
 # Runs in a child interpreter: the agent never imports torch (FIELD-NOTES.md: ~500 MB of host
 # memory for the import, ~800 MB of GPU memory for a context).
 TORCH_PROBE = r"""
-import json, warnings
-out = {}
+import json, os, warnings
+out = {"pid": os.getpid()}
 try:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
