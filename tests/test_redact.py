@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent import redact as redact_module
 from agent.redact import Redactor, marker
 from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
 
@@ -181,6 +183,17 @@ class TestProperties:
     def test_idempotent(self, text: str) -> None:
         once = redact(text)
         assert redact(once) == once
+
+    @settings(max_examples=300, deadline=None)
+    @given(TEXT)
+    def test_line_windows_change_nothing(self, text: str) -> None:
+        # Rules run only on lines holding their hints (for speed); on the whole text they
+        # must give the same result.
+        whole = mock.patch.multiple(redact_module, _hint_spans=lambda t, rule: [(0, len(t))],
+                                    _key_value_lines=lambda t: [(0, len(t))])
+        with whole:
+            reference = redact(text)
+        assert redact(text) == reference
 
     @settings(max_examples=200, deadline=None)
     @given(st.text(alphabet=" \n=:;,abcXYZ019._-", max_size=60),
