@@ -71,6 +71,7 @@ class TestLiveRingBuffer:
         [line] = classify_kernel_log(scan)
         assert line.status is Status.OK
         assert "1 look-alike line(s) from user space ignored" in line.detail
+        assert scan.raw_lines()[-1].endswith("<written from user space, facility 1>")
 
     def test_xid_in_buffer(self, tmp_path: Path) -> None:
         kmsg = FakeKmsg.with_records(capture_records())

@@ -70,11 +70,14 @@ class KernelLogScan:
 
 
 def format_record(record: LogRecord) -> str:
+    # A line written into /dev/kmsg from user space says so: it is not the driver's word.
+    message = record.message if record.from_kernel else (
+        f"{record.message}  <written from user space, facility {record.facility}>")
     if record.monotonic_usec is not None:
-        return f"[{record.monotonic_usec // 1_000_000:>6}.{record.monotonic_usec % 1_000_000:06d}] {record.message}"
+        return f"[{record.monotonic_usec // 1_000_000:>6}.{record.monotonic_usec % 1_000_000:06d}] {message}"
     if record.timestamp:
-        return f"[{record.timestamp}] {record.message}"
-    return record.message
+        return f"[{record.timestamp}] {message}"
+    return message
 
 
 def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None) -> KernelLogScan:
