@@ -28,7 +28,7 @@ step gpu-unit-tests  "$py" -m pytest -q -p no:cacheprovider -o addopts= tests/te
 step gpu-round       "$py" bench/gpu_round.py --runs 100
 step bench-fp32      "$py" bench/bench_overhead.py --device 0
 step bench-bf16      "$py" bench/bench_overhead.py --device 0 --profile bf16
-step check           "$py" -m agent check
+step check           "$py" -m agent check --bench
 step check-json      "$py" -m agent check --json
 step diag            "$py" -m agent diag -o "$out/diag-bundle.tar.gz"
 step gpu-left        nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
