@@ -93,6 +93,18 @@ class _Gpu:
     static_samples: tuple[Sample, ...] | None = None
     slow_samples: tuple[Sample, ...] | None = None
 
+    def cached_static_samples(self, labels: dict[str, str],
+                              static: GpuStatic) -> tuple[Sample, ...]:
+        if self.static_samples is None:
+            self.static_samples = tuple(m.static_samples(labels, static))
+        return self.static_samples
+
+    def cached_slow_samples(self, labels: dict[str, str],
+                            slow: GpuSlowReading) -> tuple[Sample, ...]:
+        if self.slow_samples is None:
+            self.slow_samples = tuple(m.slow_samples(labels, slow))
+        return self.slow_samples
+
     def labels(self, index: int) -> dict[str, str]:
         if self.static is not None:
             return self.static.identity.labels()
@@ -252,14 +264,10 @@ class GpuCollector:
         out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules))
         errors = dict(result.reading.errors)
         if gpu.static is not None:
-            if gpu.static_samples is None:
-                gpu.static_samples = tuple(m.static_samples(labels, gpu.static))
-            out.samples.extend(gpu.static_samples)
+            out.samples.extend(gpu.cached_static_samples(labels, gpu.static))
             errors.update(gpu.static.errors)
         if gpu.slow is not None:
-            if gpu.slow_samples is None:
-                gpu.slow_samples = tuple(m.slow_samples(labels, gpu.slow))
-            out.samples.extend(gpu.slow_samples)
+            out.samples.extend(gpu.cached_slow_samples(labels, gpu.slow))
             errors.update(gpu.slow.errors)
         out.samples.extend(m.error_samples(labels, errors))
         if not labels["uuid"]:
