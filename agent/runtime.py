@@ -414,9 +414,7 @@ class Runtime:
     def health(self, now: float | None = None) -> Health:
         problems = [item.problem() for item in self.stale_items(now)]
         for sink in self.sinks.values():
-            extra = getattr(sink, "problems", None)  # optional: a sink's own problems
-            if callable(extra):
-                problems.extend(extra())
+            problems.extend(sink.problems())
         if any(p.kind == "state_store_unwritable" for p in self.store.problems):
             problems.append("state store is in memory (state dir unusable)")
         return Health(not problems, tuple(problems))

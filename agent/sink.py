@@ -32,6 +32,11 @@ class Sink(Protocol):
 
     def samples(self) -> Sequence[Sample]: ...
 
+    def problems(self) -> Sequence[str]:
+        """The sink's own health problems beyond staleness (an outbox that drops), for
+        /healthz, STATUS= and the heartbeat. Empty when all is well."""
+        ...
+
     async def start(self) -> None:
         """Bind sockets, validate files. Raise to refuse to start (a port taken, a bad cert)."""
         ...

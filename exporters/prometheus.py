@@ -131,6 +131,9 @@ class PrometheusSink:
     def samples(self) -> Sequence[Sample]:
         return ()
 
+    def problems(self) -> Sequence[str]:
+        return ()
+
     @property
     def address(self) -> tuple[str, int]:
         if self._server is None or not self._server.sockets:
