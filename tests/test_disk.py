@@ -29,8 +29,8 @@ from tests.support.host import (
     pooled_caller,
     run_round,
     values,
-    wait_until,
 )
+from tests.support.waiting import until
 
 HOST1 = FIXTURES / "host1"
 
@@ -251,7 +251,7 @@ class TestStuckMount:
             second = await run_round(collector, caller)
             assert statvfs.calls.count("/mnt/nfs") == 1  # not asked again while it hangs
             statvfs.release.set()
-            await wait_until(lambda: not caller.hung)
+            await until(lambda: not caller.hung, what="the hung statvfs to return")
             third = await run_round(collector, caller)
         (stuck,) = first.events
         assert (stuck.kind, stuck.severity, stuck.subject) == ("mount_stuck", Severity.CRITICAL, "/mnt/nfs")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import subprocess
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -19,15 +18,7 @@ from exporters.mqtt_settings import MqttSettings, parse_url
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber, persistent_broker_lines
 from tests.support.tls import Authority
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what or predicate}")
+from tests.support.waiting import until
 
 
 def emit_events(agent: InProcessAgent, count: int, tag: str) -> list[str]:

@@ -3,10 +3,7 @@ the heartbeat carries the problems, and failures are classified for one event ea
 
 from __future__ import annotations
 
-import asyncio
 import ssl
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiomqtt
@@ -18,15 +15,7 @@ from exporters.mqtt import Backoff
 from exporters.mqtt_client import PublishRefused, classify
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber, persistent_broker_lines
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
+from tests.support.waiting import until
 
 
 def stale_value(runtime: object, kind: str, name: str) -> float | None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import signal
 import sqlite3
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from tests.support.agent_proc import AgentProcess
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber, persistent_broker_lines
+from tests.support.waiting import wait_until
 
 
 def mqtt_config(broker: Broker) -> str:
@@ -24,15 +23,6 @@ def mqtt_config(broker: Broker) -> str:
 
 def statuses(sub: Subscriber) -> list[dict[str, object]]:
     return [m.json() for m in sub.on("test-node/status")]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def stored_event_ids(agent: AgentProcess) -> set[str]:

@@ -22,7 +22,8 @@ from tests.support.mosquitto import Broker
 from tests.support.ports import free_port
 from tests.support.prometheus_server import PrometheusServer
 from tests.support.rules import RULES
-from tests.support.watch import http_get, metric_value, until
+from tests.support.waiting import until
+from tests.support.watch import http_get, metric_value
 from tests.test_watch_service import RecordingWatcher, watch_settings
 
 pytestmark = [

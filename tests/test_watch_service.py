@@ -18,6 +18,7 @@ from agent.watch.service import Watcher, load_inventory
 from agent.watch.settings import WatchSettings
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port, wait_for_port
+from tests.support.waiting import until
 from tests.support.watch import (
     ROOT,
     AlertListener,
@@ -25,7 +26,6 @@ from tests.support.watch import (
     http_get,
     metric_value,
     publish,
-    until,
 )
 
 P = "gpuwarden/v1"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import os
 import shutil
@@ -138,14 +137,6 @@ class HangingStatvfs:
         if path in self.hanging:
             self.release.wait()
         return self._answer(path)
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 class ScriptedStatvfs:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,15 +91,6 @@ def http_get(url: str) -> tuple[int, str]:
             return int(response.status), response.read().decode()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read().decode()
-
-
-async def until(check: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-    """Wait for a condition, polling; fail with `what` after `timeout` (a bound, not a claim)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or check}")
-        await asyncio.sleep(0.05)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:
