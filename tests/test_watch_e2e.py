@@ -21,7 +21,7 @@ from tests.support.agent_proc import AgentProcess
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port
 from tests.support.prometheus_server import PrometheusServer
-from tests.support.rules import RULES
+from tests.support.rules import RULES, dashboard_exprs
 from tests.support.waiting import until
 from tests.support.watch import http_get, metric_value
 from tests.test_watch_service import RecordingWatcher, watch_settings
@@ -112,6 +112,7 @@ class TestEndToEnd:
         await wait_async(lambda: prometheus_has(prom, 'up{job="gpuwarden"} == 1'), 30, "scrapes")
         await wait_async(lambda: prometheus_has(prom, 'up{job="gpuwarden-watch"} == 1'), 30,
                          "watcher scrapes")
+        await asyncio.to_thread(check_dashboard_against, prom)
 
         # A hung agent: its connection lives on (keepalive 5 s), its heartbeat stops.
         agent.signal(signal.SIGSTOP)
@@ -177,6 +178,22 @@ class TestEndToEnd:
         assert seen.index("pending") < seen.index("firing")
         await wait_async(lambda: prometheus_has(prom, 'ALERTS{alertname="GpuwardenNodeDead"}'),
                          30, "the NodeDead rule")
+
+
+def check_dashboard_against(prom: PrometheusServer) -> None:
+    """Every dashboard query evaluates in the real Prometheus, and every metric it names that
+    this host (no GPU) can produce has series there."""
+    present = set(prom.api("label/__name__/values"))
+    host_side = ("gpuwarden_watch_", "gpuwarden_collector_", "gpuwarden_sink_",
+                 "gpuwarden_mqtt_", "gpuwarden_health_", "gpuwarden_filesystem_")
+    conditional = {"gpuwarden_watch_alert_active"}  # a series only while an alert is raised
+    missing = []
+    for title, expr in dashboard_exprs():
+        prom.query(expr)  # raises unless the API answers "success"
+        for name in re.findall(r"\bgpuwarden_[a-z_]+", expr):
+            if name.startswith(host_side) and name not in conditional and name not in present:
+                missing.append(f"{title}: {name}")
+    assert not missing, f"dashboard metrics with no series in Prometheus: {missing}"
 
 
 async def _not(check: Awaitable[bool]) -> bool:
