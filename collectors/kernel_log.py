@@ -94,6 +94,13 @@ class _Holdoff:
     suppressed: int = 0
 
 
+@dataclass
+class _ProcessLog:
+    """Shared by the kernel_log collectors of one process (the runtime's SharedServices)."""
+
+    backlog_read: bool = False
+
+
 class KernelLogCollector:
     name = "kernel_log"
 
@@ -117,9 +124,14 @@ class KernelLogCollector:
 
     def _open_reader(self) -> LogReader:
         path = self.settings.path
+        # Only the process's first reader reads a backlog that predates the agent: a reader
+        # made again by a configuration reload picks up records the agent was running for.
+        process = self.deps.shared.get(_ProcessLog, _ProcessLog)
+        backlog, process.backlog_read = not process.backlog_read, True
         if is_character_device(path) or self.io is not None:
-            return KmsgReader(path, self.settings.boot_id_path, self.deps.state, io=self.io)
-        return FileLogReader(path, self.deps.state)
+            return KmsgReader(path, self.settings.boot_id_path, self.deps.state, io=self.io,
+                              backlog=backlog)
+        return FileLogReader(path, self.deps.state, backlog=backlog)
 
     async def collect(self, ctx: CollectContext) -> Collection:
         if self.reader is None:

@@ -96,7 +96,10 @@ class KmsgReader:
     def __init__(self, path: Path, boot_id_path: Path, state: KeyValueStore, *,
                  io: KmsgIO | None = None, read_size: int = READ_SIZE,
                  clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 backlog: bool = True) -> None:
+        """`backlog`: the first records read predate the agent (False for a reader made
+        again by a configuration reload in the same process)."""
         self.path = path
         self.boot_id_path = boot_id_path
         self.state = state
@@ -106,7 +109,7 @@ class KmsgReader:
         self._fd: int | None = None
         self._boot_id = ""
         self._last_seq = -1
-        self._first_batch = True
+        self._first_batch = backlog
 
     def _open(self) -> int:
         self._boot_id = read_boot_id(self.boot_id_path)
@@ -202,13 +205,13 @@ class FileLogReader:
     """
 
     def __init__(self, path: Path, state: KeyValueStore,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, backlog: bool = True) -> None:
         self.path = path
         self.state = state
         self._clock = clock
         self._cursor: dict[str, int] | None = None
         self._committed: dict[str, object] | None = None
-        self._first_batch = True
+        self._first_batch = backlog
 
     def _load(self) -> dict[str, int]:
         saved = self.state.get(STATE_NAMESPACE, FILE_CURSOR_KEY)

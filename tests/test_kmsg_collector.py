@@ -132,6 +132,23 @@ class TestKernelLogCollector:
         assert value(samples, "gpuwarden_kernel_log_records_total") == 0
         await h.collector.close()
 
+    async def test_reload_does_not_mark_new_records_as_backlog(
+            self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
+        """A collector made again by a configuration reload (same process, same shared
+        services) reports records written since the last round as live, not predating."""
+        h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
+        events, _ = await h.collect()
+        assert events == []
+        await h.collector.close()
+        h.device.write("Out of memory: Killed process 4321 (trainer) total-vm:1kB, anon-rss:1kB",
+                       level=3)
+        h.collector = h.build()  # what Runtime.reload does: same store, same SharedServices
+        events, _ = await h.collect()
+        [oom] = events
+        assert oom.attributes["predates_agent"] is False
+        assert "before the agent started" not in oom.message
+        await h.collector.close()
+
     async def test_live_xid_seen_by_both_sources_is_one_event(
             self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
         """An Xid NVML reports and the kernel log writes at the same time: one event, both."""
