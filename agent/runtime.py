@@ -415,6 +415,10 @@ class Runtime:
         problems = [item.problem() for item in self.stale_items(now)]
         for sink in self.sinks.values():
             problems.extend(sink.problems())
+        failure = self.store.last_write_failure
+        if failure is not None and (time.time() if now is None else now) - failure[0] < 300:
+            problems.append(f"state store cannot write ({failure[1]}): is the disk of "
+                            f"{self.config.state_dir} full?")
         if any(p.kind == "state_store_unwritable" for p in self.store.problems):
             problems.append("state store is in memory (state dir unusable)")
         return Health(not problems, tuple(problems))

@@ -129,6 +129,8 @@ class StateStore:
         self.path = path
         self.problems: list[StoreProblem] = list(problems)
         self.write_failures = 0
+        self.last_write_failure: tuple[float, str] | None = None
+        """(time, error) of the latest failed write: a full disk shows here first."""
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -190,6 +192,10 @@ class StateStore:
                     self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._conn.close()
 
+    def _write_failed(self, exc: sqlite3.Error) -> None:
+        self.write_failures += 1
+        self.last_write_failure = (time.time(), str(exc))
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
@@ -197,7 +203,7 @@ class StateStore:
             try:
                 return self._conn.execute(sql, tuple(params))
             except sqlite3.Error as exc:
-                self.write_failures += 1
+                self._write_failed(exc)
                 raise StateStoreError(f"state store write failed: {exc}") from exc
 
     def _read(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
@@ -256,7 +262,7 @@ class StateStore:
                     )
                 self._conn.execute("COMMIT")
             except sqlite3.Error as exc:
-                self.write_failures += 1
+                self._write_failed(exc)
                 with contextlib.suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
                 ids = ", ".join(e.id for e in events[:3])
@@ -323,7 +329,7 @@ class StateStore:
                 self._conn.execute("DELETE FROM outbox WHERE created < ?", (created_before,))
                 self._conn.execute("COMMIT")
             except sqlite3.Error as exc:
-                self.write_failures += 1
+                self._write_failed(exc)
                 with contextlib.suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
                 raise StateStoreError(f"cannot expire outbox entries: {exc}") from exc

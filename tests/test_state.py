@@ -100,3 +100,32 @@ class TestDamage:
         store = StateStore.open(tmp_path)
         assert not store.durable
         assert "newer than this gpuwarden understands" in store.problems[0].message
+
+
+class TestFullDisk:
+    """A full disk: writes fail, the agent keeps going, health and a counter say why."""
+
+    async def test_full_database(self, tmp_path: Path) -> None:
+        from tests.support.collectors import scripted_runtime
+
+        store = StateStore.open(tmp_path)
+        # SQLite's own size cap stands in for a full disk: the error is the same SQLITE_FULL.
+        pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+        store._conn.execute(f"PRAGMA max_page_count = {pages}")
+        runtime, _ = scripted_runtime({}, store=store)
+        await runtime.start()
+        try:
+            for i in range(200):
+                runtime.emit(event(f"k{i}"))
+            runtime.flush_events()
+            assert store.write_failures >= 1
+            assert store.last_write_failure is not None
+            assert "full" in store.last_write_failure[1]
+            problems = runtime.health().problems
+            assert any("state store cannot write" in p and "full" in p for p in problems)
+            assert len(runtime.recent_events) == 200  # still logged and announced
+            counters = {s.family.name: s.value for s in runtime.samples()}
+            assert counters["gpuwarden_state_store_write_failures_total"] >= 1
+        finally:
+            await runtime.stop()
+            store.close()
