@@ -60,6 +60,11 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (namespace, key)
     );
     """,
+    # 1 -> 2: the outbox's age bound scans by creation time; without an index every check
+    # read the whole table (about 78 ms a second with 100k entries queued).
+    """
+    CREATE INDEX outbox_created ON outbox(created);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -247,6 +252,7 @@ class StateStore:
         costs one commit, not one each)."""
         rows = [(e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
                 for e in events]
+        queued = time.time()
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
@@ -258,7 +264,9 @@ class StateStore:
                 if outbox:
                     self._conn.executemany(
                         "INSERT INTO outbox(kind, key, created, payload) VALUES ('event',?,?,?)",
-                        [(row[0], row[1], row[6].encode()) for row in rows],
+                        # created: when it was queued, not when it happened: the outbox's age
+                        # bound must not expire a kernel-log event of last week on arrival.
+                        [(row[0], queued, row[6].encode()) for row in rows],
                     )
                 self._conn.execute("COMMIT")
             except sqlite3.Error as exc:
