@@ -9,6 +9,7 @@ read is refused.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 import tomllib
@@ -26,6 +27,8 @@ T = TypeVar("T")
 DEFAULT_CONFIG_PATH = Path("/etc/gpuwarden/gpuwarden.toml")
 EMBEDDED = "<embedded defaults>"
 LogLevel = Literal["debug", "info", "warning", "error"]
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+"""What a node id may be: one MQTT topic level the watcher accepts (agent/watch/payloads.py)."""
 
 
 def _default_state_dir() -> Path:
@@ -44,8 +47,12 @@ class CoreSettings:
     log_level: LogLevel = setting("info", help="debug, info, warning or error")
 
     def __post_init__(self) -> None:
-        if self.node_id and ("/" in self.node_id or "+" in self.node_id or "#" in self.node_id):
-            raise ConfigError("node_id", "must not contain '/', '+' or '#' (MQTT topic levels)")
+        if self.node_id and not NODE_ID.fullmatch(self.node_id):
+            raise ConfigError(
+                "node_id",
+                f"expected letters, digits and . _ : - (up to 128, starting with a letter or "
+                f"digit), got {self.node_id!r}: it is an MQTT topic level and a label value",
+            )
 
 
 @dataclass(frozen=True)

@@ -108,13 +108,19 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:  # noqa: PLR0912
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(key, f"expected an integer, got {_type_name(value)} {value!r}")
+        if abs(value) >= 2**63:  # TOML allows 64-bit integers; a larger one fails later
+            raise ConfigError(key, "expected an integer that fits in 64 bits")
         return value
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a number, got {_type_name(value)} {value!r}")
-        if not math.isfinite(value):
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ConfigError(key, "expected a number, got one too large to represent") from None
+        if not math.isfinite(number):
             raise ConfigError(key, f"expected a finite number, got {value!r}")
-        return float(value)
+        return number
     if annotation is str:
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {_type_name(value)} {value!r}")

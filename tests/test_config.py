@@ -27,7 +27,10 @@ BAD_FILES: list[tuple[str, str, str]] = [
     ("unknown-collector", "[collectors.gpus]\nenabled = true\n", "collectors.gpus: unknown collector"),
     ("collector-key", "[collectors.system]\nintervall = 3\n", "collectors.system.intervall: unknown key"),
     ("collector-interval", "[collectors.system]\ninterval = -1\n", "collectors.system.interval: expected a value >= 0.05"),
-    ("node-id-slash", "node_id = 'a/b'\n", "node_id: must not contain"),
+    ("node-id-slash", "node_id = 'a/b'\n", "node_id: expected letters, digits"),
+    ("node-id-control", "node_id = \"a\\u0000b\"\n", "node_id: expected letters, digits"),
+    ("huge-integer", "[collectors.system]\ninterval = 1" + "0" * 400 + "\n", "collectors.system.interval: expected a number, got one too large"),
+    ("huge-float", "[heartbeat]\ninterval = 1e400\n", "heartbeat.interval: expected a finite number"),
     ("log-level", "log_level = 'loud'\n", "log_level: expected one of"),
     ("section-not-table", "heartbeat = 3\n", "heartbeat: expected a table"),
 ]
