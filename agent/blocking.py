@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -20,6 +21,13 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 HangListener = Callable[[str, float], None]
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Hand a late result to the loop, unless the loop is gone (the agent stopped while the
+    call hung): then there is nobody left to tell."""
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+        loop.call_soon_threadsafe(fn, *args)
 
 
 class PooledCaller:
@@ -55,7 +63,7 @@ class PooledCaller:
         except TimeoutError:
             self._hung[key] = started
             future.add_done_callback(
-                lambda done: loop.call_soon_threadsafe(self._recovered, key, started, done)
+                lambda done: _call_soon(loop, self._recovered, key, started, done)
             )
             if self._on_hang is not None:
                 self._on_hang(key, self.timeout)

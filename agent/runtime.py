@@ -15,7 +15,7 @@ import functools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,17 @@ from agent.systemd import Supervisor
 log = structlog.get_logger(component="runtime")
 
 THREAD_POOL_SIZE = 8
-"""Bounded: each hung resource holds at most one thread, and the rest keep working."""
+"""Threads per collector. Bounded: each hung resource holds at most one thread. Each collector
+has its own pool, so GPUs hung in NVML cannot queue the disk or kernel-log reads behind them
+(and make those look hung too)."""
+
+
+async def _bounded(closing: Awaitable[None], seconds: float, kind: str, name: str) -> None:
+    """Await a stop or close for at most `seconds`; a failure is logged, never raised."""
+    try:
+        await asyncio.wait_for(closing, seconds)
+    except Exception as exc:
+        log.warning(f"{kind} did not stop cleanly", name=name, error=repr(exc))
 
 
 async def cancel_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
@@ -67,12 +77,14 @@ class CollectorStatus:
     settings: CollectorSettings
     collector: Collector
     caller: PooledCaller
+    executor: concurrent.futures.ThreadPoolExecutor
     samples: Sequence[Sample] = ()
     success: bool | None = None
     last_success: float | None = None
     last_attempt: float | None = None
     duration: float = 0.0
     runs: int = 0
+    rounds_done: int = 0
     failures: int = 0
     last_error: str = ""
     started: float = field(default_factory=time.time)
@@ -134,9 +146,6 @@ class Runtime:
         self.outbox_enabled = False
         self.first_round = asyncio.Event()
         self.metrics = RuntimeMetrics(self)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            THREAD_POOL_SIZE, thread_name_prefix="gpuwarden-call"
-        )
         self._listeners: list[EventListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -217,8 +226,11 @@ class Runtime:
     def _add_collector(self, name: str, settings: CollectorSettings) -> None:
         spec = self._specs.get(name) or registry.collector_spec(name)
         collector = spec.make(settings, self._deps())
+        executor = concurrent.futures.ThreadPoolExecutor(
+            THREAD_POOL_SIZE, thread_name_prefix=f"gpuwarden-{name}"
+        )
         caller = PooledCaller(
-            self._executor,
+            executor,
             settings.timeout,
             on_hang=lambda key, timeout: self.emit(Event(
                 source=name, kind="call_hung", severity=Severity.WARNING, subject=key,
@@ -231,7 +243,7 @@ class Runtime:
                 message=f"{name}: call {key} returned after {took:.1f} s",
             )),
         )
-        status = CollectorStatus(name, settings, collector, caller)
+        status = CollectorStatus(name, settings, collector, caller, executor)
         self.collectors[name] = status
         self.supervisor.register(f"collector:{name}", max(settings.interval, settings.timeout) * 3 + 5)
 
@@ -244,6 +256,7 @@ class Runtime:
         while True:
             await self._run_round(status, round_number, logger)
             round_number += 1
+            status.rounds_done += 1
             self.supervisor.beat(f"collector:{status.name}")
             if round_number == 1:
                 self._maybe_first_round_done()
@@ -289,7 +302,7 @@ class Runtime:
             status.last_error = error
 
     def _maybe_first_round_done(self) -> None:
-        if all(s.runs > 0 for s in self.collectors.values()):
+        if all(s.rounds_done > 0 for s in self.collectors.values()):
             self.first_round.set()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -337,19 +350,20 @@ class Runtime:
         monitor = [self._monitor_task] if self._monitor_task is not None else []
         await cancel_tasks([s.task for s in self.collectors.values() if s.task is not None]
                            + monitor)
-        for sink in self.sinks.values():
-            try:
-                await asyncio.wait_for(sink.stop(), 3.0)
-            except Exception as exc:
-                log.warning("sink did not stop cleanly", sink=sink.name, error=repr(exc))
+        # Sinks say goodbye (MQTT offline) and collectors close side by side, each bounded,
+        # so the whole stop stays inside systemd's and the contract's 5 seconds.
+        await asyncio.gather(*(_bounded(sink.stop(), 2.0, "sink", sink.name)
+                               for sink in self.sinks.values()))
         await cancel_tasks(list(self._sink_tasks.values()))
-        for status in self.collectors.values():
-            try:
-                await asyncio.wait_for(status.collector.close(), 2.0)
-            except Exception as exc:
-                log.warning("collector did not close cleanly", collector=status.name, error=repr(exc))
+        await asyncio.gather(*(_bounded(status.collector.close(), 1.5, "collector", name)
+                               for name, status in self.collectors.items()))
         self.flush_events()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for status in self.collectors.values():
+            status.executor.shutdown(wait=False, cancel_futures=True)
+
+    def hung_calls(self) -> int:
+        """Blocking calls still running past their timeout, in every collector."""
+        return sum(len(status.caller.hung) for status in self.collectors.values())
 
     async def reload(self, config: Config) -> list[str]:
         """Apply a new configuration to collectors; returns what changed. Core settings
@@ -363,10 +377,11 @@ class Runtime:
                 continue
             current = self.collectors.pop(name, None)
             if current is not None:
+                self.supervisor.unregister(f"collector:{name}")
                 if current.task is not None:
                     await cancel_tasks([current.task])
-                await current.collector.close()
-                self.supervisor.unregister(f"collector:{name}")
+                await _bounded(current.collector.close(), 2.0, "collector", name)
+                current.executor.shutdown(wait=False, cancel_futures=True)
             if settings.enabled:
                 self._add_collector(name, settings)
                 status = self.collectors[name]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -43,10 +44,23 @@ def main(args: argparse.Namespace) -> int:
         return 2
     json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
     logs.configure(cfg.core.log_level, json=json_logs)
-    return asyncio.run(serve(cfg, args.config))
+    code, hung = asyncio.run(serve(cfg, args.config))
+    if hung:
+        exit_now(code)
+    return code
 
 
-async def serve(cfg: config_module.Config, path: Path | None) -> int:
+def exit_now(code: int) -> None:
+    """Exit without joining worker threads. A thread stuck in a driver or on a dead mount
+    cannot be stopped, and the interpreter would wait for it at exit (concurrent.futures joins
+    its workers) until systemd's SIGKILL. Called after the state store is closed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]:
+    """Run until SIGTERM/SIGINT. Returns the exit code and the number of calls still hung."""
     loop = asyncio.get_running_loop()
     log.info("starting", config=cfg.source, node=cfg.node_id, state_dir=str(cfg.state_dir))
     store = await asyncio.to_thread(StateStore.open, cfg.state_dir)
@@ -63,14 +77,11 @@ async def serve(cfg: config_module.Config, path: Path | None) -> int:
         log.error("cannot start", error=str(exc))
         await runtime.stop()
         store.close()
-        return 1
+        return 1, runtime.hung_calls()
     helpers = [asyncio.create_task(_reload_loop(runtime, path, reloads))]
-    try:
-        await asyncio.wait_for(runtime.first_round.wait(), FIRST_ROUND_WAIT)
-    except TimeoutError:
-        log.warning("first collection round still running; reporting ready anyway")
-    notifier.ready(runtime.health().summary())
-    log.info("ready", collectors=sorted(runtime.collectors), sinks=sorted(runtime.sinks))
+    if await _first_round_or_stop(runtime, stop):
+        notifier.ready(runtime.health().summary())
+        log.info("ready", collectors=sorted(runtime.collectors), sinks=sorted(runtime.sinks))
     interval = watchdog_interval()
     helpers.append(asyncio.create_task(
         run_watchdog(notifier, runtime.supervisor, interval or 10.0,
@@ -89,8 +100,23 @@ async def serve(cfg: config_module.Config, path: Path | None) -> int:
         log.warning("some tasks did not stop in time; exiting anyway")
     store.close()
     notifier.close()
-    log.info("stopped", seconds=round(time.monotonic() - began, 3))
-    return 0
+    hung = runtime.hung_calls()
+    log.info("stopped", seconds=round(time.monotonic() - began, 3), hung_calls=hung)
+    return 0, hung
+
+
+async def _first_round_or_stop(runtime: Runtime, stop: asyncio.Event) -> bool:
+    """Wait for every collector's first round (READY=1 follows it), a stop signal, or
+    FIRST_ROUND_WAIT. False when asked to stop meanwhile."""
+    waiters = [asyncio.create_task(runtime.first_round.wait()), asyncio.create_task(stop.wait())]
+    await asyncio.wait(waiters, timeout=FIRST_ROUND_WAIT, return_when=asyncio.FIRST_COMPLETED)
+    for task in waiters:
+        task.cancel()
+    if stop.is_set():
+        return False
+    if not runtime.first_round.is_set():
+        log.warning("first collection round still running; reporting ready anyway")
+    return True
 
 
 async def _status_loop(notifier: Notifier, runtime: Runtime) -> None:
@@ -107,5 +133,9 @@ async def _reload_loop(runtime: Runtime, path: Path | None, reloads: asyncio.Que
         except ConfigError as exc:
             log.error("reload refused; keeping the old configuration", error=str(exc))
             continue
-        changes = await runtime.reload(new)
+        try:
+            changes = await runtime.reload(new)
+        except Exception:  # a collector that fails to build must not end reloading for good
+            log.exception("reload failed part way; later SIGHUPs are still honoured")
+            continue
         log.info("configuration reloaded", source=new.source, changes=changes or ["none"])
