@@ -71,15 +71,41 @@ class TestStale:
         assert fleet.evaluate(T0 + 14.0) == []
         assert raised(fleet.evaluate(T0 + 16.0)) == {("node_stale", "a")}
 
-    def test_retained_heartbeat_is_as_old_as_its_ts(self) -> None:
+    def test_retained_heartbeat_from_a_clock_behind_is_not_stale(self) -> None:
+        fleet = Fleet(now=T0)  # the watcher restarts; the node's clock is an hour behind
+        fleet.broker_connected(T0)
+        status(fleet, "a", "online", 1, T0, retained=True, ts=T0 - 7200)
+        beat(fleet, "a", T0, retained=True, ts=T0 - 3600, interval=10.0)
+        assert fleet.evaluate(T0 + SETTLE_SECONDS) == []
+        beat(fleet, "a", T0 + 9, ts=T0 - 3591, seq=2, interval=10.0)
+        assert fleet.evaluate(T0 + 35) == []
+        assert fleet.state_of(fleet.nodes["a"], T0 + 35) is State.ONLINE
+
+    def test_retained_heartbeat_of_a_silent_node_goes_stale_on_our_clock(self) -> None:
+        fleet = Fleet(now=T0)  # the node hung a day ago, while the watcher was down
+        fleet.broker_connected(T0)
+        status(fleet, "a", "online", 1, T0, retained=True, ts=T0 - 86400)
+        beat(fleet, "a", T0, retained=True, ts=T0 - 86400, interval=10.0)
+        assert fleet.evaluate(T0 + 29) == []
+        assert raised(fleet.evaluate(T0 + 31)) == {("node_stale", "a")}
+
+    def test_retained_copy_of_a_held_heartbeat_does_not_refresh_it(self) -> None:
         fleet = connected_fleet()
-        status(fleet, "a", "online", 1, T0 + 100, retained=True, ts=T0)
-        beat(fleet, "a", T0 + 100, retained=True, ts=T0, interval=10.0)
-        assert fleet.state_of(fleet.nodes["a"], T0 + 100) is State.STALE
-        live = connected_fleet()
-        status(live, "a", "online", 1, T0 + 100, ts=T0)
-        beat(live, "a", T0 + 100, ts=T0, interval=10.0)
-        assert live.state_of(live.nodes["a"], T0 + 100) is State.ONLINE
+        status(fleet, "a", "online", 1, T0)
+        beat(fleet, "a", T0, seq=5, interval=10.0)
+        assert raised(fleet.evaluate(T0 + 31)) == {("node_stale", "a")}
+        fleet.broker_disconnected(T0 + 40)
+        fleet.broker_connected(T0 + 41)  # resubscribed: the broker sends the same beat again
+        beat(fleet, "a", T0 + 41, retained=True, ts=T0, seq=5, interval=10.0)
+        beat(fleet, "a", T0 + 42, retained=True, ts=T0 - 10, seq=4, interval=10.0)  # older
+        assert fleet.evaluate(T0 + 41 + SETTLE_SECONDS) == []
+        assert fleet.nodes["a"].seq == 5
+
+    def test_live_heartbeat_is_as_young_as_its_arrival(self) -> None:
+        fleet = connected_fleet()
+        status(fleet, "a", "online", 1, T0 + 100, ts=T0)
+        beat(fleet, "a", T0 + 100, ts=T0, interval=10.0)
+        assert fleet.state_of(fleet.nodes["a"], T0 + 100) is State.ONLINE
 
     def test_retained_from_the_future_is_not_younger_than_now(self) -> None:
         fleet = connected_fleet()

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
+import aiomqtt
 import pytest
 
+from agent.model import Severity
 from agent.settings import ConfigError
-from agent.watch.fleet import AlertChange
+from agent.watch.fleet import Alert, AlertChange
 from agent.watch.service import Watcher, load_inventory
 from agent.watch.settings import WatchSettings
 from tests.support.mosquitto import Broker
@@ -245,3 +249,74 @@ class TestCommand:
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert done.returncode == 2
         assert "watch.url" in done.stderr
+
+
+class SlowClient:
+    """A client whose publish waits for its PUBACK: other tasks run meanwhile."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def publish(self, topic: str, payload: bytes, qos: int = 0,
+                      retain: bool = False) -> None:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.sent.append(json.loads(payload)["node"])
+
+
+def dead_alert(node: str) -> AlertChange:
+    return AlertChange(True, Alert("node_dead", node, Severity.CRITICAL, "m", "a", 0.0), 0.0)
+
+
+class TestFlush:
+    """Flushes on connect and after an evaluation may overlap: each alert goes out once."""
+
+    async def test_concurrent_flushes_publish_each_alert_once(self) -> None:
+        watcher = Watcher(WatchSettings(listen=""))
+        watcher.pending.extend(dead_alert(f"n{i}") for i in range(4))
+        client = SlowClient()
+        watcher.client = cast(aiomqtt.Client, client)
+        results = await asyncio.gather(watcher.flush(), watcher.flush(), return_exceptions=True)
+        assert list(results) == [None, None]
+        assert client.sent == ["n0", "n1", "n2", "n3"]
+        assert not watcher.pending
+
+
+class TestLoopsSurviveBugs:
+    """An unexpected exception is logged; evaluation goes on and MQTT reconnects."""
+
+    async def test_evaluation_goes_on_after_an_exception(self) -> None:
+        calls: list[int] = []
+
+        class Flaky(Watcher):
+            def evaluate_once(self) -> list[AlertChange]:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("a bug")
+                return super().evaluate_once()
+
+        watcher = Flaky(WatchSettings(listen="", evaluate_interval=0.05))
+        task = asyncio.create_task(watcher.evaluate_forever())
+        try:
+            await until(lambda: len(calls) >= 3 or task.done(), what="evaluations after a bug")
+            assert not task.done()
+        finally:
+            task.cancel()
+
+    async def test_session_bug_reconnects(self) -> None:
+        sessions: list[int] = []
+
+        class Flaky(Watcher):
+            async def session(self) -> None:
+                sessions.append(1)
+                if len(sessions) == 1:
+                    raise IndexError("pop from an empty deque")
+                await asyncio.Event().wait()  # connected for good
+
+        watcher = Flaky(WatchSettings(listen=""))
+        task = asyncio.create_task(watcher.mqtt_forever())
+        try:
+            await until(lambda: len(sessions) >= 2 or task.done(), what="a second session")
+            assert not task.done()
+        finally:
+            task.cancel()

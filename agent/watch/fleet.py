@@ -55,6 +55,9 @@ class Node:
     born_at: float | None = None
     offline_at: float | None = None
     heartbeat_at: float | None = None
+    """When the watcher got the last heartbeat, on its own clock."""
+    heartbeat_ts: float | None = None
+    """That heartbeat's `ts`, on the node's clock: with `seq`, it names the beat."""
     seq: int | None = None
     interval: float | None = None
     health_ok: bool | None = None
@@ -168,13 +171,18 @@ class Fleet:
             if len(self.nodes) >= self.max_nodes:
                 return self._malformed(Malformed("bad_topic", "too many nodes"))
             node = self.nodes[where.node] = Node(where.node)
-        # A retained message is as old as its `ts` says (bounded by now: a node's clock ahead
-        # of ours must not make it look younger than fresh); a live one is as old as now.
+        # A retained status is as old as its `ts` says (bounded by now: a node's clock ahead
+        # of ours must not make it look younger than fresh); a live message is as old as now.
         if isinstance(parsed, Status):
             at = min(now, parsed.ts) if retained and parsed.ts is not None else now
             return self._status(node, parsed, at)
-        at = min(now, parsed.ts) if retained else now
-        self._heartbeat(node, parsed, at)
+        if retained and self._held(node, parsed):
+            return True  # sent again on resubscription: its age runs on from when we got it
+        # A retained heartbeat new to us is dated on arrival, not by its `ts`: a node whose
+        # clock is behind ours by k intervals would otherwise be stale from the start until
+        # its next live beat. A node that really fell silent is then stale k intervals later,
+        # on our clock: the most a retained beat can buy.
+        self._heartbeat(node, parsed, now)
         return True
 
     def _malformed(self, bad: Malformed) -> bool:
@@ -200,10 +208,16 @@ class Fleet:
         node.clean_stop = status.clean_stop
         return True
 
+    @staticmethod
+    def _held(node: Node, beat: Heartbeat) -> bool:
+        """The beat we hold, or an earlier one (a restarted node counts from seq 0 again)."""
+        if node.seq is None or node.heartbeat_ts is None:
+            return False
+        return beat.seq <= node.seq and beat.ts <= node.heartbeat_ts
+
     def _heartbeat(self, node: Node, beat: Heartbeat, at: float) -> None:
-        if node.heartbeat_at is not None and at < node.heartbeat_at:
-            return  # an older retained copy after a newer live one
-        node.heartbeat_at, node.seq, node.interval = at, beat.seq, beat.interval_s
+        node.heartbeat_at, node.heartbeat_ts = at, beat.ts
+        node.seq, node.interval = beat.seq, beat.interval_s
         node.health_ok, node.problems = beat.health_ok, beat.problems
 
     def broker_connected(self, now: float) -> None:

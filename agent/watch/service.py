@@ -105,6 +105,7 @@ class Watcher:
         self.clock = clock
         self.fleet = fleet_from(settings, inventory or [], clock())
         self.pending: deque[AlertChange] = deque(maxlen=MAX_PENDING_ALERTS)
+        self._flushing = asyncio.Lock()
         self.client: aiomqtt.Client | None = None
         self.supervisor = Supervisor()
         self.metrics: MetricsServer | None = None
@@ -170,8 +171,10 @@ class Watcher:
 
     async def mqtt_forever(self) -> None:
         while True:
+            # Any exception, not only MqttError: a bug in a session must cost a reconnection
+            # (with backoff, so a lasting one does not spin), not the watcher's MQTT side.
             retrying = AsyncRetrying(
-                retry=retry_if_exception_type(aiomqtt.MqttError),
+                retry=retry_if_exception_type(Exception),
                 wait=wait_exponential(multiplier=0.5, max=RECONNECT_MAX_SECONDS) + wait_random(0, 0.5),
                 stop=stop_never, before_sleep=self._connect_failed, reraise=True,
             )
@@ -182,6 +185,10 @@ class Watcher:
     def _connect_failed(self, state: RetryCallState) -> None:
         self.fleet.broker_disconnected(self.clock())
         error = state.outcome.exception() if state.outcome else None
+        if error is not None and not isinstance(error, aiomqtt.MqttError):
+            log.error("MQTT session failed; reconnecting", error=repr(error), exc_info=error,
+                      attempt=state.attempt_number)
+            return
         log.warning("cannot reach the broker; retrying", url=self.settings.url,
                     error=str(error), attempt=state.attempt_number)
 
@@ -216,10 +223,13 @@ class Watcher:
     async def evaluate_forever(self) -> None:
         self.supervisor.register("evaluate", max(30.0, 10 * self.settings.evaluate_interval))
         while True:
-            self.evaluate_once()
-            self.supervisor.beat("evaluate")
-            if self.client is not None and self.pending:
-                await self.flush()
+            try:
+                self.evaluate_once()
+                self.supervisor.beat("evaluate")
+                if self.client is not None and self.pending:
+                    await self.flush()
+            except Exception:  # a bug here must not end evaluation: no beat, the watchdog sees it
+                log.exception("evaluation failed")
             await asyncio.sleep(self.settings.evaluate_interval)
 
     def evaluate_once(self) -> list[AlertChange]:
@@ -238,12 +248,17 @@ class Watcher:
         return changes
 
     async def flush(self) -> None:
-        client = self.client
-        while client is not None and self.pending:
-            change = self.pending[0]
-            try:
-                await client.publish(self.settings.effective_alerts_topic,
-                                     json.dumps(change.to_dict()).encode(), qos=1)
-            except aiomqtt.MqttError:
-                return  # the session notices the loss and reconnects; the queue keeps it
-            self.pending.popleft()
+        # session() flushes on connect and evaluate_forever() after each evaluation. A flush
+        # publishes the head and pops it after the PUBACK: two at once would publish it twice
+        # and pop one too many, so one at a time.
+        async with self._flushing:
+            while (client := self.client) is not None and self.pending:
+                change = self.pending[0]
+                try:
+                    await client.publish(self.settings.effective_alerts_topic,
+                                         json.dumps(change.to_dict()).encode(), qos=1)
+                except aiomqtt.MqttError:
+                    return  # the session notices the loss and reconnects; the queue keeps it
+                # A full queue drops its head on append, maybe this one while it was in flight.
+                if self.pending and self.pending[0] is change:
+                    self.pending.popleft()
