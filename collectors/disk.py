@@ -249,7 +249,9 @@ class DiskCollector:
             return await ctx.call(f"statvfs:{mount.mount_point}", stat_filesystem, path,
                                   self._statvfs)
         except CallTimedOut as exc:
-            return _Stuck(new=True, seconds=exc.timeout)
+            # Not new if the previous hung call returned and this one hangs again: a mount
+            # that always answers too late is one stuck spell, not a new alarm per hung call.
+            return _Stuck(new=mount.mount_point not in self._stuck, seconds=exc.timeout)
         except CallStillHung as exc:
             return _Stuck(new=mount.mount_point not in self._stuck, seconds=exc.hung_for)
         except (FileNotFoundError, NotADirectoryError):

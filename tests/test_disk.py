@@ -265,6 +265,27 @@ class TestStuckMount:
         assert values(third, "gpuwarden_mount_stuck")[nfs] == 0
         assert values(third, "gpuwarden_filesystem_size_bytes")[nfs] > 0
 
+    async def test_a_mount_that_keeps_answering_late_is_stuck_once(self, tmp_path: Path) -> None:
+        """Each hung statvfs returns in the end, but the next one misses the timeout again:
+        one mount_stuck, not one per hung call, until the mount really answers in time."""
+        tree = ProcTree(tmp_path / "proc")
+        tree.set_mountinfo("30 1 0:45 / /mnt/nfs rw - nfs4 storage01:/export rw,hard\n")
+        statvfs = HangingStatvfs(hanging={"/mnt/nfs"}, answer=lambda path: os.statvfs("/"))
+        collector = DiskCollector(_settings(tree.root), make_deps(), statvfs)
+        kinds = []
+        with pooled_caller(timeout=0.2) as caller:
+            for _ in range(3):
+                kinds.append([e.kind for e in (await run_round(collector, caller)).events])
+                kinds.append([e.kind for e in (await run_round(collector, caller)).events])
+                statvfs.release.set()  # the hung call returns late...
+                await until(lambda: not caller.hung, what="the hung statvfs to return")
+                statvfs.release.clear()  # ...and the next one hangs again
+            statvfs.release.set()
+            recovered = await run_round(collector, caller)
+        assert statvfs.calls.count("/mnt/nfs") == 4
+        assert kinds == [["mount_stuck"], [], [], [], [], []]
+        assert [e.kind for e in recovered.events] == ["mount_recovered"]
+
 
 class TestErrors:
     """statvfs errors are a series and one event; a mount that vanished is simply left out."""
