@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.collector import MemoryKeyValueStore
+from agent.collector import JSONValue, MemoryKeyValueStore
 from agent.model import Severity
 from agent.settings import ConfigError, build
+from agent.state import StateStoreError
 from collectors.disk import DiskCollector, DiskSettings, select_mounts
 from collectors.disk_levels import Level, Limits
 from collectors.procfs import read_mountinfo
@@ -190,6 +191,46 @@ class TestThresholdEvents:
             tree.set_mountinfo("28 1 259:3 / /data rw - xfs /dev/sdb1 rw\n")
             await run_round(collector, caller)
         assert store.items("disk.levels") == {}
+
+
+class FullStore(MemoryKeyValueStore):
+    """A state store on a full disk: every write raises StateStoreError while `full`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = True
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        if self.full:
+            raise StateStoreError("state store write failed: database or disk is full")
+        super().put(namespace, key, value)
+
+    def delete(self, namespace: str, key: str) -> None:
+        if self.full:
+            raise StateStoreError("state store write failed: database or disk is full")
+        super().delete(namespace, key)
+
+
+class TestStateStoreFull:
+    """A state store that refuses writes does not cost the round; the write is retried."""
+
+    async def test_round_keeps_its_samples_and_events_and_saves_later(self, tmp_path: Path) -> None:
+        tree = _only_root(tmp_path)
+        store = FullStore()
+        statvfs = ScriptedStatvfs({"/": fake_statvfs_result(size=100 * GIB, available=2 * GIB)})
+        collector = DiskCollector(_settings(tree.root), make_deps(store), statvfs)
+        with pooled_caller() as caller:
+            full = await run_round(collector, caller)
+            assert store.items("disk.levels") == {}
+            store.full = False
+            later = await run_round(collector, caller)
+        assert [e.kind for e in full.events] == ["filesystem_space_low"]
+        assert values(full, "gpuwarden_filesystem_available_bytes") == {
+            ("/", "/dev/nvme0n1p2", "ext4"): 2 * GIB}
+        assert values(full, "gpuwarden_filesystem_threshold_level")[
+            ("/", "/dev/nvme0n1p2", "ext4", "space")] == 2
+        assert later.events == []
+        assert store.items("disk.levels") == {"space:/": 2}
 
 
 class TestReadOnly:
