@@ -29,9 +29,12 @@ from agent.collector import (
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
+    JSONValue,
+    KeyValueStore,
 )
 from agent.model import GPU_LABELS, Collection, Event, MetricFamily, MetricType, Sample
 from agent.settings import ConfigError, setting
+from agent.state import StateStoreError
 from collectors import bench_events
 from collectors.bench_child import PROFILES, Request, child_arguments
 from collectors.bench_gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, NvmlActivity
@@ -182,6 +185,63 @@ class GpuState:
     skips: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
+_DELETED: Final = object()
+
+
+class _TolerantState:
+    """deps.state for the benchmark: a write the store refuses (a full disk: StateStoreError)
+    must not fail the round after a run and lose its result and events.
+
+    A refused write is kept in memory, so this process still sees it (no second failure
+    event, no new run every round while the last attempt is unsaved), is logged once per
+    failing spell, and is tried again with the next write."""
+
+    def __init__(self, store: KeyValueStore) -> None:
+        self._store = store
+        self._pending: dict[tuple[str, str], object] = {}
+        self._failing = False
+
+    def get(self, namespace: str, key: str) -> JSONValue | None:
+        if (namespace, key) not in self._pending:
+            return self._store.get(namespace, key)
+        pending = self._pending[(namespace, key)]
+        return None if pending is _DELETED else pending
+
+    def items(self, namespace: str) -> dict[str, JSONValue]:
+        items = self._store.items(namespace)
+        for (ns, key), value in self._pending.items():
+            if ns == namespace:
+                items.pop(key, None)
+                if value is not _DELETED:
+                    items[key] = value
+        return items
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        self._write(namespace, key, value)
+
+    def delete(self, namespace: str, key: str) -> None:
+        self._write(namespace, key, _DELETED)
+
+    def _write(self, namespace: str, key: str, value: object) -> None:
+        self._pending[(namespace, key)] = value
+        for (ns, k), v in list(self._pending.items()):
+            try:
+                if v is _DELETED:
+                    self._store.delete(ns, k)
+                else:
+                    self._store.put(ns, k, v)
+            except StateStoreError as exc:
+                if not self._failing:
+                    log.warning("benchmark state not saved; kept in memory and retried",
+                                error=str(exc))
+                self._failing = True
+                return
+            del self._pending[(ns, k)]
+        if self._failing:
+            log.info("benchmark state saved again")
+        self._failing = False
+
+
 class BenchmarkCollector:
     name = SOURCE
 
@@ -200,6 +260,7 @@ class BenchmarkCollector:
         self.history = HistoryFile.in_state_dir(deps.state_dir)
         self.gpus: dict[str, GpuState] = {}
         self._no_gpu_logged = False
+        self.state: KeyValueStore = _TolerantState(deps.state)
 
     def families(self) -> Sequence[MetricFamily]:
         return (GPUS, FLOPS, BASELINE_RATIO, PEER_RATIO, WINDOW, RUN_SECONDS, LAST_RUN,
@@ -277,7 +338,7 @@ class BenchmarkCollector:
         return self._state(gpu).busy_reason
 
     def _last_attempt(self, gpu: GpuIdentity) -> float | None:
-        stored = self.deps.state.get(KV, f"last_attempt:{gpu.uuid}")
+        stored = self.state.get(KV, f"last_attempt:{gpu.uuid}")
         times = [r.time for r in self.history.records if r.gpu_uuid == gpu.uuid]
         candidates = [float(stored)] if isinstance(stored, (int, float)) else []
         candidates += times[-1:]
@@ -298,7 +359,7 @@ class BenchmarkCollector:
         state.runs += 1
         outcome = await self.runner.run(child_arguments(self.settings.request(device)), env)
         finished = ctx.now + outcome.wall_seconds
-        self.deps.state.put(KV, f"last_attempt:{gpu.uuid}", finished)
+        self.state.put(KV, f"last_attempt:{gpu.uuid}", finished)
         state.last_run, state.run_seconds = finished, outcome.wall_seconds
         record, outcome = self._record(gpu, driver or "", outcome)
         if record is None:
@@ -315,7 +376,7 @@ class BenchmarkCollector:
         if record.correct is False:
             state.wrong += 1
         events = self._recovery_events(gpu)
-        events += bench_events.judge_events(self.deps.state, self.history.records, record,
+        events += bench_events.judge_events(self.state, self.history.records, record,
                                             gpu=gpu, gpus=gpus, policy=self.policy)
         return RunResult(gpu, record, outcome, events)
 
@@ -339,17 +400,17 @@ class BenchmarkCollector:
 
     def _failure_events(self, gpu: GpuIdentity, outcome: ChildOutcome) -> list[Event]:
         key = f"failure:{gpu.uuid}"
-        if self.deps.state.get(KV, key) == outcome.failure:
+        if self.state.get(KV, key) == outcome.failure:
             return []  # the same cause again: said once, counted in the metric
-        self.deps.state.put(KV, key, outcome.failure)
+        self.state.put(KV, key, outcome.failure)
         return [bench_events.failure_event(gpu, outcome)]
 
     def _recovery_events(self, gpu: GpuIdentity) -> list[Event]:
         key = f"failure:{gpu.uuid}"
-        previous = self.deps.state.get(KV, key)
+        previous = self.state.get(KV, key)
         if previous is None:
             return []
-        self.deps.state.delete(KV, key)
+        self.state.delete(KV, key)
         return [bench_events.recovered_event(gpu, str(previous))]
 
     # -- samples ------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from agent.collector import (
     CallStillHung,
     CallTimedOut,
@@ -26,6 +28,7 @@ from agent.collector import (
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
+    KeyValueStore,
 )
 from agent.model import (
     AttributeValue,
@@ -37,8 +40,11 @@ from agent.model import (
     Severity,
 )
 from agent.settings import setting
+from agent.state import StateStoreError
 from collectors.disk_levels import Level, Limits, used_percent
 from collectors.procfs import MountInfo, read_mountinfo
+
+log = structlog.get_logger(component="disk")
 
 G = MetricType.GAUGE
 SOURCE = "disk"
@@ -209,6 +215,9 @@ class DiskCollector:
             key: Level(int(value)) for key, value in deps.state.items(_LEVEL_NAMESPACE).items()
             if isinstance(value, int) and value in (1, 2)
         }
+        self._saved: dict[str, int] = {key: int(level) for key, level in self._levels.items()}
+        """The levels as last written to the state store (see `_save_levels`)."""
+        self._save_failing = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (SIZE, FREE, AVAILABLE, INODES, INODES_FREE, READ_ONLY, LEVEL, STUCK, ERROR)
@@ -231,7 +240,31 @@ class DiskCollector:
         for mount, outcome in zip(selected, outcomes, strict=True):
             self._report(mount, outcome, samples, events)
         self._forget_unmounted({m.mount_point for m in selected})
+        await self._save_levels(ctx)
         return Collection(samples=samples, events=events)
+
+    async def _save_levels(self, ctx: CollectContext) -> None:
+        """Write the levels that changed since the last successful save, off the event loop.
+
+        A failed write (a full disk: StateStoreError) must not fail the round and lose every
+        sample: it is logged once, and what was not saved is written with the next round."""
+        wanted = {key: int(level) for key, level in self._levels.items() if level is not Level.OK}
+        changes = {key: wanted.get(key) for key in wanted.keys() | self._saved.keys()
+                   if wanted.get(key) != self._saved.get(key)}
+        if not changes:
+            return
+        try:
+            await ctx.call("disk:state", _write_levels, self.deps.state, changes)
+        except (StateStoreError, CallTimedOut, CallStillHung) as exc:
+            if not self._save_failing:
+                log.warning("disk threshold levels not saved; retrying every round",
+                            error=str(exc))
+            self._save_failing = True
+            return
+        if self._save_failing:
+            log.info("disk threshold levels saved again")
+        self._save_failing = False
+        self._saved = wanted
 
     def _forget_unmounted(self, mounted: set[str]) -> None:
         """Drop what is remembered about mounts that are gone (a stuck one stays: still listed)."""
@@ -240,8 +273,7 @@ class DiskCollector:
             for mp in [mp for mp in table if mp not in mounted]:
                 del table[mp]
         for key in [k for k in self._levels if k.partition(":")[2] not in mounted]:
-            del self._levels[key]
-            self.deps.state.delete(_LEVEL_NAMESPACE, key)
+            del self._levels[key]  # and from the state store in _save_levels
 
     async def _stat(self, ctx: CollectContext, mount: MountInfo) -> _Outcome:
         path = os.path.join(str(self.settings.rootfs), mount.mount_point.lstrip("/"))
@@ -249,7 +281,9 @@ class DiskCollector:
             return await ctx.call(f"statvfs:{mount.mount_point}", stat_filesystem, path,
                                   self._statvfs)
         except CallTimedOut as exc:
-            return _Stuck(new=True, seconds=exc.timeout)
+            # Not new if the previous hung call returned and this one hangs again: a mount
+            # that always answers too late is one stuck spell, not a new alarm per hung call.
+            return _Stuck(new=mount.mount_point not in self._stuck, seconds=exc.timeout)
         except CallStillHung as exc:
             return _Stuck(new=mount.mount_point not in self._stuck, seconds=exc.hung_for)
         except (FileNotFoundError, NotADirectoryError):
@@ -341,16 +375,21 @@ class DiskCollector:
         samples.append(LEVEL.sample(int(after), mp, mount.source, mount.fs_type, resource))
         if after == before:
             return
-        self._levels[key] = after
-        if after is Level.OK:
-            self.deps.state.delete(_LEVEL_NAMESPACE, key)
-        else:
-            self.deps.state.put(_LEVEL_NAMESPACE, key, int(after))
+        self._levels[key] = after  # saved at the end of the round (_save_levels)
         events.append(_level_event(mount, resource, before=before, after=after, used=used,
                                    left=left, stats=stats))
 
     async def close(self) -> None:
         return None
+
+
+def _write_levels(state: KeyValueStore, changes: dict[str, int | None]) -> None:
+    """Blocking: store each changed level; None (back to ok, or unmounted) deletes it."""
+    for key, level in changes.items():
+        if level is None:
+            state.delete(_LEVEL_NAMESPACE, key)
+        else:
+            state.put(_LEVEL_NAMESPACE, key, level)
 
 
 def _stuck_event(mount: MountInfo, seconds: float) -> Event:

@@ -15,7 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.collector import CollectContext, CollectorDeps, CollectorSettings, CollectorSpec
+import structlog
+
+from agent.collector import (
+    CallStillHung,
+    CallTimedOut,
+    CollectContext,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+)
 from agent.model import (
     GPU_LABELS,
     AttributeValue,
@@ -26,6 +35,7 @@ from agent.model import (
     Sample,
 )
 from agent.settings import setting
+from agent.state import StateStoreError
 from collectors.kmsg import (
     FileLogReader,
     KmsgIO,
@@ -36,6 +46,8 @@ from collectors.kmsg import (
 )
 from collectors.log_matchers import GPU_KINDS, KINDS, Finding, MatcherSet
 from collectors.xid import XidCorrelator, XidObservation, gpu_description
+
+log = structlog.get_logger(component="kernel_log")
 
 C = MetricType.COUNTER
 
@@ -117,6 +129,7 @@ class KernelLogCollector:
         self.totals: Counter[str] = Counter()
         self.suppressed: Counter[str] = Counter()
         self._holdoff: dict[tuple[str, str], _Holdoff] = {}
+        self._commit_failing = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (XID_ERRORS, SXID_ERRORS, FINDINGS, RECORDS, MALFORMED, IGNORED, LOST,
@@ -140,9 +153,25 @@ class KernelLogCollector:
         batch = await ctx.call("kernel_log:read", reader.read)
         self._prune_holdoff(ctx.now)
         events = self._process(batch, reader)
-        await ctx.call("kernel_log:commit", reader.commit, batch)
+        await self._commit(ctx, reader, batch)
         events.extend(self.correlator.drain(ctx.now))
         return Collection(samples=self._samples(), events=events)
+
+    async def _commit(self, ctx: CollectContext, reader: LogReader, batch: ReadBatch) -> None:
+        """Save the cursor past `batch`. A failure must not fail the round: the reader has
+        already moved past these records in memory, so the round's findings would be lost for
+        good. The next commit saves the newer cursor (the state store counts failed writes)."""
+        try:
+            await ctx.call("kernel_log:commit", reader.commit, batch)
+        except (StateStoreError, CallTimedOut, CallStillHung) as exc:
+            if not self._commit_failing:
+                log.warning("kernel-log cursor not saved; a restart now may replay records",
+                            error=str(exc))
+            self._commit_failing = True
+        else:
+            if self._commit_failing:
+                log.info("kernel-log cursor saved again")
+            self._commit_failing = False
 
     def _process(self, batch: ReadBatch, reader: LogReader) -> list[Event]:
         for name, value in (("records", len(batch.records)), ("malformed", batch.malformed),

@@ -109,6 +109,7 @@ class KmsgReader:
         self._fd: int | None = None
         self._boot_id = ""
         self._last_seq = -1
+        self._committed: dict[str, object] | None = None
         self._first_batch = backlog
 
     def _open(self) -> int:
@@ -118,6 +119,7 @@ class KmsgReader:
             self._last_seq = int(saved.get("seq", -1))
         else:
             self._last_seq = -1  # a new boot: everything in the buffer is new to us
+        self._committed = {"boot_id": self._boot_id, "seq": self._last_seq}
         try:
             return self.io.open(str(self.path))
         except OSError as exc:
@@ -187,9 +189,13 @@ class KmsgReader:
         return min(now, boot + record.monotonic_usec / 1e6)
 
     def commit(self, batch: ReadBatch) -> None:
-        """Persist the cursor once the batch's findings are handed on (events, correlator)."""
-        if batch.cursor is not None and batch.records:
+        """Persist the cursor once the batch's findings are handed on (events, correlator).
+
+        Compared with the last cursor saved, not with "the batch has records": after a failed
+        commit (a full disk) the next one saves the cursor even if no record came since."""
+        if batch.cursor is not None and batch.cursor != self._committed:
             self.state.put(STATE_NAMESPACE, KMSG_CURSOR_KEY, batch.cursor)
+            self._committed = batch.cursor
 
     def close(self) -> None:
         if self._fd is not None:

@@ -13,10 +13,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.collector import CollectContext, CollectorDeps, CollectorSettings, CollectorSpec
+import structlog
+
+from agent.collector import (
+    CollectContext,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+    JSONValue,
+)
 from agent.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
 from agent.settings import setting
+from agent.state import StateStoreError
 from collectors.procfs import read_boot_id
+
+log = structlog.get_logger(component="system")
 
 G = MetricType.GAUGE
 
@@ -59,6 +70,11 @@ class SystemReading:
     samples: list[Sample]
     boot_id: str
     uptime_seconds: float
+    stored_boot: JSONValue
+    """The boot id and last-alive time in the state store before this round wrote its own."""
+    stored_alive: JSONValue
+    save_error: str | None
+    """Why this round's boot id and last-alive time were not stored (a full disk)."""
 
 
 class SystemCollector:
@@ -68,12 +84,16 @@ class SystemCollector:
         self.settings = settings
         self.deps = deps
         self._previous_boot: tuple[str, float] | None = None
+        self._checked_boot: str | None = None
+        self._save_failing = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (MEMORY_TOTAL, MEMORY_AVAILABLE, SWAP_TOTAL, SWAP_FREE, LOAD, UPTIME, BOOT_INFO,
                 PREVIOUS_BOOT_LAST_ALIVE)
 
-    def _read(self) -> SystemReading:
+    def _read(self, now: float) -> SystemReading:
+        """Blocking: /proc, then the stored boot and this round's write of it, in one call so
+        the state store's I/O stays off the event loop too."""
         root = self.settings.proc_root
         samples: list[Sample] = []
         mem = read_meminfo(root)
@@ -88,26 +108,45 @@ class SystemCollector:
         samples.append(UPTIME.sample(uptime))
         boot_id = read_boot_id(root)
         samples.append(BOOT_INFO.sample(1, boot_id))
-        return SystemReading(samples, boot_id, uptime)
-
-    async def collect(self, ctx: CollectContext) -> Collection:
-        reading = await ctx.call("proc:system", self._read)
-        events: list[Event] = []
         state = self.deps.state
         stored_boot = state.get(STATE_NAMESPACE, "boot_id")
         stored_alive = state.get(STATE_NAMESPACE, "last_alive")
-        if isinstance(stored_boot, str) and stored_boot != reading.boot_id:
+        try:
+            state.put(STATE_NAMESPACE, "boot_id", boot_id)
+            state.put(STATE_NAMESPACE, "last_alive", now)
+            save_error = None
+        except StateStoreError as exc:  # a full disk must not cost the round its samples
+            save_error = str(exc)
+        return SystemReading(samples, boot_id, uptime, stored_boot, stored_alive, save_error)
+
+    async def collect(self, ctx: CollectContext) -> Collection:
+        reading = await ctx.call("proc:system", self._read, ctx.now)
+        self._note_save(reading.save_error)
+        events: list[Event] = []
+        stored_boot, stored_alive = reading.stored_boot, reading.stored_alive
+        # Once per boot: while writes fail, the store keeps the previous boot's id, which
+        # must not raise host_rebooted again every round.
+        if (self._checked_boot != reading.boot_id and isinstance(stored_boot, str)
+                and stored_boot != reading.boot_id):
             last_alive = float(stored_alive) if isinstance(stored_alive, (int, float)) else None
             events.append(_reboot_event(stored_boot, reading.boot_id, last_alive, ctx.now,
                                         reading.uptime_seconds))
             if last_alive is not None:
                 self._previous_boot = (stored_boot, last_alive)
-        state.put(STATE_NAMESPACE, "boot_id", reading.boot_id)
-        state.put(STATE_NAMESPACE, "last_alive", ctx.now)
+        self._checked_boot = reading.boot_id
         samples = list(reading.samples)
         if self._previous_boot is not None:
             samples.append(PREVIOUS_BOOT_LAST_ALIVE.sample(self._previous_boot[1]))
         return Collection(samples=samples, events=events)
+
+    def _note_save(self, error: str | None) -> None:
+        """Log a failing state store once per spell; the next round writes again."""
+        if error is not None and not self._save_failing:
+            log.warning("boot id and last-alive time not saved; retrying every round",
+                        error=error)
+        elif error is None and self._save_failing:
+            log.info("boot id and last-alive time saved again")
+        self._save_failing = error is not None
 
     async def close(self) -> None:
         return None

@@ -12,8 +12,10 @@ import pytest
 import structlog.testing
 
 from agent import config as config_module
+from agent.collector import CollectorDeps, JSONValue, MemoryKeyValueStore, SharedServices
 from agent.model import Event, Severity
 from agent.settings import ConfigError
+from agent.state import StateStoreError
 from collectors.bench_child import PLANT_WRONG_RESULT_ENV
 from collectors.bench_gpus import GpuBackendUnavailable, NvmlActivity
 from collectors.bench_history import HISTORY_FILE
@@ -263,6 +265,51 @@ class TestEvents:
         assert "0.79" in events[0].message
         assert series(result.samples, "gpuwarden_benchmark_peer_ratio",
                       uuid=gpu(2).uuid) == [pytest.approx(40 / 50.5)]
+
+
+class FullStore(MemoryKeyValueStore):
+    """A state store on a full disk: every write raises StateStoreError while `full`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = True
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        if self.full:
+            raise StateStoreError("state store write failed: database or disk is full")
+        super().put(namespace, key, value)
+
+    def delete(self, namespace: str, key: str) -> None:
+        if self.full:
+            raise StateStoreError("state store write failed: database or disk is full")
+        super().delete(namespace, key)
+
+
+class TestStateStoreFull:
+    """A state store that refuses writes costs neither the run's round nor its schedule."""
+
+    async def test_failed_run_is_reported_once_and_not_rerun_before_its_period(
+            self, tmp_path: Path) -> None:
+        crash = "import sys\nsys.exit(9)\n"
+        store = FullStore()
+        runner = CountingRunner(fake_child(tmp_path, "child", crash), timeout=30)
+        collector = BenchmarkCollector(
+            BenchmarkSettings(when="always", period=3600.0),
+            CollectorDeps("test-node", tmp_path / "state", store, SharedServices(), lambda e: None),
+            activity=FakeGpuActivity(), runner=runner)
+        first = await collector.collect(context(T0))
+        second = await collector.collect(context(T0 + MINUTE, 1))
+        assert [e.kind for e in first.events] == ["benchmark_failed"]
+        assert series(first.samples, "gpuwarden_benchmark_failures_total", reason="crash") == [1]
+        assert second.events == []
+        assert len(runner.arguments) == 1  # the unsaved last attempt is remembered in memory
+        again = await collector.collect(context(T0 + 3700.0, 2))
+        assert again.events == []  # the same cause: said once
+        store.full = False
+        runner.command = fake_child(tmp_path, "fixed", RECORD_CHILD)
+        fixed = await collector.collect(context(T0 + 7400.0, 3))
+        assert [e.kind for e in fixed.events] == ["benchmark_recovered"]
+        assert store.items("benchmark") == {f"last_attempt:{gpu(0).uuid}": pytest.approx(T0 + 7400.0, abs=60)}
 
 
 class TestSettings:

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.collector import MemoryKeyValueStore
+from agent.collector import JSONValue, MemoryKeyValueStore
 from agent.model import Severity
 from agent.settings import ConfigError, build
+from agent.state import StateStoreError
 from collectors.disk import DiskCollector, DiskSettings, select_mounts
 from collectors.disk_levels import Level, Limits
 from collectors.procfs import read_mountinfo
@@ -192,6 +193,46 @@ class TestThresholdEvents:
         assert store.items("disk.levels") == {}
 
 
+class FullStore(MemoryKeyValueStore):
+    """A state store on a full disk: every write raises StateStoreError while `full`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = True
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        if self.full:
+            raise StateStoreError("state store write failed: database or disk is full")
+        super().put(namespace, key, value)
+
+    def delete(self, namespace: str, key: str) -> None:
+        if self.full:
+            raise StateStoreError("state store write failed: database or disk is full")
+        super().delete(namespace, key)
+
+
+class TestStateStoreFull:
+    """A state store that refuses writes does not cost the round; the write is retried."""
+
+    async def test_round_keeps_its_samples_and_events_and_saves_later(self, tmp_path: Path) -> None:
+        tree = _only_root(tmp_path)
+        store = FullStore()
+        statvfs = ScriptedStatvfs({"/": fake_statvfs_result(size=100 * GIB, available=2 * GIB)})
+        collector = DiskCollector(_settings(tree.root), make_deps(store), statvfs)
+        with pooled_caller() as caller:
+            full = await run_round(collector, caller)
+            assert store.items("disk.levels") == {}
+            store.full = False
+            later = await run_round(collector, caller)
+        assert [e.kind for e in full.events] == ["filesystem_space_low"]
+        assert values(full, "gpuwarden_filesystem_available_bytes") == {
+            ("/", "/dev/nvme0n1p2", "ext4"): 2 * GIB}
+        assert values(full, "gpuwarden_filesystem_threshold_level")[
+            ("/", "/dev/nvme0n1p2", "ext4", "space")] == 2
+        assert later.events == []
+        assert store.items("disk.levels") == {"space:/": 2}
+
+
 class TestReadOnly:
     """A mount that turns read-only while watched is critical; one read-only from the start is not."""
 
@@ -264,6 +305,27 @@ class TestStuckMount:
         assert [e.kind for e in third.events] == ["mount_recovered"]
         assert values(third, "gpuwarden_mount_stuck")[nfs] == 0
         assert values(third, "gpuwarden_filesystem_size_bytes")[nfs] > 0
+
+    async def test_a_mount_that_keeps_answering_late_is_stuck_once(self, tmp_path: Path) -> None:
+        """Each hung statvfs returns in the end, but the next one misses the timeout again:
+        one mount_stuck, not one per hung call, until the mount really answers in time."""
+        tree = ProcTree(tmp_path / "proc")
+        tree.set_mountinfo("30 1 0:45 / /mnt/nfs rw - nfs4 storage01:/export rw,hard\n")
+        statvfs = HangingStatvfs(hanging={"/mnt/nfs"}, answer=lambda path: os.statvfs("/"))
+        collector = DiskCollector(_settings(tree.root), make_deps(), statvfs)
+        kinds = []
+        with pooled_caller(timeout=0.2) as caller:
+            for _ in range(3):
+                kinds.append([e.kind for e in (await run_round(collector, caller)).events])
+                kinds.append([e.kind for e in (await run_round(collector, caller)).events])
+                statvfs.release.set()  # the hung call returns late...
+                await until(lambda: not caller.hung, what="the hung statvfs to return")
+                statvfs.release.clear()  # ...and the next one hangs again
+            statvfs.release.set()
+            recovered = await run_round(collector, caller)
+        assert statvfs.calls.count("/mnt/nfs") == 4
+        assert kinds == [["mount_stuck"], [], [], [], [], []]
+        assert [e.kind for e in recovered.events] == ["mount_recovered"]
 
 
 class TestErrors:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from agent.blocking import PooledCaller
-from agent.collector import CollectContext, CollectorDeps, SharedServices
+from agent.collector import CollectContext, CollectorDeps, JSONValue, SharedServices
 from agent.model import Event, Sample, Severity
-from agent.state import StateStore
+from agent.state import StateStore, StateStoreError
 from collectors.kernel_log import SPEC, KernelLogCollector, KernelLogSettings
 from collectors.xid import XidCorrelator, XidObservation
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
@@ -65,6 +65,29 @@ class Harness:
         self.shared = SharedServices()
         self.round = 0
         self.collector = self.build()
+
+
+class FailingPuts:
+    """A state store whose next `failures` puts raise StateStoreError, like a full disk."""
+
+    def __init__(self, store: StateStore, failures: int) -> None:
+        self.store = store
+        self.failures = failures
+
+    def get(self, namespace: str, key: str) -> JSONValue | None:
+        return self.store.get(namespace, key)
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise StateStoreError("state store write failed: database or disk is full")
+        self.store.put(namespace, key, value)
+
+    def items(self, namespace: str) -> dict[str, JSONValue]:
+        return self.store.items(namespace)
+
+    def delete(self, namespace: str, key: str) -> None:
+        self.store.delete(namespace, key)
 
 
 def value(samples: list[Sample], name: str, **labels: str) -> float | None:
@@ -130,6 +153,26 @@ class TestKernelLogCollector:
         assert value(samples, "gpuwarden_kernel_log_replay_skipped_records_total") == \
             len(h.device.records)
         assert value(samples, "gpuwarden_kernel_log_records_total") == 0
+        await h.collector.close()
+
+    async def test_a_failed_cursor_commit_keeps_the_rounds_findings(
+            self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
+        """The state store refuses the cursor once: the round's findings still come out, and
+        the cursor is saved by the next round's commit, so a restart replays nothing."""
+        h = Harness(tmp_path, planted_device(), executor)
+        store = FailingPuts(h.store, failures=1)
+        h.collector.deps = CollectorDeps("node", tmp_path, store, h.shared, lambda e: None)
+        events, samples = await h.collect()
+        assert store.failures == 0  # the commit was refused
+        assert sorted(e.kind for e in events) == ["io_error", "oom_kill", "xid"]
+        assert value(samples, "gpuwarden_kernel_log_findings_total", kind="io_error") == 3
+        events, _ = await h.collect()  # nothing new, but the cursor is still to be saved
+        assert events == []
+        await h.restart()
+        events, samples = await h.collect()
+        assert events == []
+        assert value(samples, "gpuwarden_kernel_log_replay_skipped_records_total") == \
+            len(h.device.records)
         await h.collector.close()
 
     async def test_reload_does_not_mark_new_records_as_backlog(

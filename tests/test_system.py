@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.collector import KeyValueStore, MemoryKeyValueStore
+from agent.collector import JSONValue, KeyValueStore, MemoryKeyValueStore
 from agent.model import Severity
-from agent.state import StateStore
+from agent.state import StateStore, StateStoreError
 from collectors.system import SystemCollector, SystemSettings
 from tests.support.host import FIXTURES, ProcTree, make_deps, pooled_caller, run_round, values
 
@@ -84,4 +84,35 @@ class TestRebootDetection:
         with pooled_caller() as caller:
             result = await run_round(_collector(tree.root, store), caller, now=10.0)
         assert result.events == []
+        assert store.get("system", "boot_id") == BOOT_A
+
+
+class FullStore(MemoryKeyValueStore):
+    """A state store on a full disk: it holds what the last run saved; every put raises."""
+
+    def __init__(self, saved: dict[str, JSONValue]) -> None:
+        super().__init__()
+        for key, value in saved.items():
+            super().put("system", key, value)
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        raise StateStoreError("state store write failed: database or disk is full")
+
+
+class TestStateStoreFull:
+    """Writes that fail every round cost neither the samples nor a repeated reboot event."""
+
+    async def test_rounds_keep_their_samples_and_report_the_reboot_once(self, tmp_path: Path) -> None:
+        tree = ProcTree(tmp_path / "proc")
+        tree.set_system(BOOT_B)
+        store = FullStore({"boot_id": BOOT_A, "last_alive": 5.0})
+        collector = _collector(tree.root, store)
+        with pooled_caller() as caller:
+            first = await run_round(collector, caller, now=10.0)
+            second = await run_round(collector, caller, now=25.0)
+        assert [e.kind for e in first.events] == ["host_rebooted"]
+        assert second.events == []
+        for result in (first, second):
+            assert values(result, "gpuwarden_boot_info") == {(BOOT_B,): 1}
+            assert values(result, "gpuwarden_memory_available_bytes") == {(): 8192000 * 1024}
         assert store.get("system", "boot_id") == BOOT_A
