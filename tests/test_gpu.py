@@ -10,7 +10,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.collector import MemoryKeyValueStore
+from agent.collector import JSONValue, MemoryKeyValueStore
 from agent.model import Severity
 from agent.state import StateStore
 from collectors.gpu import GpuSettings
@@ -268,6 +268,29 @@ class TestCounters:
         assert kinds(again) == ["ecc_corrected_volatile_increase"]
         assert again.events[0].attributes["delta"] == 2
 
+    async def test_errors_since_a_reset_are_an_increase(self) -> None:
+        state = MemoryKeyValueStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
+        try:
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 5
+            await rig.collect()
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 2  # reboot, then 2 new errors
+            await rig.restart()
+            result = await rig.collect()
+            assert kinds(result) == ["counter_reset", "ecc_uncorrected_volatile_increase"]
+            increase = result.events[1]
+            assert increase.severity is Severity.CRITICAL
+            assert increase.attributes["delta"] == 2
+            assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    async def test_lower_inforom_count_is_no_increase(self, rig: GpuRig) -> None:
+        rig.fake.gpus[0].remapped_rows = (0, 3, 0, 0)
+        await rig.collect()
+        rig.fake.gpus[0].remapped_rows = (0, 1, 0, 0)  # not volatile: nothing new in that
+        assert kinds(await rig.collect()) == ["counter_reset"]
+
     async def test_slow_counter(self) -> None:
         rig = GpuRig(FakeNvml(fake_gpus(1)), settings=GpuSettings(event_thread=False,
                                                                   slow_interval=10.0))
@@ -277,6 +300,50 @@ class TestCounters:
             result = await rig.collect()
             assert kinds(result) == ["pcie_replays_increase"]
             assert value(result, "gpuwarden_gpu_pcie_replays_total") == 5
+        finally:
+            await rig.close()
+
+
+class _FailingStore(MemoryKeyValueStore):
+    """A store whose next `fail` puts raise, like a full disk."""
+
+    fail = 0
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise OSError("StateStoreError: disk full")
+        super().put(namespace, key, value)
+
+
+class TestStoreFailure:
+    """A failed state write fails the round and the next round still reports the change."""
+
+    async def test_counter_increase_survives_a_failed_put(self) -> None:
+        state = _FailingStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
+        try:
+            await rig.collect()
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 3
+            state.fail = 1
+            with pytest.raises(OSError, match="disk full"):
+                await rig.collect()
+            result = await rig.collect()
+            assert kinds(result) == ["ecc_uncorrected_volatile_increase"]
+            assert result.events[0].attributes["delta"] == 3
+        finally:
+            await rig.close()
+
+    async def test_condition_start_survives_a_failed_put(self) -> None:
+        state = _FailingStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
+        try:
+            await rig.collect()
+            rig.fake.gpus[0].remapped_rows = (0, 0, 0, 1)
+            state.fail = 1
+            with pytest.raises(OSError, match="disk full"):
+                await rig.collect()
+            assert kinds(await rig.collect()) == ["row_remap_failure"]
         finally:
             await rig.close()
 
