@@ -14,9 +14,10 @@ from agent.collector import JSONValue, MemoryKeyValueStore
 from agent.model import Severity
 from agent.state import StateStore
 from collectors.gpu import GpuSettings
-from collectors.nvml import CLOCK_EVENT_REASONS
+from collectors.nvml import CLOCK_EVENT_REASONS, NvmlError
 from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
+from tests.test_nvml import CountFails
 
 CORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
 UNCORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
@@ -405,6 +406,19 @@ class TestGpuCount:
             assert first.events[0].severity is Severity.CRITICAL
             assert value(first, "gpuwarden_gpus_expected") == 4
             assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    async def test_failed_count_fails_the_round_not_zero_gpus(self) -> None:
+        rig = GpuRig(CountFails(fake_gpus(8)))
+        try:
+            assert value(await rig.collect(), "gpuwarden_gpus_visible") == 8
+            assert isinstance(rig.fake, CountFails)
+            rig.fake.count_error = pynvml.NVML_ERROR_UNKNOWN
+            with pytest.raises(NvmlError, match="nvmlDeviceGetCount"):
+                await rig.collect()
+            rig.fake.count_error = None
+            assert kinds(await rig.collect()) == []  # no gpu_count_dropped, no state lost
         finally:
             await rig.close()
 
