@@ -298,22 +298,28 @@ class GpuCollector:
 
     def _count_changed(self, count: int, out: _Round) -> None:
         previous = self.count
+        expected = self.settings.expected_gpus
+        if not self._start_count_checked:
+            # The highest count ever seen, not the last one: storing the current count made a
+            # lost GPU silent from the second restart on. Only expected_gpus lowers it (a GPU
+            # removed on purpose); while it is set, gpus_missing reports a shortfall instead.
+            stored = self.deps.state.get(STATE_NAMESPACE, "count_at_start")
+            highest = stored if isinstance(stored, int) else None
+            self.deps.state.put(STATE_NAMESPACE, "count_at_start",
+                                expected or max(count, highest or 0))
+            self._start_count_checked = True  # after the put: a failed put checks again
+            if not expected and highest is not None and count < highest:
+                out.events.append(Event(
+                    source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
+                    subject=HOST_SUBJECT, attributes={"visible": count, "before": highest},
+                    message=f"{count} GPUs visible, {highest} at an earlier start of the agent",
+                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                           "missing from lspci; reboot; if still missing, inspect the hardware; "
+                           "if it was removed on purpose, set [collectors.gpu] expected_gpus"))
         self.count = count
         for index in [i for i in self.gpus if i >= count]:
             del self.gpus[index]
-        expected = self.settings.expected_gpus
-        if not self._start_count_checked:
-            self._start_count_checked = True
-            at_last_start = self.deps.state.get(STATE_NAMESPACE, "count_at_start")
-            self.deps.state.put(STATE_NAMESPACE, "count_at_start", count)
-            if isinstance(at_last_start, int) and count < at_last_start:
-                out.events.append(Event(
-                    source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
-                    subject=HOST_SUBJECT, attributes={"visible": count, "before": at_last_start},
-                    message=f"{count} GPUs visible, {at_last_start} at the agent's last start",
-                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
-                           "missing from lspci; reboot; if still missing, inspect the hardware"))
-        elif previous is not None and count < previous:
+        if previous is not None and count < previous:
             out.events.append(Event(
                 source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
                 subject=HOST_SUBJECT, attributes={"visible": count, "before": previous},

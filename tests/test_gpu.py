@@ -433,6 +433,26 @@ class TestGpuCount:
             assert kinds(dropped) == ["gpu_count_dropped"]
             assert dropped.events[0].attributes == {"visible": 3, "before": 4}
             await rig.restart()
+            again = await rig.collect()  # still missing: not forgotten at the next start
+            assert kinds(again) == ["gpu_count_dropped"]
+            assert again.events[0].attributes == {"visible": 3, "before": 4}
+            rig.fake.gpus.append(FakeGpu.h200(3))
+            await rig.restart()
             assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    async def test_expected_gpus_sets_the_count_explicitly(self) -> None:
+        state = MemoryKeyValueStore()
+        rig = GpuRig(FakeNvml(fake_gpus(4)), state=state)
+        try:
+            await rig.collect()
+            del rig.fake.gpus[3]  # removed on purpose: the operator says so
+            rig.settings = GpuSettings(event_thread=False, expected_gpus=3)
+            await rig.restart()
+            assert kinds(await rig.collect()) == []
+            rig.settings = GpuSettings(event_thread=False)
+            await rig.restart()
+            assert kinds(await rig.collect()) == []  # 3 is now the count to keep
         finally:
             await rig.close()
