@@ -133,6 +133,9 @@ class GpuCollector:
         self.nvml_down_reason: str | None = None
         self.next_init_at = 0.0
         self.events_thread: GpuEventThread | None = None
+        self.events_started_at = float("-inf")
+        self.events_down_reason: str | None = None
+        """Why the event thread died, while it is reported dead (one event per outage)."""
         self._start_count_checked = False
 
     def families(self) -> Sequence[MetricFamily]:
@@ -212,9 +215,10 @@ class GpuCollector:
             *(self._read_gpu(ctx, index, changed) for index in range(count)))
         for index, result in enumerate(results):
             self._handle_gpu(ctx, index, result, out)
-        if changed or (self.events_thread is None and self.settings.event_thread
-                       and any(g.static is not None for g in self.gpus.values())):
-            self._restart_event_thread()
+        if changed:
+            self._restart_event_thread(ctx.now)
+        elif self.settings.event_thread and any(g.static is not None for g in self.gpus.values()):
+            self._check_event_thread(ctx.now, out)
 
     async def _read_gpu(self, ctx: CollectContext, index: int,
                         changed: bool) -> GpuRound | str:
@@ -344,7 +348,29 @@ class GpuCollector:
         return {g.static.identity.pci_bus_id: g.static.identity.labels()
                 for g in list(self.gpus.values()) if g.static is not None}
 
-    def _restart_event_thread(self) -> None:
+    def _check_event_thread(self, now: float, out: _Round) -> None:
+        """Start the thread if there is none; restart it if it died (NVML error, registration
+        failure, a bug in a handler), at most once per nvml_retry_interval so that a thread
+        that dies at once is not restarted every round."""
+        thread = self.events_thread
+        if thread is not None and thread.running:
+            if thread.registered:
+                self.events_down_reason = None  # registered and waiting: healthy again
+            return
+        if thread is not None and self.events_down_reason is None:
+            reason = thread.error or "the thread ended"
+            self.events_down_reason = reason
+            out.events.append(Event(
+                source=SOURCE, kind="nvml_event_thread_stopped", severity=Severity.WARNING,
+                subject=HOST_SUBJECT, attributes={"reason": reason},
+                message=f"the NVML event thread stopped ({reason}): Xid and ECC events are "
+                        "not seen as they happen until it runs again",
+                action=f"gpuwarden restarts it every {self.settings.nvml_retry_interval:g} s; "
+                       "if it keeps stopping, check the agent's log and the kernel log"))
+        if thread is None or now - self.events_started_at >= self.settings.nvml_retry_interval:
+            self._restart_event_thread(now)
+
+    def _restart_event_thread(self, now: float) -> None:
         self._stop_event_thread()
         if not self.settings.event_thread:
             return
@@ -356,6 +382,7 @@ class GpuCollector:
                                 self._identities, wait_ms=self.settings.event_wait_ms)
         thread.start()
         self.events_thread = thread
+        self.events_started_at = now
 
     def _stop_event_thread(self) -> None:
         thread, self.events_thread = self.events_thread, None
