@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 from agent.collector import (
@@ -47,6 +48,7 @@ from collectors.nvml import (
     NvmlBackend,
     NvmlUnavailable,
 )
+from collectors.procfs import read_boot_id
 from collectors.xid import XidCorrelator
 
 STATE_NAMESPACE: Final = "gpu"
@@ -126,7 +128,7 @@ class GpuCollector:
         self.deps = deps
         self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
         self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
-        self.counters = CounterTracker(deps.state)
+        self.counters = CounterTracker(deps.state, _boot_id())
         self.conditions = ConditionTracker(deps.state)
         self.gpus: dict[int, _Gpu] = {}
         self.count: int | None = None
@@ -393,6 +395,15 @@ class GpuCollector:
         thread, self.events_thread = self.events_thread, None
         if thread is not None:
             await asyncio.to_thread(thread.stop)
+
+
+def _boot_id() -> str | None:
+    """This boot's id, which tells volatile counters (restarted at 0 by a reboot) apart from
+    the last boot's; None where /proc does not have it."""
+    try:
+        return read_boot_id(Path("/proc"))
+    except OSError:
+        return None
 
 
 def _link_detail(static: GpuStatic | None, result: GpuRound) -> str:

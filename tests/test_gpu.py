@@ -14,7 +14,8 @@ from agent.collector import JSONValue, MemoryKeyValueStore
 from agent.model import Severity
 from agent.state import StateStore
 from collectors.gpu import GpuSettings
-from collectors.nvml import CLOCK_EVENT_REASONS, NvmlError
+from collectors.gpu_checks import FAST_COUNTERS, CounterTracker, counter_events
+from collectors.nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlError
 from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
 from tests.test_nvml import CountFails
@@ -285,6 +286,32 @@ class TestCounters:
             assert kinds(await rig.collect()) == []
         finally:
             await rig.close()
+
+    def test_reboot_is_a_reset_even_when_the_value_is_higher(self) -> None:
+        state = MemoryKeyValueStore()
+        labels = {"gpu": "0", "uuid": "GPU-1", "pci_bus_id": "0000:3b:00.0", "model": "H200"}
+        before = CounterTracker(state, boot_id="boot-1")
+        counter_events(before, labels, GpuReading(ecc_uncorrected_volatile=2), FAST_COUNTERS)
+        after = CounterTracker(state, boot_id="boot-2")  # 7 errors since the reboot
+        events = counter_events(after, labels, GpuReading(ecc_uncorrected_volatile=7),
+                                FAST_COUNTERS)
+        assert kinds(events) == ["counter_reset", "ecc_uncorrected_volatile_increase"]
+        assert events[1].attributes["delta"] == 7
+        again = CounterTracker(state, boot_id="boot-2")  # a restart within the same boot
+        events = counter_events(again, labels, GpuReading(ecc_uncorrected_volatile=9),
+                                FAST_COUNTERS)
+        assert kinds(events) == ["ecc_uncorrected_volatile_increase"]
+        assert events[0].attributes["delta"] == 2
+
+    def test_value_stored_without_a_boot_id_is_still_read(self) -> None:
+        state = MemoryKeyValueStore()
+        state.put("gpu.counters", "GPU-1/ecc_uncorrected_volatile", 2)  # an older agent's
+        labels = {"gpu": "0", "uuid": "GPU-1", "pci_bus_id": "", "model": ""}
+        tracker = CounterTracker(state, boot_id="boot-1")
+        events = counter_events(tracker, labels, GpuReading(ecc_uncorrected_volatile=3),
+                                FAST_COUNTERS)
+        assert [e.attributes["delta"] for e in events] == [1]
+        assert state.get("gpu.counters", "GPU-1/ecc_uncorrected_volatile") == [3, "boot-1"]
 
     async def test_lower_inforom_count_is_no_increase(self, rig: GpuRig) -> None:
         rig.fake.gpus[0].remapped_rows = (0, 3, 0, 0)
