@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 from agent.collector import (
@@ -47,6 +48,7 @@ from collectors.nvml import (
     NvmlBackend,
     NvmlUnavailable,
 )
+from collectors.procfs import read_boot_id
 from collectors.xid import XidCorrelator
 
 STATE_NAMESPACE: Final = "gpu"
@@ -126,13 +128,16 @@ class GpuCollector:
         self.deps = deps
         self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
         self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
-        self.counters = CounterTracker(deps.state)
+        self.counters = CounterTracker(deps.state, _boot_id())
         self.conditions = ConditionTracker(deps.state)
         self.gpus: dict[int, _Gpu] = {}
         self.count: int | None = None
         self.nvml_down_reason: str | None = None
         self.next_init_at = 0.0
         self.events_thread: GpuEventThread | None = None
+        self.events_started_at = float("-inf")
+        self.events_down_reason: str | None = None
+        """Why the event thread died, while it is reported dead (one event per outage)."""
         self._start_count_checked = False
 
     def families(self) -> Sequence[MetricFamily]:
@@ -212,9 +217,10 @@ class GpuCollector:
             *(self._read_gpu(ctx, index, changed) for index in range(count)))
         for index, result in enumerate(results):
             self._handle_gpu(ctx, index, result, out)
-        if changed or (self.events_thread is None and self.settings.event_thread
-                       and any(g.static is not None for g in self.gpus.values())):
-            self._restart_event_thread()
+        if changed:
+            self._restart_event_thread(ctx.now)
+        elif self.settings.event_thread and any(g.static is not None for g in self.gpus.values()):
+            self._check_event_thread(ctx.now, out)
 
     async def _read_gpu(self, ctx: CollectContext, index: int,
                         changed: bool) -> GpuRound | str:
@@ -298,22 +304,28 @@ class GpuCollector:
 
     def _count_changed(self, count: int, out: _Round) -> None:
         previous = self.count
+        expected = self.settings.expected_gpus
+        if not self._start_count_checked:
+            # The highest count ever seen, not the last one: storing the current count made a
+            # lost GPU silent from the second restart on. Only expected_gpus lowers it (a GPU
+            # removed on purpose); while it is set, gpus_missing reports a shortfall instead.
+            stored = self.deps.state.get(STATE_NAMESPACE, "count_at_start")
+            highest = stored if isinstance(stored, int) else None
+            self.deps.state.put(STATE_NAMESPACE, "count_at_start",
+                                expected or max(count, highest or 0))
+            self._start_count_checked = True  # after the put: a failed put checks again
+            if not expected and highest is not None and count < highest:
+                out.events.append(Event(
+                    source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
+                    subject=HOST_SUBJECT, attributes={"visible": count, "before": highest},
+                    message=f"{count} GPUs visible, {highest} at an earlier start of the agent",
+                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                           "missing from lspci; reboot; if still missing, inspect the hardware; "
+                           "if it was removed on purpose, set [collectors.gpu] expected_gpus"))
         self.count = count
         for index in [i for i in self.gpus if i >= count]:
             del self.gpus[index]
-        expected = self.settings.expected_gpus
-        if not self._start_count_checked:
-            self._start_count_checked = True
-            at_last_start = self.deps.state.get(STATE_NAMESPACE, "count_at_start")
-            self.deps.state.put(STATE_NAMESPACE, "count_at_start", count)
-            if isinstance(at_last_start, int) and count < at_last_start:
-                out.events.append(Event(
-                    source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
-                    subject=HOST_SUBJECT, attributes={"visible": count, "before": at_last_start},
-                    message=f"{count} GPUs visible, {at_last_start} at the agent's last start",
-                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
-                           "missing from lspci; reboot; if still missing, inspect the hardware"))
-        elif previous is not None and count < previous:
+        if previous is not None and count < previous:
             out.events.append(Event(
                 source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
                 subject=HOST_SUBJECT, attributes={"visible": count, "before": previous},
@@ -338,7 +350,29 @@ class GpuCollector:
         return {g.static.identity.pci_bus_id: g.static.identity.labels()
                 for g in list(self.gpus.values()) if g.static is not None}
 
-    def _restart_event_thread(self) -> None:
+    def _check_event_thread(self, now: float, out: _Round) -> None:
+        """Start the thread if there is none; restart it if it died (NVML error, registration
+        failure, a bug in a handler), at most once per nvml_retry_interval so that a thread
+        that dies at once is not restarted every round."""
+        thread = self.events_thread
+        if thread is not None and thread.running:
+            if thread.registered:
+                self.events_down_reason = None  # registered and waiting: healthy again
+            return
+        if thread is not None and self.events_down_reason is None:
+            reason = thread.error or "the thread ended"
+            self.events_down_reason = reason
+            out.events.append(Event(
+                source=SOURCE, kind="nvml_event_thread_stopped", severity=Severity.WARNING,
+                subject=HOST_SUBJECT, attributes={"reason": reason},
+                message=f"the NVML event thread stopped ({reason}): Xid and ECC events are "
+                        "not seen as they happen until it runs again",
+                action=f"gpuwarden restarts it every {self.settings.nvml_retry_interval:g} s; "
+                       "if it keeps stopping, check the agent's log and the kernel log"))
+        if thread is None or now - self.events_started_at >= self.settings.nvml_retry_interval:
+            self._restart_event_thread(now)
+
+    def _restart_event_thread(self, now: float) -> None:
         self._stop_event_thread()
         if not self.settings.event_thread:
             return
@@ -350,6 +384,7 @@ class GpuCollector:
                                 self._identities, wait_ms=self.settings.event_wait_ms)
         thread.start()
         self.events_thread = thread
+        self.events_started_at = now
 
     def _stop_event_thread(self) -> None:
         thread, self.events_thread = self.events_thread, None
@@ -360,6 +395,15 @@ class GpuCollector:
         thread, self.events_thread = self.events_thread, None
         if thread is not None:
             await asyncio.to_thread(thread.stop)
+
+
+def _boot_id() -> str | None:
+    """This boot's id, which tells volatile counters (restarted at 0 by a reboot) apart from
+    the last boot's; None where /proc does not have it."""
+    try:
+        return read_boot_id(Path("/proc"))
+    except OSError:
+        return None
 
 
 def _link_detail(static: GpuStatic | None, result: GpuRound) -> str:

@@ -4,7 +4,10 @@ Hardware counters are cumulative: a non-zero ECC count is history, not news. An 
 an increase against the last value seen, with the delta; the last values persist in the state
 store, so a restart neither re-alerts nor forgets. A value lower than the last one is a reset
 (the driver was reloaded: volatile counters restart at 0): one info event, a new baseline, never
-a negative increase. Conditions (a pending row remap, a degraded PCIe link) raise one event when
+a negative increase; for a volatile counter the new value itself counts since the reset, so it
+is also an increase of that much when above 0 (two uncorrectable errors after a reboot are news).
+A volatile counter is stored with the boot id, so that a reboot is a reset even when the new
+value is not lower (2 before, 7 since the reboot: 7 new, not 5). Conditions (a pending row remap, a degraded PCIe link) raise one event when
 they start and one when they end, also persisted.
 """
 
@@ -14,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from agent.collector import KeyValueStore
+from agent.collector import JSONValue, KeyValueStore
 from agent.model import AttributeValue, Event, Severity
 from collectors.nvml import CLOCK_EVENT_REASONS, GpuReading, GpuSlowReading, GpuStatic
 
@@ -30,6 +33,9 @@ class CounterSpec:
     what: str
     severity: Severity
     action: str
+    volatile: bool = True
+    """Restarts at 0 with the driver: after a reset its whole value is new. False for counts
+    kept in the InfoROM (remapped rows, retired pages), where a lower value says nothing new."""
 
 
 RESET_GPU_IF_REPEATS = "if it repeats, drain the node and reset the GPU (or reboot)"
@@ -41,18 +47,21 @@ FAST_COUNTERS: Final = (
                 "restart the job that used this GPU; " + RESET_GPU_IF_REPEATS
                 + "; check for a pending row remap"),
     CounterSpec("remapped_rows_correctable", "rows remapped after correctable errors",
-                Severity.INFO, "none needed; the remap applies at the next GPU reset"),
+                Severity.INFO, "none needed; the remap applies at the next GPU reset",
+                volatile=False),
     CounterSpec("remapped_rows_uncorrectable", "rows remapped after uncorrectable errors",
                 Severity.WARNING, "reset the GPU when it is idle so that the remap takes effect; "
-                "repeated remaps: have the GPU inspected"),
+                "repeated remaps: have the GPU inspected", volatile=False),
 )
 SLOW_COUNTERS: Final = (
     CounterSpec("pcie_replays", "PCIe replays", Severity.WARNING,
                 "check the PCIe link (riser, slot, cable) if the count keeps rising"),
     CounterSpec("retired_pages_single_bit", "pages retired after repeated single-bit ECC errors",
-                Severity.WARNING, "reset the GPU to apply the retirement; repeated: inspect hardware"),
+                Severity.WARNING, "reset the GPU to apply the retirement; repeated: inspect hardware",
+                volatile=False),
     CounterSpec("retired_pages_double_bit", "pages retired after double-bit ECC errors",
-                Severity.CRITICAL, "reset the GPU to apply the retirement; repeated: inspect hardware"),
+                Severity.CRITICAL, "reset the GPU to apply the retirement; repeated: inspect hardware",
+                volatile=False),
 )
 
 Change = tuple[Literal["increase", "reset"], int, int]
@@ -60,31 +69,47 @@ Change = tuple[Literal["increase", "reset"], int, int]
 
 
 class CounterTracker:
-    """Last values of cumulative counters, persisted under `gpu.counters/<uuid>/<counter>`."""
+    """Last values of cumulative counters, persisted under `gpu.counters/<uuid>/<counter>`:
+    the value, or [value, boot id] for a volatile counter when the boot id is known."""
 
-    def __init__(self, store: KeyValueStore) -> None:
+    def __init__(self, store: KeyValueStore, boot_id: str | None = None) -> None:
         self._store = store
-        self._last: dict[str, int] = {}
+        self._boot_id = boot_id
+        self._last: dict[str, tuple[int, str | None]] = {}
         self._loaded = False
 
     def _load(self) -> None:
         if not self._loaded:
             for key, value in self._store.items(COUNTERS_NAMESPACE).items():
                 if isinstance(value, int):
-                    self._last[key] = value
+                    self._last[key] = (value, None)
+                elif (isinstance(value, list) and len(value) == 2
+                      and isinstance(value[0], int) and isinstance(value[1], str)):
+                    self._last[key] = (value[0], value[1])
             self._loaded = True
 
-    def update(self, key: str, value: int) -> Change | None:
-        """Record `value`; the change against the last value seen, or None (first or same)."""
+    def update(self, key: str, value: int, volatile: bool = False) -> Change | None:
+        """Record `value`; the change against the last value seen, or None (first or same).
+        A volatile counter last seen in another boot restarted at 0 since: a reset."""
         self._load()
-        previous = self._last.get(key)
-        if previous == value:
+        boot = self._boot_id if volatile else None
+        last = self._last.get(key)
+        if last == (value, boot):
             return None
-        self._last[key] = value
-        self._store.put(COUNTERS_NAMESPACE, key, value)
-        if previous is None:
+        stored: JSONValue = value if boot is None else [value, boot]
+        # The store first: if it fails (disk full) the round fails and memory still holds the
+        # old value, so the next round sees the change again instead of losing the event.
+        self._store.put(COUNTERS_NAMESPACE, key, stored)
+        self._last[key] = (value, boot)
+        if last is None:
             return None  # a baseline: history, not news
-        return ("increase" if value > previous else "reset", previous, value)
+        previous, previous_boot = last
+        rebooted = boot is not None and previous_boot is not None and previous_boot != boot
+        if value < previous or (rebooted and value > 0):
+            return ("reset", previous, value)
+        if value > previous:
+            return ("increase", previous, value)
+        return None  # the same value, now stored with the boot id
 
 
 class ConditionTracker:
@@ -108,11 +133,10 @@ class ConditionTracker:
         active = self._get(subject)
         if holds == (name in active):
             return None
-        if holds:
-            active.add(name)
-        else:
-            active.discard(name)
-        self._store.put(CONDITIONS_NAMESPACE, subject, sorted(active))
+        changed = active | {name} if holds else active - {name}
+        # The store first, then memory: a failed put must leave the change to be seen again.
+        self._store.put(CONDITIONS_NAMESPACE, subject, sorted(changed))
+        self._active[subject] = changed
         return holds
 
 
@@ -140,23 +164,27 @@ def counter_events(tracker: CounterTracker, labels: Mapping[str, str],
                 values[spec.name] = (spec, count)
     events: list[Event] = []
     for name, (spec, value) in values.items():
-        change = tracker.update(f"{uuid}/{name}", value)
+        change = tracker.update(f"{uuid}/{name}", value, spec.volatile)
         if change is None:
             continue
         what, previous, new = change
         attributes: dict[str, AttributeValue] = {
             **labels, "counter": name, "previous": previous, "value": new}
-        if what == "increase":
-            events.append(Event(
-                source=SOURCE, kind=f"{name}_increase", severity=spec.severity, subject=uuid,
-                message=f"{where(labels)}: {new - previous} new {spec.what} (now {new})",
-                action=spec.action, attributes={**attributes, "delta": new - previous}))
-        else:
+        if what == "reset":
             events.append(Event(
                 source=SOURCE, kind="counter_reset", severity=Severity.INFO, subject=uuid,
-                message=f"{where(labels)}: counter {name} went from {previous} to {new}; "
-                        "the driver was probably reloaded or the GPU reset. New baseline.",
+                message=f"{where(labels)}: counter {name} restarted (was {previous}, now {new}); "
+                        "the host rebooted, the driver was reloaded or the GPU reset. "
+                        "New baseline.",
                 attributes=attributes))
+        # A volatile counter restarted at 0, so all of its new value came since the reset.
+        delta = new - previous if what == "increase" else new if spec.volatile else 0
+        if delta > 0:
+            events.append(Event(
+                source=SOURCE, kind=f"{name}_increase", severity=spec.severity, subject=uuid,
+                message=f"{where(labels)}: {delta} new {spec.what} (now {new}"
+                        + (", since the counter reset)" if what == "reset" else ")"),
+                action=spec.action, attributes={**attributes, "delta": delta}))
     return events
 
 

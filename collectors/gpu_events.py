@@ -110,6 +110,9 @@ class GpuEventThread:
         except NvmlError as exc:
             self.error = f"NVML event thread stopped: {exc}"
             log.warning("NVML event thread stopped", error=self.error)
+        except Exception as exc:  # emit or the correlator failed: record why, for the collector
+            self.error = f"NVML event thread failed: {type(exc).__name__}: {exc}"
+            log.exception("NVML event thread failed")
         finally:
             self.ready.set()
             if self._event_set is not None:

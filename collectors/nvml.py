@@ -311,8 +311,14 @@ class NvmlBackend:
 
     def device_count(self) -> int:
         def read() -> int:
-            count = _Funnel().get("device_count", self.lib.nvmlDeviceGetCount)
-            return int(count or 0)
+            funnel = _Funnel()
+            count = funnel.get("device_count", self.lib.nvmlDeviceGetCount)
+            if count is None:
+                # Never 0: a failed count read as "no GPUs" raised a false gpu_count_dropped and
+                # dropped every GPU's state. The collector's round fails instead.
+                raise NvmlError("nvmlDeviceGetCount failed: "
+                                + funnel.errors.get("device_count", "no answer"))
+            return int(count)
         return self._guard(read)
 
     def driver_version(self) -> str | None:

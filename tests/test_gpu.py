@@ -10,13 +10,15 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.collector import MemoryKeyValueStore
+from agent.collector import JSONValue, MemoryKeyValueStore
 from agent.model import Severity
 from agent.state import StateStore
 from collectors.gpu import GpuSettings
-from collectors.nvml import CLOCK_EVENT_REASONS
+from collectors.gpu_checks import FAST_COUNTERS, CounterTracker, counter_events
+from collectors.nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlError
 from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
+from tests.test_nvml import CountFails
 
 CORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
 UNCORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
@@ -268,6 +270,55 @@ class TestCounters:
         assert kinds(again) == ["ecc_corrected_volatile_increase"]
         assert again.events[0].attributes["delta"] == 2
 
+    async def test_errors_since_a_reset_are_an_increase(self) -> None:
+        state = MemoryKeyValueStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
+        try:
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 5
+            await rig.collect()
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 2  # reboot, then 2 new errors
+            await rig.restart()
+            result = await rig.collect()
+            assert kinds(result) == ["counter_reset", "ecc_uncorrected_volatile_increase"]
+            increase = result.events[1]
+            assert increase.severity is Severity.CRITICAL
+            assert increase.attributes["delta"] == 2
+            assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    def test_reboot_is_a_reset_even_when_the_value_is_higher(self) -> None:
+        state = MemoryKeyValueStore()
+        labels = {"gpu": "0", "uuid": "GPU-1", "pci_bus_id": "0000:3b:00.0", "model": "H200"}
+        before = CounterTracker(state, boot_id="boot-1")
+        counter_events(before, labels, GpuReading(ecc_uncorrected_volatile=2), FAST_COUNTERS)
+        after = CounterTracker(state, boot_id="boot-2")  # 7 errors since the reboot
+        events = counter_events(after, labels, GpuReading(ecc_uncorrected_volatile=7),
+                                FAST_COUNTERS)
+        assert kinds(events) == ["counter_reset", "ecc_uncorrected_volatile_increase"]
+        assert events[1].attributes["delta"] == 7
+        again = CounterTracker(state, boot_id="boot-2")  # a restart within the same boot
+        events = counter_events(again, labels, GpuReading(ecc_uncorrected_volatile=9),
+                                FAST_COUNTERS)
+        assert kinds(events) == ["ecc_uncorrected_volatile_increase"]
+        assert events[0].attributes["delta"] == 2
+
+    def test_value_stored_without_a_boot_id_is_still_read(self) -> None:
+        state = MemoryKeyValueStore()
+        state.put("gpu.counters", "GPU-1/ecc_uncorrected_volatile", 2)  # an older agent's
+        labels = {"gpu": "0", "uuid": "GPU-1", "pci_bus_id": "", "model": ""}
+        tracker = CounterTracker(state, boot_id="boot-1")
+        events = counter_events(tracker, labels, GpuReading(ecc_uncorrected_volatile=3),
+                                FAST_COUNTERS)
+        assert [e.attributes["delta"] for e in events] == [1]
+        assert state.get("gpu.counters", "GPU-1/ecc_uncorrected_volatile") == [3, "boot-1"]
+
+    async def test_lower_inforom_count_is_no_increase(self, rig: GpuRig) -> None:
+        rig.fake.gpus[0].remapped_rows = (0, 3, 0, 0)
+        await rig.collect()
+        rig.fake.gpus[0].remapped_rows = (0, 1, 0, 0)  # not volatile: nothing new in that
+        assert kinds(await rig.collect()) == ["counter_reset"]
+
     async def test_slow_counter(self) -> None:
         rig = GpuRig(FakeNvml(fake_gpus(1)), settings=GpuSettings(event_thread=False,
                                                                   slow_interval=10.0))
@@ -277,6 +328,50 @@ class TestCounters:
             result = await rig.collect()
             assert kinds(result) == ["pcie_replays_increase"]
             assert value(result, "gpuwarden_gpu_pcie_replays_total") == 5
+        finally:
+            await rig.close()
+
+
+class _FailingStore(MemoryKeyValueStore):
+    """A store whose next `fail` puts raise, like a full disk."""
+
+    fail = 0
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise OSError("StateStoreError: disk full")
+        super().put(namespace, key, value)
+
+
+class TestStoreFailure:
+    """A failed state write fails the round and the next round still reports the change."""
+
+    async def test_counter_increase_survives_a_failed_put(self) -> None:
+        state = _FailingStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
+        try:
+            await rig.collect()
+            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 3
+            state.fail = 1
+            with pytest.raises(OSError, match="disk full"):
+                await rig.collect()
+            result = await rig.collect()
+            assert kinds(result) == ["ecc_uncorrected_volatile_increase"]
+            assert result.events[0].attributes["delta"] == 3
+        finally:
+            await rig.close()
+
+    async def test_condition_start_survives_a_failed_put(self) -> None:
+        state = _FailingStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
+        try:
+            await rig.collect()
+            rig.fake.gpus[0].remapped_rows = (0, 0, 0, 1)
+            state.fail = 1
+            with pytest.raises(OSError, match="disk full"):
+                await rig.collect()
+            assert kinds(await rig.collect()) == ["row_remap_failure"]
         finally:
             await rig.close()
 
@@ -341,6 +436,19 @@ class TestGpuCount:
         finally:
             await rig.close()
 
+    async def test_failed_count_fails_the_round_not_zero_gpus(self) -> None:
+        rig = GpuRig(CountFails(fake_gpus(8)))
+        try:
+            assert value(await rig.collect(), "gpuwarden_gpus_visible") == 8
+            assert isinstance(rig.fake, CountFails)
+            rig.fake.count_error = pynvml.NVML_ERROR_UNKNOWN
+            with pytest.raises(NvmlError, match="nvmlDeviceGetCount"):
+                await rig.collect()
+            rig.fake.count_error = None
+            assert kinds(await rig.collect()) == []  # no gpu_count_dropped, no state lost
+        finally:
+            await rig.close()
+
     async def test_fewer_than_at_last_start(self) -> None:
         state = MemoryKeyValueStore()
         rig = GpuRig(FakeNvml(fake_gpus(4)), state=state)
@@ -352,6 +460,26 @@ class TestGpuCount:
             assert kinds(dropped) == ["gpu_count_dropped"]
             assert dropped.events[0].attributes == {"visible": 3, "before": 4}
             await rig.restart()
+            again = await rig.collect()  # still missing: not forgotten at the next start
+            assert kinds(again) == ["gpu_count_dropped"]
+            assert again.events[0].attributes == {"visible": 3, "before": 4}
+            rig.fake.gpus.append(FakeGpu.h200(3))
+            await rig.restart()
             assert kinds(await rig.collect()) == []
+        finally:
+            await rig.close()
+
+    async def test_expected_gpus_sets_the_count_explicitly(self) -> None:
+        state = MemoryKeyValueStore()
+        rig = GpuRig(FakeNvml(fake_gpus(4)), state=state)
+        try:
+            await rig.collect()
+            del rig.fake.gpus[3]  # removed on purpose: the operator says so
+            rig.settings = GpuSettings(event_thread=False, expected_gpus=3)
+            await rig.restart()
+            assert kinds(await rig.collect()) == []
+            rig.settings = GpuSettings(event_thread=False)
+            await rig.restart()
+            assert kinds(await rig.collect()) == []  # 3 is now the count to keep
         finally:
             await rig.close()

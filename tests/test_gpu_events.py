@@ -151,3 +151,50 @@ class TestCollectorRunsTheThread:
             await rig.close()
         assert thread is not None
         assert wait_for(lambda: not thread.running)
+
+
+class _BreakingEmit(list[Event]):
+    """An emit target that raises while `broken`, like a handler with a bug."""
+
+    broken = False
+
+    def append(self, event: Event) -> None:
+        if self.broken:
+            raise RuntimeError("emit is broken")
+        super().append(event)
+
+
+class TestDeadThreadRestarts:
+    """A dead event thread is reported once, then restarted at most once per retry interval."""
+
+    async def test_dead_thread_is_reported_and_restarted(self) -> None:
+        emitted = _BreakingEmit()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), emitted=emitted,
+                     settings=GpuSettings(event_wait_ms=50, nvml_retry_interval=60.0))
+        try:
+            await rig.collect()
+            first = rig.collector.events_thread
+            assert first is not None
+            assert first.ready.wait(5)
+            emitted.broken = True
+            rig.fake.push_event(rig.fake.gpus[0], pynvml.nvmlEventTypeDoubleBitEccError)
+            assert wait_for(lambda: not first.running)
+            emitted.broken = False
+            died = await rig.collect()
+            assert kinds(died) == ["nvml_event_thread_stopped"]
+            assert died.events[0].severity is Severity.WARNING
+            assert "emit is broken" in str(died.events[0].attributes["reason"])
+            assert rig.collector.events_thread is first  # within the backoff: not yet
+            assert kinds(await rig.collect()) == []  # reported once
+            rig.now += 60.0
+            restarted = await rig.collect()
+            assert kinds(restarted) == []
+            second = rig.collector.events_thread
+            assert second is not None and second is not first
+            assert [s.value for s in restarted.samples
+                    if s.family.name == "gpuwarden_gpu_event_thread_up"] == [1.0]
+            assert second.ready.wait(5)
+            rig.fake.push_event(rig.fake.gpus[0], pynvml.nvmlEventTypeDoubleBitEccError)
+            assert wait_for(lambda: "ecc_double_bit_event" in kinds(emitted))
+        finally:
+            await rig.close()

@@ -11,6 +11,7 @@ from collectors.nvml import (
     CLOCK_EVENT_REASONS,
     GpuLost,
     NvmlBackend,
+    NvmlError,
     NvmlUnavailable,
     decode_clock_event_reasons,
 )
@@ -21,6 +22,17 @@ def started(*gpus: FakeGpu) -> NvmlBackend:
     backend = NvmlBackend(FakeNvml(list(gpus)))
     backend.start()
     return backend
+
+
+class CountFails(FakeNvml):
+    """A FakeNvml whose nvmlDeviceGetCount raises `count_error` while it is set."""
+
+    count_error: int | None = None
+
+    def nvmlDeviceGetCount(self) -> int:
+        if self.count_error is not None:
+            raise pynvml.NVMLError(self.count_error)
+        return super().nvmlDeviceGetCount()
 
 
 class TestErrorMapping:
@@ -74,6 +86,18 @@ class TestErrorMapping:
         assert not backend.up
         with pytest.raises(NvmlUnavailable):
             backend.device_count()
+
+
+    def test_failed_device_count_is_an_error_not_zero(self) -> None:
+        fake = CountFails([FakeGpu.h200(i) for i in range(8)])
+        fake.count_error = pynvml.NVML_ERROR_UNKNOWN
+        backend = NvmlBackend(fake)
+        backend.start()
+        with pytest.raises(NvmlError, match="nvmlDeviceGetCount"):
+            backend.device_count()
+        assert backend.up  # one failed call, not a missing driver
+        fake.count_error = None
+        assert backend.device_count() == 8
 
 
 class TestReadings:
