@@ -95,6 +95,13 @@ TOKEN_RULES: Final[tuple[Rule, ...]] = (
         r"(?:.*?-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----|[^\n]*(?:\n[A-Za-z0-9+/=]+)*)",
         flags=re.DOTALL, hints=("private key",), whole=True,
     ),
+    # The tail of a key whose BEGIN line was cut off (a file included from its last N bytes):
+    # the base64 lines that run up to an END line are the key.
+    _rule(
+        "private_key",
+        r"(?m)^(?:[A-Za-z0-9+/=]+\r?\n)+-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----",
+        hints=("private key",), whole=True,
+    ),
     _rule("aws_access_key_id", r"(?<![A-Za-z0-9])(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|AIPA)[A-Z0-9]{16}(?![A-Za-z0-9])", hints=("akia", "asia", "agpa", "aida", "aroa", "anpa", "aipa")),
     _rule("github_token", r"(?<![A-Za-z0-9_])(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{30,255}", hints=("ghp_", "gho_", "ghu_", "ghs_", "ghr_")),
     _rule("github_token", r"(?<![A-Za-z0-9_])github_pat_[A-Za-z0-9_]{22,255}", hints=("github_pat_",)),
