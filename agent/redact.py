@@ -63,21 +63,40 @@ def _rule(kind: str, pattern: str, group: int = 0, flags: int = 0, *,
 
 # Key names whose value is a secret. A key must END with one of these words, so that
 # `max_tokens`, `tokenizer` or `author` stay, and tokenizer settings (`pad_token`) are not
-# mistaken for credentials.
+# mistaken for credentials. A numbered key (`password2`) and a few suffixes that still name the
+# secret itself (`SECRET_KEY_BASE`, `client-key-data`) count too.
 _SECRET_KEY_WORDS = "|".join((  # key names, not passwords
     r"passwd", r"password", r"passphrase", r"secrets?", r"token", r"api[_-]?key", r"apikey",
     r"access[_-]?key(?:[_-]?id)?", r"secret[_-]?key", r"private[_-]?key(?:[_-]?id)?", r"auth",
     r"authorization", r"credentials?", r"cookie", r"session[_-]?id", r"signature",
-    r"client[_-]?secret",
+    r"client[_-]?secret", r"client[_-]?key[_-]?data", r"client[_-]?certificate[_-]?data",
 ))
+_SECRET_KEY_SUFFIX = r"\d*(?:[_-](?:base|value|data|b64|base64))?"  # noqa: S105 (a pattern, not a password)
+# `pass` and `pwd` are also the ends of ordinary words (`bypass`, `compass`): they name a secret
+# only as the whole key or as its last `_`/`.`/`-` separated part (`DB_PASS`, `mqtt.pwd`).
+_SHORT_SECRET_KEY = r"(?:[A-Za-z0-9_.-]*[_.-])?(?:pass|pwd)"  # noqa: S105 (a pattern, not a password)
 _NOT_SECRET_KEYS = re.compile(
     r"(?i)(?:^|[_.-])(?:pad|eos|bos|unk|sep|cls|mask|special|start|end|max|num|n)[_-]?tokens?$"
 )
-_VALUE = r"""(?:\[REDACTED:[^\]\s]*\]|"(?:[^"\\\n]|\\.)*"|'[^'\n]*'|(?![{\[(])[^\s"',;}\]\)]+)"""
+# An unquoted value runs over several words (`password: my secret phrase`), up to the end of
+# the line, a closing bracket or quote of the structure around it, a comment, a shell operator,
+# a command-line flag or the next `key=` / `key:` pair (`use_auth_token=True push_to_hub=false`).
+# A comma or semicolon ends a word when a space or the line's end follows (`"a": 2, "b": 3`).
+_WORD = (r"""(?:\[REDACTED:[^\]\s]*\]|[^\s"'\[{(\]}),;]|[,;](?![\s"'\]})]|$))"""
+         r"""(?:\[REDACTED:[^\]\s]*\]|[^\s"\[{(\]}),;]|[,;](?![\s"'\]})]|$))*""")
+_NEXT_WORD = rf"""[ \t]+(?![#|&;<>-]|[A-Za-z0-9_.-]+["']?[ \t]*(?:=|:(?!//)))(?={_WORD})"""
+_VALUE = (
+    r"""(?:\[REDACTED:[^\]\s]*\]"""
+    r"""|"(?:[^"\\\n]|\\.)*"|'[^'\n]*'"""
+    r"""|\([^()\n]*\)"""  # password=(x)
+    rf"""|{_WORD}(?:{_NEXT_WORD}{_WORD})*"""
+    r"""|"(?:[^"\\\n]|\\.)*|'[^'\n]*)"""  # an unterminated quote: to the end of the line
+)
 _KEY_VALUE = re.compile(
     rf"""(?ix)
-    (?P<key>(?<![A-Za-z0-9_])[A-Za-z0-9_.-]*?(?:{_SECRET_KEY_WORDS}))(?![A-Za-z0-9])
-    (?P<sep>["']?[ \t]*(?:=|:(?!//))[ \t]*(?:(?:bearer|basic|token|digest)[ \t]+)?)
+    (?P<key>(?<![A-Za-z0-9_])(?:[A-Za-z0-9_.-]*?(?:{_SECRET_KEY_WORDS})|{_SHORT_SECRET_KEY}){_SECRET_KEY_SUFFIX})
+    (?![A-Za-z0-9])
+    (?P<sep>["']?[ \t]*(?::=|=>|=|:(?!//))[ \t]*(?:(?:bearer|basic|token|digest)[ \t]+)?)
     (?P<value>{_VALUE})
     """
 )
@@ -94,6 +113,13 @@ TOKEN_RULES: Final[tuple[Rule, ...]] = (
         # An unterminated block (a cut-off log) goes to the end of its base64 lines.
         r"(?:.*?-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----|[^\n]*(?:\n[A-Za-z0-9+/=]+)*)",
         flags=re.DOTALL, hints=("private key",), whole=True,
+    ),
+    # The tail of a key whose BEGIN line was cut off (a file included from its last N bytes):
+    # the base64 lines that run up to an END line are the key.
+    _rule(
+        "private_key",
+        r"(?m)^(?:[A-Za-z0-9+/=]+\r?\n)+-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----",
+        hints=("private key",), whole=True,
     ),
     _rule("aws_access_key_id", r"(?<![A-Za-z0-9])(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|AIPA)[A-Z0-9]{16}(?![A-Za-z0-9])", hints=("akia", "asia", "agpa", "aida", "aroa", "anpa", "aipa")),
     _rule("github_token", r"(?<![A-Za-z0-9_])(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{30,255}", hints=("ghp_", "gho_", "ghu_", "ghs_", "ghr_")),
@@ -118,7 +144,9 @@ CONTEXT_RULES: Final[tuple[Rule, ...]] = (
     _rule("azure_key", r"(?i)(?:AccountKey|SharedAccessKey|SharedAccessSignature)=([^;\s\"'<>]+)", 1, hints=("accountkey=", "sharedaccesskey=", "sharedaccesssignature=")),
     _rule("azure_sas", r"(?i)[?&]sig=([^&\s\"'<>]+)", 1, hints=("sig=",)),
     # scheme://user:password@host — the user name stays (it says which account), the password goes.
-    _rule("url_password", r"(?i)\b[a-z][a-z0-9+.-]*://[^/\s:@\"']*:([^/\s@\"']+)@", 1, hints=("://",)),
+    # The password runs to the LAST `@` of the authority (`user:p@ss@host`): the host never
+    # holds an `@`, a password may.
+    _rule("url_password", r"(?i)\b[a-z][a-z0-9+.-]*://[^/\s:@\"']*:([^/?#\s\"']+)@", 1, hints=("://",)),
     _rule("bearer_token", r"(?i)\bbearer[ \t]+([A-Za-z0-9._~+/=-]{8,})", 1, hints=("bearer",)),
     # W&B keys are 40 hex digits; `wandb login KEY` ends up in shell histories.
     _rule("wandb_key", r"(?i)\bwandb[ \t]+login[ \t]+(?:--\S+[ \t]+)*([0-9a-f]{40})\b", 1, hints=("wandb",)),
@@ -131,6 +159,16 @@ CONTEXT_RULES: Final[tuple[Rule, ...]] = (
         r"(?i)(?<![A-Za-z0-9-])--[a-z0-9-]*(?:password|passwd|token|secret|api-key|apikey)(?:=|[ \t]+)(?!-)(\S+)",
         1, hints=("--",),
     ),
+    # curl -u USER:PASSWORD (and --user); `-u 1000:1000` (docker's uid:gid) is not a password.
+    _rule("cli_secret", r"(?<!\S)(?:-u|--user)(?:=|[ \t]+)[\"']?[^\s:\"']*:(?!\d+(?:[\s\"']|$))([^\s\"']+)",
+          1, hints=("-u",)),
+    # mysql -pPASSWORD: the password glued to -p (a separate word after -p is a prompt's answer,
+    # never on the line). Only for the MySQL clients: elsewhere -p is a port or a path.
+    _rule("cli_secret", r"(?i:\b(?:mysql|mariadb)[a-z-]*\b)[^\n|;&]*?(?<!\S)-p([^\s-]\S*)",
+          1, hints=("mysql", "mariadb")),
+    # <password>x</password> in XML configs (Maven settings, Hadoop site files).
+    _rule("secret_value", rf"(?i)<((?:[A-Za-z0-9_.:-]*?(?:{_SECRET_KEY_WORDS})|{_SHORT_SECRET_KEY}){_SECRET_KEY_SUFFIX})>"
+          r"(?!\[REDACTED:)([^<\n]+)</\1>", 2, hints=("</",)),
     _rule("aws_secret_key", r"(?i)aws.{0,20}?secret.{0,20}?[=:][ \t]*[\"']?([A-Za-z0-9/+=]{40})(?![A-Za-z0-9/+=])", 1, hints=("aws",)),
 )
 
@@ -286,7 +324,7 @@ def _hint_spans(text: str, rule: Rule) -> list[tuple[int, int]]:
 
 
 _KEY_VALUE_CANDIDATE = re.compile(
-    rf"""(?:{_SECRET_KEY_WORDS.lower()})(?![a-z0-9])["']?[ \t]*(?:=|:(?!//))"""
+    rf"""(?:{_SECRET_KEY_WORDS.lower()}|pass|pwd){_SECRET_KEY_SUFFIX}(?![a-z0-9])["']?[ \t]*(?:=|:(?!//))"""
 )
 
 
@@ -333,17 +371,20 @@ def _apply(rule: Rule, text: str, counts: Counter[str]) -> str:
 
 def _key_value(match: re.Match[str], counts: Counter[str]) -> str:
     key, sep, value = match.group("key"), match.group("sep"), match.group("value")
-    inner = value[1:-1] if value[:1] in "\"'" and len(value) >= 2 else value
+    quote = value[0] if value[:1] in "\"'" else ""
+    closed = bool(quote) and len(value) >= 2 and value.endswith(quote)
+    inner = value[1:-1] if closed else value[1:] if quote else value
     if (
         _NOT_SECRET_KEYS.search(key)
         or inner.strip().lower() in _HARMLESS_VALUES
         or _SHORT_NUMBER.fullmatch(inner.strip())
         or inner.startswith(MARKER_PREFIX)
+        # The shell's `PWD=/home/...` is the working directory, a path support needs.
+        or (key.lower().endswith("pwd") and inner.startswith(("/", "~")))
     ):
         return match.group(0)
     counts["secret_value"] += 1
-    quote = value[0] if value[:1] in "\"'" and len(value) >= 2 else ""
-    return f"{key}{sep}{quote}{marker('secret_value')}{quote}"
+    return f"{key}{sep}{quote}{marker('secret_value')}{quote if closed else ''}"
 
 
 def _fallback_prompt(match: re.Match[str], line: str, counts: Counter[str]) -> str:

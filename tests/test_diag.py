@@ -244,6 +244,25 @@ class TestAtomicWrite:
         assert io.BytesIO(final.read_bytes()).read(2) == b"\x1f\x8b"
 
 
+class TestIncludeTail:
+    """An --include file cut to its last bytes loses no secret to the cut."""
+
+    def test_key_whose_begin_line_was_cut_off(self, tmp_path: Path) -> None:
+        body = [f"{n}" * 4 + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODkrLw" + f"{n}" * 10 for n in range(8)]
+        text = "\n".join(["step=1 loss=2.0", "-----BEGIN RSA PRIVATE KEY-----", *body,
+                          "-----END RSA PRIVATE KEY-----", "step=2 loss=1.9", ""])
+        log = tmp_path / "job.log"
+        log.write_text(text)
+        # The cut lands inside the key's body: the BEGIN line and the first lines are gone.
+        limit = len(text) - text.index(body[2])
+        bundle = Bundle(Redactor())
+        name = bundle.add_file("include/job.log", log, limit)
+        assert name is not None
+        member = bundle.members[name].decode()
+        assert [line for line in body if line in member] == []
+        assert member.endswith("[REDACTED:private_key]\nstep=2 loss=1.9\n")
+
+
 class TestCommandLine:
     """`gpuwarden diag` as a user runs it."""
 

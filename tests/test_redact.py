@@ -98,6 +98,60 @@ class TestRules:
         assert redact("ghp_" + "x" * 36) == marker("github_token")
 
 
+# Review findings: each of these leaked the secret (or part of it) before.
+LEAKS = [
+    ("password: my secret phrase", "secret phrase"),
+    ("db_password = super secret phrase", "secret phrase"),
+    ("TOKEN=ab cd", "cd"),
+    ("client_secret=abc;def", "def"),
+    ("curl -u admin:S3cretPass https://x", "S3cretPass"),
+    ("curl --user=admin:S3cretPass https://x", "S3cretPass"),
+    ("mysql -u root -pS3cretPass metrics", "S3cretPass"),
+    ("mysqldump -h db -pS3cretPass metrics", "S3cretPass"),
+    ("mysql --password=S3cretPass", "S3cretPass"),
+    ("mysql --password S3cretPass", "S3cretPass"),
+    ("DB_PASS=hunter22xyz", "hunter22xyz"),
+    ("DB_PASS: hunter22xyz", "hunter22xyz"),
+    ("MQTT_PASS=hunter22xyz", "hunter22xyz"),
+    ("pass=hunter22xyz", "hunter22xyz"),
+    ("pwd=hunter22xyz", "hunter22xyz"),
+    ("mqtt.pwd: hunter22xyz", "hunter22xyz"),
+    ("SECRET_KEY_BASE=abcdef123456789", "abcdef123456789"),
+    ('password = "hunter22"\npassword2 = "zzzzzz22"', "zzzzzz22"),
+    ("    client-key-data: LS0tLS1CRUdJTiBSU0EgUFJJVkFURSBLRVktLS0tLQpNSUlF", "LS0tLS1CRUdJTi"),
+    ("    client-certificate-data: LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0t", "LS0tLS1CRUdJTi"),
+    ("    token: abcdef0123456789abcdef", "abcdef0123456789abcdef"),
+    ("DATABASE_URL=postgres://user:p@ss@host/db", "ss@"),
+    ("PASSWORD := hunter22", "hunter22"),
+    ('password => "hunter22"', "hunter22"),
+    ("<password>hunter22</password>", "hunter22"),
+    ("<db.password>hunter22</db.password>", "hunter22"),
+    ("PASSWORD=(hunter22)", "hunter22"),
+    ('password="hunter22 and more', "hunter22"),
+    ("-----BEGIN RSA PRIVATE KEY-----\nMIIcut", "MIIcut"),
+    ("MIIEvQIBADANBgkqhkiG9w0BAQEF\nVJTUt9Us8cKjMzEfYyjiWA4R4\n-----END PRIVATE KEY-----\n",
+     "VJTUt9Us8cKjMzEfYyjiWA4R4"),
+]
+
+
+class TestReviewLeaks:
+    """Values that used to survive in part: whole values, new key names, CLI forms, PEM tails."""
+
+    @pytest.mark.parametrize(("text", "secret"), LEAKS)
+    def test_secret_removed(self, text: str, secret: str) -> None:
+        assert secret not in redact(text)
+
+    def test_multi_word_value_stops_at_the_next_pair(self) -> None:
+        assert redact("use_auth_token=abcdef123456 push_to_hub=false") == (
+            "use_auth_token=[REDACTED:secret_value] push_to_hub=false")
+
+    def test_unterminated_quote_keeps_its_quote(self) -> None:
+        assert redact('password="hunter22') == 'password="[REDACTED:secret_value]'
+
+    def test_json_comma_ends_a_value(self) -> None:
+        assert redact('{"token": 2, "n": 3}') == '{"token": 2, "n": 3}'
+
+
 KEEP = [
     "NVRM: Xid (PCI:0000:3b:00): 79, pid=3121, name=python, GPU has fallen off the bus.",
     "step=120 loss=1.9342 lr=2.000e-05 grad_norm=1.022 tokens_per_sec=42011",
@@ -114,6 +168,11 @@ KEEP = [
     '{"by_kind": {"aws_access_key_id": 2, "secret_value": 14}, "total": 16}',
     '{"collectors": {"system": {"proc_root": "/proc", "interval": 15.0}}}',
     "Saving checkpoint to /mnt/ckpt/run-17/global_step240/mp_rank_00_model_states.pt",
+    "bypass=true compass=north surpass: yes",
+    "PWD=/home/trainer/runs/llama-8b-sft",
+    "docker run -u 1000:1000 --gpus all img",
+    "mysql -u root -P 3306 -h db.internal metrics",
+    "gpu-host-17:3121:3190 [0] NCCL INFO -----END OF RING-----",
 ]
 
 
