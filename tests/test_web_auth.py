@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ssl
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,7 +19,13 @@ from agent import config as config_module
 from agent.runtime import Runtime
 from agent.state import StateStore
 from exporters.prometheus import PrometheusSink
-from exporters.web_auth import BasicAuth, UsersFileError, parse_authorization, parse_users
+from exporters.web_auth import (
+    BasicAuth,
+    UsersFileError,
+    bcrypt_cost,
+    parse_authorization,
+    parse_users,
+)
 from tests.support.ports import free_port
 from tests.support.tls import Authority
 
@@ -92,6 +99,45 @@ class TestBasicAuth:
         assert not auth.check("prometheus", "wrong")
         assert not auth.cached("prometheus", "wrong")
         assert not auth.check("nobody", "s3cret")
+
+
+class TestUnknownUserTiming:
+    """An unknown user costs one bcrypt check at the users' own cost."""
+
+    def test_dummy_hash_has_the_users_cost(self) -> None:
+        """The dummy hash is built with the cost the users' hashes carry."""
+        hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(5))
+        auth = BasicAuth({"prometheus": hashed})
+        assert bcrypt_cost(auth.dummy_hash) == bcrypt_cost(hashed) == 5
+        assert not auth.check("nobody", "pw")
+
+
+class TestCacheConcurrency:
+    """cached() on the loop and check() in threads share the cache safely."""
+
+    def test_threads_hammering_the_cache_raise_nothing(
+            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Concurrent inserts, evictions and lookups never raise."""
+        monkeypatch.setattr(bcrypt, "checkpw", lambda _p, _h: True)
+        auth = BasicAuth({f"u{i}": HASH.encode() for i in range(100)})
+        errors: list[BaseException] = []
+
+        def worker(n: int) -> None:
+            for j in range(400):
+                user, password = f"u{(n * 7 + j) % 100}", f"pw{j % 90}"
+                try:
+                    auth.cached(user, password)
+                    auth.check(user, password)
+                except RuntimeError as exc:
+                    errors.append(exc)
+                    return
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
 
 
 class TestEndpoint:
