@@ -130,6 +130,9 @@ class MqttSink:
         self._last_enforce = 0.0
         self._last_drop: float | None = None
         self._backoff = Backoff(settings.reconnect_min, settings.reconnect_max)
+        self._produce_backoff = Backoff(settings.reconnect_min, settings.reconnect_max)
+        self._store_failing: set[str] = set()
+        """Tasks ("connection", "produce") whose last state store access failed."""
 
     def topic(self, leaf: str) -> str:
         return f"{self.base_topic}/{leaf}"
@@ -189,15 +192,24 @@ class MqttSink:
         next_metrics = loop.time() + min(self.settings.metrics_interval, heartbeat_every)
         while True:
             now = loop.time()
-            if now >= next_heartbeat:
-                self._queue_heartbeat()
-                next_heartbeat += heartbeat_every * max(1, (now - next_heartbeat) // heartbeat_every)
-            if now >= next_metrics:
-                self._queue("metrics", "snapshot", metrics_payload(self.runtime, time.time()))
-                next_metrics += self.settings.metrics_interval
-                next_metrics = max(next_metrics, now)
-            if not self.connected:  # while connected, the drain loop applies the bounds
-                self._maybe_enforce()
+            try:
+                if now >= next_heartbeat:
+                    next_heartbeat += heartbeat_every * max(
+                        1, (now - next_heartbeat) // heartbeat_every)
+                    self._queue_heartbeat()
+                if now >= next_metrics:
+                    next_metrics = max(next_metrics + self.settings.metrics_interval, now)
+                    self._queue("metrics", "snapshot", metrics_payload(self.runtime, time.time()))
+                if not self.connected:  # while connected, the drain loop applies the bounds
+                    self._maybe_enforce()
+            except StateStoreError as exc:
+                # A locked or full store is usually transient: escaping here would end the
+                # sink (run() gathers both tasks) with no restart. Pause and go on.
+                self._on_store_failure("produce", exc)
+                await asyncio.sleep(self._produce_backoff.next_delay())
+                continue
+            self._on_store_ok("produce")
+            self._produce_backoff.reset()
             wake_at = min(next_heartbeat, next_metrics, loop.time() + DISCONNECTED_ENFORCE_EVERY)
             await asyncio.sleep(max(0.0, wake_at - loop.time()))
 
@@ -253,9 +265,10 @@ class MqttSink:
 
     async def _connection_loop(self) -> None:
         while True:
-            bdseq = self._next_bdseq()
-            client = self._client_for(bdseq)
+            client: CheckedClient | None = None
             try:
+                bdseq = self._next_bdseq()
+                client = self._client_for(bdseq)
                 async with client:
                     self._client = client
                     await client.publish_acked(
@@ -264,10 +277,16 @@ class MqttSink:
                     await self._drain(client)
             except aiomqtt.MqttError as exc:
                 self._on_failure(exc)
+            except StateStoreError as exc:
+                # The outbox could not be read or acknowledged (locked db, full disk): end this
+                # connection and retry after the same backoff, instead of ending the sink for
+                # good. Entries stay in the outbox until acknowledged, so nothing is lost.
+                self._on_store_failure("connection", exc)
             finally:
                 self._client = None
                 self.connected = False
-                _retrieve_disconnect_error(client)
+                if client is not None:
+                    _retrieve_disconnect_error(client)
             delay = self._backoff.next_delay()
             log.debug("reconnecting", in_seconds=round(delay, 2))
             await asyncio.sleep(delay)
@@ -275,6 +294,7 @@ class MqttSink:
     def _on_connected(self, bdseq: int) -> None:
         self.connected = True
         self._backoff.reset()
+        self._on_store_ok("connection")
         self.runtime.record_delivery(self.name)
         log.info("connected to the broker", url=self.settings.url, bdseq=bdseq)
         if self.failure_kind is not None:
@@ -301,6 +321,21 @@ class MqttSink:
             severity=Severity.WARNING, subject=self.settings.url, message=message, action=action,
             attributes={"reason": kind},
         ))
+
+    def _on_store_failure(self, task: str, exc: StateStoreError) -> None:
+        """Ledger on every failure; the log once per transition, not per retry."""
+        self.runtime.record_failure(self.name, f"state_store: {exc}")
+        if task in self._store_failing:
+            log.debug("mqtt state store still failing", task=task, error=str(exc))
+            return
+        self._store_failing.add(task)
+        log.error("mqtt: the state store failed; retrying after a pause", task=task,
+                  error=str(exc))
+
+    def _on_store_ok(self, task: str) -> None:
+        if task in self._store_failing:
+            self._store_failing.discard(task)
+            log.info("mqtt: the state store works again", task=task)
 
     # -- draining the outbox ----------------------------------------------------------------
 

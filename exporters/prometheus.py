@@ -41,6 +41,9 @@ log = structlog.get_logger(component="prometheus")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT = 5.0
+"""Seconds a client has to send its request, and to take the response."""
+MAX_CONNECTIONS = 32
+"""Connections served at once; over it, a 503 at once (each holds a task and a descriptor)."""
 
 
 def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:
@@ -124,6 +127,9 @@ class PrometheusSink:
         self.scrapes = 0
         self._server: asyncio.Server | None = None
         self._auth: BasicAuth | None = None
+        self._connections = asyncio.Semaphore(MAX_CONNECTIONS)
+        self.open_connections = 0
+        """Connections being served now."""
 
     def families(self) -> Sequence[MetricFamily]:
         return ()
@@ -184,6 +190,20 @@ class PrometheusSink:
         return 503, ("\n".join(health.problems) + "\n").encode()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._connections.locked():
+            # Without a cap, clients that connect and never finish could pin tasks and file
+            # descriptors without bound. Small enough to fit the socket buffer: no drain.
+            writer.write(_response(503, {}, b"too many connections\n"))
+            writer.close()
+            return
+        async with self._connections:
+            self.open_connections += 1
+            try:
+                await self._serve(reader, writer)
+            finally:
+                self.open_connections -= 1
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
@@ -197,7 +217,11 @@ class PrometheusSink:
                 status, headers, body = 401, {"WWW-Authenticate": 'Basic realm="gpuwarden"'}, (
                     b"unauthorized\n")
             writer.write(_response(status, headers, body))
-            await writer.drain()
+            # A client that never reads would otherwise hold this task and its socket forever.
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
+        except TimeoutError:
+            # close() would wait to flush the unread response first, i.e. forever: abort.
+            writer.transport.abort()
         except (ConnectionError, ssl.SSLError):
             pass
         finally:
@@ -246,7 +270,10 @@ class PrometheusSink:
             self.scrapes += 1
             self.runtime.record_delivery(self.name)
             log.debug("scrape served", seconds=round(time.monotonic() - started, 4))
-            return 200, out_headers, b"" if method == "HEAD" else body
+            if method == "HEAD":  # the length GET would send, without the body
+                out_headers["Content-Length"] = str(len(body))
+                return 200, out_headers, b""
+            return 200, out_headers, body
         if path == "/healthz":
             status, body = self.healthz()
             return status, {"Content-Type": "text/plain; charset=utf-8"}, body
@@ -264,8 +291,8 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
 
 def _response(status: int, headers: dict[str, str], body: bytes) -> bytes:
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
-    merged = {"Content-Type": "text/plain; charset=utf-8", **headers,
-              "Content-Length": str(len(body)), "Connection": "close"}
+    merged = {"Content-Type": "text/plain; charset=utf-8", "Content-Length": str(len(body)),
+              **headers, "Connection": "close"}
     lines += [f"{k}: {v}" for k, v in merged.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 

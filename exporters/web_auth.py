@@ -16,7 +16,9 @@ import base64
 import binascii
 import hashlib
 import hmac
+import secrets
 import ssl
+import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -24,8 +26,24 @@ import bcrypt
 
 BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
 CACHE_SIZE = 64
-# A bcrypt hash of a random string, cost 10, to spend the same time on unknown users.
-_DUMMY_HASH = b"$2b$10$LFfatChCWBlmV5Wi.9uVw.Sb7GRE358uiX.FVEMbCzRLpZ5Rtocsu"
+DEFAULT_COST = 12
+
+
+def bcrypt_cost(hashed: bytes) -> int | None:
+    """The cost of a `$2b$12$...` hash; None if it does not say one."""
+    parts = hashed.split(b"$")
+    if len(parts) < 4 or not parts[2].isdigit():
+        return None
+    cost = int(parts[2])
+    return cost if 4 <= cost <= 31 else None
+
+
+def dummy_hash(users: dict[str, bytes]) -> bytes:
+    """A hash of a random string at the users' cost: an unknown user then costs as much as a
+    known one, so response time does not tell which user names exist (a fixed cost-10 dummy
+    answered about 4x faster than users hashed at cost 12)."""
+    cost = next((c for c in map(bcrypt_cost, users.values()) if c is not None), DEFAULT_COST)
+    return bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(cost))
 
 
 class UsersFileError(ValueError):
@@ -78,15 +96,20 @@ def parse_authorization(header: str) -> tuple[str, str] | None:
 class BasicAuth:
     def __init__(self, users: dict[str, bytes]) -> None:
         self.users = users
+        self.dummy_hash = dummy_hash(users)
         self._cache: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+        # cached() runs on the loop and check() in worker threads: without the lock, one
+        # iterates the cache while another inserts or evicts ("mutated during iteration").
+        self._lock = threading.Lock()
 
     def cached(self, user: str, password: str) -> bool:
         """True if this exact pair was checked successfully before (cheap: no bcrypt)."""
         key = (user, hashlib.sha256(password.encode()).digest())
-        for known, _ in self._cache.items():
-            if hmac.compare_digest(known[1], key[1]) and known[0] == user:
-                self._cache.move_to_end(known)
-                return True
+        with self._lock:
+            for known, _ in self._cache.items():
+                if hmac.compare_digest(known[1], key[1]) and known[0] == user:
+                    self._cache.move_to_end(known)
+                    return True
         return False
 
     def check(self, user: str, password: str) -> bool:
@@ -95,13 +118,14 @@ class BasicAuth:
             return True
         hashed = self.users.get(user)
         try:
-            ok = bcrypt.checkpw(password.encode(), hashed or _DUMMY_HASH) and hashed is not None
+            ok = bcrypt.checkpw(password.encode(), hashed or self.dummy_hash) and hashed is not None
         except ValueError:  # a malformed stored hash
             ok = False
         if ok:
-            self._cache[(user, hashlib.sha256(password.encode()).digest())] = None
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            with self._lock:
+                self._cache[(user, hashlib.sha256(password.encode()).digest())] = None
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
         return ok
 
 

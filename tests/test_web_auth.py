@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import socket
 import ssl
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import bcrypt
@@ -17,10 +21,18 @@ from hypothesis import strategies as st
 from agent import config as config_module
 from agent.runtime import Runtime
 from agent.state import StateStore
+from exporters import prometheus
 from exporters.prometheus import PrometheusSink
-from exporters.web_auth import BasicAuth, UsersFileError, parse_authorization, parse_users
+from exporters.web_auth import (
+    BasicAuth,
+    UsersFileError,
+    bcrypt_cost,
+    parse_authorization,
+    parse_users,
+)
 from tests.support.ports import free_port
 from tests.support.tls import Authority
+from tests.support.waiting import until
 
 # cost 4: the minimum, to keep the tests fast; the check is the same at any cost
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
@@ -94,6 +106,45 @@ class TestBasicAuth:
         assert not auth.check("nobody", "s3cret")
 
 
+class TestUnknownUserTiming:
+    """An unknown user costs one bcrypt check at the users' own cost."""
+
+    def test_dummy_hash_has_the_users_cost(self) -> None:
+        """The dummy hash is built with the cost the users' hashes carry."""
+        hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(5))
+        auth = BasicAuth({"prometheus": hashed})
+        assert bcrypt_cost(auth.dummy_hash) == bcrypt_cost(hashed) == 5
+        assert not auth.check("nobody", "pw")
+
+
+class TestCacheConcurrency:
+    """cached() on the loop and check() in threads share the cache safely."""
+
+    def test_threads_hammering_the_cache_raise_nothing(
+            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Concurrent inserts, evictions and lookups never raise."""
+        monkeypatch.setattr(bcrypt, "checkpw", lambda _p, _h: True)
+        auth = BasicAuth({f"u{i}": HASH.encode() for i in range(100)})
+        errors: list[BaseException] = []
+
+        def worker(n: int) -> None:
+            for j in range(400):
+                user, password = f"u{(n * 7 + j) % 100}", f"pw{j % 90}"
+                try:
+                    auth.cached(user, password)
+                    auth.check(user, password)
+                except RuntimeError as exc:
+                    errors.append(exc)
+                    return
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+
+
 class TestEndpoint:
     """/metrics over TLS with basic auth: right credentials 200, wrong 401."""
 
@@ -157,3 +208,76 @@ class TestEndpoint:
         with pytest.raises(OSError, match="users:1"):
             await runtime.start()
         await runtime.stop()
+
+
+@pytest.fixture
+async def endpoint(tmp_path: Path) -> AsyncIterator[PrometheusSink]:
+    """A running agent with the plain-HTTP endpoint on a free port."""
+    cfg = config_module.parse({
+        "node_id": "n", "state_dir": str(tmp_path / "state"),
+        "prometheus": {"listen": f"127.0.0.1:{free_port()}"}})
+    runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+    await runtime.start()
+    sink = runtime.sinks["prometheus"]
+    assert isinstance(sink, PrometheusSink)
+    try:
+        yield sink
+    finally:
+        await runtime.stop()
+        runtime.store.close()
+
+
+class TestEndpointLimits:
+    """Slow clients cannot pin the server; HEAD tells the length GET would send."""
+
+    async def test_client_that_never_reads_is_dropped(
+            self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A request whose large response is never read is aborted after the timeout."""
+        body = b"x" * (16 << 20)  # far more than the socket buffers hold
+        monkeypatch.setattr(prometheus, "REQUEST_TIMEOUT", 0.2)
+        monkeypatch.setattr(endpoint, "metrics_body", lambda: body)
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(endpoint.address)
+            client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            await until(lambda: endpoint.open_connections == 1, what="served")
+            await until(lambda: endpoint.open_connections == 0, what="slow client dropped")
+
+            def read_all() -> int:
+                client.settimeout(10)
+                total = 0
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := client.recv(1 << 16):
+                        total += len(chunk)
+                return total
+
+            assert await asyncio.to_thread(read_all) < len(body)
+
+    async def test_connections_over_the_cap_get_503(
+            self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
+        """With the cap taken by a silent client, the next connection is answered 503."""
+        monkeypatch.setattr(endpoint, "_connections", asyncio.Semaphore(1))
+        with socket.socket() as silent, socket.socket() as late:
+            silent.connect(endpoint.address)
+            await until(lambda: endpoint.open_connections == 1, what="silent client served")
+            late.connect(endpoint.address)
+            late.settimeout(10)
+            answer = await asyncio.to_thread(late.recv, 1024)
+        assert answer.startswith(b"HTTP/1.1 503 ")
+
+    async def test_head_content_length_is_the_get_body_length(
+            self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
+        """HEAD /metrics: no body, and Content-Length of the GET body."""
+        body = b"# a fixed exposition\nmetric 1\n"
+        monkeypatch.setattr(endpoint, "metrics_body", lambda: body)
+        url = "http://{}:{}/metrics".format(*endpoint.address)
+
+        def fetch(method: str) -> tuple[str | None, bytes]:
+            request = urllib.request.Request(url, method=method)
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.headers["Content-Length"], response.read()
+
+        got = await asyncio.to_thread(fetch, "GET")
+        head = await asyncio.to_thread(fetch, "HEAD")
+        assert got == (str(len(body)), body)
+        assert head == (str(len(body)), b"")
