@@ -439,7 +439,9 @@ class TestGpuCount:
     async def test_failed_count_fails_the_round_not_zero_gpus(self) -> None:
         rig = GpuRig(CountFails(fake_gpus(8)))
         try:
-            assert value(await rig.collect(), "gpuwarden_gpus_visible") == 8
+            # The count is read on the slow interval: let one pass before the failing read.
+            slow = rig.collector.settings.slow_interval
+            assert value(await rig.collect(advance=slow), "gpuwarden_gpus_visible") == 8
             assert isinstance(rig.fake, CountFails)
             rig.fake.count_error = pynvml.NVML_ERROR_UNKNOWN
             with pytest.raises(NvmlError, match="nvmlDeviceGetCount"):
