@@ -12,10 +12,9 @@ import pytest
 import structlog.testing
 
 from agent import config as config_module
-from agent.collector import CollectorDeps, JSONValue, MemoryKeyValueStore, SharedServices
+from agent.collector import CollectorDeps, SharedServices
 from agent.model import Event, Severity
 from agent.settings import ConfigError
-from agent.state import StateStoreError
 from collectors.bench_child import PLANT_WRONG_RESULT_ENV
 from collectors.bench_gpus import GpuBackendUnavailable, NvmlActivity
 from collectors.bench_history import HISTORY_FILE
@@ -34,6 +33,7 @@ from tests.support.bench import (
     record,
     series,
 )
+from tests.support.stores import FullDiskStore
 
 T0 = float(int(time.time()))  # the fake child stamps its records with the real clock
 MINUTE = 60.0
@@ -267,31 +267,13 @@ class TestEvents:
                       uuid=gpu(2).uuid) == [pytest.approx(40 / 50.5)]
 
 
-class FullStore(MemoryKeyValueStore):
-    """A state store on a full disk: every write raises StateStoreError while `full`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.full = True
-
-    def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        if self.full:
-            raise StateStoreError("state store write failed: database or disk is full")
-        super().put(namespace, key, value)
-
-    def delete(self, namespace: str, key: str) -> None:
-        if self.full:
-            raise StateStoreError("state store write failed: database or disk is full")
-        super().delete(namespace, key)
-
-
 class TestStateStoreFull:
     """A state store that refuses writes costs neither the run's round nor its schedule."""
 
     async def test_failed_run_is_reported_once_and_not_rerun_before_its_period(
             self, tmp_path: Path) -> None:
         crash = "import sys\nsys.exit(9)\n"
-        store = FullStore()
+        store = FullDiskStore()
         runner = CountingRunner(fake_child(tmp_path, "child", crash), timeout=30)
         collector = BenchmarkCollector(
             BenchmarkSettings(when="always", period=3600.0),

@@ -11,10 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.collector import JSONValue, MemoryKeyValueStore
+from agent.collector import MemoryKeyValueStore
 from agent.model import Severity
 from agent.settings import ConfigError, build
-from agent.state import StateStoreError
 from collectors.disk import DiskCollector, DiskSettings, select_mounts
 from collectors.disk_levels import Level, Limits
 from collectors.procfs import read_mountinfo
@@ -31,6 +30,7 @@ from tests.support.host import (
     run_round,
     values,
 )
+from tests.support.stores import FullDiskStore
 from tests.support.waiting import until
 
 HOST1 = FIXTURES / "host1"
@@ -193,30 +193,12 @@ class TestThresholdEvents:
         assert store.items("disk.levels") == {}
 
 
-class FullStore(MemoryKeyValueStore):
-    """A state store on a full disk: every write raises StateStoreError while `full`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.full = True
-
-    def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        if self.full:
-            raise StateStoreError("state store write failed: database or disk is full")
-        super().put(namespace, key, value)
-
-    def delete(self, namespace: str, key: str) -> None:
-        if self.full:
-            raise StateStoreError("state store write failed: database or disk is full")
-        super().delete(namespace, key)
-
-
 class TestStateStoreFull:
     """A state store that refuses writes does not cost the round; the write is retried."""
 
     async def test_round_keeps_its_samples_and_events_and_saves_later(self, tmp_path: Path) -> None:
         tree = _only_root(tmp_path)
-        store = FullStore()
+        store = FullDiskStore()
         statvfs = ScriptedStatvfs({"/": fake_statvfs_result(size=100 * GIB, available=2 * GIB)})
         collector = DiskCollector(_settings(tree.root), make_deps(store), statvfs)
         with pooled_caller() as caller:

@@ -10,14 +10,15 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.collector import JSONValue, MemoryKeyValueStore
+from agent.collector import MemoryKeyValueStore
 from agent.model import Severity
-from agent.state import StateStore
+from agent.state import StateStore, StateStoreError
 from collectors.gpu import GpuSettings
 from collectors.gpu_checks import FAST_COUNTERS, CounterTracker, counter_events
 from collectors.nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlError
 from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
+from tests.support.stores import FullDiskStore
 from tests.test_nvml import CountFails
 
 CORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
@@ -332,29 +333,17 @@ class TestCounters:
             await rig.close()
 
 
-class _FailingStore(MemoryKeyValueStore):
-    """A store whose next `fail` puts raise, like a full disk."""
-
-    fail = 0
-
-    def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        if self.fail:
-            self.fail -= 1
-            raise OSError("StateStoreError: disk full")
-        super().put(namespace, key, value)
-
-
 class TestStoreFailure:
     """A failed state write fails the round and the next round still reports the change."""
 
     async def test_counter_increase_survives_a_failed_put(self) -> None:
-        state = _FailingStore()
+        state = FullDiskStore(full=False)
         rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
         try:
             await rig.collect()
             rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 3
             state.fail = 1
-            with pytest.raises(OSError, match="disk full"):
+            with pytest.raises(StateStoreError, match="disk is full"):
                 await rig.collect()
             result = await rig.collect()
             assert kinds(result) == ["ecc_uncorrected_volatile_increase"]
@@ -363,13 +352,13 @@ class TestStoreFailure:
             await rig.close()
 
     async def test_condition_start_survives_a_failed_put(self) -> None:
-        state = _FailingStore()
+        state = FullDiskStore(full=False)
         rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
         try:
             await rig.collect()
             rig.fake.gpus[0].remapped_rows = (0, 0, 0, 1)
             state.fail = 1
-            with pytest.raises(OSError, match="disk full"):
+            with pytest.raises(StateStoreError, match="disk is full"):
                 await rig.collect()
             assert kinds(await rig.collect()) == ["row_remap_failure"]
         finally:

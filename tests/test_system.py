@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.collector import JSONValue, KeyValueStore, MemoryKeyValueStore
+from agent.collector import KeyValueStore, MemoryKeyValueStore
 from agent.model import Severity
-from agent.state import StateStore, StateStoreError
+from agent.state import StateStore
 from collectors.system import SystemCollector, SystemSettings
 from tests.support.host import FIXTURES, ProcTree, make_deps, pooled_caller, run_round, values
+from tests.support.stores import FullDiskStore
 
 BOOT_A = "11111111-2222-3333-4444-555555555555"
 BOOT_B = "66666666-7777-8888-9999-000000000000"
@@ -87,25 +88,15 @@ class TestRebootDetection:
         assert store.get("system", "boot_id") == BOOT_A
 
 
-class FullStore(MemoryKeyValueStore):
-    """A state store on a full disk: it holds what the last run saved; every put raises."""
-
-    def __init__(self, saved: dict[str, JSONValue]) -> None:
-        super().__init__()
-        for key, value in saved.items():
-            super().put("system", key, value)
-
-    def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        raise StateStoreError("state store write failed: database or disk is full")
-
-
 class TestStateStoreFull:
     """Writes that fail every round cost neither the samples nor a repeated reboot event."""
 
     async def test_rounds_keep_their_samples_and_report_the_reboot_once(self, tmp_path: Path) -> None:
         tree = ProcTree(tmp_path / "proc")
         tree.set_system(BOOT_B)
-        store = FullStore({"boot_id": BOOT_A, "last_alive": 5.0})
+        store = FullDiskStore()
+        store.seed("system", "boot_id", BOOT_A)
+        store.seed("system", "last_alive", 5.0)
         collector = _collector(tree.root, store)
         with pooled_caller() as caller:
             first = await run_round(collector, caller, now=10.0)
