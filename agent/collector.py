@@ -203,20 +203,3 @@ class CollectorSpec(Generic[C]):
         if not isinstance(settings, self.settings_type):
             raise TypeError(f"{self.name}: settings of type {type(settings).__name__}")
         return self.factory(settings, deps)
-
-
-class NoDataCollector:
-    """A collector with nothing to report: a base for tests and for disabled hardware."""
-
-    def __init__(self, name: str, families: Sequence[MetricFamily] = ()) -> None:
-        self.name = name
-        self._families = tuple(families)
-
-    def families(self) -> Sequence[MetricFamily]:
-        return self._families
-
-    async def collect(self, ctx: CollectContext) -> Collection:
-        return Collection()
-
-    async def close(self) -> None:
-        return None

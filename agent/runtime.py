@@ -71,6 +71,10 @@ async def cancel_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
             log.warning("task ended with an error", task=task.get_name(), error=repr(task.exception()))
 
 
+EVENT_RETENTION = 30 * 86400.0
+"""Seconds of event history kept in the state store (diag bundles and `recent_events`)."""
+
+
 @dataclass
 class CollectorStatus:
     name: str
@@ -439,11 +443,26 @@ class Runtime:
         return Health(not problems, tuple(problems))
 
     async def _health_monitor(self) -> None:
-        """Turn stale collectors and sinks into events, once per transition each way."""
+        """Turn stale collectors and sinks into events, once per transition each way; keep
+        the event history to its retention."""
+        pruned_at = 0.0
         while True:
             interval = self.heartbeat_settings.interval
             await asyncio.sleep(min(max(interval / 2, 0.2), 5.0))
             self.check_stale()
+            if time.monotonic() - pruned_at >= 3600:
+                pruned_at = time.monotonic()
+                self.prune_history()
+
+    def prune_history(self, now: float | None = None) -> int:
+        """Delete events older than EVENT_RETENTION from the history (not from the outbox,
+        whose own bounds apply). Returns how many went."""
+        cutoff = (time.time() if now is None else now) - EVENT_RETENTION
+        try:
+            return self.store.prune_events(cutoff)
+        except StateStoreError as exc:
+            log.warning("event history not pruned", error=str(exc))
+            return 0
 
     def check_stale(self, now: float | None = None) -> None:
         current = {(item.kind, item.name): item for item in self.stale_items(now)}

@@ -190,32 +190,6 @@ def build(cls: type[T], table: Mapping[str, Any], path: str = "") -> T:
         raise ConfigError(path, str(exc)) from None
 
 
-def describe(cls: type[Any], path: str = "") -> list[tuple[str, str, str, str]]:
-    """(key, type, default, help) rows for documentation and `config check --defaults`."""
-    rows: list[tuple[str, str, str, str]] = []
-    hints = typing.get_type_hints(cls)
-    for spec in dataclasses.fields(cls):
-        if not spec.init:
-            continue
-        key = _join(path, spec.name)
-        annotation = hints[spec.name]
-        if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
-            rows.extend(describe(annotation, key))
-            continue
-        default: Any
-        if spec.default is not dataclasses.MISSING:
-            default = spec.default
-        elif spec.default_factory is not dataclasses.MISSING:
-            default = spec.default_factory()
-        else:
-            default = "(required)"
-        type_text = str(annotation).replace("typing.", "").replace("pathlib.", "")
-        if isinstance(annotation, type):
-            type_text = annotation.__name__
-        rows.append((key, type_text, repr(default), str(spec.metadata.get("help", ""))))
-    return rows
-
-
 def to_table(obj: Any, *, mask_secrets: bool = True) -> dict[str, Any]:
     """A settings object back to plain TOML-like data, secret values masked unless asked."""
     out: dict[str, Any] = {}

@@ -129,3 +129,23 @@ class TestFullDisk:
         finally:
             await runtime.stop()
             store.close()
+
+
+class TestRetention:
+    """The event history keeps EVENT_RETENTION; older events are pruned, queued ones stay."""
+
+    def test_prune_history(self) -> None:
+        import time as clock
+
+        from agent.runtime import EVENT_RETENTION
+        from tests.support.collectors import scripted_runtime
+
+        runtime, _ = scripted_runtime({})
+        now = clock.time()
+        old = Event(source="t", kind="old", severity=Severity.INFO, message="m",
+                    time=now - EVENT_RETENTION - 60)
+        runtime.store.record_event(old, outbox=True)
+        runtime.store.record_event(event("new"), outbox=False)
+        assert runtime.prune_history(now) == 1
+        assert [e.kind for e in runtime.store.recent_events()] == ["new"]
+        assert runtime.store.outbox_depth() == {"event": 1}  # delivery is the outbox's business
