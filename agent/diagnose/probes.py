@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.diagnose.findings import Finding, Status
+from collectors import torch_probe
 
 CONNECT_TIMEOUT = 3.0
 """Seconds for a TCP connect or TLS handshake: a healthy broker on the same network answers in
@@ -209,41 +210,12 @@ TORCH_TIMEOUT = 90.0
 """torch import plus CUDA initialisation took 5.5-8 s on the H200 (FIELD-NOTES.md); a cold page
 cache on network storage can take much longer."""
 
-# Runs in a child interpreter: the agent never imports torch (FIELD-NOTES.md: ~500 MB of host
-# memory for the import, ~800 MB of GPU memory for a context).
-TORCH_PROBE = r"""
-import json, os, warnings
-out = {"pid": os.getpid()}
-try:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            import torch
-        except ImportError as exc:
-            out["missing"] = str(exc)
-        else:
-            out["version"] = torch.__version__
-            out["cuda_build"] = torch.version.cuda
-            out["available"] = bool(torch.cuda.is_available())
-            if out["available"]:
-                count = torch.cuda.device_count()
-                out["device_count"] = count
-                out["arch_list"] = torch.cuda.get_arch_list()
-                out["capabilities"] = [list(torch.cuda.get_device_capability(i)) for i in range(count)]
-                x = torch.ones(4, device="cuda")
-                out["op_ok"] = float((x + 1).sum().item()) == 8.0
-    out["warnings"] = sorted({str(w.message).splitlines()[0] for w in caught})
-except Exception as exc:
-    out["error"] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(out))
-"""
-
 
 async def run_torch_probe(python: str = sys.executable, timeout: float = TORCH_TIMEOUT) -> dict[str, Any]:
     """The child's JSON, or {"error": ...} when it could not give one."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            python, "-c", TORCH_PROBE, stdout=asyncio.subprocess.PIPE,
+            python, torch_probe.__file__, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         )
     except OSError as exc:
