@@ -1,7 +1,7 @@
 """The Prometheus endpoint: /metrics rendered from the last snapshot, /healthz that never lies.
 
-A small asyncio HTTP/1.1 server (one request per connection) so that a scrape is served on the
-agent's own loop and never waits on hardware. Rendering goes through prometheus_client: a
+A small asyncio HTTP/1.1 server (exporters/http.py, one request per connection) so that a
+scrape is served on the agent's own loop and never waits on hardware. Rendering goes through prometheus_client: a
 custom collector builds fresh metric families from the snapshot at each scrape, so series of a
 GPU or a mount that went away do not linger.
 """
@@ -25,6 +25,13 @@ from prometheus_client.process_collector import ProcessCollector
 from agent.model import MetricFamily, MetricType, Sample
 from agent.settings import ConfigError, setting
 from agent.sink import SinkSpec
+from exporters.http import (
+    CONTENT_TYPE,
+    REQUEST_TIMEOUT,
+    Answer,
+    OneShotServer,
+    request_line,
+)
 from exporters.web_auth import (
     BasicAuth,
     UsersFileError,
@@ -38,12 +45,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(component="prometheus")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MAX_REQUEST_BYTES = 8192
-REQUEST_TIMEOUT = 5.0
 """Seconds a client has to send its request, and to take the response."""
-MAX_CONNECTIONS = 32
-"""Connections served at once; over it, a 503 at once (each holds a task and a descriptor)."""
 
 
 def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:
@@ -127,8 +129,7 @@ class PrometheusSink:
         self.scrapes = 0
         self._server: asyncio.Server | None = None
         self._auth: BasicAuth | None = None
-        self._connections = asyncio.Semaphore(MAX_CONNECTIONS)
-        self.open_connections = 0
+        self.http = OneShotServer(self._answer)
         """Connections being served now."""
 
     def families(self) -> Sequence[MetricFamily]:
@@ -160,7 +161,7 @@ class PrometheusSink:
             raise OSError(f"prometheus: {exc}") from None
         try:
             self._server = await asyncio.start_server(
-                self._handle, host, port, ssl=tls,
+                self.http.handle, host, port, ssl=tls,
                 ssl_handshake_timeout=REQUEST_TIMEOUT if tls else None)
         except OSError as exc:
             raise OSError(
@@ -189,43 +190,10 @@ class PrometheusSink:
             return 200, b"ok\n"
         return 503, ("\n".join(health.problems) + "\n").encode()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._connections.locked():
-            # Without a cap, clients that connect and never finish could pin tasks and file
-            # descriptors without bound. Small enough to fit the socket buffer: no drain.
-            writer.write(_response(503, {}, b"too many connections\n"))
-            writer.close()
-            return
-        async with self._connections:
-            self.open_connections += 1
-            try:
-                await self._serve(reader, writer)
-            finally:
-                self.open_connections -= 1
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError, ssl.SSLError):
-            writer.close()
-            return
-        try:
-            if await self._authorized(head):
-                status, headers, body = self.respond(head)
-            else:
-                status, headers, body = 401, {"WWW-Authenticate": 'Basic realm="gpuwarden"'}, (
-                    b"unauthorized\n")
-            writer.write(_response(status, headers, body))
-            # A client that never reads would otherwise hold this task and its socket forever.
-            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
-        except TimeoutError:
-            # close() would wait to flush the unread response first, i.e. forever: abort.
-            writer.transport.abort()
-        except (ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
+    async def _answer(self, head: bytes) -> Answer:
+        if not await self._authorized(head):
+            return 401, {"WWW-Authenticate": 'Basic realm="gpuwarden"'}, b"unauthorized\n"
+        return self.respond(head)
 
     async def _authorized(self, head: bytes) -> bool:
         if self._auth is None:
@@ -243,23 +211,17 @@ class PrometheusSink:
         # bcrypt takes ~0.1-0.3 s: off the loop, so collection and other requests go on.
         return await asyncio.to_thread(self._auth.check, *credentials)
 
-    def respond(self, head: bytes) -> tuple[int, dict[str, str], bytes]:
+    def respond(self, head: bytes) -> Answer:
         """Answer one request head: (status, headers, body)."""
-        if len(head) > MAX_REQUEST_BYTES:
-            return 431, {}, b"request header too large\n"
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        if len(parts) != 3:
-            return 400, {}, b"bad request\n"
-        method, target, _ = parts
+        line = request_line(head)
+        if len(line) == 3:
+            return line
+        method, path = line
         headers = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
+        for header in head.decode("latin-1").split("\r\n")[1:]:
+            name, sep, value = header.partition(":")
             if sep:
                 headers[name.strip().lower()] = value.strip()
-        if method not in ("GET", "HEAD"):
-            return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"
-        path = target.split("?", 1)[0]
         if path == "/metrics":
             started = time.monotonic()
             body = self.metrics_body()
@@ -282,19 +244,6 @@ class PrometheusSink:
                 b"gpuwarden: /metrics (Prometheus), /healthz (200 while collection is fresh)\n"
             )
         return 404, {}, b"not found\n"
-
-
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-            405: "Method Not Allowed", 431: "Request Header Fields Too Large",
-            503: "Service Unavailable"}
-
-
-def _response(status: int, headers: dict[str, str], body: bytes) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
-    merged = {"Content-Type": "text/plain; charset=utf-8", "Content-Length": str(len(body)),
-              **headers, "Connection": "close"}
-    lines += [f"{k}: {v}" for k, v in merged.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
 SPEC = SinkSpec(

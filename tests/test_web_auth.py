@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from agent import config as config_module
 from agent.runtime import Runtime
 from agent.state import StateStore
-from exporters import prometheus
+from exporters import http
 from exporters.prometheus import PrometheusSink
 from exporters.web_auth import (
     BasicAuth,
@@ -234,14 +234,14 @@ class TestEndpointLimits:
             self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
         """A request whose large response is never read is aborted after the timeout."""
         body = b"x" * (16 << 20)  # far more than the socket buffers hold
-        monkeypatch.setattr(prometheus, "REQUEST_TIMEOUT", 0.2)
+        monkeypatch.setattr(http, "REQUEST_TIMEOUT", 0.2)
         monkeypatch.setattr(endpoint, "metrics_body", lambda: body)
         with socket.socket() as client:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             client.connect(endpoint.address)
             client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            await until(lambda: endpoint.open_connections == 1, what="served")
-            await until(lambda: endpoint.open_connections == 0, what="slow client dropped")
+            await until(lambda: endpoint.http.open_connections == 1, what="served")
+            await until(lambda: endpoint.http.open_connections == 0, what="slow client dropped")
 
             def read_all() -> int:
                 client.settimeout(10)
@@ -256,10 +256,10 @@ class TestEndpointLimits:
     async def test_connections_over_the_cap_get_503(
             self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
         """With the cap taken by a silent client, the next connection is answered 503."""
-        monkeypatch.setattr(endpoint, "_connections", asyncio.Semaphore(1))
+        monkeypatch.setattr(endpoint.http, "_slots", asyncio.Semaphore(1))
         with socket.socket() as silent, socket.socket() as late:
             silent.connect(endpoint.address)
-            await until(lambda: endpoint.open_connections == 1, what="silent client served")
+            await until(lambda: endpoint.http.open_connections == 1, what="silent client served")
             late.connect(endpoint.address)
             late.settimeout(10)
             answer = await asyncio.to_thread(late.recv, 1024)

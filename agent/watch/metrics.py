@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from agent import __version__
 from agent.watch.fleet import Fleet, State
-from exporters.prometheus import CONTENT_TYPE, MAX_REQUEST_BYTES, REQUEST_TIMEOUT
+from exporters.http import CONTENT_TYPE, Answer, OneShotServer, request_line
 
 MALFORMED_REASONS = ("bad_topic", "bad_node_id", "too_large", "not_json", "not_object",
                      "bad_field")
@@ -91,9 +91,10 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(FleetCollector(fleet, clock))
         self._server: asyncio.Server | None = None
+        self.http = OneShotServer(self._answer)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self._server = await asyncio.start_server(self.http.handle, self.host, self.port)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -101,35 +102,18 @@ class MetricsServer:
             self._server.close()
             await self._server.wait_closed()
 
-    def respond(self, head: bytes) -> tuple[int, bytes, str]:
-        if len(head) > MAX_REQUEST_BYTES:
-            return 431, b"request header too large\n", "text/plain"
-        parts = head.split(b"\r\n", 1)[0].split(b" ")
-        if len(parts) != 3:
-            return 400, b"bad request\n", "text/plain"
-        if parts[0] not in (b"GET", b"HEAD"):
-            return 405, b"method not allowed\n", "text/plain"
-        path = parts[1].split(b"?", 1)[0]
-        if path == b"/metrics":
-            return 200, generate_latest(self.registry), CONTENT_TYPE
-        if path == b"/healthz":
+    def respond(self, head: bytes) -> Answer:
+        line = request_line(head)
+        if len(line) == 3:
+            return line
+        _, path = line
+        if path == "/metrics":
+            return 200, {"Content-Type": CONTENT_TYPE}, generate_latest(self.registry)
+        if path == "/healthz":
             if self.fleet.connected:
-                return 200, b"ok\n", "text/plain"
-            return 503, b"no broker connection\n", "text/plain"
-        return 404, b"not found\n", "text/plain"
+                return 200, {}, b"ok\n"
+            return 503, {}, b"no broker connection\n"
+        return 404, {}, b"not found\n"
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-            status, body, kind = self.respond(head)
-            reason = {200: "OK", 503: "Service Unavailable", 404: "Not Found"}.get(status, "Error")
-            writer.write(
-                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-            )
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def _answer(self, head: bytes) -> Answer:
+        return self.respond(head)
