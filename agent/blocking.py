@@ -30,6 +30,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         loop.call_soon_threadsafe(fn, *args)
 
 
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
 class PooledCaller:
     """A `BlockingCaller` for one collector, on a thread pool shared by all of them."""
 
@@ -58,9 +63,16 @@ class PooledCaller:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         future = self._executor.submit(fn, *args, **kwargs)
+        waiter = asyncio.wrap_future(future)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout)
-        except TimeoutError:
+            return await asyncio.wait_for(asyncio.shield(waiter), self.timeout)
+        except BaseException as exc:
+            # Timed out, or the round was cancelled (a stop, a reload): the thread finishes
+            # later, and what it raises then must not be logged as "Future exception was
+            # never retrieved".
+            waiter.add_done_callback(_retrieve)
+            if not isinstance(exc, TimeoutError):
+                raise
             self._hung[key] = started
             future.add_done_callback(
                 lambda done: _call_soon(loop, self._recovered, key, started, done)

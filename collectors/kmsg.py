@@ -151,10 +151,11 @@ class KmsgReader:
         """Every record written since the last call (or since the cursor, at start)."""
         if self._fd is None:
             self._fd = self._open()
+        fd = self._fd  # close() may run meanwhile (a stop); this read keeps its descriptor
         batch = ReadBatch(predates_agent=self._first_batch)
         expected = self._last_seq + 1 if self._last_seq >= 0 else None
         while len(batch.records) < MAX_RECORDS_PER_READ:
-            data = self._read_one(self._fd)
+            data = self._read_one(fd)
             if data is None:
                 # The backlog ends at the first EAGAIN, which may be several rounds in when
                 # the ring held more than one round's worth.
