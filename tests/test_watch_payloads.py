@@ -7,6 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.config import NODE_ID
 from agent.watch import payloads
 from agent.watch.payloads import Heartbeat, Malformed, Status, Topic
 
@@ -49,7 +50,7 @@ class TestTopic:
         result = payloads.parse_topic(text, PREFIX)
         assert result is None or isinstance(result, (Topic, Malformed))
         if isinstance(result, Topic):
-            assert payloads.NODE_ID.fullmatch(result.node)
+            assert NODE_ID.fullmatch(result.node)
 
 
 class TestStatus:

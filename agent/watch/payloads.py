@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-"""Host-name-like ids; `_`-led levels (like `_watch`) are the watcher's own namespace."""
+from agent.config import NODE_ID
+
+# NODE_ID (agent.config): the ids an agent accepts for itself are the ids the watcher accepts;
+# `_`-led levels (like `_watch`) are the watcher's own namespace.
 
 MAX_SEQ = 2**63 - 1
 """seq and bdseq are at most a signed 64-bit integer; anything larger is garbage."""

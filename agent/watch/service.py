@@ -31,13 +31,12 @@ from tenacity import (
 )
 
 from agent import __version__
-from agent.config import read_secret
+from agent.config import NODE_ID, read_secret
 from agent.model import Severity
 from agent.settings import ConfigError
 from agent.systemd import Notifier, Supervisor, run_watchdog, watchdog_interval
 from agent.watch.fleet import AlertChange, Fleet
 from agent.watch.metrics import MetricsServer
-from agent.watch.payloads import NODE_ID
 from agent.watch.settings import WatchSettings
 from exporters.prometheus import parse_listen
 
