@@ -28,9 +28,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", type=Path, default=None, metavar="PATH",
+        "--config",
+        type=Path,
+        default=None,
+        metavar="PATH",
         help="configuration file (default: /etc/gpuwarden/gpuwarden.toml if it exists, "
-             "else the embedded defaults)",
+        "else the embedded defaults)",
     )
 
 
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuwarden",
         description="Health agent for GPU hosts: GPUs, kernel log, disks, processes and a "
-                    "matmul benchmark, served to Prometheus and pushed over MQTT.",
+        "matmul benchmark, served to Prometheus and pushed over MQTT.",
     )
     parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -47,9 +47,7 @@ class CallStillHung(Exception):
 
 
 class BlockingCaller(Protocol):
-    async def call(
-        self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
-    ) -> T:
+    async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn(*args)` off the event loop with the collector's call timeout.
 
         `key` names the resource (`"statvfs:/mnt/data"`, `"nvml:gpu0"`): while a call with the

@@ -9,9 +9,7 @@ from agent.settings import setting
 
 @dataclass(frozen=True)
 class HeartbeatSettings:
-    interval: float = setting(
-        15.0, minimum=0.1, maximum=3600.0, help="seconds between heartbeats"
-    )
+    interval: float = setting(15.0, minimum=0.1, maximum=3600.0, help="seconds between heartbeats")
     stale_after_intervals: int = setting(
         3,
         minimum=2,

@@ -95,9 +95,7 @@ class MetricFamily:
         missing = [name for name in self.labels if name not in labels]
         extra = [name for name in labels if name not in self.labels]
         if missing or extra:
-            raise ModelError(
-                f"metric {self.name!r}: labels missing {missing} / unexpected {extra}"
-            )
+            raise ModelError(f"metric {self.name!r}: labels missing {missing} / unexpected {extra}")
         return Sample(self, tuple(labels[name] for name in self.labels), float(value))
 
 

@@ -56,8 +56,15 @@ class Rule:
     whole: bool = False
 
 
-def _rule(kind: str, pattern: str, group: int = 0, flags: int = 0, *,
-          hints: tuple[str, ...], whole: bool = False) -> Rule:
+def _rule(
+    kind: str,
+    pattern: str,
+    group: int = 0,
+    flags: int = 0,
+    *,
+    hints: tuple[str, ...],
+    whole: bool = False,
+) -> Rule:
     return Rule(kind, re.compile(pattern, flags), group, hints, whole)
 
 
@@ -65,12 +72,29 @@ def _rule(kind: str, pattern: str, group: int = 0, flags: int = 0, *,
 # `max_tokens`, `tokenizer` or `author` stay, and tokenizer settings (`pad_token`) are not
 # mistaken for credentials. A numbered key (`password2`) and a few suffixes that still name the
 # secret itself (`SECRET_KEY_BASE`, `client-key-data`) count too.
-_SECRET_KEY_WORDS = "|".join((  # key names, not passwords
-    r"passwd", r"password", r"passphrase", r"secrets?", r"token", r"api[_-]?key", r"apikey",
-    r"access[_-]?key(?:[_-]?id)?", r"secret[_-]?key", r"private[_-]?key(?:[_-]?id)?", r"auth",
-    r"authorization", r"credentials?", r"cookie", r"session[_-]?id", r"signature",
-    r"client[_-]?secret", r"client[_-]?key[_-]?data", r"client[_-]?certificate[_-]?data",
-))
+_SECRET_KEY_WORDS = "|".join(
+    (  # key names, not passwords
+        r"passwd",
+        r"password",
+        r"passphrase",
+        r"secrets?",
+        r"token",
+        r"api[_-]?key",
+        r"apikey",
+        r"access[_-]?key(?:[_-]?id)?",
+        r"secret[_-]?key",
+        r"private[_-]?key(?:[_-]?id)?",
+        r"auth",
+        r"authorization",
+        r"credentials?",
+        r"cookie",
+        r"session[_-]?id",
+        r"signature",
+        r"client[_-]?secret",
+        r"client[_-]?key[_-]?data",
+        r"client[_-]?certificate[_-]?data",
+    )
+)
 _SECRET_KEY_SUFFIX = r"\d*(?:[_-](?:base|value|data|b64|base64))?"  # noqa: S105 (a pattern, not a password)
 # `pass` and `pwd` are also the ends of ordinary words (`bypass`, `compass`): they name a secret
 # only as the whole key or as its last `_`/`.`/`-` separated part (`DB_PASS`, `mqtt.pwd`).
@@ -82,8 +106,10 @@ _NOT_SECRET_KEYS = re.compile(
 # the line, a closing bracket or quote of the structure around it, a comment, a shell operator,
 # a command-line flag or the next `key=` / `key:` pair (`use_auth_token=True push_to_hub=false`).
 # A comma or semicolon ends a word when a space or the line's end follows (`"a": 2, "b": 3`).
-_WORD = (r"""(?:\[REDACTED:[^\]\s]*\]|[^\s"'\[{(\]}),;]|[,;](?![\s"'\]})]|$))"""
-         r"""(?:\[REDACTED:[^\]\s]*\]|[^\s"\[{(\]}),;]|[,;](?![\s"'\]})]|$))*""")
+_WORD = (
+    r"""(?:\[REDACTED:[^\]\s]*\]|[^\s"'\[{(\]}),;]|[,;](?![\s"'\]})]|$))"""
+    r"""(?:\[REDACTED:[^\]\s]*\]|[^\s"\[{(\]}),;]|[,;](?![\s"'\]})]|$))*"""
+)
 _NEXT_WORD = rf"""[ \t]+(?![#|&;<>-]|[A-Za-z0-9_.-]+["']?[ \t]*(?:=|:(?!//)))(?={_WORD})"""
 _VALUE = (
     r"""(?:\[REDACTED:[^\]\s]*\]"""
@@ -112,76 +138,166 @@ TOKEN_RULES: Final[tuple[Rule, ...]] = (
         r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----"
         # An unterminated block (a cut-off log) goes to the end of its base64 lines.
         r"(?:.*?-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----|[^\n]*(?:\n[A-Za-z0-9+/=]+)*)",
-        flags=re.DOTALL, hints=("private key",), whole=True,
+        flags=re.DOTALL,
+        hints=("private key",),
+        whole=True,
     ),
     # The tail of a key whose BEGIN line was cut off (a file included from its last N bytes):
     # the base64 lines that run up to an END line are the key.
     _rule(
         "private_key",
         r"(?m)^(?:[A-Za-z0-9+/=]+\r?\n)+-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----",
-        hints=("private key",), whole=True,
+        hints=("private key",),
+        whole=True,
     ),
-    _rule("aws_access_key_id", r"(?<![A-Za-z0-9])(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|AIPA)[A-Z0-9]{16}(?![A-Za-z0-9])", hints=("akia", "asia", "agpa", "aida", "aroa", "anpa", "aipa")),
-    _rule("github_token", r"(?<![A-Za-z0-9_])(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{30,255}", hints=("ghp_", "gho_", "ghu_", "ghs_", "ghr_")),
-    _rule("github_token", r"(?<![A-Za-z0-9_])github_pat_[A-Za-z0-9_]{22,255}", hints=("github_pat_",)),
-    _rule("gitlab_token", r"(?<![A-Za-z0-9_])gl(?:pat|dt|rt|cbt|ptt)-[A-Za-z0-9_-]{20,}", hints=("glpat-", "gldt-", "glrt-", "glcbt-", "glptt-")),
-    _rule("huggingface_token", r"(?<![A-Za-z0-9_])(?:hf|api_org)_[A-Za-z0-9]{30,}", hints=("hf_", "api_org_")),
+    _rule(
+        "aws_access_key_id",
+        r"(?<![A-Za-z0-9])(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|AIPA)[A-Z0-9]{16}(?![A-Za-z0-9])",
+        hints=("akia", "asia", "agpa", "aida", "aroa", "anpa", "aipa"),
+    ),
+    _rule(
+        "github_token",
+        r"(?<![A-Za-z0-9_])(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{30,255}",
+        hints=("ghp_", "gho_", "ghu_", "ghs_", "ghr_"),
+    ),
+    _rule(
+        "github_token", r"(?<![A-Za-z0-9_])github_pat_[A-Za-z0-9_]{22,255}", hints=("github_pat_",)
+    ),
+    _rule(
+        "gitlab_token",
+        r"(?<![A-Za-z0-9_])gl(?:pat|dt|rt|cbt|ptt)-[A-Za-z0-9_-]{20,}",
+        hints=("glpat-", "gldt-", "glrt-", "glcbt-", "glptt-"),
+    ),
+    _rule(
+        "huggingface_token",
+        r"(?<![A-Za-z0-9_])(?:hf|api_org)_[A-Za-z0-9]{30,}",
+        hints=("hf_", "api_org_"),
+    ),
     _rule("anthropic_key", r"(?<![A-Za-z0-9_-])sk-ant-[A-Za-z0-9_-]{20,}", hints=("sk-ant-",)),
-    _rule("openai_key", r"(?<![A-Za-z0-9_-])sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}", hints=("sk-",)),
+    _rule(
+        "openai_key",
+        r"(?<![A-Za-z0-9_-])sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}",
+        hints=("sk-",),
+    ),
     _rule("slack_token", r"(?<![A-Za-z0-9_])xox[abposre]-[A-Za-z0-9-]{10,}", hints=("xox",)),
-    _rule("slack_webhook", r"https://hooks\.slack\.com/(?:services|workflows)/[A-Za-z0-9/_-]+", hints=("hooks.slack.com",)),
-    _rule("stripe_key", r"(?<![A-Za-z0-9_])(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}", hints=("_live_", "_test_")),
+    _rule(
+        "slack_webhook",
+        r"https://hooks\.slack\.com/(?:services|workflows)/[A-Za-z0-9/_-]+",
+        hints=("hooks.slack.com",),
+    ),
+    _rule(
+        "stripe_key",
+        r"(?<![A-Za-z0-9_])(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}",
+        hints=("_live_", "_test_"),
+    ),
     _rule("npm_token", r"(?<![A-Za-z0-9_])npm_[A-Za-z0-9]{36}", hints=("npm_",)),
     _rule("pypi_token", r"(?<![A-Za-z0-9_])pypi-[A-Za-z0-9_-]{40,}", hints=("pypi-",)),
     _rule("docker_token", r"(?<![A-Za-z0-9_])dckr_pat_[A-Za-z0-9_-]{20,}", hints=("dckr_pat_",)),
     _rule("google_api_key", r"(?<![A-Za-z0-9_])AIza[0-9A-Za-z_-]{35}", hints=("aiza",)),
     _rule("google_oauth_token", r"(?<![A-Za-z0-9_])ya29\.[0-9A-Za-z_-]{20,}", hints=("ya29.",)),
-    _rule("jwt", r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", hints=("eyj",)),
+    _rule(
+        "jwt",
+        r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}",
+        hints=("eyj",),
+    ),
 )
 
 CONTEXT_RULES: Final[tuple[Rule, ...]] = (
     # Azure storage / service bus connection strings and SAS tokens.
-    _rule("azure_key", r"(?i)(?:AccountKey|SharedAccessKey|SharedAccessSignature)=([^;\s\"'<>]+)", 1, hints=("accountkey=", "sharedaccesskey=", "sharedaccesssignature=")),
+    _rule(
+        "azure_key",
+        r"(?i)(?:AccountKey|SharedAccessKey|SharedAccessSignature)=([^;\s\"'<>]+)",
+        1,
+        hints=("accountkey=", "sharedaccesskey=", "sharedaccesssignature="),
+    ),
     _rule("azure_sas", r"(?i)[?&]sig=([^&\s\"'<>]+)", 1, hints=("sig=",)),
     # scheme://user:password@host — the user name stays (it says which account), the password goes.
     # The password runs to the LAST `@` of the authority (`user:p@ss@host`): the host never
     # holds an `@`, a password may.
-    _rule("url_password", r"(?i)\b[a-z][a-z0-9+.-]*://[^/\s:@\"']*:([^/?#\s\"']+)@", 1, hints=("://",)),
+    _rule(
+        "url_password", r"(?i)\b[a-z][a-z0-9+.-]*://[^/\s:@\"']*:([^/?#\s\"']+)@", 1, hints=("://",)
+    ),
     _rule("bearer_token", r"(?i)\bbearer[ \t]+([A-Za-z0-9._~+/=-]{8,})", 1, hints=("bearer",)),
     # W&B keys are 40 hex digits; `wandb login KEY` ends up in shell histories.
-    _rule("wandb_key", r"(?i)\bwandb[ \t]+login[ \t]+(?:--\S+[ \t]+)*([0-9a-f]{40})\b", 1, hints=("wandb",)),
+    _rule(
+        "wandb_key",
+        r"(?i)\bwandb[ \t]+login[ \t]+(?:--\S+[ \t]+)*([0-9a-f]{40})\b",
+        1,
+        hints=("wandb",),
+    ),
     # netrc: machine HOST login USER password SECRET (one line, or one key per line).
-    _rule("netrc_password", r"(?im)(?:^|[ \t])password[ \t]+(?!is\b|for\b|was\b|to\b)([^\s'\"]+)[ \t]*$", 1, hints=("password",)),
-    _rule("netrc_password", r"(?i)\blogin[ \t]+\S+[ \t]+password[ \t]+([^\s'\"]+)", 1, hints=("password",)),
+    _rule(
+        "netrc_password",
+        r"(?im)(?:^|[ \t])password[ \t]+(?!is\b|for\b|was\b|to\b)([^\s'\"]+)[ \t]*$",
+        1,
+        hints=("password",),
+    ),
+    _rule(
+        "netrc_password",
+        r"(?i)\blogin[ \t]+\S+[ \t]+password[ \t]+([^\s'\"]+)",
+        1,
+        hints=("password",),
+    ),
     # Command-line flags: --password X, --hf-token=X, -p is too ambiguous to touch.
     _rule(
         "cli_secret",
         r"(?i)(?<![A-Za-z0-9-])--[a-z0-9-]*(?:password|passwd|token|secret|api-key|apikey)(?:=|[ \t]+)(?!-)(\S+)",
-        1, hints=("--",),
+        1,
+        hints=("--",),
     ),
     # curl -u USER:PASSWORD (and --user); `-u 1000:1000` (docker's uid:gid) is not a password.
-    _rule("cli_secret", r"(?<!\S)(?:-u|--user)(?:=|[ \t]+)[\"']?[^\s:\"']*:(?!\d+(?:[\s\"']|$))([^\s\"']+)",
-          1, hints=("-u",)),
+    _rule(
+        "cli_secret",
+        r"(?<!\S)(?:-u|--user)(?:=|[ \t]+)[\"']?[^\s:\"']*:(?!\d+(?:[\s\"']|$))([^\s\"']+)",
+        1,
+        hints=("-u",),
+    ),
     # mysql -pPASSWORD: the password glued to -p (a separate word after -p is a prompt's answer,
     # never on the line). Only for the MySQL clients: elsewhere -p is a port or a path.
-    _rule("cli_secret", r"(?i:\b(?:mysql|mariadb)[a-z-]*\b)[^\n|;&]*?(?<!\S)-p([^\s-]\S*)",
-          1, hints=("mysql", "mariadb")),
+    _rule(
+        "cli_secret",
+        r"(?i:\b(?:mysql|mariadb)[a-z-]*\b)[^\n|;&]*?(?<!\S)-p([^\s-]\S*)",
+        1,
+        hints=("mysql", "mariadb"),
+    ),
     # <password>x</password> in XML configs (Maven settings, Hadoop site files).
-    _rule("secret_value", rf"(?i)<((?:[A-Za-z0-9_.:-]*?(?:{_SECRET_KEY_WORDS})|{_SHORT_SECRET_KEY}){_SECRET_KEY_SUFFIX})>"
-          r"(?!\[REDACTED:)([^<\n]+)</\1>", 2, hints=("</",)),
-    _rule("aws_secret_key", r"(?i)aws.{0,20}?secret.{0,20}?[=:][ \t]*[\"']?([A-Za-z0-9/+=]{40})(?![A-Za-z0-9/+=])", 1, hints=("aws",)),
+    _rule(
+        "secret_value",
+        rf"(?i)<((?:[A-Za-z0-9_.:-]*?(?:{_SECRET_KEY_WORDS})|{_SHORT_SECRET_KEY}){_SECRET_KEY_SUFFIX})>"
+        r"(?!\[REDACTED:)([^<\n]+)</\1>",
+        2,
+        hints=("</",),
+    ),
+    _rule(
+        "aws_secret_key",
+        r"(?i)aws.{0,20}?secret.{0,20}?[=:][ \t]*[\"']?([A-Za-z0-9/+=]{40})(?![A-Za-z0-9/+=])",
+        1,
+        hints=("aws",),
+    ),
 )
 
 EMAIL_RULE: Final = _rule(
-    "email", r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9-])",
+    "email",
+    r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![A-Za-z0-9-])",
     hints=("@",),
 )
 
 # JSON request logs: values of these keys are what a user typed or a model wrote.
-PROMPT_KEYS: Final = frozenset({
-    "prompt", "prompts", "input", "inputs", "system", "completion", "completions",
-    "instructions", "query", "generated_text", "suffix",
-})
+PROMPT_KEYS: Final = frozenset(
+    {
+        "prompt",
+        "prompts",
+        "input",
+        "inputs",
+        "system",
+        "completion",
+        "completions",
+        "instructions",
+        "query",
+        "generated_text",
+        "suffix",
+    }
+)
 # Inside these containers every "content" / "text" value is conversation text.
 CONVERSATION_KEYS: Final = frozenset({"messages", "choices", "contents", "conversation", "history"})
 TEXT_KEYS: Final = frozenset({"content", "text", "parts"})
@@ -211,8 +327,10 @@ class RedactionReport:
             "by_file": dict(sorted(self.by_file.items())),
             # A list of records, not a dict keyed by file name: a name like `mqtt-password`
             # would read as a secret key to the redactor that runs over this report too.
-            "skipped_files": [{"name": name, "reason": reason}
-                              for name, reason in sorted(self.skipped_files.items())],
+            "skipped_files": [
+                {"name": name, "reason": reason}
+                for name, reason in sorted(self.skipped_files.items())
+            ],
         }
 
 
@@ -227,7 +345,9 @@ class Redactor:
     def __init__(self, extra_literals: tuple[str, ...] = ()) -> None:
         # Literal secrets known to this host (never shorter than 6 characters, so that a short
         # word does not wipe half a log) are replaced wherever they appear.
-        self._literals = tuple(sorted({s for s in extra_literals if len(s) >= 6}, key=len, reverse=True))
+        self._literals = tuple(
+            sorted({s for s in extra_literals if len(s) >= 6}, key=len, reverse=True)
+        )
 
     def redact(self, text: str) -> tuple[str, Counter[str]]:
         counts: Counter[str] = Counter()
@@ -254,8 +374,11 @@ class Redactor:
             text = _apply(rule, text, counts)
         for rule in CONTEXT_RULES:
             text = _apply(rule, text, counts)
-        text = _on_lines(text, _key_value_lines(text),
-                         lambda part: _KEY_VALUE.sub(lambda m: _key_value(m, counts), part))
+        text = _on_lines(
+            text,
+            _key_value_lines(text),
+            lambda part: _KEY_VALUE.sub(lambda m: _key_value(m, counts), part),
+        )
         return _apply(EMAIL_RULE, text, counts)
 
     # -- prompts in JSON ------------------------------------------------------------------------
@@ -272,10 +395,14 @@ class Redactor:
                 new = _walk(data, counts, in_conversation=False)
                 if counts["prompt"] == before:
                     return text
-                return json.dumps(new, ensure_ascii=False, indent=2) + ("\n" if text.endswith("\n") else "")
+                return json.dumps(new, ensure_ascii=False, indent=2) + (
+                    "\n" if text.endswith("\n") else ""
+                )
         if '"' not in text:
             return text
-        return "".join(self._redact_json_line(line, counts) for line in text.splitlines(keepends=True))
+        return "".join(
+            self._redact_json_line(line, counts) for line in text.splitlines(keepends=True)
+        )
 
     def _redact_json_line(self, line: str, counts: Counter[str]) -> str:
         start = line.find("{")
@@ -364,7 +491,7 @@ def _apply(rule: Rule, text: str, counts: Counter[str]) -> str:
         counts[rule.kind] += 1
         start, end = match.span(rule.group)
         offset = match.start()
-        return whole[: start - offset] + marker(rule.kind) + whole[end - offset:]
+        return whole[: start - offset] + marker(rule.kind) + whole[end - offset :]
 
     return _on_lines(text, _hint_spans(text, rule), lambda part: rule.pattern.sub(replace, part))
 
@@ -410,7 +537,9 @@ def _walk(node: Any, counts: Counter[str], *, in_conversation: bool) -> Any:
             if is_text and (lowered in PROMPT_KEYS or (in_conversation and lowered in TEXT_KEYS)):
                 out[key] = _blank(value, counts)
             else:
-                out[key] = _walk(value, counts, in_conversation=in_conversation or lowered in CONVERSATION_KEYS)
+                out[key] = _walk(
+                    value, counts, in_conversation=in_conversation or lowered in CONVERSATION_KEYS
+                )
         return out
     if isinstance(node, list):
         return [_walk(item, counts, in_conversation=in_conversation) for item in node]
@@ -431,6 +560,7 @@ def _blank(value: Any, counts: Counter[str]) -> Any:
         return [_blank(v, counts) for v in value]
     if isinstance(value, dict):
         # Content parts ({"type": "text", "text": ...}): keep the type, blank the text.
-        return {k: (v if k in ("type", "role", "name") else _blank(v, counts)) for k, v in value.items()}
+        return {
+            k: (v if k in ("type", "role", "name") else _blank(v, counts)) for k, v in value.items()
+        }
     return value
-

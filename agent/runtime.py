@@ -68,7 +68,9 @@ async def cancel_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
         pending = [task for task in pending if not task.done()]
     for task in tasks:
         if not task.cancelled() and task.exception() is not None:
-            log.warning("task ended with an error", task=task.get_name(), error=repr(task.exception()))
+            log.warning(
+                "task ended with an error", task=task.get_name(), error=repr(task.exception())
+            )
 
 
 EVENT_RETENTION = 30 * 86400.0
@@ -161,8 +163,14 @@ class Runtime:
         """What the health monitor last found stale: (collector|sink, name) -> item."""
         for problem in store.problems:
             self._pending_events.append(
-                Event(source="state", kind=problem.kind, severity=Severity.CRITICAL,
-                      message=problem.message, action=problem.action, subject=str(config.state_dir))
+                Event(
+                    source="state",
+                    kind=problem.kind,
+                    severity=Severity.CRITICAL,
+                    message=problem.message,
+                    action=problem.action,
+                    subject=str(config.state_dir),
+                )
             )
 
     # -- events -----------------------------------------------------------------------------
@@ -204,11 +212,18 @@ class Runtime:
         self.events_by_key[(event.source, event.kind, event.severity.label)] += 1
         self.recent_events.append(event)
         logger = log.bind(source=event.source)
-        level = "info" if event.severity is Severity.INFO else (
-            "warning" if event.severity is Severity.WARNING else "error")
+        level = (
+            "info"
+            if event.severity is Severity.INFO
+            else ("warning" if event.severity is Severity.WARNING else "error")
+        )
         getattr(logger, level)(
-            event.message, kind=event.kind, severity=event.severity.label, subject=event.subject,
-            action=event.action, event_id=event.id,
+            event.message,
+            kind=event.kind,
+            severity=event.severity.label,
+            subject=event.subject,
+            action=event.action,
+            event_id=event.id,
         )
         for listener in self._listeners:
             try:
@@ -236,20 +251,32 @@ class Runtime:
         caller = PooledCaller(
             executor,
             settings.timeout,
-            on_hang=lambda key, timeout: self.emit(Event(
-                source=name, kind="call_hung", severity=Severity.WARNING, subject=key,
-                message=f"{name}: call {key} did not return within {timeout:g} s; "
-                        "it is not retried until it returns",
-                action="look for a hung driver, device or network mount behind " + key,
-            )),
-            on_recover=lambda key, took: self.emit(Event(
-                source=name, kind="call_recovered", severity=Severity.INFO, subject=key,
-                message=f"{name}: call {key} returned after {took:.1f} s",
-            )),
+            on_hang=lambda key, timeout: self.emit(
+                Event(
+                    source=name,
+                    kind="call_hung",
+                    severity=Severity.WARNING,
+                    subject=key,
+                    message=f"{name}: call {key} did not return within {timeout:g} s; "
+                    "it is not retried until it returns",
+                    action="look for a hung driver, device or network mount behind " + key,
+                )
+            ),
+            on_recover=lambda key, took: self.emit(
+                Event(
+                    source=name,
+                    kind="call_recovered",
+                    severity=Severity.INFO,
+                    subject=key,
+                    message=f"{name}: call {key} returned after {took:.1f} s",
+                )
+            ),
         )
         status = CollectorStatus(name, settings, collector, caller, executor)
         self.collectors[name] = status
-        self.supervisor.register(f"collector:{name}", max(settings.interval, settings.timeout) * 3 + 5)
+        self.supervisor.register(
+            f"collector:{name}", max(settings.interval, settings.timeout) * 3 + 5
+        )
 
     async def _collector_loop(self, status: CollectorStatus) -> None:
         loop = asyncio.get_running_loop()
@@ -270,8 +297,9 @@ class Runtime:
                 next_at = now + interval - ((now - next_at) % interval)
             await asyncio.sleep(next_at - now)
 
-    async def _run_round(self, status: CollectorStatus, round_number: int,
-                         logger: structlog.stdlib.BoundLogger) -> None:
+    async def _run_round(
+        self, status: CollectorStatus, round_number: int, logger: structlog.stdlib.BoundLogger
+    ) -> None:
         ctx = CollectContext(caller=status.caller, now=time.time(), round=round_number)
         started = time.monotonic()
         status.last_attempt = ctx.now
@@ -352,15 +380,21 @@ class Runtime:
 
     async def stop(self) -> None:
         monitor = [self._monitor_task] if self._monitor_task is not None else []
-        await cancel_tasks([s.task for s in self.collectors.values() if s.task is not None]
-                           + monitor)
+        await cancel_tasks(
+            [s.task for s in self.collectors.values() if s.task is not None] + monitor
+        )
         # Sinks say goodbye (MQTT offline) and collectors close side by side, each bounded,
         # so the whole stop stays inside systemd's and the contract's 5 seconds.
-        await asyncio.gather(*(_bounded(sink.stop(), 2.0, "sink", sink.name)
-                               for sink in self.sinks.values()))
+        await asyncio.gather(
+            *(_bounded(sink.stop(), 2.0, "sink", sink.name) for sink in self.sinks.values())
+        )
         await cancel_tasks(list(self._sink_tasks.values()))
-        await asyncio.gather(*(_bounded(status.collector.close(), 1.5, "collector", name)
-                               for name, status in self.collectors.items()))
+        await asyncio.gather(
+            *(
+                _bounded(status.collector.close(), 1.5, "collector", name)
+                for name, status in self.collectors.items()
+            )
+        )
         self.flush_events()
         for status in self.collectors.values():
             status.executor.shutdown(wait=False, cancel_futures=True)
@@ -418,16 +452,25 @@ class Runtime:
             limit = status.settings.interval * rounds + status.settings.timeout
             since = status.last_success or status.started
             if now - since > limit:
-                items.append(StaleItem("collector", status.name, now - since,
-                                       status.last_error or "no successful round"))
+                items.append(
+                    StaleItem(
+                        "collector",
+                        status.name,
+                        now - since,
+                        status.last_error or "no successful round",
+                    )
+                )
         for name, sink in self.sinks.items():
             if sink.expected_interval is None:
                 continue
             entry = self.ledger.get(name, SinkLedger())
             since = entry.last_delivery or self.started
             if now - since > sink.expected_interval * rounds:
-                items.append(StaleItem("sink", name, now - since,
-                                       entry.last_failure or "no confirmed delivery"))
+                items.append(
+                    StaleItem(
+                        "sink", name, now - since, entry.last_failure or "no confirmed delivery"
+                    )
+                )
         return items
 
     def health(self, now: float | None = None) -> Health:
@@ -436,8 +479,10 @@ class Runtime:
             problems.extend(sink.problems())
         failure = self.store.last_write_failure
         if failure is not None and (time.time() if now is None else now) - failure[0] < 300:
-            problems.append(f"state store cannot write ({failure[1]}): is the disk of "
-                            f"{self.config.state_dir} full?")
+            problems.append(
+                f"state store cannot write ({failure[1]}): is the disk of "
+                f"{self.config.state_dir} full?"
+            )
         if any(p.kind == "state_store_unwritable" for p in self.store.problems):
             problems.append("state store is in memory (state dir unusable)")
         return Health(not problems, tuple(problems))
@@ -468,19 +513,32 @@ class Runtime:
         current = {(item.kind, item.name): item for item in self.stale_items(now)}
         for key, item in current.items():
             if key not in self.stale:
-                self.emit(Event(
-                    source="runtime", kind=f"{item.kind}_stale", severity=Severity.WARNING,
-                    subject=item.name, message=item.problem(),
-                    action=(f"read the agent's log for collector {item.name}" if item.kind ==
-                            "collector" else f"check the {item.name} sink's delivery path"),
-                    attributes={"seconds": round(item.seconds, 1), "reason": item.reason},
-                ))
+                self.emit(
+                    Event(
+                        source="runtime",
+                        kind=f"{item.kind}_stale",
+                        severity=Severity.WARNING,
+                        subject=item.name,
+                        message=item.problem(),
+                        action=(
+                            f"read the agent's log for collector {item.name}"
+                            if item.kind == "collector"
+                            else f"check the {item.name} sink's delivery path"
+                        ),
+                        attributes={"seconds": round(item.seconds, 1), "reason": item.reason},
+                    )
+                )
         for key, item in self.stale.items():
             if key not in current:
-                self.emit(Event(
-                    source="runtime", kind=f"{item.kind}_recovered", severity=Severity.INFO,
-                    subject=item.name, message=f"{item.kind} {item.name} is delivering again",
-                ))
+                self.emit(
+                    Event(
+                        source="runtime",
+                        kind=f"{item.kind}_recovered",
+                        severity=Severity.INFO,
+                        subject=item.name,
+                        message=f"{item.kind} {item.name} is delivering again",
+                    )
+                )
         self.stale = current
 
     @property
@@ -505,4 +563,3 @@ class Runtime:
         for sink in self.sinks.values():
             out.extend(sink.samples())
         return out
-

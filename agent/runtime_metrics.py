@@ -18,24 +18,41 @@ G, C = MetricType.GAUGE, MetricType.COUNTER
 BUILD_INFO = MetricFamily(
     "gpuwarden_build_info", G, "gpuwarden version and Python, always 1", ("version", "python")
 )
-NODE_INFO = MetricFamily("gpuwarden_node_info", G, "The node id this agent reports as, always 1", ("node",))
+NODE_INFO = MetricFamily(
+    "gpuwarden_node_info", G, "The node id this agent reports as, always 1", ("node",)
+)
 START_TIME = MetricFamily(
-    "gpuwarden_start_time_seconds", G, "When the agent started, seconds since the epoch", unit="seconds"
+    "gpuwarden_start_time_seconds",
+    G,
+    "When the agent started, seconds since the epoch",
+    unit="seconds",
 )
 COLLECTOR_SUCCESS = MetricFamily(
-    "gpuwarden_collector_success", G, "1 if the collector's last round succeeded, else 0", ("collector",)
+    "gpuwarden_collector_success",
+    G,
+    "1 if the collector's last round succeeded, else 0",
+    ("collector",),
 )
 COLLECTOR_DURATION = MetricFamily(
-    "gpuwarden_collector_duration_seconds", G, "Wall time of the collector's last round",
-    ("collector",), "seconds",
+    "gpuwarden_collector_duration_seconds",
+    G,
+    "Wall time of the collector's last round",
+    ("collector",),
+    "seconds",
 )
 COLLECTOR_LAST_SUCCESS = MetricFamily(
-    "gpuwarden_collector_last_success_timestamp_seconds", G,
-    "When the collector last succeeded, seconds since the epoch", ("collector",), "seconds",
+    "gpuwarden_collector_last_success_timestamp_seconds",
+    G,
+    "When the collector last succeeded, seconds since the epoch",
+    ("collector",),
+    "seconds",
 )
 COLLECTOR_INTERVAL = MetricFamily(
-    "gpuwarden_collector_interval_seconds", G, "The collector's configured interval",
-    ("collector",), "seconds",
+    "gpuwarden_collector_interval_seconds",
+    G,
+    "The collector's configured interval",
+    ("collector",),
+    "seconds",
 )
 COLLECTOR_RUNS = MetricFamily(
     "gpuwarden_collector_runs_total", C, "Collection rounds started", ("collector",)
@@ -44,18 +61,24 @@ COLLECTOR_FAILURES = MetricFamily(
     "gpuwarden_collector_failures_total", C, "Collection rounds that failed", ("collector",)
 )
 COLLECTOR_HUNG = MetricFamily(
-    "gpuwarden_collector_hung_calls", G,
-    "Blocking calls of the collector still running past their timeout", ("collector",),
+    "gpuwarden_collector_hung_calls",
+    G,
+    "Blocking calls of the collector still running past their timeout",
+    ("collector",),
 )
 EVENTS = MetricFamily(
-    "gpuwarden_events_total", C, "Events raised since the agent started",
+    "gpuwarden_events_total",
+    C,
+    "Events raised since the agent started",
     ("source", "kind", "severity"),
 )
 HEALTH = MetricFamily(
     "gpuwarden_health_ok", G, "1 while collection and delivery are fresh (see /healthz), else 0"
 )
 STATE_DURABLE = MetricFamily(
-    "gpuwarden_state_store_durable", G, "1 if the state store is on disk, 0 if it fell back to memory"
+    "gpuwarden_state_store_durable",
+    G,
+    "1 if the state store is on disk, 0 if it fell back to memory",
 )
 STATE_WRITE_FAILURES = MetricFamily(
     "gpuwarden_state_store_write_failures_total", C, "Failed writes to the state store"
@@ -64,14 +87,18 @@ SINK_UP = MetricFamily(
     "gpuwarden_sink_up", G, "1 if the sink's last delivery attempt succeeded", ("sink",)
 )
 SINK_LAST_DELIVERY = MetricFamily(
-    "gpuwarden_sink_last_delivery_timestamp_seconds", G,
-    "When the sink last confirmed a delivery (MQTT PUBACK, a scrape served)", ("sink",), "seconds",
+    "gpuwarden_sink_last_delivery_timestamp_seconds",
+    G,
+    "When the sink last confirmed a delivery (MQTT PUBACK, a scrape served)",
+    ("sink",),
+    "seconds",
 )
 SINK_FAILURES = MetricFamily(
     "gpuwarden_sink_failures_total", C, "Delivery failures of the sink", ("sink",)
 )
 STALE = MetricFamily(
-    "gpuwarden_stale", G,
+    "gpuwarden_stale",
+    G,
     "1 while a collector has not succeeded, or a sink not delivered, for the stale limit",
     ("kind", "name"),
 )
@@ -83,10 +110,24 @@ class RuntimeMetrics:
 
     def families(self) -> tuple[MetricFamily, ...]:
         return (
-            BUILD_INFO, NODE_INFO, START_TIME, COLLECTOR_SUCCESS, COLLECTOR_DURATION,
-            COLLECTOR_LAST_SUCCESS, COLLECTOR_INTERVAL, COLLECTOR_RUNS, COLLECTOR_FAILURES,
-            COLLECTOR_HUNG, EVENTS, HEALTH, STATE_DURABLE, STATE_WRITE_FAILURES, SINK_UP,
-            SINK_LAST_DELIVERY, SINK_FAILURES, STALE,
+            BUILD_INFO,
+            NODE_INFO,
+            START_TIME,
+            COLLECTOR_SUCCESS,
+            COLLECTOR_DURATION,
+            COLLECTOR_LAST_SUCCESS,
+            COLLECTOR_INTERVAL,
+            COLLECTOR_RUNS,
+            COLLECTOR_FAILURES,
+            COLLECTOR_HUNG,
+            EVENTS,
+            HEALTH,
+            STATE_DURABLE,
+            STATE_WRITE_FAILURES,
+            SINK_UP,
+            SINK_LAST_DELIVERY,
+            SINK_FAILURES,
+            STALE,
         )
 
     def samples(self) -> Iterator[Sample]:

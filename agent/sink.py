@@ -60,4 +60,3 @@ class SinkSpec(Generic[S]):
 
 
 EventListener = Callable[[Event], None]
-

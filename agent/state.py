@@ -97,7 +97,9 @@ def _migrate(conn: sqlite3.Connection) -> int:
             f"understands ({SCHEMA_VERSION}); was it written by a newer release?"
         )
     while version < SCHEMA_VERSION:
-        conn.executescript(f"BEGIN;\n{MIGRATIONS[version]}\nPRAGMA user_version = {version + 1};\nCOMMIT;")
+        conn.executescript(
+            f"BEGIN;\n{MIGRATIONS[version]}\nPRAGMA user_version = {version + 1};\nCOMMIT;"
+        )
         version += 1
     return version
 
@@ -128,7 +130,9 @@ def _open_checked(path: Path) -> sqlite3.Connection:
 class StateStore:
     """Thread-safe: one connection behind a lock (writes are small and rare)."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path | None, problems: Sequence[StoreProblem]):
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path | None, problems: Sequence[StoreProblem]
+    ):
         self._conn = conn
         self._lock = threading.Lock()
         self.path = path
@@ -177,7 +181,9 @@ class StateStore:
                     f"make {state_dir} writable by the gpuwarden user, or set state_dir",
                 )
             )
-            log.error("state store unusable, using memory", state_dir=str(state_dir), error=str(exc))
+            log.error(
+                "state store unusable, using memory", state_dir=str(state_dir), error=str(exc)
+            )
             return cls.in_memory(problems)
 
     @classmethod
@@ -250,8 +256,10 @@ class StateStore:
     def record_events(self, events: Sequence[Event], *, outbox: bool) -> None:
         """Store events, and queue them for delivery, in one transaction (a burst of events
         costs one commit, not one each)."""
-        rows = [(e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
-                for e in events]
+        rows = [
+            (e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
+            for e in events
+        ]
         queued = time.time()
         with self._lock:
             try:
@@ -274,9 +282,13 @@ class StateStore:
                 with contextlib.suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
                 ids = ", ".join(e.id for e in events[:3])
-                raise StateStoreError(f"cannot store {len(events)} event(s) ({ids}...): {exc}") from exc
+                raise StateStoreError(
+                    f"cannot store {len(events)} event(s) ({ids}...): {exc}"
+                ) from exc
 
-    def recent_events(self, limit: int = 100, min_severity: Severity = Severity.INFO) -> list[Event]:
+    def recent_events(
+        self, limit: int = 100, min_severity: Severity = Severity.INFO
+    ) -> list[Event]:
         rows = self._read(
             "SELECT body FROM events WHERE severity >= ? ORDER BY time DESC LIMIT ?",
             (int(min_severity), limit),
@@ -298,7 +310,9 @@ class StateStore:
             "SELECT seq, kind, key, created, payload FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?",
             (after_seq, limit),
         )
-        return [OutboxEntry(int(s), str(k), str(key), float(c), bytes(p)) for s, k, key, c, p in rows]
+        return [
+            OutboxEntry(int(s), str(k), str(key), float(c), bytes(p)) for s, k, key, c, p in rows
+        ]
 
     def outbox_ack(self, seqs: Sequence[int]) -> None:
         if seqs:
@@ -313,7 +327,9 @@ class StateStore:
 
     def outbox_usage(self) -> tuple[int, int]:
         """(entries, payload bytes) in the outbox."""
-        (count, size), = self._read("SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM outbox")
+        ((count, size),) = self._read(
+            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM outbox"
+        )
         return int(count), int(size)
 
     def outbox_oldest(self, kind: str, limit: int, skip_newest: int = 0) -> list[tuple[int, int]]:
@@ -333,7 +349,8 @@ class StateStore:
                 self._conn.execute("BEGIN IMMEDIATE")
                 rows = self._conn.execute(
                     "SELECT kind, COUNT(*) FROM outbox WHERE created < ? GROUP BY kind",
-                    (created_before,)).fetchall()
+                    (created_before,),
+                ).fetchall()
                 self._conn.execute("DELETE FROM outbox WHERE created < ?", (created_before,))
                 self._conn.execute("COMMIT")
             except sqlite3.Error as exc:

@@ -64,10 +64,17 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-"))
     port = free_port()
-    (work / "c.toml").write_text(f'state_dir = "{work}/state"\n[prometheus]\nlisten = "127.0.0.1:{port}"\n')
+    (work / "c.toml").write_text(
+        f'state_dir = "{work}/state"\n[prometheus]\nlisten = "127.0.0.1:{port}"\n'
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    agent = subprocess.Popen([sys.executable, "-m", "agent", "run", "--config", str(work / "c.toml")],
-                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--config", str(work / "c.toml")],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     exporter = None
     try:
         wait_for_port(port, 30)
@@ -76,17 +83,34 @@ def main() -> int:
         elapsed = time.monotonic() - started
         agent_rss, agent_cpu = rss_bytes(agent.pid), cpu_seconds(agent.pid)
         agent_scrape, agent_size = scrape_cost(agent.pid, port, args.scrapes)
-        rows = [("gpuwarden run", f"{agent_rss / 2**20:.1f}", f"{agent_cpu:.2f} in {elapsed:.0f} s",
-                 f"{agent_scrape * 1000:.2f}", f"{agent_size}")]
+        rows = [
+            (
+                "gpuwarden run",
+                f"{agent_rss / 2**20:.1f}",
+                f"{agent_cpu:.2f} in {elapsed:.0f} s",
+                f"{agent_scrape * 1000:.2f}",
+                f"{agent_size}",
+            )
+        ]
         binary = shutil.which("prometheus-node-exporter")
         if binary:
             node_port = free_port()
-            exporter = subprocess.Popen([binary, f"--web.listen-address=127.0.0.1:{node_port}"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            exporter = subprocess.Popen(
+                [binary, f"--web.listen-address=127.0.0.1:{node_port}"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             wait_for_port(node_port, 30)
             node_scrape, node_size = scrape_cost(exporter.pid, node_port, args.scrapes)
-            rows.append(("prometheus-node-exporter (defaults)", f"{rss_bytes(exporter.pid) / 2**20:.1f}",
-                         "-", f"{node_scrape * 1000:.2f}", f"{node_size}"))
+            rows.append(
+                (
+                    "prometheus-node-exporter (defaults)",
+                    f"{rss_bytes(exporter.pid) / 2**20:.1f}",
+                    "-",
+                    f"{node_scrape * 1000:.2f}",
+                    f"{node_size}",
+                )
+            )
         else:
             rows.append(("prometheus-node-exporter", "not installed", "-", "-", "-"))
     finally:

@@ -64,9 +64,22 @@ print(json.dumps({"tflops": 2 * size**3 * iterations / median / 1e12, "median_se
 def plain_loop(device: str, env: dict[str, str], request: Request, iterations: int) -> float:
     profile = request.profile
     done = subprocess.run(
-        [sys.executable, "-c", PLAIN_LOOP, device, profile.dtype, profile.matmul_precision,
-         str(request.size), str(iterations), str(request.samples)],
-        capture_output=True, text=True, check=True, env={**os.environ, **env}, timeout=600,
+        [
+            sys.executable,
+            "-c",
+            PLAIN_LOOP,
+            device,
+            profile.dtype,
+            profile.matmul_precision,
+            str(request.size),
+            str(iterations),
+            str(request.samples),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+        timeout=600,
     )
     return float(json.loads(done.stdout.strip().splitlines()[-1])["tflops"])
 
@@ -98,16 +111,20 @@ async def measure(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     for run in range(args.runs):
         outcome = await runner.run(child_arguments(request), env)
         if outcome.record is None:
-            raise SystemExit(f"benchmark failed: {outcome.failure} {outcome.message}\n"
-                             f"{outcome.stderr_tail}")
+            raise SystemExit(
+                f"benchmark failed: {outcome.failure} {outcome.message}\n{outcome.stderr_tail}"
+            )
         record = outcome.record
         bench_tflops.append(float(record["estimated_tflops"]))
         walls.append(outcome.wall_seconds)
         plain_tflops.append(plain_loop(device, env, request, int(record["iterations"])))
-        print(f"run {run + 1}: benchmark {bench_tflops[-1]:.3f} TFLOP/s "
-              f"(x{record['iterations']}, window {record['median_seconds']:.3f} s, "
-              f"correct={record['correct']}, max error {record['max_error']:.2g}), "
-              f"plain loop {plain_tflops[-1]:.3f}, wall {walls[-1]:.2f} s", flush=True)
+        print(
+            f"run {run + 1}: benchmark {bench_tflops[-1]:.3f} TFLOP/s "
+            f"(x{record['iterations']}, window {record['median_seconds']:.3f} s, "
+            f"correct={record['correct']}, max error {record['max_error']:.2g}), "
+            f"plain loop {plain_tflops[-1]:.3f}, wall {walls[-1]:.2f} s",
+            flush=True,
+        )
     bench_median, plain_median = statistics.median(bench_tflops), statistics.median(plain_tflops)
     ratio = bench_median / plain_median
     cv = statistics.stdev(bench_tflops) / statistics.mean(bench_tflops) if args.runs > 1 else 0.0

@@ -67,6 +67,7 @@ class TimedLibrary:
                 return target(*args, **kwargs)
             finally:
                 self.times.setdefault(name, []).append(time.perf_counter() - start)
+
         return timed
 
 
@@ -74,8 +75,10 @@ def print_calls(lib: TimedLibrary, rounds: int) -> None:
     print(f"\n{'NVML call':<44} {'median us':>9} {'per round':>9} {'total ms':>9}")
     rows = sorted(lib.times.items(), key=lambda item: -sum(item[1]))
     for name, times in rows:
-        print(f"{name:<44} {statistics.median(times) * 1e6:>9.1f} {len(times) / rounds:>9.1f} "
-              f"{sum(times) / rounds * 1e3:>9.3f}")
+        print(
+            f"{name:<44} {statistics.median(times) * 1e6:>9.1f} {len(times) / rounds:>9.1f} "
+            f"{sum(times) / rounds * 1e3:>9.3f}"
+        )
 
 
 @dataclass
@@ -111,8 +114,9 @@ async def time_rounds(backend: NvmlBackend, runs: int, advance: float, label: st
     parts are due (1 s: fast reads only; 100000 s: static and slow reads every round)."""
     shared = SharedServices()
     shared.put(NvmlBackend, backend)
-    deps = CollectorDeps("bench", Path("/nonexistent"), MemoryKeyValueStore(), shared,
-                         lambda event: None)
+    deps = CollectorDeps(
+        "bench", Path("/nonexistent"), MemoryKeyValueStore(), shared, lambda event: None
+    )
     collector = GpuCollector(GpuSettings(event_thread=False), deps)
     executor = concurrent.futures.ThreadPoolExecutor(8)
     caller = PooledCaller(executor, 5.0)

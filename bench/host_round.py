@@ -66,9 +66,14 @@ def sleepers(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     children: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(count):
-            children.append(subprocess.Popen(
-                ["sleep", "3600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL))
+            children.append(
+                subprocess.Popen(
+                    ["sleep", "3600"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         yield children
     finally:
         for child in children:
@@ -81,9 +86,16 @@ def sleepers(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
 def node_exporter() -> Iterator[tuple[int, int]]:
     port = free_port()
     proc = subprocess.Popen(
-        [NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}", "--collector.disable-defaults",
-         "--collector.processes", "--collector.filesystem"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            NODE_EXPORTER,
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--collector.disable-defaults",
+            "--collector.processes",
+            "--collector.filesystem",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_for_port(port)
         yield proc.pid, port
@@ -122,8 +134,9 @@ class HostRound:
     def __init__(self, scan_threads: bool) -> None:
         self.executor = concurrent.futures.ThreadPoolExecutor(4)
         events: list[Event] = []
-        deps = CollectorDeps("bench", Path("/tmp"), MemoryKeyValueStore(), SharedServices(),
-                             events.append)
+        deps = CollectorDeps(
+            "bench", Path("/tmp"), MemoryKeyValueStore(), SharedServices(), events.append
+        )
         self.collectors = [
             DISK_SPEC.make(DISK_SPEC.defaults(), deps),
             PROCESSES_SPEC.make(PROCESSES_SPEC.defaults().replace(scan_threads=scan_threads), deps),
@@ -151,8 +164,12 @@ class HostRound:
             registry = CollectorRegistry()
             registry.register(_Snapshot(self.families, samples))
             body = generate_latest(registry)
-        return ((time.process_time() - cpu0) / rounds, (time.perf_counter() - wall0) / rounds,
-                len(samples), len(body))
+        return (
+            (time.process_time() - cpu0) / rounds,
+            (time.perf_counter() - wall0) / rounds,
+            len(samples),
+            len(body),
+        )
 
 
 def measure_exporter(pid: int, port: int, scrapes: int) -> tuple[float, float, int, int]:
@@ -186,17 +203,25 @@ async def run(args: argparse.Namespace) -> None:
     with_threads.executor.shutdown()
     without_threads.executor.shutdown()
     rusage = resource.getrusage(resource.RUSAGE_SELF)
-    print(f"processes on the host during the run: {total} ({args.processes} sleepers spawned); "
-          f"{args.blocks} blocks x {args.per_block} rounds/scrapes; CPU {os.cpu_count()} cores")
+    print(
+        f"processes on the host during the run: {total} ({args.processes} sleepers spawned); "
+        f"{args.blocks} blocks x {args.per_block} rounds/scrapes; CPU {os.cpu_count()} cores"
+    )
     print()
-    print(f"{'':36} {'CPU ms/round':>13} {'(min..max)':>16} {'wall ms':>9} {'series':>7} {'bytes':>8}")
-    for name, rows in (("gpuwarden disk+processes+system", ours),
-                       ("  same, scan_threads = false", ours_lean),
-                       ("node_exporter processes+filesystem", theirs)):
+    print(
+        f"{'':36} {'CPU ms/round':>13} {'(min..max)':>16} {'wall ms':>9} {'series':>7} {'bytes':>8}"
+    )
+    for name, rows in (
+        ("gpuwarden disk+processes+system", ours),
+        ("  same, scan_threads = false", ours_lean),
+        ("node_exporter processes+filesystem", theirs),
+    ):
         cpu = [r[0] * 1000 for r in rows]
         wall = statistics.median(r[1] * 1000 for r in rows)
-        print(f"{name:36} {statistics.median(cpu):13.1f} "
-              f"{f'({min(cpu):.1f}..{max(cpu):.1f})':>16} {wall:9.1f} {rows[-1][2]:7d} {rows[-1][3]:8d}")
+        print(
+            f"{name:36} {statistics.median(cpu):13.1f} "
+            f"{f'({min(cpu):.1f}..{max(cpu):.1f})':>16} {wall:9.1f} {rows[-1][2]:7d} {rows[-1][3]:8d}"
+        )
     print()
     print(f"this process's max RSS: {rusage.ru_maxrss / 1024:.0f} MiB")
 
@@ -210,8 +235,9 @@ def main() -> int:
     if not 0 <= args.processes <= MAX_PROCESSES:
         parser.error(f"--processes must be 0..{MAX_PROCESSES}")
     if not os.access(NODE_EXPORTER, os.X_OK):
-        print(f"{NODE_EXPORTER} is missing: apt-get install prometheus-node-exporter",
-              file=sys.stderr)
+        print(
+            f"{NODE_EXPORTER} is missing: apt-get install prometheus-node-exporter", file=sys.stderr
+        )
         return 1
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -60,19 +60,28 @@ def summarise(path: Path) -> None:
     lines = path.read_text(errors="replace").splitlines()
     findings = Counter(f.kind for f in matchers.scan(counted(parse_lines(lines, stats))))
     nvrm = sum(1 for line in lines if "NVRM" in line)
-    print(f"{path.name}: {stats.lines} lines, {stats.records} records, {stats.malformed} "
-          f"malformed {stats.malformed_examples[:2]}, shapes {dict(shapes)}, NVRM lines {nvrm}, "
-          f"findings {dict(findings)}, ignored {dict(matchers.ignored)}")
+    print(
+        f"{path.name}: {stats.lines} lines, {stats.records} records, {stats.malformed} "
+        f"malformed {stats.malformed_examples[:2]}, shapes {dict(shapes)}, NVRM lines {nvrm}, "
+        f"findings {dict(findings)}, ignored {dict(matchers.ignored)}"
+    )
 
 
 def main() -> None:
     for name in sys.argv[1:]:
         summarise(Path(name))
     xid = re.compile(r"NVRM: Xid")
-    print(f"{'shape':<24}{'lines':>9}{'findings':>10}{'parse+match lines/s':>22}"
-          f"{'bare regex lines/s':>20}")
-    for shape in ("kmsg.txt", "dmesg.txt", "dmesg-T.txt", "dmesg-decode-iso.txt",
-                  "journalctl-k.txt"):
+    print(
+        f"{'shape':<24}{'lines':>9}{'findings':>10}{'parse+match lines/s':>22}"
+        f"{'bare regex lines/s':>20}"
+    )
+    for shape in (
+        "kmsg.txt",
+        "dmesg.txt",
+        "dmesg-T.txt",
+        "dmesg-decode-iso.txt",
+        "journalctl-k.txt",
+    ):
         lines = lines_for(shape)
         found: list[int] = []
 
@@ -83,27 +92,34 @@ def main() -> None:
             sum(1 for line in lines if xid.search(line))
 
         t_full, t_bare = best_of(3, full), best_of(3, bare)
-        print(f"{shape:<24}{len(lines):>9}{found[-1]:>10}{len(lines) / t_full:>22,.0f}"
-              f"{len(lines) / t_bare:>20,.0f}")
+        print(
+            f"{shape:<24}{len(lines):>9}{found[-1]:>10}{len(lines) / t_full:>22,.0f}"
+            f"{len(lines) / t_bare:>20,.0f}"
+        )
     try:
         os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
     except OSError as exc:
         print(f"/dev/kmsg: not readable here ({exc.strerror})")
         return
-    reader = KmsgReader(Path("/dev/kmsg"), Path("/proc/sys/kernel/random/boot_id"),
-                        MemoryKeyValueStore())
+    reader = KmsgReader(
+        Path("/dev/kmsg"), Path("/proc/sys/kernel/random/boot_id"), MemoryKeyValueStore()
+    )
     started = time.perf_counter()
     batch = reader.read()
     took = time.perf_counter() - started
     reader.close()
-    print(f"/dev/kmsg: {len(batch.records)} records read and parsed in {took * 1e3:.1f} ms "
-          f"({took / max(1, len(batch.records)) * 1e6:.1f} µs per record), "
-          f"malformed {batch.malformed}, lost {batch.lost}")
+    print(
+        f"/dev/kmsg: {len(batch.records)} records read and parsed in {took * 1e3:.1f} ms "
+        f"({took / max(1, len(batch.records)) * 1e6:.1f} µs per record), "
+        f"malformed {batch.malformed}, lost {batch.lost}"
+    )
     nvrm = [r for r in batch.records if "NVRM" in r.message]
     facilities = Counter(r.facility for r in nvrm)
     findings = Counter(f.kind for f in MatcherSet().scan(batch.records))
-    print(f"/dev/kmsg NVRM records: {len(nvrm)}, by facility {dict(facilities)}; "
-          f"findings {dict(findings)}")
+    print(
+        f"/dev/kmsg NVRM records: {len(nvrm)}, by facility {dict(facilities)}; "
+        f"findings {dict(findings)}"
+    )
     for record in nvrm[:5]:
         print(f"  {record.seq} {record.facility},{record.level} {record.message[:110]}")
 

@@ -39,10 +39,15 @@ WINDOW = 100
 
 
 def sample_event(i: int) -> Event:
-    return Event(source="xid", kind="xid", severity=Severity.CRITICAL, subject="0000:1b:00.0",
-                 message=f"GPU 0000:1b:00.0 reported Xid 79 (fallen off the bus), round {i}",
-                 action="drain the node and reset the GPU; if it recurs, replace it",
-                 attributes={"xid": 79, "pid": 4242})
+    return Event(
+        source="xid",
+        kind="xid",
+        severity=Severity.CRITICAL,
+        subject="0000:1b:00.0",
+        message=f"GPU 0000:1b:00.0 reported Xid 79 (fallen off the bus), round {i}",
+        action="drain the node and reset the GPU; if it recurs, replace it",
+        attributes={"xid": 79, "pid": 4242},
+    )
 
 
 def bare_paho(port: int, payloads: list[bytes]) -> float:
@@ -75,13 +80,21 @@ def bare_paho(port: int, payloads: list[bytes]) -> float:
 async def through_outbox(port: int, count: int, state_dir: Path, *, backlog: bool) -> float:
     """Seconds from the first emit to the last outbox row deleted after its PUBACK; with
     `backlog`, the events are stored first (an outage's backlog) and only the drain is timed."""
-    cfg = config_module.parse({
-        "node_id": "bench", "state_dir": str(state_dir), "prometheus": {"enabled": False},
-        "collectors": {"system": {"enabled": False}},
-        "heartbeat": {"interval": 3600.0},
-        "mqtt": {"enabled": True, "url": f"mqtt://127.0.0.1:{port}", "publish_window": WINDOW,
-                 "metrics_interval": 86400.0},
-    })
+    cfg = config_module.parse(
+        {
+            "node_id": "bench",
+            "state_dir": str(state_dir),
+            "prometheus": {"enabled": False},
+            "collectors": {"system": {"enabled": False}},
+            "heartbeat": {"interval": 3600.0},
+            "mqtt": {
+                "enabled": True,
+                "url": f"mqtt://127.0.0.1:{port}",
+                "publish_window": WINDOW,
+                "metrics_interval": 86400.0,
+            },
+        }
+    )
     events = [sample_event(i) for i in range(count)]
     store = StateStore.open(cfg.state_dir)
     if backlog:
@@ -112,9 +125,14 @@ async def through_outbox(port: int, count: int, state_dir: Path, *, backlog: boo
 async def emit_only(count: int, state_dir: Path) -> float:
     """Seconds for Runtime.emit alone (store in history + outbox, one log line), no sink:
     the ceiling of the live path, which this bench does not own."""
-    cfg = config_module.parse({
-        "node_id": "bench", "state_dir": str(state_dir), "prometheus": {"enabled": False},
-        "collectors": {"system": {"enabled": False}}})
+    cfg = config_module.parse(
+        {
+            "node_id": "bench",
+            "state_dir": str(state_dir),
+            "prometheus": {"enabled": False},
+            "collectors": {"system": {"enabled": False}},
+        }
+    )
     runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
     runtime.outbox_enabled = True
     await runtime.start()
@@ -162,28 +180,47 @@ def main() -> None:
             ceiling: list[float] = []
             for n in range(args.rounds):
                 bare.append(args.events / bare_paho(broker.port, payloads))
-                live.append(args.events / asyncio.run(
-                    through_outbox(broker.port, args.events, work / f"live-{n}", backlog=False)))
-                backlog.append(args.events / asyncio.run(
-                    through_outbox(broker.port, args.events, work / f"backlog-{n}", backlog=True)))
-                ceiling.append(args.events / asyncio.run(
-                    emit_only(args.events, work / f"emit-{n}")))
+                live.append(
+                    args.events
+                    / asyncio.run(
+                        through_outbox(broker.port, args.events, work / f"live-{n}", backlog=False)
+                    )
+                )
+                backlog.append(
+                    args.events
+                    / asyncio.run(
+                        through_outbox(
+                            broker.port, args.events, work / f"backlog-{n}", backlog=True
+                        )
+                    )
+                )
+                ceiling.append(
+                    args.events / asyncio.run(emit_only(args.events, work / f"emit-{n}"))
+                )
             per_event, history_only = bytes_per_event(args.events, work / "size")
         finally:
             broker.stop()
-    print(f"events: {args.events} x {args.rounds} rounds, QoS 1, window {WINDOW}, "
-          f"payload {len(payloads[0])} bytes, mosquitto on loopback")
+    print(
+        f"events: {args.events} x {args.rounds} rounds, QoS 1, window {WINDOW}, "
+        f"payload {len(payloads[0])} bytes, mosquitto on loopback"
+    )
     print(f"{'path':<44}{'events/s (median)':>18}{'vs bare':>9}   rounds")
     base = statistics.median(bare)
-    for name, rates in (("bare paho-mqtt publish loop (stores nothing)", bare),
-                        ("emit -> outbox -> PUBACK -> delete", live),
-                        ("outage backlog drained (outbox -> PUBACK)", backlog),
-                        ("Runtime.emit alone (store + log, no MQTT)", ceiling)):
+    for name, rates in (
+        ("bare paho-mqtt publish loop (stores nothing)", bare),
+        ("emit -> outbox -> PUBACK -> delete", live),
+        ("outage backlog drained (outbox -> PUBACK)", backlog),
+        ("Runtime.emit alone (store + log, no MQTT)", ceiling),
+    ):
         median = statistics.median(rates)
-        print(f"{name:<44}{median:>18,.0f}{median / base:>9.2f}   "
-              + " ".join(f"{r:,.0f}" for r in rates))
-    print(f"state.db bytes per event: {per_event:,.0f} while queued (history + outbox row), "
-          f"{history_only:,.0f} after delivery (history only)")
+        print(
+            f"{name:<44}{median:>18,.0f}{median / base:>9.2f}   "
+            + " ".join(f"{r:,.0f}" for r in rates)
+        )
+    print(
+        f"state.db bytes per event: {per_event:,.0f} while queued (history + outbox row), "
+        f"{history_only:,.0f} after delivery (history only)"
+    )
 
 
 if __name__ == "__main__":

@@ -30,14 +30,18 @@ def main() -> None:
     log = CORPUS.read_text()
     inputs = {
         "training log with planted secrets": log * 100,
-        "step/loss lines only": "\n".join(line for line in log.splitlines() if "step=" in line) * 150,
+        "step/loss lines only": "\n".join(line for line in log.splitlines() if "step=" in line)
+        * 150,
     }
     print(f"{'input':<36} {'MiB':>6} {'line windows MiB/s':>19} {'whole text MiB/s':>17}")
     for name, text in inputs.items():
         size = len(text.encode()) / 2**20
         fast = min(timed(text) for _ in range(3))
-        with mock.patch.multiple(redact_module, _hint_spans=lambda t, rule: [(0, len(t))],
-                                 _key_value_lines=lambda t: [(0, len(t))]):
+        with mock.patch.multiple(
+            redact_module,
+            _hint_spans=lambda t, rule: [(0, len(t))],
+            _key_value_lines=lambda t: [(0, len(t))],
+        ):
             slow = min(timed(text) for _ in range(3))
         print(f"{name:<36} {size:>6.1f} {size / fast:>19.1f} {size / slow:>17.1f}")
 

@@ -39,10 +39,13 @@ def start_broker(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
     conf = workdir / "mosquitto.conf"
     # No per-message logging, and no per-client queue limit: a slow reader must not lose
     # QoS 0 messages to the default 1000-message queue and skew the comparison.
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                    "log_type error\nmax_queued_messages 0\nmax_queued_bytes 0\n")
-    process = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+        "log_type error\nmax_queued_messages 0\nmax_queued_bytes 0\n"
+    )
+    process = subprocess.Popen(
+        [MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     wait_for_port(port)
     return process, port
 
@@ -50,9 +53,19 @@ def start_broker(workdir: Path) -> tuple[subprocess.Popen[bytes], int]:
 def heartbeat_lines(count: int, node: int) -> bytes:
     now = time.time()
     return b"".join(
-        json.dumps({"seq": i, "ts": now, "interval_s": 1.0, "health": "ok",
-                    "outbox_depth": {"events": 0}, "node": f"node-{node:05d}"}).encode() + b"\n"
-        for i in range(count))
+        json.dumps(
+            {
+                "seq": i,
+                "ts": now,
+                "interval_s": 1.0,
+                "health": "ok",
+                "outbox_depth": {"events": 0},
+                "node": f"node-{node:05d}",
+            }
+        ).encode()
+        + b"\n"
+        for i in range(count)
+    )
 
 
 async def run_network(messages: int, publishers: int, workdir: Path) -> dict[str, float]:
@@ -65,19 +78,40 @@ async def run_network(messages: int, publishers: int, workdir: Path) -> dict[str
         path.write_bytes(heartbeat_lines(per, n))
         files.append(path)
     sub = await asyncio.create_subprocess_exec(
-        "mosquitto_sub", "-p", str(port), "-t", f"{PREFIX}/+/heartbeat", "-q", "0",
-        "-C", str(total), stdout=asyncio.subprocess.DEVNULL)
-    watcher = Watcher(WatchSettings(url=f"mqtt://127.0.0.1:{port}", listen="",
-                                    evaluate_interval=1.0))
+        "mosquitto_sub",
+        "-p",
+        str(port),
+        "-t",
+        f"{PREFIX}/+/heartbeat",
+        "-q",
+        "0",
+        "-C",
+        str(total),
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    watcher = Watcher(
+        WatchSettings(url=f"mqtt://127.0.0.1:{port}", listen="", evaluate_interval=1.0)
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(watcher.run(stop))
     while not watcher.fleet.connected:
         await asyncio.sleep(0.01)
     await asyncio.sleep(1.0)  # let mosquitto_sub subscribe too
     began = time.perf_counter()
-    pubs = [await asyncio.create_subprocess_exec(
-        "mosquitto_pub", "-p", str(port), "-t", f"{PREFIX}/node-{n:05d}/heartbeat", "-q", "0",
-        "-l", stdin=path.open("rb")) for n, path in enumerate(files)]
+    pubs = [
+        await asyncio.create_subprocess_exec(
+            "mosquitto_pub",
+            "-p",
+            str(port),
+            "-t",
+            f"{PREFIX}/node-{n:05d}/heartbeat",
+            "-q",
+            "0",
+            "-l",
+            stdin=path.open("rb"),
+        )
+        for n, path in enumerate(files)
+    ]
     results: dict[str, float] = {}
 
     async def publishers_done() -> None:
@@ -94,8 +128,9 @@ async def run_network(messages: int, publishers: int, workdir: Path) -> dict[str
         results["watcher"] = time.perf_counter() - began
 
     try:
-        await asyncio.wait_for(asyncio.gather(publishers_done(), sub_done(), watcher_done()),
-                               timeout=120)
+        await asyncio.wait_for(
+            asyncio.gather(publishers_done(), sub_done(), watcher_done()), timeout=120
+        )
     except TimeoutError:
         results["timed_out"] = 1.0
     results["watcher_received"] = float(watcher.fleet.counters.messages["heartbeat"])
@@ -115,11 +150,19 @@ def run_ingest(messages: int, nodes: int) -> tuple[float, float]:
     fleet = Fleet(now=now)
     fleet.broker_connected(now - 10)
     for n in range(nodes):
-        fleet.ingest(f"{PREFIX}/node-{n:05d}/status",
-                     json.dumps({"state": "online", "bdseq": 1, "ts": now}).encode(), False, now)
-    batch = [(f"{PREFIX}/node-{i % nodes:05d}/heartbeat",
-              json.dumps({"seq": i, "ts": now, "interval_s": 1.0, "health": "ok"}).encode())
-             for i in range(messages)]
+        fleet.ingest(
+            f"{PREFIX}/node-{n:05d}/status",
+            json.dumps({"state": "online", "bdseq": 1, "ts": now}).encode(),
+            False,
+            now,
+        )
+    batch = [
+        (
+            f"{PREFIX}/node-{i % nodes:05d}/heartbeat",
+            json.dumps({"seq": i, "ts": now, "interval_s": 1.0, "health": "ok"}).encode(),
+        )
+        for i in range(messages)
+    ]
     began = time.perf_counter()
     for topic, payload in batch:
         fleet.ingest(topic, payload, False, now)
@@ -140,19 +183,26 @@ def main() -> int:
     total = int(net["total"])
     print(f"{total} heartbeats from {args.publishers} mosquitto_pub -l processes, QoS 0, loopback")
     print(f"{'consumer':<44} {'messages':>9} {'seconds':>8} {'msgs/s':>9}")
-    for name, key in (("publishers (all done)", "publish"), ("mosquitto_sub (C client)", "mosquitto_sub"),
-                      ("gpuwarden watch (aiomqtt + state machine)", "watcher")):
+    for name, key in (
+        ("publishers (all done)", "publish"),
+        ("mosquitto_sub (C client)", "mosquitto_sub"),
+        ("gpuwarden watch (aiomqtt + state machine)", "watcher"),
+    ):
         if key in net:
             got = int(net["watcher_received"]) if key == "watcher" else total
             print(f"{name:<44} {got:>9} {net[key]:>8.2f} {got / net[key]:>9.0f}")
         else:
             print(f"{name:<44} {'-':>9} {'timeout':>8}")
-    print(f"{'Fleet.ingest alone (no network)':<44} {100_000:>9} {100_000 / ingest_rate:>8.2f} "
-          f"{ingest_rate:>9.0f}")
+    print(
+        f"{'Fleet.ingest alone (no network)':<44} {100_000:>9} {100_000 / ingest_rate:>8.2f} "
+        f"{ingest_rate:>9.0f}"
+    )
     print(f"one evaluation of 10,000 nodes: {evaluate_seconds * 1000:.1f} ms")
     watcher_rate = net["watcher_received"] / net["watcher"] if "watcher" in net else 0.0
-    print(f"goal >= 10,000/s: {'met' if watcher_rate >= 10_000 else 'NOT met'} "
-          f"({watcher_rate:.0f}/s through the real client)")
+    print(
+        f"goal >= 10,000/s: {'met' if watcher_rate >= 10_000 else 'NOT met'} "
+        f"({watcher_rate:.0f}/s through the real client)"
+    )
     return 0
 
 

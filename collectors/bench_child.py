@@ -116,8 +116,16 @@ def classify_failure(exc: BaseException) -> ChildFailure:
         return ChildFailure("out_of_memory", text, EXIT_OUT_OF_MEMORY)
     if "too old" in lower or "driver version is insufficient" in lower:
         return ChildFailure("driver_too_old", text, EXIT_NO_DEVICE)
-    if any(s in lower for s in ("not compiled with cuda", "no nvidia driver", "no cuda gpus",
-                                "cuda driver initialization failed", "cuda unavailable")):
+    if any(
+        s in lower
+        for s in (
+            "not compiled with cuda",
+            "no nvidia driver",
+            "no cuda gpus",
+            "cuda driver initialization failed",
+            "cuda unavailable",
+        )
+    ):
         return ChildFailure("cuda_unavailable", text, EXIT_NO_DEVICE)
     if "invalid device ordinal" in lower:
         return ChildFailure("device_not_found", text, EXIT_NO_DEVICE)
@@ -127,10 +135,20 @@ def classify_failure(exc: BaseException) -> ChildFailure:
 def child_arguments(request: Request) -> list[str]:
     """The command-line arguments that make `main` run `request` (used by the parent)."""
     return [
-        "--device", request.device, "--profile", request.profile.name,
-        "--size", str(request.size), "--iterations", str(request.iterations),
-        "--warmup", str(request.warmup), "--samples", str(request.samples),
-        "--min-window", repr(request.min_window_seconds),
+        "--device",
+        request.device,
+        "--profile",
+        request.profile.name,
+        "--size",
+        str(request.size),
+        "--iterations",
+        str(request.iterations),
+        "--warmup",
+        str(request.warmup),
+        "--samples",
+        str(request.samples),
+        "--min-window",
+        repr(request.min_window_seconds),
     ]
 
 
@@ -148,14 +166,20 @@ def parse_request(argv: Sequence[str]) -> Request:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--samples", type=int, default=5)
-    parser.add_argument("--min-window", type=float, default=0.0,
-                        help="seconds one timed window must last at least (0: as the guide)")
+    parser.add_argument(
+        "--min-window",
+        type=float,
+        default=0.0,
+        help="seconds one timed window must last at least (0: as the guide)",
+    )
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
     size = profile.default_size if args.size is None else args.size
     if not profile.min_size <= size <= profile.max_size:
-        parser.error(f"size {size} is outside {profile.min_size}-{profile.max_size} for "
-                     f"the {profile.name} profile")
+        parser.error(
+            f"size {size} is outside {profile.min_size}-{profile.max_size} for "
+            f"the {profile.name} profile"
+        )
     if not 1 <= args.iterations <= MAX_ITERATIONS:
         parser.error(f"iterations must be 1-{MAX_ITERATIONS}")
     if not 0 <= args.warmup <= 1000 or not 1 <= args.samples <= 100:
@@ -169,8 +193,9 @@ def parse_request(argv: Sequence[str]) -> Request:
         device = "cuda:0"
     if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
         parser.error(f"device {args.device!r}: expected cpu, N or cuda:N")
-    return Request(device, profile, size, args.iterations, args.warmup, args.samples,
-                   args.min_window)
+    return Request(
+        device, profile, size, args.iterations, args.warmup, args.samples, args.min_window
+    )
 
 
 def _print(obj: dict[str, Any]) -> None:
@@ -186,12 +211,14 @@ def _open_device(torch: Any, request: Request) -> torch.device:
                 torch.cuda.init()
             except Exception as exc:
                 raise classify_failure(exc) from exc
-            raise ChildFailure("cuda_unavailable", "torch reports CUDA unavailable",
-                               EXIT_NO_DEVICE)
+            raise ChildFailure("cuda_unavailable", "torch reports CUDA unavailable", EXIT_NO_DEVICE)
         count = torch.cuda.device_count()
         if not 0 <= (device.index or 0) < count:
-            raise ChildFailure("device_not_found", f"{request.device}: this process sees "
-                               f"{count} CUDA device(s)", EXIT_NO_DEVICE)
+            raise ChildFailure(
+                "device_not_found",
+                f"{request.device}: this process sees {count} CUDA device(s)",
+                EXIT_NO_DEVICE,
+            )
         torch.cuda.set_device(device)
     return device  # type: ignore[no-any-return]
 
@@ -257,8 +284,9 @@ def _measure(operands: _Operands, request: Request) -> tuple[int, list[float]]:
     return iterations, samples
 
 
-def check_product(torch: Any, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor,
-                  rng: random.Random) -> tuple[float | None, int]:
+def check_product(
+    torch: Any, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor, rng: random.Random
+) -> tuple[float | None, int]:
     """Worst |C - C_ref| / (|A|·|B|) over one random full row per band; None if not finite."""
     n = out.shape[0]
     bands = min(CHECK_BANDS, n)
@@ -282,7 +310,7 @@ def _plant_wrong_block(out: torch.Tensor, rng: random.Random) -> None:
     bands = min(CHECK_BANDS, n)
     band = n // bands
     row, col = rng.randrange(bands) * band, rng.randrange(bands) * band
-    out[row:row + band, col:col + band].neg_()
+    out[row : row + band, col : col + band].neg_()
 
 
 def run(request: Request) -> dict[str, Any]:

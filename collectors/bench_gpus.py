@@ -32,8 +32,7 @@ class GpuActivity(Protocol):
         """GPU utilization over the driver's last sample period; None if not supported."""
         ...
 
-    def driver_version(self) -> str | None:
-        ...
+    def driver_version(self) -> str | None: ...
 
 
 class NvmlActivity:

@@ -94,15 +94,17 @@ def _int(data: Mapping[str, Any], key: str, minimum: int) -> int:
     return value
 
 
-def _float(data: Mapping[str, Any], key: str, *, positive: bool = False,
-           default: float | None = None) -> float:
+def _float(
+    data: Mapping[str, Any], key: str, *, positive: bool = False, default: float | None = None
+) -> float:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RecordError(f"{key}: expected a number, got {value!r}")
     number = float(value)
     if not math.isfinite(number) or number < 0 or (positive and number == 0):
-        raise RecordError(f"{key}: expected a finite number {'> 0' if positive else '>= 0'}, "
-                          f"got {value!r}")
+        raise RecordError(
+            f"{key}: expected a finite number {'> 0' if positive else '>= 0'}, got {value!r}"
+        )
     return number
 
 
@@ -158,8 +160,9 @@ class BenchmarkRecord:
         if not isinstance(data, Mapping):
             raise RecordError(f"expected a JSON object, got {type(data).__name__}")
         index = data.get("gpu_index")
-        if index is not None and (isinstance(index, bool) or not isinstance(index, int)
-                                  or index < 0):
+        if index is not None and (
+            isinstance(index, bool) or not isinstance(index, int) or index < 0
+        ):
             raise RecordError(f"gpu_index: expected an integer >= 0 or null, got {index!r}")
         samples = data.get("sample_seconds") or []
         if not isinstance(samples, list):
@@ -208,13 +211,11 @@ class BenchmarkRecord:
 
     def comparable_key(self) -> tuple[str, str, int, str, str]:
         """Runs with equal keys measure the same thing on the same GPU."""
-        return (self.gpu_uuid, self.profile, self.size, self.matmul_precision,
-                self.duration_class)
+        return (self.gpu_uuid, self.profile, self.size, self.matmul_precision, self.duration_class)
 
     def setup_key(self) -> tuple[str, str, int, str, str]:
         """Like comparable_key, but by model instead of UUID: for comparing peer GPUs."""
-        return (self.gpu_name, self.profile, self.size, self.matmul_precision,
-                self.duration_class)
+        return (self.gpu_name, self.profile, self.size, self.matmul_precision, self.duration_class)
 
 
 @dataclass
@@ -291,14 +292,18 @@ class BaselinePolicy:
     """A peer's last run older than this (relative to the run judged) is not compared."""
 
 
-def _comparable(history: Sequence[BenchmarkRecord], record: BenchmarkRecord) -> list[BenchmarkRecord]:
+def _comparable(
+    history: Sequence[BenchmarkRecord], record: BenchmarkRecord
+) -> list[BenchmarkRecord]:
     key = record.comparable_key()
-    return sorted((r for r in history if r.comparable_key() == key and r is not record),
-                  key=lambda r: r.time)
+    return sorted(
+        (r for r in history if r.comparable_key() == key and r is not record), key=lambda r: r.time
+    )
 
 
-def current_segment(history: Sequence[BenchmarkRecord],
-                    record: BenchmarkRecord) -> list[BenchmarkRecord]:
+def current_segment(
+    history: Sequence[BenchmarkRecord], record: BenchmarkRecord
+) -> list[BenchmarkRecord]:
     """Comparable runs before `record` in the same driver and torch segment as `record`.
 
     A change of a known driver or torch version starts a new segment; an unknown value (an
@@ -307,8 +312,9 @@ def current_segment(history: Sequence[BenchmarkRecord],
     segment: list[BenchmarkRecord] = []
     driver, torch = "", ""
     for item in [*(r for r in _comparable(history, record) if r.time <= record.time), record]:
-        changed = ((item.driver_version and driver and item.driver_version != driver)
-                   or (item.torch and torch and item.torch != torch))
+        changed = (item.driver_version and driver and item.driver_version != driver) or (
+            item.torch and torch and item.torch != torch
+        )
         if changed:
             segment = []
         segment.append(item)
@@ -319,44 +325,55 @@ def current_segment(history: Sequence[BenchmarkRecord],
 
 def is_good(record: BenchmarkRecord, policy: BaselinePolicy) -> bool:
     return record.correct is not False and (
-        record.baseline_ratio is None or record.baseline_ratio >= policy.regression_ratio)
+        record.baseline_ratio is None or record.baseline_ratio >= policy.regression_ratio
+    )
 
 
-def baseline_for(history: Sequence[BenchmarkRecord], record: BenchmarkRecord,
-                 policy: BaselinePolicy) -> float | None:
+def baseline_for(
+    history: Sequence[BenchmarkRecord], record: BenchmarkRecord, policy: BaselinePolicy
+) -> float | None:
     """Median TFLOP/s of the last `runs` good runs before `record`, or None if too few."""
     good = [r for r in current_segment(history, record) if is_good(r, policy)]
     if len(good) < policy.min_runs:
         return None
-    return statistics.median(r.estimated_tflops for r in good[-policy.runs:])
+    return statistics.median(r.estimated_tflops for r in good[-policy.runs :])
 
 
 def _is_peer_run(r: BenchmarkRecord, record: BenchmarkRecord, policy: BaselinePolicy) -> bool:
     """A correct, recent run of another GPU of the same model with the same setup and versions."""
     return bool(
-        r.gpu_uuid and r.gpu_uuid != record.gpu_uuid and r.setup_key() == record.setup_key()
+        r.gpu_uuid
+        and r.gpu_uuid != record.gpu_uuid
+        and r.setup_key() == record.setup_key()
         and r.correct is not False
         and abs(record.time - r.time) <= policy.peer_max_age_seconds
-        and (not r.driver_version or not record.driver_version
-             or r.driver_version == record.driver_version)
-        and r.torch == record.torch)
+        and (
+            not r.driver_version
+            or not record.driver_version
+            or r.driver_version == record.driver_version
+        )
+        and r.torch == record.torch
+    )
 
 
-def peer_median(history: Sequence[BenchmarkRecord], record: BenchmarkRecord,
-                policy: BaselinePolicy) -> float | None:
+def peer_median(
+    history: Sequence[BenchmarkRecord], record: BenchmarkRecord, policy: BaselinePolicy
+) -> float | None:
     """Median TFLOP/s of the latest comparable run of each other GPU of the same model."""
     latest: dict[str, BenchmarkRecord] = {}
     for r in history:
         if _is_peer_run(r, record, policy) and (
-                r.gpu_uuid not in latest or r.time > latest[r.gpu_uuid].time):
+            r.gpu_uuid not in latest or r.time > latest[r.gpu_uuid].time
+        ):
             latest[r.gpu_uuid] = r
     if not latest:
         return None
     return statistics.median(r.estimated_tflops for r in latest.values())
 
 
-def judge(history: Sequence[BenchmarkRecord], record: BenchmarkRecord,
-          policy: BaselinePolicy) -> BenchmarkRecord:
+def judge(
+    history: Sequence[BenchmarkRecord], record: BenchmarkRecord, policy: BaselinePolicy
+) -> BenchmarkRecord:
     """`record` with its baseline and peer ratios filled in (None where there is nothing to
     compare with). Wrong answers get ratios too, for the record, but never count as good."""
     baseline = baseline_for(history, record, policy)
@@ -367,11 +384,13 @@ def judge(history: Sequence[BenchmarkRecord], record: BenchmarkRecord,
     )
 
 
-def regressed(history: Sequence[BenchmarkRecord], record: BenchmarkRecord,
-              policy: BaselinePolicy) -> bool:
+def regressed(
+    history: Sequence[BenchmarkRecord], record: BenchmarkRecord, policy: BaselinePolicy
+) -> bool:
     """True when `record` and the runs just before it, `regression_runs` correct runs in all,
     all stayed under `regression_ratio` of their baseline."""
     correct = [r for r in [*current_segment(history, record), record] if r.correct is not False]
-    last = correct[-policy.regression_runs:]
+    last = correct[-policy.regression_runs :]
     return len(last) == policy.regression_runs and all(
-        r.baseline_ratio is not None and r.baseline_ratio < policy.regression_ratio for r in last)
+        r.baseline_ratio is not None and r.baseline_ratio < policy.regression_ratio for r in last
+    )

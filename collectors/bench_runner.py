@@ -108,8 +108,12 @@ def _describe_exit(code: int) -> str:
 
 
 class ChildRunner:
-    def __init__(self, command: Sequence[str] | None = None, timeout: float = 120.0,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        command: Sequence[str] | None = None,
+        timeout: float = 120.0,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.command = list(command or default_command())
         self.timeout = timeout
         self.env = dict(env or {})
@@ -122,18 +126,29 @@ class ChildRunner:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    async def run(self, arguments: Sequence[str],
-                  extra_env: Mapping[str, str] | None = None) -> ChildOutcome:
+    async def run(
+        self, arguments: Sequence[str], extra_env: Mapping[str, str] | None = None
+    ) -> ChildOutcome:
         started = time.monotonic()
         try:
             process = await asyncio.create_subprocess_exec(
-                *self.command, *arguments, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                env=self._environment(extra_env or {}), start_new_session=True,
+                *self.command,
+                *arguments,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self._environment(extra_env or {}),
+                start_new_session=True,
             )
         except OSError as exc:
-            return ChildOutcome(None, "crash", f"cannot start {self.command[0]}: {exc}", None,
-                                "", time.monotonic() - started)
+            return ChildOutcome(
+                None,
+                "crash",
+                f"cannot start {self.command[0]}: {exc}",
+                None,
+                "",
+                time.monotonic() - started,
+            )
         assert process.stdout is not None
         assert process.stderr is not None
         out_task = asyncio.ensure_future(_read_head(process.stdout, STDOUT_LIMIT))
@@ -154,8 +169,14 @@ class ChildRunner:
         wall = time.monotonic() - started
         tail = stderr.decode("utf-8", errors="replace")
         if timed_out:
-            return ChildOutcome(None, "timeout", f"no result within {self.timeout:g} s; "
-                                "its process group was killed", None, tail, wall)
+            return ChildOutcome(
+                None,
+                "timeout",
+                f"no result within {self.timeout:g} s; its process group was killed",
+                None,
+                tail,
+                wall,
+            )
         return self._judge(process.returncode, parse_child_output(stdout), tail, wall)
 
     async def _kill_group(self, process: asyncio.subprocess.Process) -> None:
@@ -164,12 +185,14 @@ class ChildRunner:
         try:
             await asyncio.wait_for(process.wait(), REAP_TIMEOUT)
         except TimeoutError:
-            log.error("benchmark child does not die after SIGKILL (stuck in the driver?)",
-                      pid=process.pid)
+            log.error(
+                "benchmark child does not die after SIGKILL (stuck in the driver?)", pid=process.pid
+            )
 
     @staticmethod
-    async def _collect(out_task: asyncio.Future[bytes],
-                       err_task: asyncio.Future[bytes]) -> tuple[bytes, bytes]:
+    async def _collect(
+        out_task: asyncio.Future[bytes], err_task: asyncio.Future[bytes]
+    ) -> tuple[bytes, bytes]:
         # A grandchild that escaped the group could hold the pipes open: bound the wait.
         done, pending = await asyncio.wait({out_task, err_task}, timeout=REAP_TIMEOUT)
         for task in pending:
@@ -179,8 +202,9 @@ class ChildRunner:
         return stdout, stderr
 
     @staticmethod
-    def _judge(code: int | None, output: dict[str, Any] | None, tail: str,
-               wall: float) -> ChildOutcome:
+    def _judge(
+        code: int | None, output: dict[str, Any] | None, tail: str, wall: float
+    ) -> ChildOutcome:
         if output is not None and "error" in output:
             kind = str(output.get("error"))
             kind = kind if kind in FAILURE_MESSAGES else "error"

@@ -56,34 +56,79 @@ G, C = MetricType.GAUGE, MetricType.COUNTER
 _P = (*GPU_LABELS, "profile")
 
 GPUS = MetricFamily("gpuwarden_benchmark_gpus", G, "GPUs the benchmark collector found")
-FLOPS = MetricFamily("gpuwarden_benchmark_flops_per_second", G,
-                     "Matmul throughput of the last correct benchmark run, FLOP/s", _P)
-BASELINE_RATIO = MetricFamily("gpuwarden_benchmark_baseline_ratio", G,
-                              "Last run's throughput over the GPU's baseline (median of its last "
-                              "good comparable runs)", _P)
-PEER_RATIO = MetricFamily("gpuwarden_benchmark_peer_ratio", G,
-                          "Last run's throughput over the median of same-model GPUs on the node", _P)
-WINDOW = MetricFamily("gpuwarden_benchmark_window_seconds", G,
-                      "Median timed window of the last run (iterations x one matmul)", _P)
-RUN_SECONDS = MetricFamily("gpuwarden_benchmark_run_seconds", G,
-                           "Wall time of the last benchmark child process", GPU_LABELS)
-LAST_RUN = MetricFamily("gpuwarden_benchmark_last_run_timestamp_seconds", G,
-                        "When the last benchmark run on the GPU ended", GPU_LABELS)
-LAST_SUCCESS = MetricFamily("gpuwarden_benchmark_last_success_timestamp_seconds", G,
-                            "When the last benchmark run with a result ended", GPU_LABELS)
-CORRECT = MetricFamily("gpuwarden_benchmark_correct", G,
-                       "1 if the last run's product matched the float64 reference, 0 if not",
-                       GPU_LABELS)
-IDLE = MetricFamily("gpuwarden_benchmark_gpu_idle", G,
-                    "1 while the GPU counts as idle for the benchmark's gate", GPU_LABELS)
+FLOPS = MetricFamily(
+    "gpuwarden_benchmark_flops_per_second",
+    G,
+    "Matmul throughput of the last correct benchmark run, FLOP/s",
+    _P,
+)
+BASELINE_RATIO = MetricFamily(
+    "gpuwarden_benchmark_baseline_ratio",
+    G,
+    "Last run's throughput over the GPU's baseline (median of its last good comparable runs)",
+    _P,
+)
+PEER_RATIO = MetricFamily(
+    "gpuwarden_benchmark_peer_ratio",
+    G,
+    "Last run's throughput over the median of same-model GPUs on the node",
+    _P,
+)
+WINDOW = MetricFamily(
+    "gpuwarden_benchmark_window_seconds",
+    G,
+    "Median timed window of the last run (iterations x one matmul)",
+    _P,
+)
+RUN_SECONDS = MetricFamily(
+    "gpuwarden_benchmark_run_seconds",
+    G,
+    "Wall time of the last benchmark child process",
+    GPU_LABELS,
+)
+LAST_RUN = MetricFamily(
+    "gpuwarden_benchmark_last_run_timestamp_seconds",
+    G,
+    "When the last benchmark run on the GPU ended",
+    GPU_LABELS,
+)
+LAST_SUCCESS = MetricFamily(
+    "gpuwarden_benchmark_last_success_timestamp_seconds",
+    G,
+    "When the last benchmark run with a result ended",
+    GPU_LABELS,
+)
+CORRECT = MetricFamily(
+    "gpuwarden_benchmark_correct",
+    G,
+    "1 if the last run's product matched the float64 reference, 0 if not",
+    GPU_LABELS,
+)
+IDLE = MetricFamily(
+    "gpuwarden_benchmark_gpu_idle",
+    G,
+    "1 while the GPU counts as idle for the benchmark's gate",
+    GPU_LABELS,
+)
 RUNS = MetricFamily("gpuwarden_benchmark_runs_total", C, "Benchmark runs started", GPU_LABELS)
-FAILURES = MetricFamily("gpuwarden_benchmark_failures_total", C,
-                        "Benchmark runs that gave no result, by reason", (*GPU_LABELS, "reason"))
-WRONG = MetricFamily("gpuwarden_benchmark_wrong_results_total", C,
-                     "Benchmark runs whose product was wrong", GPU_LABELS)
-SKIPS = MetricFamily("gpuwarden_benchmark_skips_total", C,
-                     "Rounds in which a due benchmark was not run, by reason",
-                     (*GPU_LABELS, "reason"))
+FAILURES = MetricFamily(
+    "gpuwarden_benchmark_failures_total",
+    C,
+    "Benchmark runs that gave no result, by reason",
+    (*GPU_LABELS, "reason"),
+)
+WRONG = MetricFamily(
+    "gpuwarden_benchmark_wrong_results_total",
+    C,
+    "Benchmark runs whose product was wrong",
+    GPU_LABELS,
+)
+SKIPS = MetricFamily(
+    "gpuwarden_benchmark_skips_total",
+    C,
+    "Rounds in which a due benchmark was not run, by reason",
+    (*GPU_LABELS, "reason"),
+)
 
 Profile = Literal["fp32", "tf32", "bf16", "fp16"]
 When = Literal["idle", "always"]
@@ -92,46 +137,84 @@ DevicePlan = Callable[[GpuIdentity], tuple[str, dict[str, str]]]
 
 @dataclass(frozen=True)
 class BenchmarkSettings(CollectorSettings):
-    interval: float = setting(60.0, minimum=1.0, maximum=86400.0,
-                              help="seconds between rounds: idle sampling, and a run when due")
-    period: float = setting(21600.0, minimum=60.0, maximum=30 * 86400.0,
-                            help="seconds between benchmark runs of one GPU")
-    when: When = setting("idle", help='"idle": only on a GPU with no compute process and low '
-                                      'utilization for idle_rounds rounds; "always": when due')
-    idle_utilization_percent: float = setting(5.0, minimum=0.0, maximum=100.0,
-                                              help="utilization at or under this counts as idle")
-    idle_rounds: int = setting(3, minimum=1, maximum=1000,
-                               help="consecutive idle rounds before a GPU may be tested")
-    profile: Profile = setting("fp32", help="fp32 (fp32 highest, the field guide's), tf32, "
-                                            "bf16 or fp16 (tensor cores)")
-    size: int = setting(0, minimum=0, maximum=16384,
-                        help="matrix side; 0: the profile's (fp32 2048, tf32 4096, bf16/fp16 8192)")
-    iterations: int = setting(20, minimum=1, maximum=100000,
-                              help="matmuls per timed window, at least (see min_window_seconds)")
+    interval: float = setting(
+        60.0,
+        minimum=1.0,
+        maximum=86400.0,
+        help="seconds between rounds: idle sampling, and a run when due",
+    )
+    period: float = setting(
+        21600.0,
+        minimum=60.0,
+        maximum=30 * 86400.0,
+        help="seconds between benchmark runs of one GPU",
+    )
+    when: When = setting(
+        "idle",
+        help='"idle": only on a GPU with no compute process and low '
+        'utilization for idle_rounds rounds; "always": when due',
+    )
+    idle_utilization_percent: float = setting(
+        5.0, minimum=0.0, maximum=100.0, help="utilization at or under this counts as idle"
+    )
+    idle_rounds: int = setting(
+        3, minimum=1, maximum=1000, help="consecutive idle rounds before a GPU may be tested"
+    )
+    profile: Profile = setting(
+        "fp32", help="fp32 (fp32 highest, the field guide's), tf32, bf16 or fp16 (tensor cores)"
+    )
+    size: int = setting(
+        0,
+        minimum=0,
+        maximum=16384,
+        help="matrix side; 0: the profile's (fp32 2048, tf32 4096, bf16/fp16 8192)",
+    )
+    iterations: int = setting(
+        20,
+        minimum=1,
+        maximum=100000,
+        help="matmuls per timed window, at least (see min_window_seconds)",
+    )
     warmup: int = setting(5, minimum=0, maximum=1000, help="untimed matmuls first")
     samples: int = setting(5, minimum=1, maximum=100, help="timed windows; the median counts")
-    min_window_seconds: float = setting(0.5, minimum=0.0, maximum=60.0,
-                                        help="iterations grow until a window lasts this long "
-                                             "(short bursts read faster than sustained work)")
-    child_timeout: float = setting(90.0, minimum=5.0, maximum=3600.0,
-                                   help="seconds before the child's process group is killed")
+    min_window_seconds: float = setting(
+        0.5,
+        minimum=0.0,
+        maximum=60.0,
+        help="iterations grow until a window lasts this long "
+        "(short bursts read faster than sustained work)",
+    )
+    child_timeout: float = setting(
+        90.0, minimum=5.0, maximum=3600.0, help="seconds before the child's process group is killed"
+    )
     python: str = setting("", help="Python with torch for the child; empty: the agent's own")
-    baseline_runs: int = setting(5, minimum=1, maximum=100,
-                                 help="baseline = median of this many last good runs")
-    baseline_min_runs: int = setting(3, minimum=1, maximum=100,
-                                     help="good runs needed before a baseline exists")
-    regression_ratio: float = setting(0.90, exclusive_minimum=0.0, maximum=1.0,
-                                      help="under this fraction of the baseline is slow")
-    regression_runs: int = setting(2, minimum=1, maximum=100,
-                                   help="consecutive slow runs before a regression event")
-    peer_ratio: float = setting(0.90, exclusive_minimum=0.0, maximum=1.0,
-                                help="under this fraction of same-model peers' median is slow")
+    baseline_runs: int = setting(
+        5, minimum=1, maximum=100, help="baseline = median of this many last good runs"
+    )
+    baseline_min_runs: int = setting(
+        3, minimum=1, maximum=100, help="good runs needed before a baseline exists"
+    )
+    regression_ratio: float = setting(
+        0.90, exclusive_minimum=0.0, maximum=1.0, help="under this fraction of the baseline is slow"
+    )
+    regression_runs: int = setting(
+        2, minimum=1, maximum=100, help="consecutive slow runs before a regression event"
+    )
+    peer_ratio: float = setting(
+        0.90,
+        exclusive_minimum=0.0,
+        maximum=1.0,
+        help="under this fraction of same-model peers' median is slow",
+    )
 
     def __post_init__(self) -> None:
         profile = PROFILES[self.profile]
         if self.size and not profile.min_size <= self.size <= profile.max_size:
-            raise ConfigError("size", f"{self.size} is outside {profile.min_size}-"
-                              f"{profile.max_size} for the {self.profile} profile")
+            raise ConfigError(
+                "size",
+                f"{self.size} is outside {profile.min_size}-"
+                f"{profile.max_size} for the {self.profile} profile",
+            )
         # The runtime's supervisor calls a collector stalled (and withholds the systemd
         # watchdog ping) when no round ends within 3 x interval + 5 s; between two round ends
         # lie one interval and one round. A round holds the child, up to 20 s to reap it and
@@ -139,21 +222,35 @@ class BenchmarkSettings(CollectorSettings):
         allowance = 3 * max(self.interval, self.timeout) + 5
         longest_round = self.child_timeout + 25
         if max(self.interval, self.timeout) + longest_round > allowance:
-            raise ConfigError("child_timeout", f"{self.child_timeout:g} s does not fit in a "
-                              f"round: it must be at most 2 x interval - 20 s "
-                              f"({2 * max(self.interval, self.timeout) - 20:g} s here); raise "
-                              "interval or lower child_timeout")
+            raise ConfigError(
+                "child_timeout",
+                f"{self.child_timeout:g} s does not fit in a "
+                f"round: it must be at most 2 x interval - 20 s "
+                f"({2 * max(self.interval, self.timeout) - 20:g} s here); raise "
+                "interval or lower child_timeout",
+            )
 
     def request(self, device: str) -> Request:
         profile = PROFILES[self.profile]
-        return Request(device, profile, self.size or profile.default_size, self.iterations,
-                       self.warmup, self.samples, self.min_window_seconds)
+        return Request(
+            device,
+            profile,
+            self.size or profile.default_size,
+            self.iterations,
+            self.warmup,
+            self.samples,
+            self.min_window_seconds,
+        )
 
     def policy(self) -> BaselinePolicy:
-        return BaselinePolicy(runs=self.baseline_runs, min_runs=self.baseline_min_runs,
-                              regression_ratio=self.regression_ratio,
-                              regression_runs=self.regression_runs, peer_ratio=self.peer_ratio,
-                              peer_max_age_seconds=max(3 * self.period, 86400.0))
+        return BaselinePolicy(
+            runs=self.baseline_runs,
+            min_runs=self.baseline_min_runs,
+            regression_ratio=self.regression_ratio,
+            regression_runs=self.regression_runs,
+            peer_ratio=self.peer_ratio,
+            peer_max_age_seconds=max(3 * self.period, 86400.0),
+        )
 
 
 def cuda_device_plan(gpu: GpuIdentity) -> tuple[str, dict[str, str]]:
@@ -232,8 +329,9 @@ class _TolerantState:
                     self._store.put(ns, k, v)
             except StateStoreError as exc:
                 if not self._failing:
-                    log.warning("benchmark state not saved; kept in memory and retried",
-                                error=str(exc))
+                    log.warning(
+                        "benchmark state not saved; kept in memory and retried", error=str(exc)
+                    )
                 self._failing = True
                 return
             del self._pending[(ns, k)]
@@ -245,15 +343,24 @@ class _TolerantState:
 class BenchmarkCollector:
     name = SOURCE
 
-    def __init__(self, settings: BenchmarkSettings, deps: CollectorDeps, *,
-                 activity: GpuActivity | None = None, runner: ChildRunner | None = None,
-                 device_plan: DevicePlan = cuda_device_plan, source: str = "agent") -> None:
+    def __init__(
+        self,
+        settings: BenchmarkSettings,
+        deps: CollectorDeps,
+        *,
+        activity: GpuActivity | None = None,
+        runner: ChildRunner | None = None,
+        device_plan: DevicePlan = cuda_device_plan,
+        source: str = "agent",
+    ) -> None:
         self.settings = settings
         self.deps = deps
         self.activity: GpuActivity = activity or NvmlActivity(
-            deps.shared.get(NvmlBackend, NvmlBackend))
-        self.runner = runner or ChildRunner(default_command(settings.python),
-                                            settings.child_timeout)
+            deps.shared.get(NvmlBackend, NvmlBackend)
+        )
+        self.runner = runner or ChildRunner(
+            default_command(settings.python), settings.child_timeout
+        )
         self.device_plan = device_plan
         self.source = source
         self.policy = settings.policy()
@@ -263,8 +370,22 @@ class BenchmarkCollector:
         self.state: KeyValueStore = _TolerantState(deps.state)
 
     def families(self) -> Sequence[MetricFamily]:
-        return (GPUS, FLOPS, BASELINE_RATIO, PEER_RATIO, WINDOW, RUN_SECONDS, LAST_RUN,
-                LAST_SUCCESS, CORRECT, IDLE, RUNS, FAILURES, WRONG, SKIPS)
+        return (
+            GPUS,
+            FLOPS,
+            BASELINE_RATIO,
+            PEER_RATIO,
+            WINDOW,
+            RUN_SECONDS,
+            LAST_RUN,
+            LAST_SUCCESS,
+            CORRECT,
+            IDLE,
+            RUNS,
+            FAILURES,
+            WRONG,
+            SKIPS,
+        )
 
     async def close(self) -> None:
         return None
@@ -300,7 +421,9 @@ class BenchmarkCollector:
     def _state(self, gpu: GpuIdentity) -> GpuState:
         state = self.gpus.get(gpu.uuid)
         if state is None:
-            state = self.gpus[gpu.uuid] = GpuState(collections.deque(maxlen=self.settings.idle_rounds))
+            state = self.gpus[gpu.uuid] = GpuState(
+                collections.deque(maxlen=self.settings.idle_rounds)
+            )
             mine = [r for r in self.history.records if r.gpu_uuid == gpu.uuid]
             state.last = mine[-1] if mine else None
         return state
@@ -350,8 +473,9 @@ class BenchmarkCollector:
 
     # -- a run --------------------------------------------------------------------------------
 
-    async def benchmark(self, ctx: CollectContext, gpu: GpuIdentity,
-                        gpus: Sequence[GpuIdentity]) -> RunResult:
+    async def benchmark(
+        self, ctx: CollectContext, gpu: GpuIdentity, gpus: Sequence[GpuIdentity]
+    ) -> RunResult:
         """Run the test on `gpu` now (also used by `gpuwarden bench`)."""
         state = self._state(gpu)
         device, env = self.device_plan(gpu)
@@ -376,12 +500,14 @@ class BenchmarkCollector:
         if record.correct is False:
             state.wrong += 1
         events = self._recovery_events(gpu)
-        events += bench_events.judge_events(self.state, self.history.records, record,
-                                            gpu=gpu, gpus=gpus, policy=self.policy)
+        events += bench_events.judge_events(
+            self.state, self.history.records, record, gpu=gpu, gpus=gpus, policy=self.policy
+        )
         return RunResult(gpu, record, outcome, events)
 
-    def _record(self, gpu: GpuIdentity, driver: str,
-                outcome: ChildOutcome) -> tuple[BenchmarkRecord | None, ChildOutcome]:
+    def _record(
+        self, gpu: GpuIdentity, driver: str, outcome: ChildOutcome
+    ) -> tuple[BenchmarkRecord | None, ChildOutcome]:
         if outcome.record is None:
             return None, outcome
         data: dict[str, Any] = dict(outcome.record)
@@ -426,8 +552,11 @@ class BenchmarkCollector:
                 samples.append(FAILURES.sample_map(count, {**labels, "reason": reason}))
             for reason, count in sorted(state.skips.items()):
                 samples.append(SKIPS.sample_map(count, {**labels, "reason": reason}))
-            for family, value in ((RUN_SECONDS, state.run_seconds), (LAST_RUN, state.last_run),
-                                  (LAST_SUCCESS, state.last_success)):
+            for family, value in (
+                (RUN_SECONDS, state.run_seconds),
+                (LAST_RUN, state.last_run),
+                (LAST_SUCCESS, state.last_success),
+            ):
                 if value is not None:
                     samples.append(family.sample_map(value, labels))
             samples.extend(_record_samples(state.last, labels))
@@ -456,8 +585,9 @@ def _bare_uuid(text: str) -> str:
 
 
 def _failed(outcome: ChildOutcome, kind: str, message: str) -> ChildOutcome:
-    return ChildOutcome(None, kind, message, outcome.exit_code, outcome.stderr_tail,
-                        outcome.wall_seconds)
+    return ChildOutcome(
+        None, kind, message, outcome.exit_code, outcome.stderr_tail, outcome.wall_seconds
+    )
 
 
 SPEC = CollectorSpec(
@@ -465,4 +595,4 @@ SPEC = CollectorSpec(
     description="periodic matmul benchmark per GPU in a child process, while the GPU is idle",
     settings_type=BenchmarkSettings,
     factory=BenchmarkCollector,
-    )
+)

@@ -58,25 +58,44 @@ HOST_SUBJECT: Final = "host"
 @dataclass(frozen=True)
 class GpuSettings(CollectorSettings):
     expected_gpus: int = setting(
-        0, minimum=0, maximum=256,
-        help="GPUs this host should have; fewer visible is a critical event (0: no expectation)")
+        0,
+        minimum=0,
+        maximum=256,
+        help="GPUs this host should have; fewer visible is a critical event (0: no expectation)",
+    )
     slow_interval: float = setting(
-        60.0, minimum=1.0, maximum=86400.0,
-        help="seconds between costly reads: PCIe replays, retired pages, NVLink")
+        60.0,
+        minimum=1.0,
+        maximum=86400.0,
+        help="seconds between costly reads: PCIe replays, retired pages, NVLink",
+    )
     energy_interval: float = setting(
-        300.0, minimum=1.0, maximum=86400.0,
-        help="seconds between reads of the energy counter (about 3.3 ms per call on an H200)")
+        300.0,
+        minimum=1.0,
+        maximum=86400.0,
+        help="seconds between reads of the energy counter (about 3.3 ms per call on an H200)",
+    )
     static_refresh_interval: float = setting(
-        600.0, minimum=10.0, maximum=86400.0,
-        help="seconds between re-reads of static facts (names, serials, VBIOS, thresholds, modes)")
+        600.0,
+        minimum=10.0,
+        maximum=86400.0,
+        help="seconds between re-reads of static facts (names, serials, VBIOS, thresholds, modes)",
+    )
     nvml_retry_interval: float = setting(
-        60.0, minimum=1.0, maximum=86400.0,
-        help="seconds between nvmlInit attempts while NVML or the driver is missing")
+        60.0,
+        minimum=1.0,
+        maximum=86400.0,
+        help="seconds between nvmlInit attempts while NVML or the driver is missing",
+    )
     event_thread: bool = setting(
-        True, help="run the NVML event thread (Xid and ECC events as they happen)")
+        True, help="run the NVML event thread (Xid and ECC events as they happen)"
+    )
     event_wait_ms: int = setting(
-        1000, minimum=10, maximum=10000,
-        help="milliseconds the event thread waits per nvmlEventSetWait (its stop latency)")
+        1000,
+        minimum=10,
+        maximum=10000,
+        help="milliseconds the event thread waits per nvmlEventSetWait (its stop latency)",
+    )
 
 
 @dataclass
@@ -95,14 +114,16 @@ class _Gpu:
     static_samples: tuple[Sample, ...] | None = None
     slow_samples: tuple[Sample, ...] | None = None
 
-    def cached_static_samples(self, labels: dict[str, str],
-                              static: GpuStatic) -> tuple[Sample, ...]:
+    def cached_static_samples(
+        self, labels: dict[str, str], static: GpuStatic
+    ) -> tuple[Sample, ...]:
         if self.static_samples is None:
             self.static_samples = tuple(m.static_samples(labels, static))
         return self.static_samples
 
-    def cached_slow_samples(self, labels: dict[str, str],
-                            slow: GpuSlowReading) -> tuple[Sample, ...]:
+    def cached_slow_samples(
+        self, labels: dict[str, str], slow: GpuSlowReading
+    ) -> tuple[Sample, ...]:
         if self.slow_samples is None:
             self.slow_samples = tuple(m.slow_samples(labels, slow))
         return self.slow_samples
@@ -122,8 +143,9 @@ class _Round:
 class GpuCollector:
     name = "gpu"
 
-    def __init__(self, settings: GpuSettings, deps: CollectorDeps,
-                 backend: NvmlBackend | None = None) -> None:
+    def __init__(
+        self, settings: GpuSettings, deps: CollectorDeps, backend: NvmlBackend | None = None
+    ) -> None:
         self.settings = settings
         self.deps = deps
         self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
@@ -161,9 +183,15 @@ class GpuCollector:
             self._nvml_down(f"nvmlInit did not return ({exc})", out)
             return False
         if self.nvml_down_reason is not None:
-            out.events.append(Event(
-                source=SOURCE, kind="nvml_available", severity=Severity.INFO, subject=HOST_SUBJECT,
-                message="NVML answers again: GPU monitoring resumed"))
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="nvml_available",
+                    severity=Severity.INFO,
+                    subject=HOST_SUBJECT,
+                    message="NVML answers again: GPU monitoring resumed",
+                )
+            )
         self.nvml_down_reason = None
         return True
 
@@ -172,18 +200,22 @@ class GpuCollector:
         self.backend.stop()
         if self.nvml_down_reason is None:  # one finding per outage, not one per retry
             expected = self.settings.expected_gpus
-            out.events.append(Event(
-                source=SOURCE, kind="nvml_unavailable",
-                severity=Severity.CRITICAL if expected else Severity.WARNING,
-                subject=HOST_SUBJECT,
-                message=f"NVML is not available ({reason}): no NVIDIA driver is loaded or "
-                        "libnvidia-ml.so.1 is missing, so no GPU is monitored"
-                        + (f" although {expected} are expected" if expected else ""),
-                action="on a GPU host: check that the NVIDIA driver is installed and loaded "
-                       "(`lsmod | grep nvidia`, NVRM lines in the kernel log); gpuwarden retries "
-                       f"every {self.settings.nvml_retry_interval:g} s. On a host without "
-                       "NVIDIA GPUs: set [collectors.gpu] enabled = false",
-                attributes={"reason": reason}))
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="nvml_unavailable",
+                    severity=Severity.CRITICAL if expected else Severity.WARNING,
+                    subject=HOST_SUBJECT,
+                    message=f"NVML is not available ({reason}): no NVIDIA driver is loaded or "
+                    "libnvidia-ml.so.1 is missing, so no GPU is monitored"
+                    + (f" although {expected} are expected" if expected else ""),
+                    action="on a GPU host: check that the NVIDIA driver is installed and loaded "
+                    "(`lsmod | grep nvidia`, NVRM lines in the kernel log); gpuwarden retries "
+                    f"every {self.settings.nvml_retry_interval:g} s. On a host without "
+                    "NVIDIA GPUs: set [collectors.gpu] enabled = false",
+                    attributes={"reason": reason},
+                )
+            )
         self.nvml_down_reason = reason
         self.gpus.clear()
         self.count = None
@@ -203,8 +235,9 @@ class GpuCollector:
             out.samples.append(m.GPU_EXPECTED.sample(self.settings.expected_gpus))
         thread = self.events_thread
         if self.backend.up and self.settings.event_thread:
-            out.samples.append(m.GPU_EVENT_THREAD_UP.sample(
-                1 if thread is not None and thread.running else 0))
+            out.samples.append(
+                m.GPU_EVENT_THREAD_UP.sample(1 if thread is not None and thread.running else 0)
+            )
         out.events.extend(self.correlator.drain(ctx.now))
         return Collection(samples=out.samples, events=out.events)
 
@@ -221,7 +254,8 @@ class GpuCollector:
             self._count_changed(count, out)
         out.samples.append(m.GPU_COUNT.sample(count))
         results = await asyncio.gather(
-            *(self._read_gpu(ctx, index, changed) for index in range(count)))
+            *(self._read_gpu(ctx, index, changed) for index in range(count))
+        )
         for index, result in enumerate(results):
             self._handle_gpu(ctx, index, result, out)
         if changed:
@@ -229,25 +263,29 @@ class GpuCollector:
         elif self.settings.event_thread and any(g.static is not None for g in self.gpus.values()):
             self._check_event_thread(ctx.now, out)
 
-    async def _read_gpu(self, ctx: CollectContext, index: int,
-                        changed: bool) -> GpuRound | str:
+    async def _read_gpu(self, ctx: CollectContext, index: int, changed: bool) -> GpuRound | str:
         """The GPU's round, or the name of its error state: 'lost' or 'unresponsive'."""
         gpu = self.gpus.setdefault(index, _Gpu())
-        static = (changed or gpu.static is None or gpu.error is not None
-                  or ctx.now - gpu.static_at >= self.settings.static_refresh_interval)
+        static = (
+            changed
+            or gpu.static is None
+            or gpu.error is not None
+            or ctx.now - gpu.static_at >= self.settings.static_refresh_interval
+        )
         slow = gpu.slow is None or ctx.now - gpu.slow_at >= self.settings.slow_interval
-        energy = (gpu.energy_at is None
-                  or ctx.now - gpu.energy_at >= self.settings.energy_interval)
+        energy = gpu.energy_at is None or ctx.now - gpu.energy_at >= self.settings.energy_interval
         try:
-            return await ctx.call(f"nvml:gpu{index}", self.backend.read_gpu, index, static, slow,
-                                  energy)
+            return await ctx.call(
+                f"nvml:gpu{index}", self.backend.read_gpu, index, static, slow, energy
+            )
         except GpuLost:
             return "lost"
         except (CallTimedOut, CallStillHung):
             return "unresponsive"
 
-    def _handle_gpu(self, ctx: CollectContext, index: int, result: GpuRound | str,
-                    out: _Round) -> None:
+    def _handle_gpu(
+        self, ctx: CollectContext, index: int, result: GpuRound | str, out: _Round
+    ) -> None:
         gpu = self.gpus[index]
         if isinstance(result, str):
             labels = gpu.labels(index)
@@ -268,10 +306,16 @@ class GpuCollector:
             gpu.energy_joules, gpu.energy_at = result.reading.energy_joules, ctx.now
         labels = gpu.labels(index)
         if gpu.error is not None:
-            out.events.append(Event(
-                source=SOURCE, kind="gpu_recovered", severity=Severity.INFO,
-                subject=labels["uuid"], attributes=dict(labels),
-                message=f"{where(labels)} answers NVML again (was {gpu.error})"))
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="gpu_recovered",
+                    severity=Severity.INFO,
+                    subject=labels["uuid"],
+                    attributes=dict(labels),
+                    message=f"{where(labels)} answers NVML again (was {gpu.error})",
+                )
+            )
             gpu.error = None
         out.samples.extend(m.state_samples(labels, None))
         out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules))
@@ -289,25 +333,39 @@ class GpuCollector:
         if result.slow is not None:
             out.events.extend(counter_events(self.counters, labels, result.slow, SLOW_COUNTERS))
         inputs = condition_inputs(gpu.static, result.reading, gpu.slow)
-        out.events.extend(condition_events(self.conditions, labels, inputs,
-                                           {"pcie_link_degraded": _link_detail(gpu.static, result)}))
+        out.events.extend(
+            condition_events(
+                self.conditions,
+                labels,
+                inputs,
+                {"pcie_link_degraded": _link_detail(gpu.static, result)},
+            )
+        )
 
     def _gpu_error_event(self, labels: Mapping[str, str], state: str) -> Event:
         if state == "lost":
             return Event(
-                source=SOURCE, kind="gpu_lost", severity=Severity.CRITICAL,
-                subject=labels["uuid"] or labels["gpu"], attributes=dict(labels),
+                source=SOURCE,
+                kind="gpu_lost",
+                severity=Severity.CRITICAL,
+                subject=labels["uuid"] or labels["gpu"],
+                attributes=dict(labels),
                 message=f"{where(labels)} is lost: NVML says the GPU has fallen off the bus or "
-                        "needs a reset",
+                "needs a reset",
                 action="drain the node; look for Xid 79 in the kernel log; reboot the host. "
-                       "If it returns after a reboot, have the GPU and its slot inspected")
+                "If it returns after a reboot, have the GPU and its slot inspected",
+            )
         return Event(
-            source=SOURCE, kind="gpu_unresponsive", severity=Severity.CRITICAL,
-            subject=labels["uuid"] or labels["gpu"], attributes=dict(labels),
+            source=SOURCE,
+            kind="gpu_unresponsive",
+            severity=Severity.CRITICAL,
+            subject=labels["uuid"] or labels["gpu"],
+            attributes=dict(labels),
             message=f"{where(labels)} does not answer NVML within "
-                    f"{self.settings.timeout:g} s; it is not asked again until the call returns",
+            f"{self.settings.timeout:g} s; it is not asked again until the call returns",
             action="look for Xid errors and NVRM messages in the kernel log; drain the node and "
-                   "reset the GPU or reboot if it stays unresponsive")
+            "reset the GPU or reboot if it stays unresponsive",
+        )
 
     def _count_changed(self, count: int, out: _Round) -> None:
         previous = self.count
@@ -318,44 +376,67 @@ class GpuCollector:
             # removed on purpose); while it is set, gpus_missing reports a shortfall instead.
             stored = self.deps.state.get(STATE_NAMESPACE, "count_at_start")
             highest = stored if isinstance(stored, int) else None
-            self.deps.state.put(STATE_NAMESPACE, "count_at_start",
-                                expected or max(count, highest or 0))
+            self.deps.state.put(
+                STATE_NAMESPACE, "count_at_start", expected or max(count, highest or 0)
+            )
             self._start_count_checked = True  # after the put: a failed put checks again
             if not expected and highest is not None and count < highest:
-                out.events.append(Event(
-                    source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
-                    subject=HOST_SUBJECT, attributes={"visible": count, "before": highest},
-                    message=f"{count} GPUs visible, {highest} at an earlier start of the agent",
-                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
-                           "missing from lspci; reboot; if still missing, inspect the hardware; "
-                           "if it was removed on purpose, set [collectors.gpu] expected_gpus"))
+                out.events.append(
+                    Event(
+                        source=SOURCE,
+                        kind="gpu_count_dropped",
+                        severity=Severity.CRITICAL,
+                        subject=HOST_SUBJECT,
+                        attributes={"visible": count, "before": highest},
+                        message=f"{count} GPUs visible, {highest} at an earlier start of the agent",
+                        action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                        "missing from lspci; reboot; if still missing, inspect the hardware; "
+                        "if it was removed on purpose, set [collectors.gpu] expected_gpus",
+                    )
+                )
         self.count = count
         for index in [i for i in self.gpus if i >= count]:
             del self.gpus[index]
         if previous is not None and count < previous:
-            out.events.append(Event(
-                source=SOURCE, kind="gpu_count_dropped", severity=Severity.CRITICAL,
-                subject=HOST_SUBJECT, attributes={"visible": count, "before": previous},
-                message=f"{count} GPUs visible, {previous} a round ago",
-                action="look for Xid 79 / 'fallen off the bus' in the kernel log; drain and reboot"))
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="gpu_count_dropped",
+                    severity=Severity.CRITICAL,
+                    subject=HOST_SUBJECT,
+                    attributes={"visible": count, "before": previous},
+                    message=f"{count} GPUs visible, {previous} a round ago",
+                    action="look for Xid 79 / 'fallen off the bus' in the kernel log; drain and reboot",
+                )
+            )
         if expected:
             started = self.conditions.update(HOST_SUBJECT, "gpus_missing", count < expected)
             if started is not None:
-                out.events.append(Event(
-                    source=SOURCE, kind="gpus_missing" if started else "gpus_missing_cleared",
-                    severity=Severity.CRITICAL if started else Severity.INFO,
-                    subject=HOST_SUBJECT, attributes={"visible": count, "expected": expected},
-                    message=f"{count} GPUs visible, {expected} expected" if started
-                    else f"all {expected} expected GPUs are visible again",
-                    action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
-                           "missing from lspci; reboot; if still missing, inspect the hardware"
-                           if started else ""))
+                out.events.append(
+                    Event(
+                        source=SOURCE,
+                        kind="gpus_missing" if started else "gpus_missing_cleared",
+                        severity=Severity.CRITICAL if started else Severity.INFO,
+                        subject=HOST_SUBJECT,
+                        attributes={"visible": count, "expected": expected},
+                        message=f"{count} GPUs visible, {expected} expected"
+                        if started
+                        else f"all {expected} expected GPUs are visible again",
+                        action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                        "missing from lspci; reboot; if still missing, inspect the hardware"
+                        if started
+                        else "",
+                    )
+                )
 
     # -- the event thread ---------------------------------------------------------------------
 
     def _identities(self) -> dict[str, dict[str, str]]:
-        return {g.static.identity.pci_bus_id: g.static.identity.labels()
-                for g in list(self.gpus.values()) if g.static is not None}
+        return {
+            g.static.identity.pci_bus_id: g.static.identity.labels()
+            for g in list(self.gpus.values())
+            if g.static is not None
+        }
 
     def _check_event_thread(self, now: float, out: _Round) -> None:
         """Start the thread if there is none; restart it if it died (NVML error, registration
@@ -369,13 +450,19 @@ class GpuCollector:
         if thread is not None and self.events_down_reason is None:
             reason = thread.error or "the thread ended"
             self.events_down_reason = reason
-            out.events.append(Event(
-                source=SOURCE, kind="nvml_event_thread_stopped", severity=Severity.WARNING,
-                subject=HOST_SUBJECT, attributes={"reason": reason},
-                message=f"the NVML event thread stopped ({reason}): Xid and ECC events are "
-                        "not seen as they happen until it runs again",
-                action=f"gpuwarden restarts it every {self.settings.nvml_retry_interval:g} s; "
-                       "if it keeps stopping, check the agent's log and the kernel log"))
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="nvml_event_thread_stopped",
+                    severity=Severity.WARNING,
+                    subject=HOST_SUBJECT,
+                    attributes={"reason": reason},
+                    message=f"the NVML event thread stopped ({reason}): Xid and ECC events are "
+                    "not seen as they happen until it runs again",
+                    action=f"gpuwarden restarts it every {self.settings.nvml_retry_interval:g} s; "
+                    "if it keeps stopping, check the agent's log and the kernel log",
+                )
+            )
         if thread is None or now - self.events_started_at >= self.settings.nvml_retry_interval:
             self._restart_event_thread(now)
 
@@ -383,12 +470,21 @@ class GpuCollector:
         self._stop_event_thread()
         if not self.settings.event_thread:
             return
-        gpus = [(i, g.static.supported_event_types) for i, g in self.gpus.items()
-                if g.static is not None and g.error is None]
+        gpus = [
+            (i, g.static.supported_event_types)
+            for i, g in self.gpus.items()
+            if g.static is not None and g.error is None
+        ]
         if not gpus:
             return
-        thread = GpuEventThread(self.backend, self.correlator, self.deps.emit, gpus,
-                                self._identities, wait_ms=self.settings.event_wait_ms)
+        thread = GpuEventThread(
+            self.backend,
+            self.correlator,
+            self.deps.emit,
+            gpus,
+            self._identities,
+            wait_ms=self.settings.event_wait_ms,
+        )
         thread.start()
         self.events_thread = thread
         self.events_started_at = now
@@ -417,8 +513,10 @@ def _link_detail(static: GpuStatic | None, result: GpuRound) -> str:
     r = result.reading
     if static is None:
         return ""
-    return (f" (generation {r.pcie_generation} of {static.pcie_generation_max}, "
-            f"width x{r.pcie_width} of x{static.pcie_width_max})")
+    return (
+        f" (generation {r.pcie_generation} of {static.pcie_generation_max}, "
+        f"width x{r.pcie_width} of x{static.pcie_width_max})"
+    )
 
 
 SPEC = CollectorSpec(

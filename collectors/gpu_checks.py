@@ -41,27 +41,57 @@ class CounterSpec:
 RESET_GPU_IF_REPEATS = "if it repeats, drain the node and reset the GPU (or reboot)"
 
 FAST_COUNTERS: Final = (
-    CounterSpec("ecc_corrected_volatile", "corrected ECC errors", Severity.INFO,
-                "none needed for single events; watch the rate (Xid 92 flags a high rate)"),
-    CounterSpec("ecc_uncorrected_volatile", "uncorrectable ECC errors", Severity.CRITICAL,
-                "restart the job that used this GPU; " + RESET_GPU_IF_REPEATS
-                + "; check for a pending row remap"),
-    CounterSpec("remapped_rows_correctable", "rows remapped after correctable errors",
-                Severity.INFO, "none needed; the remap applies at the next GPU reset",
-                volatile=False),
-    CounterSpec("remapped_rows_uncorrectable", "rows remapped after uncorrectable errors",
-                Severity.WARNING, "reset the GPU when it is idle so that the remap takes effect; "
-                "repeated remaps: have the GPU inspected", volatile=False),
+    CounterSpec(
+        "ecc_corrected_volatile",
+        "corrected ECC errors",
+        Severity.INFO,
+        "none needed for single events; watch the rate (Xid 92 flags a high rate)",
+    ),
+    CounterSpec(
+        "ecc_uncorrected_volatile",
+        "uncorrectable ECC errors",
+        Severity.CRITICAL,
+        "restart the job that used this GPU; "
+        + RESET_GPU_IF_REPEATS
+        + "; check for a pending row remap",
+    ),
+    CounterSpec(
+        "remapped_rows_correctable",
+        "rows remapped after correctable errors",
+        Severity.INFO,
+        "none needed; the remap applies at the next GPU reset",
+        volatile=False,
+    ),
+    CounterSpec(
+        "remapped_rows_uncorrectable",
+        "rows remapped after uncorrectable errors",
+        Severity.WARNING,
+        "reset the GPU when it is idle so that the remap takes effect; "
+        "repeated remaps: have the GPU inspected",
+        volatile=False,
+    ),
 )
 SLOW_COUNTERS: Final = (
-    CounterSpec("pcie_replays", "PCIe replays", Severity.WARNING,
-                "check the PCIe link (riser, slot, cable) if the count keeps rising"),
-    CounterSpec("retired_pages_single_bit", "pages retired after repeated single-bit ECC errors",
-                Severity.WARNING, "reset the GPU to apply the retirement; repeated: inspect hardware",
-                volatile=False),
-    CounterSpec("retired_pages_double_bit", "pages retired after double-bit ECC errors",
-                Severity.CRITICAL, "reset the GPU to apply the retirement; repeated: inspect hardware",
-                volatile=False),
+    CounterSpec(
+        "pcie_replays",
+        "PCIe replays",
+        Severity.WARNING,
+        "check the PCIe link (riser, slot, cable) if the count keeps rising",
+    ),
+    CounterSpec(
+        "retired_pages_single_bit",
+        "pages retired after repeated single-bit ECC errors",
+        Severity.WARNING,
+        "reset the GPU to apply the retirement; repeated: inspect hardware",
+        volatile=False,
+    ),
+    CounterSpec(
+        "retired_pages_double_bit",
+        "pages retired after double-bit ECC errors",
+        Severity.CRITICAL,
+        "reset the GPU to apply the retirement; repeated: inspect hardware",
+        volatile=False,
+    ),
 )
 
 Change = tuple[Literal["increase", "reset"], int, int]
@@ -83,8 +113,12 @@ class CounterTracker:
             for key, value in self._store.items(COUNTERS_NAMESPACE).items():
                 if isinstance(value, int):
                     self._last[key] = (value, None)
-                elif (isinstance(value, list) and len(value) == 2
-                      and isinstance(value[0], int) and isinstance(value[1], str)):
+                elif (
+                    isinstance(value, list)
+                    and len(value) == 2
+                    and isinstance(value[0], int)
+                    and isinstance(value[1], str)
+                ):
                     self._last[key] = (value[0], value[1])
             self._loaded = True
 
@@ -142,13 +176,18 @@ class ConditionTracker:
 
 def where(labels: Mapping[str, str]) -> str:
     """'GPU 3 (NVIDIA H200, 0000:3b:00.0, GPU-...)' for messages."""
-    return (f"GPU {labels.get('gpu', '?')} ({labels.get('model', '')}, "
-            f"{labels.get('pci_bus_id', '')}, {labels.get('uuid', '')})")
+    return (
+        f"GPU {labels.get('gpu', '?')} ({labels.get('model', '')}, "
+        f"{labels.get('pci_bus_id', '')}, {labels.get('uuid', '')})"
+    )
 
 
-def counter_events(tracker: CounterTracker, labels: Mapping[str, str],
-                   reading: GpuReading | GpuSlowReading,
-                   specs: tuple[CounterSpec, ...]) -> list[Event]:
+def counter_events(
+    tracker: CounterTracker,
+    labels: Mapping[str, str],
+    reading: GpuReading | GpuSlowReading,
+    specs: tuple[CounterSpec, ...],
+) -> list[Event]:
     uuid = labels["uuid"]
     values: dict[str, tuple[CounterSpec, int]] = {}
     for spec in specs:
@@ -158,9 +197,12 @@ def counter_events(tracker: CounterTracker, labels: Mapping[str, str],
     if isinstance(reading, GpuSlowReading):
         for link in reading.nvlinks:
             for name, count in link.errors.items():
-                spec = CounterSpec(f"nvlink{link.link}_{name}", f"NVLink {link.link} {name} errors",
-                                   Severity.WARNING, "check the NVLink (Xid 74 in the kernel log); "
-                                   + RESET_GPU_IF_REPEATS)
+                spec = CounterSpec(
+                    f"nvlink{link.link}_{name}",
+                    f"NVLink {link.link} {name} errors",
+                    Severity.WARNING,
+                    "check the NVLink (Xid 74 in the kernel log); " + RESET_GPU_IF_REPEATS,
+                )
                 values[spec.name] = (spec, count)
     events: list[Event] = []
     for name, (spec, value) in values.items():
@@ -169,22 +211,39 @@ def counter_events(tracker: CounterTracker, labels: Mapping[str, str],
             continue
         what, previous, new = change
         attributes: dict[str, AttributeValue] = {
-            **labels, "counter": name, "previous": previous, "value": new}
+            **labels,
+            "counter": name,
+            "previous": previous,
+            "value": new,
+        }
         if what == "reset":
-            events.append(Event(
-                source=SOURCE, kind="counter_reset", severity=Severity.INFO, subject=uuid,
-                message=f"{where(labels)}: counter {name} restarted (was {previous}, now {new}); "
-                        "the host rebooted, the driver was reloaded or the GPU reset. "
-                        "New baseline.",
-                attributes=attributes))
+            events.append(
+                Event(
+                    source=SOURCE,
+                    kind="counter_reset",
+                    severity=Severity.INFO,
+                    subject=uuid,
+                    message=f"{where(labels)}: counter {name} restarted (was {previous}, now {new}); "
+                    "the host rebooted, the driver was reloaded or the GPU reset. "
+                    "New baseline.",
+                    attributes=attributes,
+                )
+            )
         # A volatile counter restarted at 0, so all of its new value came since the reset.
         delta = new - previous if what == "increase" else new if spec.volatile else 0
         if delta > 0:
-            events.append(Event(
-                source=SOURCE, kind=f"{name}_increase", severity=spec.severity, subject=uuid,
-                message=f"{where(labels)}: {delta} new {spec.what} (now {new}"
-                        + (", since the counter reset)" if what == "reset" else ")"),
-                action=spec.action, attributes={**attributes, "delta": delta}))
+            events.append(
+                Event(
+                    source=SOURCE,
+                    kind=f"{name}_increase",
+                    severity=spec.severity,
+                    subject=uuid,
+                    message=f"{where(labels)}: {delta} new {spec.what} (now {new}"
+                    + (", since the counter reset)" if what == "reset" else ")"),
+                    action=spec.action,
+                    attributes={**attributes, "delta": delta},
+                )
+            )
     return events
 
 
@@ -196,28 +255,46 @@ class ConditionSpec:
     action: str
 
 
-HW_SLOWDOWN_MASK: Final = (CLOCK_EVENT_REASONS["hw_slowdown"]
-                           | CLOCK_EVENT_REASONS["hw_thermal_slowdown"]
-                           | CLOCK_EVENT_REASONS["hw_power_brake_slowdown"])
+HW_SLOWDOWN_MASK: Final = (
+    CLOCK_EVENT_REASONS["hw_slowdown"]
+    | CLOCK_EVENT_REASONS["hw_thermal_slowdown"]
+    | CLOCK_EVENT_REASONS["hw_power_brake_slowdown"]
+)
 
 CONDITIONS: Final = {
-    c.name: c for c in (
-        ConditionSpec("row_remap_pending", Severity.WARNING,
-                      "a memory row remap is pending; it takes effect at the next GPU reset",
-                      "drain the GPU and reset it (or reboot) when convenient"),
-        ConditionSpec("row_remap_failure", Severity.CRITICAL,
-                      "a memory row remap failed: the bank has no spare rows left",
-                      "drain the node and have the GPU inspected or replaced"),
-        ConditionSpec("retired_pages_pending", Severity.WARNING,
-                      "a page retirement is pending; it takes effect at the next GPU reset",
-                      "drain the GPU and reset it (or reboot) when convenient"),
-        ConditionSpec("pcie_link_degraded", Severity.WARNING,
-                      "the PCIe link runs below its maximum generation or width",
-                      "reseat the GPU or its riser, check the slot and BIOS PCIe settings; "
-                      "compare with the other GPUs of the host"),
-        ConditionSpec("hardware_slowdown", Severity.WARNING,
-                      "the hardware is holding the clocks down (thermal, power brake or HW slowdown)",
-                      "check cooling (inlet temperature, fans) and power supplies"),
+    c.name: c
+    for c in (
+        ConditionSpec(
+            "row_remap_pending",
+            Severity.WARNING,
+            "a memory row remap is pending; it takes effect at the next GPU reset",
+            "drain the GPU and reset it (or reboot) when convenient",
+        ),
+        ConditionSpec(
+            "row_remap_failure",
+            Severity.CRITICAL,
+            "a memory row remap failed: the bank has no spare rows left",
+            "drain the node and have the GPU inspected or replaced",
+        ),
+        ConditionSpec(
+            "retired_pages_pending",
+            Severity.WARNING,
+            "a page retirement is pending; it takes effect at the next GPU reset",
+            "drain the GPU and reset it (or reboot) when convenient",
+        ),
+        ConditionSpec(
+            "pcie_link_degraded",
+            Severity.WARNING,
+            "the PCIe link runs below its maximum generation or width",
+            "reseat the GPU or its riser, check the slot and BIOS PCIe settings; "
+            "compare with the other GPUs of the host",
+        ),
+        ConditionSpec(
+            "hardware_slowdown",
+            Severity.WARNING,
+            "the hardware is holding the clocks down (thermal, power brake or HW slowdown)",
+            "check cooling (inlet temperature, fans) and power supplies",
+        ),
     )
 }
 
@@ -231,16 +308,21 @@ def pcie_degraded(static: GpuStatic | None, reading: GpuReading) -> bool | None:
     # GPUs lower the link generation to save power when idle, so a slow link only counts while
     # the GPU is busy; a narrower link (fewer lanes) is a fault whatever the load.
     busy = bool(reading.utilization_gpu_ratio) and not (
-        (reading.clock_event_reasons or 0) & CLOCK_EVENT_REASONS["gpu_idle"])
-    slow = (None if generation is None or generation_max is None
-            else busy and generation < generation_max)
+        (reading.clock_event_reasons or 0) & CLOCK_EVENT_REASONS["gpu_idle"]
+    )
+    slow = (
+        None
+        if generation is None or generation_max is None
+        else busy and generation < generation_max
+    )
     if narrow is None and slow is None:
         return None
     return bool(narrow) or bool(slow)
 
 
-def condition_inputs(static: GpuStatic | None, reading: GpuReading,
-                     slow: GpuSlowReading | None) -> dict[str, bool | None]:
+def condition_inputs(
+    static: GpuStatic | None, reading: GpuReading, slow: GpuSlowReading | None
+) -> dict[str, bool | None]:
     reasons = reading.clock_event_reasons
     return {
         "row_remap_pending": reading.remap_pending,
@@ -251,9 +333,12 @@ def condition_inputs(static: GpuStatic | None, reading: GpuReading,
     }
 
 
-def condition_events(tracker: ConditionTracker, labels: Mapping[str, str],
-                     inputs: Mapping[str, bool | None],
-                     details: Mapping[str, str] | None = None) -> list[Event]:
+def condition_events(
+    tracker: ConditionTracker,
+    labels: Mapping[str, str],
+    inputs: Mapping[str, bool | None],
+    details: Mapping[str, str] | None = None,
+) -> list[Event]:
     uuid = labels["uuid"]
     events: list[Event] = []
     for name, holds in inputs.items():
@@ -263,13 +348,26 @@ def condition_events(tracker: ConditionTracker, labels: Mapping[str, str],
         spec = CONDITIONS[name]
         detail = (details or {}).get(name, "")
         if started:
-            events.append(Event(
-                source=SOURCE, kind=name, severity=spec.severity, subject=uuid,
-                message=f"{where(labels)}: {spec.message}{detail}", action=spec.action,
-                attributes=dict(labels)))
+            events.append(
+                Event(
+                    source=SOURCE,
+                    kind=name,
+                    severity=spec.severity,
+                    subject=uuid,
+                    message=f"{where(labels)}: {spec.message}{detail}",
+                    action=spec.action,
+                    attributes=dict(labels),
+                )
+            )
         else:
-            events.append(Event(
-                source=SOURCE, kind=f"{name}_cleared", severity=Severity.INFO, subject=uuid,
-                message=f"{where(labels)}: no longer {name.replace('_', ' ')}",
-                attributes=dict(labels)))
+            events.append(
+                Event(
+                    source=SOURCE,
+                    kind=f"{name}_cleared",
+                    severity=Severity.INFO,
+                    subject=uuid,
+                    message=f"{where(labels)}: no longer {name.replace('_', ' ')}",
+                    attributes=dict(labels),
+                )
+            )
     return events

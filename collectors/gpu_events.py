@@ -39,10 +39,16 @@ class GpuEventThread:
     """Start with `start()`, stop with `stop()` (flag + join) or `request_stop()` (flag only).
     Not restartable: make a new one."""
 
-    def __init__(self, backend: NvmlBackend, correlator: XidCorrelator,
-                 emit: Callable[[Event], None], gpus: Sequence[tuple[int, int | None]],
-                 identities: Callable[[], Mapping[str, Mapping[str, str]]],
-                 *, wait_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        backend: NvmlBackend,
+        correlator: XidCorrelator,
+        emit: Callable[[Event], None],
+        gpus: Sequence[tuple[int, int | None]],
+        identities: Callable[[], Mapping[str, Mapping[str, str]]],
+        *,
+        wait_ms: int = 1000,
+    ) -> None:
         """`gpus`: (index, supported event mask or None when unknown) per GPU.
         `identities`: pci_bus_id -> GPU labels, for ECC event text."""
         self._backend = backend
@@ -67,8 +73,7 @@ class GpuEventThread:
     def start(self) -> None:
         """Start the thread; it creates the event set and registers the GPUs itself, so that a
         GPU that hangs in registration holds this thread, never the event loop."""
-        self._thread = threading.Thread(target=self._run, name="gpuwarden-nvml-events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gpuwarden-nvml-events", daemon=True)
         self._thread.start()
 
     def request_stop(self) -> None:
@@ -136,9 +141,15 @@ class GpuEventThread:
     def handle(self, record: NvmlEventRecord) -> None:
         now = time.time()
         if record.event_type & EVENT_XID:
-            self._correlator.observe(XidObservation(
-                source="nvml", pci_bus_id=record.pci_bus_id, code=record.data, time=now,
-                text=f"NVML Xid critical error event, Xid {record.data}"))
+            self._correlator.observe(
+                XidObservation(
+                    source="nvml",
+                    pci_bus_id=record.pci_bus_id,
+                    code=record.data,
+                    time=now,
+                    text=f"NVML Xid critical error event, Xid {record.data}",
+                )
+            )
         ecc = record.event_type & (EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC)
         if ecc:
             self._emit(self._ecc_event(record, now, double=bool(ecc & EVENT_DOUBLE_BIT_ECC)))
@@ -148,15 +159,23 @@ class GpuEventThread:
         name = f"GPU {labels.get('gpu', '?')} ({record.pci_bus_id})"
         if double:
             return Event(
-                source="gpu", kind="ecc_double_bit_event", severity=Severity.CRITICAL,
-                subject=labels.get("uuid", record.pci_bus_id), time=now,
+                source="gpu",
+                kind="ecc_double_bit_event",
+                severity=Severity.CRITICAL,
+                subject=labels.get("uuid", record.pci_bus_id),
+                time=now,
                 message=f"{name}: NVML reported a double-bit (uncorrectable) ECC error",
                 action="restart the job that used this GPU; if it repeats, drain the node and "
-                       "reset the GPU; check for a pending row remap",
-                attributes={**labels, "pci_bus_id": record.pci_bus_id})
+                "reset the GPU; check for a pending row remap",
+                attributes={**labels, "pci_bus_id": record.pci_bus_id},
+            )
         return Event(
-            source="gpu", kind="ecc_single_bit_event", severity=Severity.INFO,
-            subject=labels.get("uuid", record.pci_bus_id), time=now,
+            source="gpu",
+            kind="ecc_single_bit_event",
+            severity=Severity.INFO,
+            subject=labels.get("uuid", record.pci_bus_id),
+            time=now,
             message=f"{name}: NVML reported a single-bit (corrected) ECC error",
             action="none needed for single events; watch the rate",
-            attributes={**labels, "pci_bus_id": record.pci_bus_id})
+            attributes={**labels, "pci_bus_id": record.pci_bus_id},
+        )

@@ -87,7 +87,8 @@ def run_write_probe(
     if available - size < free_margin_bytes:
         raise ProbeRefused(
             f"{path}: {available / MIB:.0f} MiB available; writing {size_mib} MiB would leave "
-            f"less than the {free_margin_bytes / MIB:.0f} MiB margin")
+            f"less than the {free_margin_bytes / MIB:.0f} MiB margin"
+        )
     try:
         fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=path)
     except OSError as exc:
@@ -127,35 +128,57 @@ G = MetricType.GAUGE
 SOURCE = "io_probe"
 
 THROUGHPUT = MetricFamily(
-    "gpuwarden_io_probe_write_bytes_per_second", G,
-    "Write throughput of the last probe, fdatasync included", ("directory",), "bytes")
+    "gpuwarden_io_probe_write_bytes_per_second",
+    G,
+    "Write throughput of the last probe, fdatasync included",
+    ("directory",),
+    "bytes",
+)
 SYNC_LATENCY = MetricFamily(
-    "gpuwarden_io_probe_sync_latency_seconds", G,
-    "One 4 KiB write plus fdatasync, last probe", ("directory",), "seconds")
+    "gpuwarden_io_probe_sync_latency_seconds",
+    G,
+    "One 4 KiB write plus fdatasync, last probe",
+    ("directory",),
+    "seconds",
+)
 DURATION = MetricFamily(
-    "gpuwarden_io_probe_write_seconds", G, "Time to write and sync the probe file, last probe",
-    ("directory",), "seconds")
+    "gpuwarden_io_probe_write_seconds",
+    G,
+    "Time to write and sync the probe file, last probe",
+    ("directory",),
+    "seconds",
+)
 PROBE_ERROR = MetricFamily(
-    "gpuwarden_io_probe_error", G,
+    "gpuwarden_io_probe_error",
+    G,
     "1 if the last probe was refused or failed (reason: refused, failed, hung)",
-    ("directory", "reason"))
+    ("directory", "reason"),
+)
 LAST_RUN = MetricFamily(
-    "gpuwarden_io_probe_last_run_timestamp_seconds", G, "When the last probe finished",
-    ("directory",), "seconds")
+    "gpuwarden_io_probe_last_run_timestamp_seconds",
+    G,
+    "When the last probe finished",
+    ("directory",),
+    "seconds",
+)
 
 
 @dataclass(frozen=True)
 class IoProbeSettings(CollectorSettings):
     directories: tuple[str, ...] = setting(
-        (), help="directories to probe (required when enabled; there is no default)")
+        (), help="directories to probe (required when enabled; there is no default)"
+    )
     size_mib: int = setting(64, minimum=1, maximum=65536, help="MiB written per probe")
     free_margin_mib: int = setting(
-        1024, minimum=0, help="refuse to probe when less than this would be left available")
+        1024, minimum=0, help="refuse to probe when less than this would be left available"
+    )
 
     def __post_init__(self) -> None:
         if self.enabled and not self.directories:
-            raise ValueError("directories: the write probe is enabled but has no directory; "
-                             "name the directories to probe, or set enabled = false")
+            raise ValueError(
+                "directories: the write probe is enabled but has no directory; "
+                "name the directories to probe, or set enabled = false"
+            )
         for directory in self.directories:
             if not os.path.isabs(directory):
                 raise ValueError(f"directories: {directory!r} is not an absolute path")
@@ -180,8 +203,12 @@ class IoProbeCollector:
             reason, problem = "", ""
             try:
                 result = await ctx.call(
-                    f"io_probe:{directory}", run_write_probe, directory, self.settings.size_mib,
-                    free_margin_bytes=self.settings.free_margin_mib * MIB)
+                    f"io_probe:{directory}",
+                    run_write_probe,
+                    directory,
+                    self.settings.size_mib,
+                    free_margin_bytes=self.settings.free_margin_mib * MIB,
+                )
             except ProbeRefused as exc:
                 reason, problem = "refused", str(exc)
             except ProbeFailed as exc:
@@ -198,13 +225,18 @@ class IoProbeCollector:
             for name in ("refused", "failed", "hung"):
                 samples.append(PROBE_ERROR.sample(int(name == reason), directory, name))
             if problem and self._last_problem.get(directory) != problem:
-                events.append(Event(
-                    source=SOURCE, kind=f"io_probe_{reason}",
-                    severity=Severity.INFO if reason == "refused" else Severity.WARNING,
-                    subject=directory, message=problem,
-                    action="check the file system and the device behind it"
-                    if reason != "refused" else "free space there or lower size_mib / free_margin_mib",
-                ))
+                events.append(
+                    Event(
+                        source=SOURCE,
+                        kind=f"io_probe_{reason}",
+                        severity=Severity.INFO if reason == "refused" else Severity.WARNING,
+                        subject=directory,
+                        message=problem,
+                        action="check the file system and the device behind it"
+                        if reason != "refused"
+                        else "free space there or lower size_mib / free_margin_mib",
+                    )
+                )
             self._last_problem[directory] = problem
         return Collection(samples=samples, events=events)
 

@@ -52,52 +52,80 @@ log = structlog.get_logger(component="kernel_log")
 C = MetricType.COUNTER
 
 XID_ERRORS = MetricFamily(
-    "gpuwarden_xid_errors_total", C,
+    "gpuwarden_xid_errors_total",
+    C,
     "Xid errors per GPU and code since the agent started (kernel log and NVML correlated: one "
     "Xid seen by both counts once); GPU labels empty when NVML does not know the GPU",
-    (*GPU_LABELS, "xid"))
+    (*GPU_LABELS, "xid"),
+)
 SXID_ERRORS = MetricFamily(
-    "gpuwarden_sxid_errors_total", C,
+    "gpuwarden_sxid_errors_total",
+    C,
     "NVSwitch SXid errors per switch and code seen in the kernel log since the agent started",
-    ("pci_bus_id", "device", "sxid"))
+    ("pci_bus_id", "device", "sxid"),
+)
 FINDINGS = MetricFamily(
-    "gpuwarden_kernel_log_findings_total", C,
-    "Kernel-log lines that are findings, by kind, since the agent started", ("kind",))
+    "gpuwarden_kernel_log_findings_total",
+    C,
+    "Kernel-log lines that are findings, by kind, since the agent started",
+    ("kind",),
+)
 RECORDS = MetricFamily(
-    "gpuwarden_kernel_log_records_total", C, "Kernel-log records read since the agent started")
+    "gpuwarden_kernel_log_records_total", C, "Kernel-log records read since the agent started"
+)
 MALFORMED = MetricFamily(
-    "gpuwarden_kernel_log_malformed_records_total", C,
-    "Kernel-log records or lines that could not be parsed, skipped")
+    "gpuwarden_kernel_log_malformed_records_total",
+    C,
+    "Kernel-log records or lines that could not be parsed, skipped",
+)
 IGNORED = MetricFamily(
-    "gpuwarden_kernel_log_ignored_records_total", C,
+    "gpuwarden_kernel_log_ignored_records_total",
+    C,
     "Records that looked like a finding of this kind but were written from user space "
-    "(facility >= 1), so not trusted", ("kind",))
+    "(facility >= 1), so not trusted",
+    ("kind",),
+)
 LOST = MetricFamily(
-    "gpuwarden_kernel_log_lost_records_total", C,
-    "Records overwritten in the kernel ring buffer before the agent read them")
+    "gpuwarden_kernel_log_lost_records_total",
+    C,
+    "Records overwritten in the kernel ring buffer before the agent read them",
+)
 OVERRUNS = MetricFamily(
-    "gpuwarden_kernel_log_overruns_total", C,
-    "Times /dev/kmsg answered EPIPE: the reader fell behind the ring buffer")
+    "gpuwarden_kernel_log_overruns_total",
+    C,
+    "Times /dev/kmsg answered EPIPE: the reader fell behind the ring buffer",
+)
 SKIPPED = MetricFamily(
-    "gpuwarden_kernel_log_replay_skipped_records_total", C,
-    "Records of this boot already processed before a restart, skipped instead of replayed")
+    "gpuwarden_kernel_log_replay_skipped_records_total",
+    C,
+    "Records of this boot already processed before a restart, skipped instead of replayed",
+)
 SUPPRESSED = MetricFamily(
-    "gpuwarden_kernel_log_suppressed_events_total", C,
+    "gpuwarden_kernel_log_suppressed_events_total",
+    C,
     "Findings that raised no event because the same kind and subject raised one within "
-    "repeat_holdoff", ("kind",))
+    "repeat_holdoff",
+    ("kind",),
+)
 
 
 @dataclass(frozen=True)
 class KernelLogSettings(CollectorSettings):
-    path: Path = setting(Path("/dev/kmsg"),
-                         help="/dev/kmsg, or a file of saved kernel-log lines (read like tail -f)")
-    boot_id_path: Path = setting(Path("/proc/sys/kernel/random/boot_id"),
-                                 help="the kernel's boot id; with the last sequence number "
-                                      "read it keeps a restart from replaying old records")
+    path: Path = setting(
+        Path("/dev/kmsg"), help="/dev/kmsg, or a file of saved kernel-log lines (read like tail -f)"
+    )
+    boot_id_path: Path = setting(
+        Path("/proc/sys/kernel/random/boot_id"),
+        help="the kernel's boot id; with the last sequence number "
+        "read it keeps a restart from replaying old records",
+    )
     repeat_holdoff: float = setting(
-        300.0, minimum=0.0, maximum=86400.0,
+        300.0,
+        minimum=0.0,
+        maximum=86400.0,
         help="seconds in which repeats of a non-Xid finding (same kind and device, process "
-             "or GPU) raise no new event; they are counted")
+        "or GPU) raise no new event; they are counted",
+    )
 
 
 @dataclass
@@ -116,8 +144,9 @@ class _ProcessLog:
 class KernelLogCollector:
     name = "kernel_log"
 
-    def __init__(self, settings: KernelLogSettings, deps: CollectorDeps,
-                 io: KmsgIO | None = None) -> None:
+    def __init__(
+        self, settings: KernelLogSettings, deps: CollectorDeps, io: KmsgIO | None = None
+    ) -> None:
         self.settings = settings
         self.deps = deps
         self.io = io
@@ -132,8 +161,18 @@ class KernelLogCollector:
         self._commit_failing = False
 
     def families(self) -> Sequence[MetricFamily]:
-        return (XID_ERRORS, SXID_ERRORS, FINDINGS, RECORDS, MALFORMED, IGNORED, LOST,
-                OVERRUNS, SKIPPED, SUPPRESSED)
+        return (
+            XID_ERRORS,
+            SXID_ERRORS,
+            FINDINGS,
+            RECORDS,
+            MALFORMED,
+            IGNORED,
+            LOST,
+            OVERRUNS,
+            SKIPPED,
+            SUPPRESSED,
+        )
 
     def _open_reader(self) -> LogReader:
         path = self.settings.path
@@ -142,8 +181,9 @@ class KernelLogCollector:
         process = self.deps.shared.get(_ProcessLog, _ProcessLog)
         backlog, process.backlog_read = not process.backlog_read, True
         if is_character_device(path) or self.io is not None:
-            return KmsgReader(path, self.settings.boot_id_path, self.deps.state, io=self.io,
-                              backlog=backlog)
+            return KmsgReader(
+                path, self.settings.boot_id_path, self.deps.state, io=self.io, backlog=backlog
+            )
         return FileLogReader(path, self.deps.state, backlog=backlog)
 
     async def collect(self, ctx: CollectContext) -> Collection:
@@ -165,8 +205,9 @@ class KernelLogCollector:
             await ctx.call("kernel_log:commit", reader.commit, batch)
         except (StateStoreError, CallTimedOut, CallStillHung) as exc:
             if not self._commit_failing:
-                log.warning("kernel-log cursor not saved; a restart now may replay records",
-                            error=str(exc))
+                log.warning(
+                    "kernel-log cursor not saved; a restart now may replay records", error=str(exc)
+                )
             self._commit_failing = True
         else:
             if self._commit_failing:
@@ -174,9 +215,13 @@ class KernelLogCollector:
             self._commit_failing = False
 
     def _process(self, batch: ReadBatch, reader: LogReader) -> list[Event]:
-        for name, value in (("records", len(batch.records)), ("malformed", batch.malformed),
-                            ("lost", batch.lost), ("overruns", batch.overruns),
-                            ("skipped", batch.skipped)):
+        for name, value in (
+            ("records", len(batch.records)),
+            ("malformed", batch.malformed),
+            ("lost", batch.lost),
+            ("overruns", batch.overruns),
+            ("skipped", batch.skipped),
+        ):
             self.totals[name] += value
         events: list[Event] = []
         for record in batch.records:
@@ -189,9 +234,16 @@ class KernelLogCollector:
     def _handle(self, finding: Finding, when: float, predates: bool) -> Event | None:
         self.findings[finding.kind] += 1
         if finding.kind == "xid" and finding.code is not None:
-            self.correlator.observe(XidObservation(
-                source="kmsg", pci_bus_id=finding.pci_bus_id, code=finding.code, time=when,
-                text=finding.record.message, predates_agent=predates))
+            self.correlator.observe(
+                XidObservation(
+                    source="kmsg",
+                    pci_bus_id=finding.pci_bus_id,
+                    code=finding.code,
+                    time=when,
+                    text=finding.record.message,
+                    predates_agent=predates,
+                )
+            )
             return None
         if finding.kind == "sxid" and finding.code is not None:
             self.sxids[(finding.pci_bus_id, finding.device, finding.code)] += 1
@@ -211,28 +263,50 @@ class KernelLogCollector:
         attributes: dict[str, AttributeValue] = dict(finding.to_dict())
         for name in ("kind", "severity", "meaning", "action"):
             attributes.pop(name, None)
-        attributes.update({"predates_agent": predates, "repeats_since_last_event": repeats,
-                           **{k: v for k, v in identity.items() if k in ("gpu", "uuid", "model")}})
-        return Event(source=self.name, kind=finding.kind, severity=finding.severity,
-                     message=_message(finding, identity, predates), subject=subject,
-                     action=finding.action, attributes=attributes, time=when)
+        attributes.update(
+            {
+                "predates_agent": predates,
+                "repeats_since_last_event": repeats,
+                **{k: v for k, v in identity.items() if k in ("gpu", "uuid", "model")},
+            }
+        )
+        return Event(
+            source=self.name,
+            kind=finding.kind,
+            severity=finding.severity,
+            message=_message(finding, identity, predates),
+            subject=subject,
+            action=finding.action,
+            attributes=attributes,
+            time=when,
+        )
 
     def _samples(self) -> list[Sample]:
         samples = [
-            RECORDS.sample(self.totals["records"]), MALFORMED.sample(self.totals["malformed"]),
-            LOST.sample(self.totals["lost"]), OVERRUNS.sample(self.totals["overruns"]),
+            RECORDS.sample(self.totals["records"]),
+            MALFORMED.sample(self.totals["malformed"]),
+            LOST.sample(self.totals["lost"]),
+            OVERRUNS.sample(self.totals["overruns"]),
             SKIPPED.sample(self.totals["skipped"]),
         ]
         samples += [FINDINGS.sample(n, kind) for kind, n in sorted(self.findings.items())]
         samples += [IGNORED.sample(self.matchers.ignored[kind], kind) for kind in KINDS]
-        samples += [SUPPRESSED.sample(self.suppressed[kind], kind) for kind in KINDS
-                    if kind not in ("xid",)]
+        samples += [
+            SUPPRESSED.sample(self.suppressed[kind], kind) for kind in KINDS if kind not in ("xid",)
+        ]
         identities = self.correlator.identities()
         for (pci, code), count in sorted(self.correlator.counts.items()):
             labels = identities.get(pci, {})
-            samples.append(XID_ERRORS.sample(
-                count, labels.get("gpu", ""), labels.get("uuid", ""),
-                labels.get("pci_bus_id", pci), labels.get("model", ""), str(code)))
+            samples.append(
+                XID_ERRORS.sample(
+                    count,
+                    labels.get("gpu", ""),
+                    labels.get("uuid", ""),
+                    labels.get("pci_bus_id", pci),
+                    labels.get("model", ""),
+                    str(code),
+                )
+            )
         for (pci, device, code), count in sorted(self.sxids.items()):
             samples.append(SXID_ERRORS.sample(count, pci, device, str(code)))
         return samples
@@ -258,8 +332,11 @@ def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:
     if len(line) > 240:
         line = line[:237] + "..."
     if finding.kind in GPU_KINDS:
-        where = (gpu_description(finding.pci_bus_id, identity) if finding.kind != "sxid"
-                 else f"{finding.device} ({finding.pci_bus_id or 'unknown PCI address'})")
+        where = (
+            gpu_description(finding.pci_bus_id, identity)
+            if finding.kind != "sxid"
+            else f"{finding.device} ({finding.pci_bus_id or 'unknown PCI address'})"
+        )
         name = f"{finding.name}: " if finding.name else ""
         return f"{where}{when}: {name}{finding.meaning}. Kernel log: {line}"
     meaning = finding.meaning[:1].upper() + finding.meaning[1:]
@@ -269,7 +346,7 @@ def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:
 SPEC = CollectorSpec(
     name="kernel_log",
     description="Xids, SXids, lost GPUs, I/O, file-system and NVMe errors, OOM kills, hung "
-                "tasks from /dev/kmsg or a saved log",
+    "tasks from /dev/kmsg or a saved log",
     settings_type=KernelLogSettings,
     factory=KernelLogCollector,
     default_settings=KernelLogSettings(interval=2.0),

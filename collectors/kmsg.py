@@ -93,11 +93,18 @@ def read_boot_id(path: Path) -> str:
 class KmsgReader:
     """/dev/kmsg (or any character device with its semantics), read without replay."""
 
-    def __init__(self, path: Path, boot_id_path: Path, state: KeyValueStore, *,
-                 io: KmsgIO | None = None, read_size: int = READ_SIZE,
-                 clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic,
-                 backlog: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        boot_id_path: Path,
+        state: KeyValueStore,
+        *,
+        io: KmsgIO | None = None,
+        read_size: int = READ_SIZE,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        backlog: bool = True,
+    ) -> None:
         """`backlog`: the first records read predate the agent (False for a reader made
         again by a configuration reload in the same process)."""
         self.path = path
@@ -211,8 +218,13 @@ class FileLogReader:
     file replaced (new inode) or truncated is read again from its start.
     """
 
-    def __init__(self, path: Path, state: KeyValueStore,
-                 clock: Callable[[], float] = time.time, backlog: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        state: KeyValueStore,
+        clock: Callable[[], float] = time.time,
+        backlog: bool = True,
+    ) -> None:
         self.path = path
         self.state = state
         self._clock = clock
@@ -236,17 +248,24 @@ class FileLogReader:
                 handle.seek(cursor["offset"])
                 data = handle.read()
         except OSError as exc:
-            raise KernelLogError(f"cannot read the kernel log file {self.path}: "
-                                 f"{exc.strerror or exc}") from exc
+            raise KernelLogError(
+                f"cannot read the kernel log file {self.path}: {exc.strerror or exc}"
+            ) from exc
         complete = data[: data.rfind(b"\n") + 1]  # a half-written last line waits
         lines = complete.decode("utf-8", errors="replace").splitlines()
         stats = ParseStats()
         records = list(parse_lines(lines, stats, first_line=cursor["line"] + 1))
-        self._cursor = {"inode": cursor["inode"], "offset": cursor["offset"] + len(complete),
-                        "line": cursor["line"] + len(lines)}
-        batch = ReadBatch(records=records, predates_agent=self._first_batch,
-                          malformed=stats.malformed,
-                          cursor={"path": str(self.path), **self._cursor})
+        self._cursor = {
+            "inode": cursor["inode"],
+            "offset": cursor["offset"] + len(complete),
+            "line": cursor["line"] + len(lines),
+        }
+        batch = ReadBatch(
+            records=records,
+            predates_agent=self._first_batch,
+            malformed=stats.malformed,
+            cursor={"path": str(self.path), **self._cursor},
+        )
         self._first_batch = False
         return batch
 

@@ -24,7 +24,13 @@ from collectors.xid import normalize_pci_bus_id
 from collectors.xid_catalog import lookup, lookup_sxid
 
 KINDS: Final = (
-    "xid", "sxid", "gpu_fallen_off_bus", "io_error", "fs_error", "nvme_error", "oom_kill",
+    "xid",
+    "sxid",
+    "gpu_fallen_off_bus",
+    "io_error",
+    "fs_error",
+    "nvme_error",
+    "oom_kill",
     "hung_task",
 )
 GPU_KINDS: Final = frozenset({"xid", "sxid", "gpu_fallen_off_bus"})
@@ -59,14 +65,21 @@ class Finding:
 
     def to_dict(self) -> dict[str, AttributeValue]:
         out: dict[str, AttributeValue] = {
-            "kind": self.kind, "severity": self.severity.label, "meaning": self.meaning,
-            "action": self.action, "line": self.line, "message": self.record.message,
+            "kind": self.kind,
+            "severity": self.severity.label,
+            "meaning": self.meaning,
+            "action": self.action,
+            "line": self.line,
+            "message": self.record.message,
         }
         if self.kind in ("xid", "sxid"):
             out["xid"] = self.code
             out["name"] = self.name
-        for key, value in (("pci_bus_id", self.pci_bus_id), ("device", self.device),
-                           ("process", self.process)):
+        for key, value in (
+            ("pci_bus_id", self.pci_bus_id),
+            ("device", self.device),
+            ("process", self.process),
+        ):
             if value:
                 out[key] = value
         if self.pid is not None:
@@ -116,8 +129,14 @@ class XidMatcher:
         pid_match, name_match = _PID.search(text), _NAME.search(text)
         process = name_match["name"].strip() if name_match else ""
         yield Finding(
-            kind="xid", severity=info.severity, meaning=info.meaning, action=info.action,
-            record=record, pci_bus_id=_pci(match["pci"]), code=code, name=info.name,
+            kind="xid",
+            severity=info.severity,
+            meaning=info.meaning,
+            action=info.action,
+            record=record,
+            pci_bus_id=_pci(match["pci"]),
+            code=code,
+            name=info.name,
             pid=int(pid_match["pid"]) if pid_match else None,
             process="" if process in ("", "<unknown>") else process,
             attributes={"fault": info.fault, "known": info.known, "text": text},
@@ -145,9 +164,16 @@ class SxidMatcher:
         code = int(match["code"])
         info = lookup_sxid(code, match["text"])
         yield Finding(
-            kind="sxid", severity=info.severity, meaning=info.meaning, action=info.action,
-            record=record, pci_bus_id=_pci(match["pci"]), device=match["dev"], code=code,
-            name=info.name, attributes={"text": match["text"].strip()},
+            kind="sxid",
+            severity=info.severity,
+            meaning=info.meaning,
+            action=info.action,
+            record=record,
+            pci_bus_id=_pci(match["pci"]),
+            device=match["dev"],
+            code=code,
+            name=info.name,
+            attributes={"text": match["text"].strip()},
         )
 
     def flush(self) -> Iterator[Finding]:
@@ -160,9 +186,13 @@ class SxidMatcher:
 #   NVRM: fallen off the bus and is not responding to commands.
 # and the one-line form `NVRM: GPU 0000:18:00.0: GPU has fallen off the bus.`
 _BUS_FIRST = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>[0-9a-fA-F:.]+)\s*$")
-_BUS_SECOND = re.compile(r"NVRM: \(PCI ID: (?P<id>[0-9a-fA-F]{4}:[0-9a-fA-F]{4})\) installed in this system has")
+_BUS_SECOND = re.compile(
+    r"NVRM: \(PCI ID: (?P<id>[0-9a-fA-F]{4}:[0-9a-fA-F]{4})\) installed in this system has"
+)
 _BUS_THIRD = re.compile(r"NVRM: fallen off the bus and is not responding to commands")
-_BUS_ONE_LINE = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+): GPU has fallen off the bus")
+_BUS_ONE_LINE = re.compile(
+    r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+): GPU has fallen off the bus"
+)
 _XID79 = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): 79\b")
 
 # How many records after an `Xid 79` line a fallen-off-bus line for the same GPU is taken as
@@ -182,15 +212,20 @@ class FallenOffBusMatcher:
         self._count = 0
 
     def _finding(self, record: LogRecord, pci: str, form: str) -> Iterator[Finding]:
-        if any(self._count - n <= XID79_NEARBY_RECORDS and p == pci
-               for n, p in self._recent_xid79):
+        if any(self._count - n <= XID79_NEARBY_RECORDS and p == pci for n, p in self._recent_xid79):
             return  # already reported as Xid 79
         attributes: dict[str, AttributeValue] = {"form": form}
         if self._pci_id:
             attributes["pci_device_id"] = self._pci_id
-        yield Finding(kind="gpu_fallen_off_bus", severity=Severity.CRITICAL,
-                      meaning=_BUS_MEANING, action=_BUS_ACTION, record=record,
-                      pci_bus_id=pci, attributes=attributes)
+        yield Finding(
+            kind="gpu_fallen_off_bus",
+            severity=Severity.CRITICAL,
+            meaning=_BUS_MEANING,
+            action=_BUS_ACTION,
+            record=record,
+            pci_bus_id=pci,
+            attributes=attributes,
+        )
 
     def feed(self, record: LogRecord) -> Iterator[Finding]:
         self._count += 1
@@ -228,49 +263,91 @@ class _Rule:
 _HOST_RULES: Final[Sequence[_Rule]] = (
     # block/blk-core.c: `I/O error, dev sda, sector 2048 op 0x1:(WRITE) ...` (prefixed by
     # `blk_update_request: ` before 5.16) and fs/buffer.c: `Buffer I/O error on dev sda1, ...`
-    _Rule("io_error", re.compile(r"(?:Buffer )?I/O error,? (?:on )?dev(?:ice)? (?P<device>[\w.:-]+),"),
-          Severity.CRITICAL, "the block device {device} returned an I/O error",
-          "check {device}'s health (smartctl -a, nvme smart-log) and the kernel log around "
-          "this line; plan to replace the disk if errors repeat"),
+    _Rule(
+        "io_error",
+        re.compile(r"(?:Buffer )?I/O error,? (?:on )?dev(?:ice)? (?P<device>[\w.:-]+),"),
+        Severity.CRITICAL,
+        "the block device {device} returned an I/O error",
+        "check {device}'s health (smartctl -a, nvme smart-log) and the kernel log around "
+        "this line; plan to replace the disk if errors repeat",
+    ),
     # fs/ext4/super.c: `EXT4-fs error (device sda1): ext4_find_entry:1455: inode #2: ...`
-    _Rule("fs_error", re.compile(r"EXT4-fs (?:error|critical error) \(device (?P<device>[\w.:-]+)\)"),
-          Severity.CRITICAL, "the ext4 file system on {device} found an error (corruption or "
-          "failed I/O)", "unmount {device} and run e2fsck at the next chance; check the disk"),
-    _Rule("fs_error", re.compile(r"EXT4-fs \((?P<device>[\w.:-]+)\): (?:Remounting filesystem read-only|"
-                                 r"I/O error while writing superblock|previous I/O error)"),
-          Severity.CRITICAL, "the ext4 file system on {device} hit I/O errors or went read-only",
-          "check the disk behind {device}; unmount it and run e2fsck"),
+    _Rule(
+        "fs_error",
+        re.compile(r"EXT4-fs (?:error|critical error) \(device (?P<device>[\w.:-]+)\)"),
+        Severity.CRITICAL,
+        "the ext4 file system on {device} found an error (corruption or failed I/O)",
+        "unmount {device} and run e2fsck at the next chance; check the disk",
+    ),
+    _Rule(
+        "fs_error",
+        re.compile(
+            r"EXT4-fs \((?P<device>[\w.:-]+)\): (?:Remounting filesystem read-only|"
+            r"I/O error while writing superblock|previous I/O error)"
+        ),
+        Severity.CRITICAL,
+        "the ext4 file system on {device} hit I/O errors or went read-only",
+        "check the disk behind {device}; unmount it and run e2fsck",
+    ),
     # fs/xfs: `XFS (sdb1): Metadata corruption detected at ...`, `... Shutting down filesystem`,
     # `XFS (dm-0): log I/O error -5`, `XFS (md0): metadata I/O error in "..." at daddr ...`
-    _Rule("fs_error", re.compile(r"XFS \((?P<device>[\w.:-]+)\): .*(?:[Cc]orruption|I/O error|"
-                                 r"[Ss]hutting down|shut down)"),
-          Severity.CRITICAL, "the XFS file system on {device} found corruption, an I/O error or "
-          "shut down", "check the disk behind {device}; unmount it and run xfs_repair"),
+    _Rule(
+        "fs_error",
+        re.compile(
+            r"XFS \((?P<device>[\w.:-]+)\): .*(?:[Cc]orruption|I/O error|"
+            r"[Ss]hutting down|shut down)"
+        ),
+        Severity.CRITICAL,
+        "the XFS file system on {device} found corruption, an I/O error or shut down",
+        "check the disk behind {device}; unmount it and run xfs_repair",
+    ),
     # drivers/nvme/host/pci.c: `nvme nvme0: I/O 123 QID 4 timeout, aborting` / `..., reset
     # controller`, `controller is down; will reset: CSTS=0xffffffff`, `Removing after probe
     # failure status: -19`, `Device not ready; aborting reset`
-    _Rule("nvme_error", re.compile(r"nvme (?P<device>nvme\d+): (?:controller is down|Removing after "
-                                   r"probe failure|Device not ready|Disabling device after reset failure)"),
-          Severity.CRITICAL, "the NVMe controller {device} went down or was removed",
-          "check {device} (nvme smart-log, firmware) and its slot; replace it if it repeats"),
-    _Rule("nvme_error", re.compile(r"nvme (?P<device>nvme\d+): (?:I/O \d+ (?:\(\w+\) )?QID \d+ timeout|"
-                                   r"Abort status|resetting controller|.*reset controller)"),
-          Severity.WARNING, "the NVMe controller {device} timed out on a command or was reset",
-          "check {device} (nvme smart-log, firmware version); repeated timeouts mean a "
-          "failing drive or slot"),
+    _Rule(
+        "nvme_error",
+        re.compile(
+            r"nvme (?P<device>nvme\d+): (?:controller is down|Removing after "
+            r"probe failure|Device not ready|Disabling device after reset failure)"
+        ),
+        Severity.CRITICAL,
+        "the NVMe controller {device} went down or was removed",
+        "check {device} (nvme smart-log, firmware) and its slot; replace it if it repeats",
+    ),
+    _Rule(
+        "nvme_error",
+        re.compile(
+            r"nvme (?P<device>nvme\d+): (?:I/O \d+ (?:\(\w+\) )?QID \d+ timeout|"
+            r"Abort status|resetting controller|.*reset controller)"
+        ),
+        Severity.WARNING,
+        "the NVMe controller {device} timed out on a command or was reset",
+        "check {device} (nvme smart-log, firmware version); repeated timeouts mean a "
+        "failing drive or slot",
+    ),
     # mm/oom_kill.c: `Out of memory: Killed process 4321 (python3) total-vm:...` (5.x+), the
     # memory-cgroup form `Memory cgroup out of memory: Killed process ...`, and before 5.0 a
     # separate `Killed process 4321 (python3) total-vm:...` line.
-    _Rule("oom_kill", re.compile(r"Killed process (?P<pid>\d+) \((?P<process>[^)]*)\)"),
-          Severity.WARNING, "the kernel's OOM killer killed {process} (pid {pid}) to free memory",
-          "find out why {process} ran out of memory (its limits, the host's memory); rerun "
-          "the job with more memory or a smaller batch"),
+    _Rule(
+        "oom_kill",
+        re.compile(r"Killed process (?P<pid>\d+) \((?P<process>[^)]*)\)"),
+        Severity.WARNING,
+        "the kernel's OOM killer killed {process} (pid {pid}) to free memory",
+        "find out why {process} ran out of memory (its limits, the host's memory); rerun "
+        "the job with more memory or a smaller batch",
+    ),
     # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.`
-    _Rule("hung_task", re.compile(r"task (?P<process>.+):(?P<pid>\d+) blocked for more than "
-                                  r"(?P<seconds>\d+) seconds"),
-          Severity.WARNING, "the task {process} (pid {pid}) was blocked in the kernel for more "
-          "than {seconds} s (often waiting on a disk, a network mount or a driver)",
-          "look at the stack trace that follows in the log and at the device it waits on"),
+    _Rule(
+        "hung_task",
+        re.compile(
+            r"task (?P<process>.+):(?P<pid>\d+) blocked for more than "
+            r"(?P<seconds>\d+) seconds"
+        ),
+        Severity.WARNING,
+        "the task {process} (pid {pid}) was blocked in the kernel for more "
+        "than {seconds} s (often waiting on a disk, a network mount or a driver)",
+        "look at the stack trace that follows in the log and at the device it waits on",
+    ),
 )
 
 
@@ -288,10 +365,14 @@ class HostMatcher:
             if values.get("seconds"):
                 attributes["blocked_seconds"] = int(values["seconds"])
             yield Finding(
-                kind=rule.kind, severity=rule.severity, record=record,
+                kind=rule.kind,
+                severity=rule.severity,
+                record=record,
                 meaning=rule.meaning.format_map(_Blank(values)),
                 action=rule.action.format_map(_Blank(values)),
-                device=values.get("device", ""), process=values.get("process", ""), pid=pid,
+                device=values.get("device", ""),
+                process=values.get("process", ""),
+                pid=pid,
                 attributes=attributes,
             )
             return  # one finding per line: the first rule that matches wins

@@ -23,9 +23,30 @@ from typing import Final
 
 # syslog(3) facility names as `dmesg --decode` prints them, in facility-number order.
 FACILITIES: Final = (
-    "kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron",
-    "authpriv", "ftp", "res0", "res1", "res2", "res3",
-    "local0", "local1", "local2", "local3", "local4", "local5", "local6", "local7",
+    "kern",
+    "user",
+    "mail",
+    "daemon",
+    "auth",
+    "syslog",
+    "lpr",
+    "news",
+    "uucp",
+    "cron",
+    "authpriv",
+    "ftp",
+    "res0",
+    "res1",
+    "res2",
+    "res3",
+    "local0",
+    "local1",
+    "local2",
+    "local3",
+    "local4",
+    "local5",
+    "local6",
+    "local7",
 )
 LEVELS: Final = ("emerg", "alert", "crit", "err", "warn", "notice", "info", "debug")
 
@@ -84,7 +105,7 @@ def unescape_kmsg(text: str) -> str:
         if match.start() > position:
             out.append(pending.decode("utf-8", errors="replace"))
             pending.clear()
-            out.append(text[position:match.start()])
+            out.append(text[position : match.start()])
         pending.append(int(match[1], 16))
         position = match.end()
     out.append(pending.decode("utf-8", errors="replace"))
@@ -102,7 +123,9 @@ _DMESG_T = re.compile(
 # Starts like a dmesg stamp (`[  12.3`, `[Sun Nov`) but did not parse as one.
 _BRACKET_LIKE = re.compile(r"^\[\s*\d|^\[[A-Z][a-z]{2} [A-Z][a-z]{2} ")
 _DECODE = re.compile(r"^([a-z0-9]+)\s*:([a-z]+)\s*: ?(.*)$", re.DOTALL)
-_ISO = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (.*)$", re.DOTALL)
+_ISO = re.compile(
+    r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (.*)$", re.DOTALL
+)
 # journalctl short / short-precise: `Nov 29 18:10:02[.123456] host ident[pid]: message`.
 _JOURNAL = re.compile(
     r"^([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (\S+) ([^\s:\[]+)(?:\[\d+\])?: ?(.*)$",
@@ -127,8 +150,13 @@ def parse_kmsg_header(text: str, line: int = 0) -> LogRecord:
     if priority > 1023:  # facility fits in 7 bits, level in 3
         raise MalformedLine(f"kmsg priority out of range: {priority}")
     return LogRecord(
-        message=unescape_kmsg(match[5]), line=line or seq, format="kmsg",
-        facility=priority >> 3, level=priority & 7, seq=seq, monotonic_usec=usec,
+        message=unescape_kmsg(match[5]),
+        line=line or seq,
+        format="kmsg",
+        facility=priority >> 3,
+        level=priority & 7,
+        seq=seq,
+        monotonic_usec=usec,
         timestamp=f"{usec // 1_000_000}.{usec % 1_000_000:06d}",
     )
 
@@ -150,9 +178,15 @@ def parse_kmsg_record(data: bytes) -> LogRecord:
 
 def _with_fields(record: LogRecord, fields: Mapping[str, str]) -> LogRecord:
     return LogRecord(
-        message=record.message, line=record.line, format=record.format,
-        facility=record.facility, level=record.level, seq=record.seq,
-        monotonic_usec=record.monotonic_usec, timestamp=record.timestamp, fields=dict(fields),
+        message=record.message,
+        line=record.line,
+        format=record.format,
+        facility=record.facility,
+        level=record.level,
+        seq=record.seq,
+        monotonic_usec=record.monotonic_usec,
+        timestamp=record.timestamp,
+        fields=dict(fields),
     )
 
 
@@ -161,8 +195,9 @@ def _parse_timed(text: str, line: int, fmt_prefix: str = "") -> LogRecord | None
     for pattern, name in ((_DMESG, "dmesg"), (_DMESG_T, "dmesg-T"), (_ISO, "dmesg-iso")):
         match = pattern.match(text)
         if match is not None:
-            return LogRecord(message=match[2], line=line, format=fmt_prefix + name,
-                             timestamp=match[1])
+            return LogRecord(
+                message=match[2], line=line, format=fmt_prefix + name, timestamp=match[1]
+            )
     if _BRACKET_LIKE.match(text):
         raise MalformedLine(f"unclosed or broken [timestamp]: {text[:60]!r}")
     return None
@@ -173,8 +208,14 @@ def _parse_decoded(match: re.Match[str], line: int) -> LogRecord:
     rest = match[3]
     inner = _parse_timed(rest, line, "decode+")
     record = inner or LogRecord(message=rest, line=line, format="decode")
-    return LogRecord(message=record.message, line=line, format=record.format,
-                     facility=facility, level=level, timestamp=record.timestamp)
+    return LogRecord(
+        message=record.message,
+        line=line,
+        format=record.format,
+        facility=facility,
+        level=level,
+        timestamp=record.timestamp,
+    )
 
 
 def parse_line(text: str, line: int = 0) -> LogRecord | None:
@@ -194,8 +235,9 @@ def parse_line(text: str, line: int = 0) -> LogRecord | None:
         # journalctl -k shows the kernel's own lines as `kernel:`; any other identifier was
         # written from user space and is marked so (it cannot be trusted as a driver message).
         facility = KERNEL_FACILITY if journal[3] == "kernel" else USER_FACILITY
-        return LogRecord(message=journal[4], line=line, format="journal", facility=facility,
-                         timestamp=journal[1])
+        return LogRecord(
+            message=journal[4], line=line, format="journal", facility=facility, timestamp=journal[1]
+        )
     timed = _parse_timed(text, line)
     if timed is not None:
         return timed
@@ -220,8 +262,9 @@ class ParseStats:
             self.malformed_examples.append((line, why))
 
 
-def parse_lines(lines: Iterable[str], stats: ParseStats | None = None,
-                first_line: int = 1) -> Iterator[LogRecord]:
+def parse_lines(
+    lines: Iterable[str], stats: ParseStats | None = None, first_line: int = 1
+) -> Iterator[LogRecord]:
     """Records from saved lines in any mix of shapes; malformed lines are counted in `stats`.
 
     Continuation lines (` KEY=value`) attach to the raw record just before them; a raw

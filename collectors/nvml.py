@@ -30,24 +30,30 @@ from collectors.xid import normalize_pci_bus_id
 
 T = TypeVar("T")
 
-ABSENT_CODES: Final = frozenset({
-    pynvml.NVML_ERROR_NOT_SUPPORTED,
-    pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,  # an older driver without this entry point
-    pynvml.NVML_ERROR_NOT_FOUND,
-    pynvml.NVML_ERROR_NO_DATA,
-    pynvml.NVML_ERROR_DEPRECATED,
-})
-LOST_CODES: Final = frozenset({
-    pynvml.NVML_ERROR_GPU_IS_LOST,
-    pynvml.NVML_ERROR_RESET_REQUIRED,
-    pynvml.NVML_ERROR_GPU_NOT_FOUND,
-})
-UNAVAILABLE_CODES: Final = frozenset({
-    pynvml.NVML_ERROR_UNINITIALIZED,
-    pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
-    pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
-    pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-})
+ABSENT_CODES: Final = frozenset(
+    {
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,  # an older driver without this entry point
+        pynvml.NVML_ERROR_NOT_FOUND,
+        pynvml.NVML_ERROR_NO_DATA,
+        pynvml.NVML_ERROR_DEPRECATED,
+    }
+)
+LOST_CODES: Final = frozenset(
+    {
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+        pynvml.NVML_ERROR_RESET_REQUIRED,
+        pynvml.NVML_ERROR_GPU_NOT_FOUND,
+    }
+)
+UNAVAILABLE_CODES: Final = frozenset(
+    {
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    }
+)
 
 # Bits of nvmlDeviceGetCurrentClocksEventReasons (nvml.h, "Clocks Event Reasons"): the reason
 # names are the metric's label values.
@@ -120,8 +126,12 @@ class GpuIdentity:
 
     def labels(self) -> dict[str, str]:
         """The GPU_LABELS of every per-GPU series."""
-        return {"gpu": str(self.index), "uuid": self.uuid, "pci_bus_id": self.pci_bus_id,
-                "model": self.name}
+        return {
+            "gpu": str(self.index),
+            "uuid": self.uuid,
+            "pci_bus_id": self.pci_bus_id,
+            "model": self.name,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +245,9 @@ class _Funnel:
             if code in ABSENT_CODES:
                 return None
             if code in LOST_CODES:
-                raise GpuLost(self.index if self.index is not None else -1, str(exc), code) from None
+                raise GpuLost(
+                    self.index if self.index is not None else -1, str(exc), code
+                ) from None
             if code in UNAVAILABLE_CODES:
                 raise NvmlUnavailable(str(exc), code) from None
             self.errors[name] = str(exc)
@@ -316,15 +328,18 @@ class NvmlBackend:
             if count is None:
                 # Never 0: a failed count read as "no GPUs" raised a false gpu_count_dropped and
                 # dropped every GPU's state. The collector's round fails instead.
-                raise NvmlError("nvmlDeviceGetCount failed: "
-                                + funnel.errors.get("device_count", "no answer"))
+                raise NvmlError(
+                    "nvmlDeviceGetCount failed: " + funnel.errors.get("device_count", "no answer")
+                )
             return int(count)
+
         return self._guard(read)
 
     def driver_version(self) -> str | None:
         def read() -> str | None:
             value = _Funnel().get("driver_version", self.lib.nvmlSystemGetDriverVersion)
             return None if value is None else _text(value)
+
         return self._guard(read)
 
     def _handle(self, index: int, funnel: _Funnel) -> Any:
@@ -348,8 +363,12 @@ class NvmlBackend:
                 pci_bus_id = normalize_pci_bus_id(_text(pci.busId))
             except ValueError:
                 funnel.errors["pci_info"] = f"unexpected PCI bus id {pci.busId!r}"
-        return GpuIdentity(index, "" if uuid is None else _text(uuid),
-                           "" if name is None else _text(name), pci_bus_id)
+        return GpuIdentity(
+            index,
+            "" if uuid is None else _text(uuid),
+            "" if name is None else _text(name),
+            pci_bus_id,
+        )
 
     def gpus(self) -> list[GpuIdentity]:
         """Every visible GPU (index, uuid, name, pci_bus_id); a lost one is left out."""
@@ -366,23 +385,32 @@ class NvmlBackend:
     def compute_process_count(self, index: int) -> int | None:
         def read() -> int | None:
             funnel = _Funnel(index)
-            procs = funnel.get("compute_processes", self.lib.nvmlDeviceGetComputeRunningProcesses,
-                               self._handle(index, funnel))
+            procs = funnel.get(
+                "compute_processes",
+                self.lib.nvmlDeviceGetComputeRunningProcesses,
+                self._handle(index, funnel),
+            )
             return None if procs is None else len(procs)
+
         return self._guard(read)
 
     def utilization(self, index: int) -> tuple[float, float] | None:
         """(gpu, memory) busy ratios 0..1 over NVML's last sample period, or None."""
+
         def read() -> tuple[float, float] | None:
             funnel = _Funnel(index)
-            rates = funnel.get("utilization", self.lib.nvmlDeviceGetUtilizationRates,
-                               self._handle(index, funnel))
+            rates = funnel.get(
+                "utilization", self.lib.nvmlDeviceGetUtilizationRates, self._handle(index, funnel)
+            )
             return None if rates is None else (rates.gpu / 100.0, rates.memory / 100.0)
+
         return self._guard(read)
 
-    def read_gpu(self, index: int, static: bool = False, slow: bool = False,
-                 energy: bool = False) -> GpuRound:
+    def read_gpu(
+        self, index: int, static: bool = False, slow: bool = False, energy: bool = False
+    ) -> GpuRound:
         """One GPU's round in one call (the unit the collector times out and marks hung)."""
+
         def read() -> GpuRound:
             funnel = _Funnel(index)
             handle = self._handle(index, funnel)
@@ -393,6 +421,7 @@ class NvmlBackend:
                 slow=self._slow(handle, _Funnel(index)) if slow else None,
                 energy_read=energy,
             )
+
         return self._guard(read)
 
     def _static(self, index: int, h: Any, f: _Funnel) -> GpuStatic:
@@ -406,16 +435,18 @@ class NvmlBackend:
         ecc = f.get("ecc_mode", lib.nvmlDeviceGetEccMode, h)
         capability = f.get("compute_capability", lib.nvmlDeviceGetCudaComputeCapability, h)
         thresholds = {
-            name: f.get(f"temperature_threshold_{name}", lib.nvmlDeviceGetTemperatureThreshold,
-                        h, kind)
-            for name, kind in (("slowdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-                               ("shutdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
-                               ("gpu_max", pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX),
-                               ("mem_max", pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX))
+            name: f.get(
+                f"temperature_threshold_{name}", lib.nvmlDeviceGetTemperatureThreshold, h, kind
+            )
+            for name, kind in (
+                ("slowdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+                ("shutdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+                ("gpu_max", pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX),
+                ("mem_max", pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
+            )
         }
         sm_max = f.get("sm_clock_max", lib.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM)
-        mem_max = f.get("memory_clock_max", lib.nvmlDeviceGetMaxClockInfo, h,
-                        pynvml.NVML_CLOCK_MEM)
+        mem_max = f.get("memory_clock_max", lib.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM)
         return GpuStatic(
             identity=identity,
             driver_version=None if driver is None else _text(driver),
@@ -431,33 +462,42 @@ class NvmlBackend:
             temperature_memory_max_celsius=_scaled(thresholds["mem_max"], 1.0),
             sm_clock_max_hertz=_scaled(sm_max, 1e6),  # NVML clocks are MHz
             memory_clock_max_hertz=_scaled(mem_max, 1e6),
-            pcie_generation_max=f.get("pcie_generation_max",
-                                      lib.nvmlDeviceGetMaxPcieLinkGeneration, h),
+            pcie_generation_max=f.get(
+                "pcie_generation_max", lib.nvmlDeviceGetMaxPcieLinkGeneration, h
+            ),
             pcie_width_max=f.get("pcie_width_max", lib.nvmlDeviceGetMaxPcieLinkWidth, h),
-            supported_event_types=f.get("supported_event_types",
-                                        lib.nvmlDeviceGetSupportedEventTypes, h),
+            supported_event_types=f.get(
+                "supported_event_types", lib.nvmlDeviceGetSupportedEventTypes, h
+            ),
             errors=f.errors,
         )
 
     def _memory_temperature(self, h: Any, f: _Funnel) -> float | None:
         # Only the field-values API exposes the HBM temperature (NVML_FI_DEV_MEMORY_TEMP).
-        values = f.get("temperature_memory", self.lib.nvmlDeviceGetFieldValues, h,
-                       [pynvml.NVML_FI_DEV_MEMORY_TEMP])
+        values = f.get(
+            "temperature_memory",
+            self.lib.nvmlDeviceGetFieldValues,
+            h,
+            [pynvml.NVML_FI_DEV_MEMORY_TEMP],
+        )
         if values is None:
             return None
         entry = values[0]
         code = int(entry.nvmlReturn)
         if code != pynvml.NVML_SUCCESS:
+
             def failed() -> None:
                 raise pynvml.NVMLError(code)
+
             return f.get("temperature_memory", failed)
         return float(entry.value.uiVal)
 
     def _clock_event_reasons(self, h: Any, f: _Funnel) -> int | None:
         reasons = f.get("clock_event_reasons", self.lib.nvmlDeviceGetCurrentClocksEventReasons, h)
         if reasons is None:  # drivers before 535 only have the older name of the same call
-            reasons = f.get("clock_event_reasons",
-                            self.lib.nvmlDeviceGetCurrentClocksThrottleReasons, h)
+            reasons = f.get(
+                "clock_event_reasons", self.lib.nvmlDeviceGetCurrentClocksThrottleReasons, h
+            )
         return None if reasons is None else int(reasons)
 
     def _memory(self, h: Any, f: _Funnel) -> Any:
@@ -469,31 +509,42 @@ class NvmlBackend:
     def _reading(self, h: Any, f: _Funnel, energy: bool = False) -> GpuReading:
         lib = self.lib
         # NVML energy is mJ since the driver loaded.
-        energy_joules = (_milli(f.get("energy", lib.nvmlDeviceGetTotalEnergyConsumption, h))
-                         if energy else None)
+        energy_joules = (
+            _milli(f.get("energy", lib.nvmlDeviceGetTotalEnergyConsumption, h)) if energy else None
+        )
         utilization = f.get("utilization", lib.nvmlDeviceGetUtilizationRates, h)
         memory = self._memory(h, f)
         procs = f.get("compute_processes", lib.nvmlDeviceGetComputeRunningProcesses, h)
         ecc = {
-            (kind, counter): f.get(f"ecc_{kind}_{counter}", lib.nvmlDeviceGetTotalEccErrors,
-                                   h, kind_code, counter_code)
-            for kind, kind_code in (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-                                    ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED))
-            for counter, counter_code in (("volatile", pynvml.NVML_VOLATILE_ECC),
-                                          ("aggregate", pynvml.NVML_AGGREGATE_ECC))
+            (kind, counter): f.get(
+                f"ecc_{kind}_{counter}", lib.nvmlDeviceGetTotalEccErrors, h, kind_code, counter_code
+            )
+            for kind, kind_code in (
+                ("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+            )
+            for counter, counter_code in (
+                ("volatile", pynvml.NVML_VOLATILE_ECC),
+                ("aggregate", pynvml.NVML_AGGREGATE_ECC),
+            )
         }
         remap = f.get("remapped_rows", lib.nvmlDeviceGetRemappedRows, h)
         return GpuReading(
             temperature_gpu_celsius=_scaled(
-                f.get("temperature_gpu", lib.nvmlDeviceGetTemperature, h,
-                      pynvml.NVML_TEMPERATURE_GPU), 1.0),
+                f.get(
+                    "temperature_gpu", lib.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU
+                ),
+                1.0,
+            ),
             temperature_memory_celsius=self._memory_temperature(h, f),
             power_draw_watts=_milli(f.get("power_draw", lib.nvmlDeviceGetPowerUsage, h)),
             power_limit_watts=_milli(f.get("power_limit", lib.nvmlDeviceGetEnforcedPowerLimit, h)),
             sm_clock_hertz=_scaled(
-                f.get("sm_clock", lib.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM), 1e6),
+                f.get("sm_clock", lib.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM), 1e6
+            ),
             memory_clock_hertz=_scaled(
-                f.get("memory_clock", lib.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM), 1e6),
+                f.get("memory_clock", lib.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM), 1e6
+            ),
             clock_event_reasons=self._clock_event_reasons(h, f),
             utilization_gpu_ratio=None if utilization is None else utilization.gpu / 100.0,
             utilization_memory_ratio=None if utilization is None else utilization.memory / 100.0,
@@ -517,10 +568,18 @@ class NvmlBackend:
 
     def _slow(self, h: Any, f: _Funnel) -> GpuSlowReading:
         lib = self.lib
-        single = f.get("retired_pages_single_bit", lib.nvmlDeviceGetRetiredPages, h,
-                       pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
-        double = f.get("retired_pages_double_bit", lib.nvmlDeviceGetRetiredPages, h,
-                       pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        single = f.get(
+            "retired_pages_single_bit",
+            lib.nvmlDeviceGetRetiredPages,
+            h,
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        )
+        double = f.get(
+            "retired_pages_double_bit",
+            lib.nvmlDeviceGetRetiredPages,
+            h,
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+        )
         pending = f.get("retired_pages_pending", lib.nvmlDeviceGetRetiredPagesPendingStatus, h)
         return GpuSlowReading(
             pcie_replays=f.get("pcie_replays", lib.nvmlDeviceGetPcieReplayCounter, h),
@@ -539,8 +598,13 @@ class NvmlBackend:
                 break
             counts: dict[str, int] = {}
             for name, counter in _NVLINK_ERROR_COUNTERS.items():
-                value = f.get(f"nvlink{link}_{name}", self.lib.nvmlDeviceGetNvLinkErrorCounter,
-                              h, link, counter)
+                value = f.get(
+                    f"nvlink{link}_{name}",
+                    self.lib.nvmlDeviceGetNvLinkErrorCounter,
+                    h,
+                    link,
+                    counter,
+                )
                 if value is not None:
                     counts[name] = int(value)
             links.append(NvLinkReading(link, bool(state), counts))
@@ -561,12 +625,15 @@ class NvmlBackend:
 
     def register_events(self, index: int, mask: int, event_set: Any) -> bool:
         """Register `mask` for a GPU; False when the GPU supports none of it."""
+
         def register() -> bool:
             funnel = _Funnel(index)
             handle = self._handle(index, funnel)
-            done = funnel.get("register_events", self.lib.nvmlDeviceRegisterEvents, handle, mask,
-                              event_set)
+            done = funnel.get(
+                "register_events", self.lib.nvmlDeviceRegisterEvents, handle, mask, event_set
+            )
             return "register_events" not in funnel.errors and done is None and mask != 0
+
         return self._guard(register)
 
     def wait_event(self, event_set: Any, timeout_ms: int) -> NvmlEventRecord | None:
@@ -595,4 +662,3 @@ class NvmlBackend:
 
 def _reraise(exc: BaseException) -> Any:
     raise exc
-

@@ -92,25 +92,30 @@ class FakeGpu:
     mig_mode: tuple[int, int] | None = (0, 0)
     ecc_mode: tuple[int, int] | None = (1, 1)
     compute_capability: tuple[int, int] | None = (9, 0)
-    thresholds: dict[int, int] = field(default_factory=lambda: {
-        pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92,
-        pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 89,
-        pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87,
-        pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95,
-    })
+    thresholds: dict[int, int] = field(
+        default_factory=lambda: {
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 89,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95,
+        }
+    )
     temperature: int | None = 33
     memory_temperature: int | None = 35
     power_mw: int | None = 78_820
     power_limit_mw: int | None = 700_000
     energy_mj: int | None = 1_000_000
-    clocks_mhz: dict[int, int] = field(default_factory=lambda: {
-        pynvml.NVML_CLOCK_SM: 345, pynvml.NVML_CLOCK_MEM: 3201})
-    max_clocks_mhz: dict[int, int] = field(default_factory=lambda: {
-        pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 3201})
+    clocks_mhz: dict[int, int] = field(
+        default_factory=lambda: {pynvml.NVML_CLOCK_SM: 345, pynvml.NVML_CLOCK_MEM: 3201}
+    )
+    max_clocks_mhz: dict[int, int] = field(
+        default_factory=lambda: {pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 3201}
+    )
     clock_event_reasons: int | None = CLOCK_EVENT_REASONS["gpu_idle"]
     utilization: FakeUtilization | None = field(default_factory=lambda: FakeUtilization(0, 0))
     memory: FakeMemory | None = field(
-        default_factory=lambda: FakeMemory(143771 * 2**20, 0, 616 * 2**20))
+        default_factory=lambda: FakeMemory(143771 * 2**20, 0, 616 * 2**20)
+    )
     pcie_generation: tuple[int, int] | None = (5, 5)
     """(current, max)"""
     pcie_width: tuple[int, int] | None = (16, 16)
@@ -151,8 +156,12 @@ class FakeGpu:
 class FakeNvml:
     """The pynvml functions the backend uses, answered from `FakeGpu`s."""
 
-    def __init__(self, gpus: list[FakeGpu] | None = None, driver_version: str = "580.159.04",
-                 init_error: int | None = None) -> None:
+    def __init__(
+        self,
+        gpus: list[FakeGpu] | None = None,
+        driver_version: str = "580.159.04",
+        init_error: int | None = None,
+    ) -> None:
         self.gpus: list[FakeGpu] = list(gpus or [])
         self.driver_version = driver_version
         self.init_error = init_error

@@ -29,22 +29,38 @@ SOURCE = "processes"
 
 # proc(5): the letters of field 3. Letters not listed here are counted as "other".
 STATE_NAMES = {
-    "R": "running", "S": "sleeping", "D": "disk_sleep", "Z": "zombie", "T": "stopped",
-    "t": "tracing_stop", "I": "idle", "X": "dead", "P": "parked", "W": "paging", "K": "wakekill",
+    "R": "running",
+    "S": "sleeping",
+    "D": "disk_sleep",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "tracing_stop",
+    "I": "idle",
+    "X": "dead",
+    "P": "parked",
+    "W": "paging",
+    "K": "wakekill",
 }
 # Always reported, 0 included: a count of none is a reading, not an absence.
 ALWAYS_REPORTED = ("running", "sleeping", "disk_sleep", "zombie", "stopped", "idle")
 
-PROCESSES = MetricFamily("gpuwarden_processes", G, "Processes per state (the thread-group leader's state)", ("state",))
+PROCESSES = MetricFamily(
+    "gpuwarden_processes", G, "Processes per state (the thread-group leader's state)", ("state",)
+)
 D_STATE = MetricFamily(
-    "gpuwarden_process_disk_sleep_seconds", G,
+    "gpuwarden_process_disk_sleep_seconds",
+    G,
     "Seconds a process has been seen in uninterruptible sleep (D), at least; only D processes, top N",
-    ("pid", "comm", "wchan"), "seconds")
+    ("pid", "comm", "wchan"),
+    "seconds",
+)
 ZOMBIES = MetricFamily(
-    "gpuwarden_zombie_processes", G, "Zombie children per parent process, top N parents",
-    ("ppid", "parent"))
-PROCESS_SCAN = MetricFamily(
-    "gpuwarden_processes_scanned", G, "Processes read in the last scan")
+    "gpuwarden_zombie_processes",
+    G,
+    "Zombie children per parent process, top N parents",
+    ("ppid", "parent"),
+)
+PROCESS_SCAN = MetricFamily("gpuwarden_processes_scanned", G, "Processes read in the last scan")
 
 # Names (comm, at most 15 characters) of the NVIDIA driver's kernel threads and GPU tools. A
 # Python process that uses the GPU cannot be told apart by name, so it is not listed.
@@ -53,7 +69,12 @@ DEFAULT_GPU_NAMES = (
     # driver's nv_queue and nv_open_q threads and "UVM *" the UVM queues (all seen in
     # /proc/[pid]/stat on an H200, driver 580.159.04, where kernel threads show full names). A
     # user process's comm is cut at 15 characters, hence nv-fabricmanage*.
-    "nvidia*", "nv_*", "nv-hostengine", "nv-fabricmanage*", "dcgm*", "UVM *",
+    "nvidia*",
+    "nv_*",
+    "nv-hostengine",
+    "nv-fabricmanage*",
+    "dcgm*",
+    "UVM *",
 )
 
 
@@ -61,15 +82,22 @@ DEFAULT_GPU_NAMES = (
 class ProcessesSettings(CollectorSettings):
     proc_root: Path = setting(Path("/proc"), help="where /proc is mounted (fixture trees in tests)")
     d_state_threshold: float = setting(
-        120.0, exclusive_minimum=0, help="seconds in D state after which a process is reported")
+        120.0, exclusive_minimum=0, help="seconds in D state after which a process is reported"
+    )
     gpu_process_names: tuple[str, ...] = setting(
-        DEFAULT_GPU_NAMES, help="glob patterns of process names whose D state is critical (the GPU driver and tools)")
+        DEFAULT_GPU_NAMES,
+        help="glob patterns of process names whose D state is critical (the GPU driver and tools)",
+    )
     scan_threads: bool = setting(
-        True, help="also look for D state in every thread, not only in each process's main thread")
+        True, help="also look for D state in every thread, not only in each process's main thread"
+    )
     zombie_threshold: int = setting(
-        10, minimum=1, help="zombies under one parent that raise an event (cleared below half)")
+        10, minimum=1, help="zombies under one parent that raise an event (cleared below half)"
+    )
     max_d_state_series: int = setting(20, minimum=0, help="D-state series kept, longest first")
-    max_zombie_parent_series: int = setting(10, minimum=0, help="zombie series kept, parents with most first")
+    max_zombie_parent_series: int = setting(
+        10, minimum=0, help="zombie series kept, parents with most first"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +149,11 @@ def zombie_parents(stats: dict[int, ProcStat]) -> list[ZombieParent]:
     parents = []
     for ppid, count in counts.items():
         parent = stats.get(ppid)
-        parents.append(ZombieParent(ppid, parent.comm if parent else "",
-                                    parent.starttime if parent else 0, count))
+        parents.append(
+            ZombieParent(
+                ppid, parent.comm if parent else "", parent.starttime if parent else 0, count
+            )
+        )
     return sorted(parents, key=lambda p: (-p.count, p.ppid))
 
 
@@ -143,8 +174,9 @@ class ProcessesCollector:
         return (PROCESSES, D_STATE, ZOMBIES, PROCESS_SCAN)
 
     async def collect(self, ctx: CollectContext) -> Collection:
-        result = await ctx.call("proc:processes", scan, self.settings.proc_root,
-                                self.settings.scan_threads)
+        result = await ctx.call(
+            "proc:processes", scan, self.settings.proc_root, self.settings.scan_threads
+        )
         samples = [PROCESSES.sample(n, state) for state, n in count_states(result.stats).items()]
         samples.append(PROCESS_SCAN.sample(len(result.stats)))
         events: list[Event] = []
@@ -152,20 +184,25 @@ class ProcessesCollector:
         self._zombies(result.stats, samples, events)
         return Collection(samples=samples, events=events)
 
-    def _d_state(self, now: float, result: Scan, samples: list[Sample],
-                 events: list[Event]) -> None:
+    def _d_state(
+        self, now: float, result: Scan, samples: list[Sample], events: list[Event]
+    ) -> None:
         in_d = {(s.pid, s.starttime): s for s in result.in_d_state()}
         for key in list(self._d_since):
             if key not in in_d:
                 since = self._d_since.pop(key)
                 if key in self._d_reported:
                     self._d_reported.discard(key)
-                    events.append(Event(
-                        source=SOURCE, kind="process_d_state_ended", severity=Severity.INFO,
-                        subject=f"pid {key[0]}",
-                        message=f"pid {key[0]} left D state (or exited) after at least "
-                                f"{now - since:.0f} s",
-                    ))
+                    events.append(
+                        Event(
+                            source=SOURCE,
+                            kind="process_d_state_ended",
+                            severity=Severity.INFO,
+                            subject=f"pid {key[0]}",
+                            message=f"pid {key[0]} left D state (or exited) after at least "
+                            f"{now - since:.0f} s",
+                        )
+                    )
         rows = []
         for key, stat in in_d.items():
             since = self._d_since.setdefault(key, now)
@@ -183,29 +220,43 @@ class ProcessesCollector:
         gpu = any(fnmatch.fnmatchcase(stat.comm, p) for p in self.settings.gpu_process_names)
         where = f"in the kernel function {wchan}" if wchan else "in the kernel"
         who = f"process {stat.comm} (pid {stat.pid}" + (f", thread {tid})" if tid else ")")
-        no_kill = ("a process in D state does not die from any signal, SIGKILL included, "
-                   "until its wait ends")
+        no_kill = (
+            "a process in D state does not die from any signal, SIGKILL included, "
+            "until its wait ends"
+        )
         if gpu:
-            action = (f"the NVIDIA driver or a GPU tool is stuck: look for Xid errors "
-                      f"(dmesg | grep -i xid) and check the GPUs with 'timeout 30 nvidia-smi'; "
-                      f"{no_kill}, so if it does not recover the GPU needs a reset or the host "
-                      "a reboot")
+            action = (
+                f"the NVIDIA driver or a GPU tool is stuck: look for Xid errors "
+                f"(dmesg | grep -i xid) and check the GPUs with 'timeout 30 nvidia-smi'; "
+                f"{no_kill}, so if it does not recover the GPU needs a reset or the host "
+                "a reboot"
+            )
         else:
-            action = (f"find what it waits on (cat /proc/{stat.pid}/stack as root; the disks and "
-                      f"network mounts it uses); {no_kill}: fix the device or mount it waits on")
+            action = (
+                f"find what it waits on (cat /proc/{stat.pid}/stack as root; the disks and "
+                f"network mounts it uses); {no_kill}: fix the device or mount it waits on"
+            )
         return Event(
-            source=SOURCE, kind="process_stuck_d_state",
+            source=SOURCE,
+            kind="process_stuck_d_state",
             severity=Severity.CRITICAL if gpu else Severity.WARNING,
             subject=f"pid {stat.pid}",
             message=f"{who} has been in uninterruptible sleep "
-                    f"(D state) for at least {seconds:.0f} s, waiting {where}",
+            f"(D state) for at least {seconds:.0f} s, waiting {where}",
             action=action,
-            attributes={"pid": stat.pid, "tid": tid, "comm": stat.comm, "wchan": wchan,
-                        "seconds": round(seconds, 1), "gpu_process": gpu},
+            attributes={
+                "pid": stat.pid,
+                "tid": tid,
+                "comm": stat.comm,
+                "wchan": wchan,
+                "seconds": round(seconds, 1),
+                "gpu_process": gpu,
+            },
         )
 
-    def _zombies(self, stats: dict[int, ProcStat], samples: list[Sample],
-                 events: list[Event]) -> None:
+    def _zombies(
+        self, stats: dict[int, ProcStat], samples: list[Sample], events: list[Event]
+    ) -> None:
         parents = zombie_parents(stats)
         for parent in parents[: self.settings.max_zombie_parent_series]:
             samples.append(ZOMBIES.sample(parent.count, str(parent.ppid), parent.name))
@@ -231,17 +282,23 @@ class ProcessesCollector:
 def _zombie_event(parent: ZombieParent) -> Event:
     name = parent.name or "a parent that has exited"
     if parent.ppid == 1:
-        action = ("pid 1 does not reap its children: in a container, run it with an init "
-                  "(docker run --init, tini); on a host, the init system is broken")
+        action = (
+            "pid 1 does not reap its children: in a container, run it with an init "
+            "(docker run --init, tini); on a host, the init system is broken"
+        )
     else:
-        action = (f"a zombie cannot be killed (it is already dead); only its parent can reap it. "
-                  f"Fix or restart the parent, {name} (pid {parent.ppid}); once it exits, init "
-                  "adopts its zombies and reaps them")
+        action = (
+            f"a zombie cannot be killed (it is already dead); only its parent can reap it. "
+            f"Fix or restart the parent, {name} (pid {parent.ppid}); once it exits, init "
+            "adopts its zombies and reaps them"
+        )
     return Event(
-        source=SOURCE, kind="zombies_accumulating", severity=Severity.WARNING,
+        source=SOURCE,
+        kind="zombies_accumulating",
+        severity=Severity.WARNING,
         subject=f"pid {parent.ppid}",
         message=f"{parent.count} zombie processes wait for their parent {name} "
-                f"(pid {parent.ppid}) to reap them",
+        f"(pid {parent.ppid}) to reap them",
         action=action,
         attributes={"ppid": parent.ppid, "parent": parent.name, "zombies": parent.count},
     )
@@ -249,9 +306,12 @@ def _zombie_event(parent: ZombieParent) -> Event:
 
 def _zombies_reaped(ppid: int, name: str) -> Event:
     return Event(
-        source=SOURCE, kind="zombies_reaped", severity=Severity.INFO, subject=f"pid {ppid}",
+        source=SOURCE,
+        kind="zombies_reaped",
+        severity=Severity.INFO,
+        subject=f"pid {ppid}",
         message=f"the zombies of {name or 'the parent'} (pid {ppid}) have been reaped "
-                "(or the parent exited)",
+        "(or the parent exited)",
     )
 
 

@@ -31,19 +31,29 @@ log = structlog.get_logger(component="system")
 
 G = MetricType.GAUGE
 
-MEMORY_TOTAL = MetricFamily("gpuwarden_memory_total_bytes", G, "MemTotal from /proc/meminfo", unit="bytes")
+MEMORY_TOTAL = MetricFamily(
+    "gpuwarden_memory_total_bytes", G, "MemTotal from /proc/meminfo", unit="bytes"
+)
 MEMORY_AVAILABLE = MetricFamily(
     "gpuwarden_memory_available_bytes", G, "MemAvailable from /proc/meminfo", unit="bytes"
 )
-SWAP_TOTAL = MetricFamily("gpuwarden_swap_total_bytes", G, "SwapTotal from /proc/meminfo", unit="bytes")
-SWAP_FREE = MetricFamily("gpuwarden_swap_free_bytes", G, "SwapFree from /proc/meminfo", unit="bytes")
+SWAP_TOTAL = MetricFamily(
+    "gpuwarden_swap_total_bytes", G, "SwapTotal from /proc/meminfo", unit="bytes"
+)
+SWAP_FREE = MetricFamily(
+    "gpuwarden_swap_free_bytes", G, "SwapFree from /proc/meminfo", unit="bytes"
+)
 LOAD = MetricFamily("gpuwarden_load_average", G, "Load average over the window", ("window",))
-UPTIME = MetricFamily("gpuwarden_uptime_seconds", G, "Seconds since the host booted", unit="seconds")
+UPTIME = MetricFamily(
+    "gpuwarden_uptime_seconds", G, "Seconds since the host booted", unit="seconds"
+)
 BOOT_INFO = MetricFamily("gpuwarden_boot_info", G, "The current boot id, always 1", ("boot_id",))
 PREVIOUS_BOOT_LAST_ALIVE = MetricFamily(
-    "gpuwarden_previous_boot_last_alive_timestamp_seconds", G,
+    "gpuwarden_previous_boot_last_alive_timestamp_seconds",
+    G,
     "When the agent was last alive in the previous boot (present after a reboot was detected)",
-    unit="seconds")
+    unit="seconds",
+)
 
 STATE_NAMESPACE = "system"
 
@@ -88,8 +98,16 @@ class SystemCollector:
         self._save_failing = False
 
     def families(self) -> Sequence[MetricFamily]:
-        return (MEMORY_TOTAL, MEMORY_AVAILABLE, SWAP_TOTAL, SWAP_FREE, LOAD, UPTIME, BOOT_INFO,
-                PREVIOUS_BOOT_LAST_ALIVE)
+        return (
+            MEMORY_TOTAL,
+            MEMORY_AVAILABLE,
+            SWAP_TOTAL,
+            SWAP_FREE,
+            LOAD,
+            UPTIME,
+            BOOT_INFO,
+            PREVIOUS_BOOT_LAST_ALIVE,
+        )
 
     def _read(self, now: float) -> SystemReading:
         """Blocking: /proc, then the stored boot and this round's write of it, in one call so
@@ -97,8 +115,12 @@ class SystemCollector:
         root = self.settings.proc_root
         samples: list[Sample] = []
         mem = read_meminfo(root)
-        for family, key in ((MEMORY_TOTAL, "MemTotal"), (MEMORY_AVAILABLE, "MemAvailable"),
-                            (SWAP_TOTAL, "SwapTotal"), (SWAP_FREE, "SwapFree")):
+        for family, key in (
+            (MEMORY_TOTAL, "MemTotal"),
+            (MEMORY_AVAILABLE, "MemAvailable"),
+            (SWAP_TOTAL, "SwapTotal"),
+            (SWAP_FREE, "SwapFree"),
+        ):
             if key in mem:
                 samples.append(family.sample(mem[key]))
         load = (root / "loadavg").read_text().split()
@@ -126,11 +148,17 @@ class SystemCollector:
         stored_boot, stored_alive = reading.stored_boot, reading.stored_alive
         # Once per boot: while writes fail, the store keeps the previous boot's id, which
         # must not raise host_rebooted again every round.
-        if (self._checked_boot != reading.boot_id and isinstance(stored_boot, str)
-                and stored_boot != reading.boot_id):
+        if (
+            self._checked_boot != reading.boot_id
+            and isinstance(stored_boot, str)
+            and stored_boot != reading.boot_id
+        ):
             last_alive = float(stored_alive) if isinstance(stored_alive, (int, float)) else None
-            events.append(_reboot_event(stored_boot, reading.boot_id, last_alive, ctx.now,
-                                        reading.uptime_seconds))
+            events.append(
+                _reboot_event(
+                    stored_boot, reading.boot_id, last_alive, ctx.now, reading.uptime_seconds
+                )
+            )
             if last_alive is not None:
                 self._previous_boot = (stored_boot, last_alive)
         self._checked_boot = reading.boot_id
@@ -142,8 +170,7 @@ class SystemCollector:
     def _note_save(self, error: str | None) -> None:
         """Log a failing state store once per spell; the next round writes again."""
         if error is not None and not self._save_failing:
-            log.warning("boot id and last-alive time not saved; retrying every round",
-                        error=error)
+            log.warning("boot id and last-alive time not saved; retrying every round", error=error)
         elif error is None and self._save_failing:
             log.info("boot id and last-alive time saved again")
         self._save_failing = error is not None
@@ -152,8 +179,9 @@ class SystemCollector:
         return None
 
 
-def _reboot_event(previous: str, current: str, last_alive: float | None, now: float,
-                  uptime: float) -> Event:
+def _reboot_event(
+    previous: str, current: str, last_alive: float | None, now: float, uptime: float
+) -> Event:
     boot_time = now - uptime
     if last_alive is not None:
         alive_text = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last_alive))
@@ -162,12 +190,19 @@ def _reboot_event(previous: str, current: str, last_alive: float | None, now: fl
         gap = ""
     boot_text = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(boot_time))
     return Event(
-        source="system", kind="host_rebooted", severity=Severity.WARNING, subject=current,
+        source="system",
+        kind="host_rebooted",
+        severity=Severity.WARNING,
+        subject=current,
         message=f"the host rebooted since the agent last ran: it booted at {boot_text}{gap}",
         action="if nobody planned this reboot, look for its cause in the previous boot's log "
-               "(journalctl -b -1 -e; a kernel panic, an Xid, a power or watchdog event)",
-        attributes={"previous_boot_id": previous, "boot_id": current,
-                    "previous_last_alive": last_alive, "boot_time": round(boot_time, 1)},
+        "(journalctl -b -1 -e; a kernel panic, an Xid, a power or watchdog event)",
+        attributes={
+            "previous_boot_id": previous,
+            "boot_id": current,
+            "previous_last_alive": last_alive,
+            "boot_time": round(boot_time, 1),
+        },
     )
 
 

@@ -29,8 +29,9 @@ def probe() -> dict[str, Any]:
                     count = torch.cuda.device_count()
                     out["device_count"] = count
                     out["arch_list"] = torch.cuda.get_arch_list()
-                    out["capabilities"] = [list(torch.cuda.get_device_capability(i))
-                                           for i in range(count)]
+                    out["capabilities"] = [
+                        list(torch.cuda.get_device_capability(i)) for i in range(count)
+                    ]
                     x = torch.ones(4, device="cuda")
                     out["op_ok"] = float((x + 1).sum().item()) == 8.0
         out["warnings"] = sorted({str(w.message).splitlines()[0] for w in caught})

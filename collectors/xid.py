@@ -102,25 +102,37 @@ def gpu_description(pci_bus_id: str, identity: Mapping[str, str]) -> str:
     return f"GPU {pci_bus_id or '(unknown PCI address)'}"
 
 
-def build_xid_event(obs: XidObservation, sources: frozenset[XidSource],
-                    identity: Mapping[str, str]) -> Event:
+def build_xid_event(
+    obs: XidObservation, sources: frozenset[XidSource], identity: Mapping[str, str]
+) -> Event:
     """The default Xid event: the catalog's meaning and action, which sources saw it."""
     info = lookup(obs.code)
     where = gpu_description(obs.pci_bus_id, identity)
     when = " (logged before the agent started)" if obs.predates_agent else ""
-    message = (f"Xid {obs.code} ({info.name}) on {where}{when}: {info.meaning}; "
-               f"{seen_by(sources)}")
+    message = f"Xid {obs.code} ({info.name}) on {where}{when}: {info.meaning}; {seen_by(sources)}"
     attributes: dict[str, AttributeValue] = {
-        "xid": obs.code, "name": info.name, "fault": info.fault, "known": info.known,
-        "pci_bus_id": obs.pci_bus_id, "gpu": identity.get("gpu", ""),
-        "uuid": identity.get("uuid", ""), "model": identity.get("model", ""),
-        "sources": ",".join(sorted(sources)), "seen_by": seen_by(sources),
-        "predates_agent": obs.predates_agent, "text": obs.text,
+        "xid": obs.code,
+        "name": info.name,
+        "fault": info.fault,
+        "known": info.known,
+        "pci_bus_id": obs.pci_bus_id,
+        "gpu": identity.get("gpu", ""),
+        "uuid": identity.get("uuid", ""),
+        "model": identity.get("model", ""),
+        "sources": ",".join(sorted(sources)),
+        "seen_by": seen_by(sources),
+        "predates_agent": obs.predates_agent,
+        "text": obs.text,
     }
     return Event(
-        source="gpu", kind="xid", severity=info.severity, message=message,
-        subject=identity.get("uuid") or obs.pci_bus_id, action=info.action,
-        attributes=attributes, time=obs.time,
+        source="gpu",
+        kind="xid",
+        severity=info.severity,
+        message=message,
+        subject=identity.get("uuid") or obs.pci_bus_id,
+        action=info.action,
+        attributes=attributes,
+        time=obs.time,
     )
 
 
@@ -134,8 +146,13 @@ class XidCorrelator:
     (within the window of the first) is counted in `late_twins`, not raised again.
     """
 
-    def __init__(self, window: float = 5.0, build_event: EventBuilder | None = None,
-                 clock: Callable[[], float] = time.time, holdoff: float = 300.0) -> None:
+    def __init__(
+        self,
+        window: float = 5.0,
+        build_event: EventBuilder | None = None,
+        clock: Callable[[], float] = time.time,
+        holdoff: float = 300.0,
+    ) -> None:
         self.window = window
         self.holdoff = holdoff
         """Seconds after an Xid event in which new incidents of the same GPU and code raise no
@@ -177,16 +194,20 @@ class XidCorrelator:
         key = (obs.pci_bus_id, obs.code, obs.predates_agent)
         with self._lock:
             pending = self._pending.get(key)
-            if pending is not None and not obs.predates_agent and (
-                    abs(obs.time - pending.first.time) > self.window):
+            if (
+                pending is not None
+                and not obs.predates_agent
+                and (abs(obs.time - pending.first.time) > self.window)
+            ):
                 self._ready.append(self._pending.pop(key))  # a new incident, not a twin
                 pending = None
             if pending is None:
                 if self._is_late_twin(obs):
                     self.late_twins += 1
                     return
-                deadline = (-math.inf if obs.predates_agent
-                            else max(obs.time, self._clock()) + self.window)
+                deadline = (
+                    -math.inf if obs.predates_agent else max(obs.time, self._clock()) + self.window
+                )
                 pending = self._pending[key] = _Pending(obs, deadline)
             pending.sources.add(obs.source)
             pending.per_source[obs.source] = pending.per_source.get(obs.source, 0) + 1
@@ -211,8 +232,7 @@ class XidCorrelator:
                 event = self._finish(pending)
                 if event is not None:
                     out.append(event)
-            self._recent = {k: v for k, v in self._recent.items()
-                            if now - v[0] <= 2 * self.window}
+            self._recent = {k: v for k, v in self._recent.items() if now - v[0] <= 2 * self.window}
         return out
 
     def _finish(self, pending: _Pending) -> Event | None:
@@ -233,8 +253,10 @@ class XidCorrelator:
             held = self._held.pop(key, 0)
         identity = self._identities.get(first.pci_bus_id, {})
         event = self._build_event(first, sources, identity)
-        extra: dict[str, AttributeValue] = {"occurrences": pending.occurrences,
-                                            "repeats_since_last_event": held}
+        extra: dict[str, AttributeValue] = {
+            "occurrences": pending.occurrences,
+            "repeats_since_last_event": held,
+        }
         if len(pending.texts) > 1:
             extra["texts"] = " | ".join(pending.texts)
         return dataclasses.replace(event, attributes={**event.attributes, **extra})

@@ -41,8 +41,12 @@ def _load() -> tuple[str, dict[int, XidInfo]]:
     for code_text, entry in data["xid"].items():
         code = int(code_text)
         table[code] = XidInfo(
-            code=code, name=entry["name"], meaning=entry["meaning"], fault=entry["fault"],
-            severity=Severity.parse(entry["severity"]), action=entry["action"],
+            code=code,
+            name=entry["name"],
+            meaning=entry["meaning"],
+            fault=entry["fault"],
+            severity=Severity.parse(entry["severity"]),
+            action=entry["action"],
         )
     return str(data["source"]), table
 
@@ -61,10 +65,14 @@ def lookup(code: int) -> XidInfo:
     if info is not None:
         return info
     return XidInfo(
-        code=code, name="unknown Xid", fault="unknown", severity=Severity.WARNING, known=False,
+        code=code,
+        name="unknown Xid",
+        fault="unknown",
+        severity=Severity.WARNING,
+        known=False,
         meaning=f"Xid {code} is not in gpuwarden's catalog (a newer driver may define it)",
         action=f"look up Xid {code} in NVIDIA's Xid catalog for this driver version; "
-               "reset the GPU if work on it has stopped",
+        "reset the GPU if work on it has stopped",
     )
 
 
@@ -79,22 +87,31 @@ def lookup_sxid(code: int, text: str) -> XidInfo:
     """Meaning of an NVSwitch SXid: fatal or not as its text says; unknown severity: warning."""
     if _NON_FATAL.search(text):
         return XidInfo(
-            code=code, name="NVSwitch non-fatal error", fault="node", severity=Severity.WARNING,
+            code=code,
+            name="NVSwitch non-fatal error",
+            fault="node",
+            severity=Severity.WARNING,
             meaning=f"NVSwitch SXid {code}: a non-fatal error on an NVSwitch port (the text "
-                    "names the link); traffic continues",
+            "names the link); traffic continues",
             action="watch for repeats on the same link; if they continue, follow NVIDIA's "
-                   "NVSwitch workflow and check the link's cabling or tray",
+            "NVSwitch workflow and check the link's cabling or tray",
         )
     if _FATAL.search(text):
         return XidInfo(
-            code=code, name="NVSwitch fatal error", fault="node", severity=Severity.CRITICAL,
+            code=code,
+            name="NVSwitch fatal error",
+            fault="node",
+            severity=Severity.CRITICAL,
             meaning=f"NVSwitch SXid {code}: a fatal error on an NVSwitch; the GPUs behind it "
-                    "lose NVLink connectivity",
+            "lose NVLink connectivity",
             action="drain the node, reset the NVSwitch and GPUs (or restart the machine) and "
-                   "check the fabric manager log; repeated: inspect the switch tray",
+            "check the fabric manager log; repeated: inspect the switch tray",
         )
     return XidInfo(
-        code=code, name="NVSwitch error", fault="node", severity=Severity.WARNING,
+        code=code,
+        name="NVSwitch error",
+        fault="node",
+        severity=Severity.WARNING,
         meaning=f"NVSwitch SXid {code}: an NVSwitch error (the text does not say if fatal)",
         action="check the fabric manager log and NVIDIA's SXid catalog for this code",
     )

@@ -26,8 +26,12 @@ def encode(payload: Mapping[str, Any]) -> bytes:
 def status_payload(state: str, bdseq: int, ts: float, reason: str = "") -> bytes:
     """The status topic's payload. `reason` tells a deliberate stop ("shutdown") from the
     broker's Will (no reason), so the watcher does not page for a planned stop."""
-    payload: dict[str, object] = {"state": state, "bdseq": bdseq, "ts": round(ts, 3),
-                                  "version": __version__}
+    payload: dict[str, object] = {
+        "state": state,
+        "bdseq": bdseq,
+        "ts": round(ts, 3),
+        "version": __version__,
+    }
     if reason:
         payload["reason"] = reason
     return encode(payload)
@@ -37,8 +41,15 @@ def _age(now: float, then: float | None) -> float | None:
     return None if then is None else round(max(0.0, now - then), 3)
 
 
-def heartbeat_payload(runtime: Runtime, *, seq: int, bdseq: int, now: float,
-                      outbox_depth: Mapping[str, int], outbox_dropped: Mapping[str, int]) -> bytes:
+def heartbeat_payload(
+    runtime: Runtime,
+    *,
+    seq: int,
+    bdseq: int,
+    now: float,
+    outbox_depth: Mapping[str, int],
+    outbox_dropped: Mapping[str, int],
+) -> bytes:
     health = runtime.health(now)
     collectors = {
         name: {
@@ -59,19 +70,21 @@ def heartbeat_payload(runtime: Runtime, *, seq: int, bdseq: int, now: float,
         for name, entry in sorted(runtime.ledger.items())
     }
     prometheus = runtime.ledger.get("prometheus")
-    return encode({
-        "seq": seq,
-        "bdseq": bdseq,
-        "ts": round(now, 3),
-        "interval_s": runtime.heartbeat_settings.interval,
-        "node": runtime.node_id,
-        "version": __version__,
-        "health": "ok" if health.ok else list(health.problems),
-        "collectors": collectors,
-        "sinks": sinks,
-        "prometheus_last_scrape_ts": None if prometheus is None else prometheus.last_delivery,
-        "outbox": {"depth": dict(outbox_depth), "dropped": dict(outbox_dropped)},
-    })
+    return encode(
+        {
+            "seq": seq,
+            "bdseq": bdseq,
+            "ts": round(now, 3),
+            "interval_s": runtime.heartbeat_settings.interval,
+            "node": runtime.node_id,
+            "version": __version__,
+            "health": "ok" if health.ok else list(health.problems),
+            "collectors": collectors,
+            "sinks": sinks,
+            "prometheus_last_scrape_ts": None if prometheus is None else prometheus.last_delivery,
+            "outbox": {"depth": dict(outbox_depth), "dropped": dict(outbox_dropped)},
+        }
+    )
 
 
 def metrics_payload(runtime: Runtime, now: float) -> bytes:
@@ -82,6 +95,7 @@ def metrics_payload(runtime: Runtime, now: float) -> bytes:
     families: dict[str, dict[str, Any]] = {}
     for sample in runtime.samples():
         family = families.setdefault(
-            sample.family.name, {"labels": list(sample.family.labels), "series": []})
+            sample.family.name, {"labels": list(sample.family.labels), "series": []}
+        )
         family["series"].append([*sample.label_values, sample.value])
     return encode({"ts": round(now, 3), "node": runtime.node_id, "metrics": families})

@@ -20,16 +20,26 @@ MAX_CONNECTIONS = 32
 Answer = tuple[int, dict[str, str], bytes]
 Responder = Callable[[bytes], Awaitable[Answer]]
 
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-            405: "Method Not Allowed", 431: "Request Header Fields Too Large",
-            503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
 
 
 def response(status: int, headers: dict[str, str], body: bytes) -> bytes:
     """A whole response; `Content-Length` may be given (HEAD: the length GET would send)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
-    merged = {"Content-Type": "text/plain; charset=utf-8", "Content-Length": str(len(body)),
-              **headers, "Connection": "close"}
+    merged = {
+        "Content-Type": "text/plain; charset=utf-8",
+        "Content-Length": str(len(body)),
+        **headers,
+        "Connection": "close",
+    }
     lines += [f"{k}: {v}" for k, v in merged.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
@@ -72,8 +82,13 @@ class OneShotServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError, ssl.SSLError):
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            TimeoutError,
+            ConnectionError,
+            ssl.SSLError,
+        ):
             writer.close()
             return
         try:

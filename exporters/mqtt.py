@@ -42,20 +42,32 @@ log = structlog.get_logger(component="mqtt")
 G, C = MetricType.GAUGE, MetricType.COUNTER
 CONNECTED = MetricFamily("gpuwarden_mqtt_connected", G, "1 while connected to the broker")
 LAST_ACK_AGE = MetricFamily(
-    "gpuwarden_mqtt_last_ack_age_seconds", G,
-    "Seconds since the broker last acknowledged a publish (absent before the first)", unit="seconds")
+    "gpuwarden_mqtt_last_ack_age_seconds",
+    G,
+    "Seconds since the broker last acknowledged a publish (absent before the first)",
+    unit="seconds",
+)
 BIRTH_SEQUENCE = MetricFamily(
-    "gpuwarden_mqtt_birth_sequence", G, "Birth number (bdseq) of the current or last connection")
+    "gpuwarden_mqtt_birth_sequence", G, "Birth number (bdseq) of the current or last connection"
+)
 OUTBOX_ENTRIES = MetricFamily(
-    "gpuwarden_mqtt_outbox_entries", G, "Undelivered entries in the outbox", ("kind",))
+    "gpuwarden_mqtt_outbox_entries", G, "Undelivered entries in the outbox", ("kind",)
+)
 OUTBOX_DROPPED = MetricFamily(
-    "gpuwarden_mqtt_outbox_dropped_total", C,
-    "Outbox entries dropped undelivered (bounds: entries, bytes, age)", ("kind",))
+    "gpuwarden_mqtt_outbox_dropped_total",
+    C,
+    "Outbox entries dropped undelivered (bounds: entries, bytes, age)",
+    ("kind",),
+)
 PUBLISHED = MetricFamily(
-    "gpuwarden_mqtt_published_total", C, "Publishes the broker acknowledged", ("kind",))
+    "gpuwarden_mqtt_published_total", C, "Publishes the broker acknowledged", ("kind",)
+)
 CONNECT_FAILURES = MetricFamily(
-    "gpuwarden_mqtt_connection_failures_total", C, "Failed connections and lost sessions",
-    ("reason",))
+    "gpuwarden_mqtt_connection_failures_total",
+    C,
+    "Failed connections and lost sessions",
+    ("reason",),
+)
 KINDS = ("event", "heartbeat", "metrics")
 TOPIC_OF_KIND = {"event": "events", "heartbeat": "heartbeat", "metrics": "metrics"}
 ENFORCE_EVERY = 1.0
@@ -69,7 +81,7 @@ FAILURE_TEXT = {
     "refused": "the broker refused the connection",
     "bad_credentials": "the broker rejected the user name or password",
     "not_authorized": "the broker did not authorise this client (mosquitto 2 says so for a "
-                      "wrong user name or password too)",
+    "wrong user name or password too)",
     "tls_failed": "the TLS handshake with the broker failed",
     "unreachable": "cannot reach the broker",
     "connection_lost": "the connection to the broker was lost",
@@ -82,7 +94,8 @@ class Backoff:
 
     def __init__(self, minimum: float, maximum: float) -> None:
         self._wait = tenacity.wait_exponential_jitter(
-            multiplier=minimum, max=maximum, jitter=minimum, min=minimum)
+            multiplier=minimum, max=maximum, jitter=minimum, min=minimum
+        )
         self._retrying = tenacity.AsyncRetrying(wait=self._wait)
         self.attempt = 0
 
@@ -112,8 +125,12 @@ class MqttSink:
         self.runtime = runtime
         self.expected_interval: float | None = runtime.heartbeat_settings.interval
         self.base_topic = f"{settings.topic_prefix}/{runtime.node_id}"
-        self.outbox = Outbox(runtime.store, OutboxLimits(
-            settings.outbox_max_entries, settings.outbox_max_bytes, settings.outbox_max_age))
+        self.outbox = Outbox(
+            runtime.store,
+            OutboxLimits(
+                settings.outbox_max_entries, settings.outbox_max_bytes, settings.outbox_max_age
+            ),
+        )
         runtime.outbox_enabled = True
         runtime.subscribe(lambda _event: self._wake.set())
         self.bdseq = 0
@@ -155,14 +172,18 @@ class MqttSink:
                 self._tls = tls_context(
                     None if settings.ca_file is None else str(settings.ca_file),
                     None if settings.cert_file is None else str(settings.cert_file),
-                    None if settings.key_file is None else str(settings.key_file))
+                    None if settings.key_file is None else str(settings.key_file),
+                )
             except (OSError, ssl.SSLError) as exc:
-                raise OSError(f"mqtt: cannot load the TLS files (ca_file, cert_file, "
-                              f"key_file): {exc}") from None
+                raise OSError(
+                    f"mqtt: cannot load the TLS files (ca_file, cert_file, key_file): {exc}"
+                ) from None
 
     async def run(self) -> None:
-        self._tasks = [asyncio.create_task(self._produce(), name="mqtt:produce"),
-                       asyncio.create_task(self._connection_loop(), name="mqtt:connection")]
+        self._tasks = [
+            asyncio.create_task(self._produce(), name="mqtt:produce"),
+            asyncio.create_task(self._connection_loop(), name="mqtt:connection"),
+        ]
         try:
             await asyncio.gather(*self._tasks)
         finally:
@@ -195,7 +216,8 @@ class MqttSink:
             try:
                 if now >= next_heartbeat:
                     next_heartbeat += heartbeat_every * max(
-                        1, (now - next_heartbeat) // heartbeat_every)
+                        1, (now - next_heartbeat) // heartbeat_every
+                    )
                     self._queue_heartbeat()
                 if now >= next_metrics:
                     next_metrics = max(next_metrics + self.settings.metrics_interval, now)
@@ -220,8 +242,13 @@ class MqttSink:
         except StateStoreError:
             depth = {}
         payload = heartbeat_payload(
-            self.runtime, seq=self.heartbeat_seq, bdseq=self.bdseq, now=time.time(),
-            outbox_depth=depth, outbox_dropped=dict(self.outbox.dropped))
+            self.runtime,
+            seq=self.heartbeat_seq,
+            bdseq=self.bdseq,
+            now=time.time(),
+            outbox_depth=depth,
+            outbox_dropped=dict(self.outbox.dropped),
+        )
         self._queue("heartbeat", str(self.heartbeat_seq), payload)
 
     def _queue(self, kind: str, key: str, payload: bytes) -> None:
@@ -249,14 +276,20 @@ class MqttSink:
     def _client_for(self, bdseq: int) -> CheckedClient:
         settings = self.settings
         address = settings.address
-        will = aiomqtt.Will(self.topic("status"), status_payload("offline", bdseq, time.time()),
-                            qos=1, retain=True)
+        will = aiomqtt.Will(
+            self.topic("status"), status_payload("offline", bdseq, time.time()), qos=1, retain=True
+        )
         client = CheckedClient(
-            address.host, address.port,
-            username=settings.username or None, password=self._password,
+            address.host,
+            address.port,
+            username=settings.username or None,
+            password=self._password,
             identifier=settings.client_id or f"gpuwarden-{self.runtime.node_id}",
-            protocol=aiomqtt.ProtocolVersion.V5, will=will, keepalive=settings.keepalive,
-            timeout=settings.connect_timeout, tls_context=self._tls,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            will=will,
+            keepalive=settings.keepalive,
+            timeout=settings.connect_timeout,
+            tls_context=self._tls,
             max_inflight_messages=settings.publish_window,
         )
         # aiomqtt warns above this many awaited publishes; a full window is the design here.
@@ -272,7 +305,8 @@ class MqttSink:
                 async with client:
                     self._client = client
                     await client.publish_acked(
-                        self.topic("status"), status_payload("online", bdseq, time.time()), 1, True)
+                        self.topic("status"), status_payload("online", bdseq, time.time()), 1, True
+                    )
                     self._on_connected(bdseq)
                     await self._drain(client)
             except aiomqtt.MqttError as exc:
@@ -298,12 +332,16 @@ class MqttSink:
         self.runtime.record_delivery(self.name)
         log.info("connected to the broker", url=self.settings.url, bdseq=bdseq)
         if self.failure_kind is not None:
-            self.runtime.emit(Event(
-                source="mqtt", kind="broker_connected", severity=Severity.INFO,
-                subject=self.settings.url,
-                message=f"mqtt: connected to {self.settings.url} again (birth number {bdseq}); "
-                        "the outbox is being delivered",
-            ))
+            self.runtime.emit(
+                Event(
+                    source="mqtt",
+                    kind="broker_connected",
+                    severity=Severity.INFO,
+                    subject=self.settings.url,
+                    message=f"mqtt: connected to {self.settings.url} again (birth number {bdseq}); "
+                    "the outbox is being delivered",
+                )
+            )
         self.failure_kind = None
 
     def _on_failure(self, exc: aiomqtt.MqttError) -> None:
@@ -316,11 +354,17 @@ class MqttSink:
         self.failure_kind = kind
         message = f"mqtt: {FAILURE_TEXT[kind]} at {self.settings.url}: {exc}"
         log.error(message, reason=kind, action=action)
-        self.runtime.emit(Event(
-            source="mqtt", kind=f"broker_{kind}",
-            severity=Severity.WARNING, subject=self.settings.url, message=message, action=action,
-            attributes={"reason": kind},
-        ))
+        self.runtime.emit(
+            Event(
+                source="mqtt",
+                kind=f"broker_{kind}",
+                severity=Severity.WARNING,
+                subject=self.settings.url,
+                message=message,
+                action=action,
+                attributes={"reason": kind},
+            )
+        )
 
     def _on_store_failure(self, task: str, exc: StateStoreError) -> None:
         """Ledger on every failure; the log once per transition, not per retry."""
@@ -329,8 +373,7 @@ class MqttSink:
             log.debug("mqtt state store still failing", task=task, error=str(exc))
             return
         self._store_failing.add(task)
-        log.error("mqtt: the state store failed; retrying after a pause", task=task,
-                  error=str(exc))
+        log.error("mqtt: the state store failed; retrying after a pause", task=task, error=str(exc))
 
     def _on_store_ok(self, task: str) -> None:
         if task in self._store_failing:
@@ -365,15 +408,17 @@ class MqttSink:
             waited = time.monotonic() - last_progress
             if inflight and waited > self.settings.connect_timeout:
                 raise aiomqtt.MqttError(
-                    f"no PUBACK for {len(inflight)} publishes within {waited:.0f} s")
+                    f"no PUBACK for {len(inflight)} publishes within {waited:.0f} s"
+                )
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), ENFORCE_EVERY)
             if not inflight:
                 last_progress = time.monotonic()
 
-    def _settle(self, done: list[tuple[int, PublishRefused | None]],
-                inflight: dict[int, OutboxEntry]) -> None:
+    def _settle(
+        self, done: list[tuple[int, PublishRefused | None]], inflight: dict[int, OutboxEntry]
+    ) -> None:
         acked: list[OutboxEntry] = []
         refused: PublishRefused | None = None
         for seq, error in done:
@@ -392,8 +437,9 @@ class MqttSink:
     def _publish(self, client: CheckedClient, entry: OutboxEntry) -> None:
         leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)
         qos = self.settings.metrics_qos if entry.kind == "metrics" else 1
-        client.publish_tracked(entry.seq, self.topic(leaf), entry.payload, qos,
-                               entry.kind == "heartbeat")
+        client.publish_tracked(
+            entry.seq, self.topic(leaf), entry.payload, qos, entry.kind == "heartbeat"
+        )
 
     def _maybe_enforce(self) -> None:
         now = time.time()
@@ -411,11 +457,16 @@ class MqttSink:
             self._last_drop = now
         elif self._last_drop is not None and now - self._last_drop > DROPS_QUIET_AFTER:
             self._last_drop = None
-            self.runtime.emit(Event(
-                source="mqtt", kind="outbox_drops_stopped", severity=Severity.INFO,
-                subject="outbox", message="mqtt: the outbox is within its bounds again",
-                attributes={f"dropped_{k}": v for k, v in sorted(self.outbox.dropped.items())},
-            ))
+            self.runtime.emit(
+                Event(
+                    source="mqtt",
+                    kind="outbox_drops_stopped",
+                    severity=Severity.INFO,
+                    subject="outbox",
+                    message="mqtt: the outbox is within its bounds again",
+                    attributes={f"dropped_{k}": v for k, v in sorted(self.outbox.dropped.items())},
+                )
+            )
 
     def enforce_now(self) -> dict[str, int]:
         """Apply the outbox bounds at once (also used while disconnected)."""
@@ -427,17 +478,20 @@ class MqttSink:
     def _report_drops(self, dropped: dict[str, int]) -> None:
         counts = ", ".join(f"{n} {kind}" for kind, n in sorted(dropped.items()))
         limits = self.outbox.limits
-        self.runtime.emit(Event(
-            source="mqtt", kind="outbox_dropped",
-            severity=Severity.CRITICAL if dropped.get("event") else Severity.WARNING,
-            subject="outbox",
-            message=f"mqtt: the outbox is full or too old and dropped undelivered entries "
-                    f"({counts}); limits {limits.max_entries} entries, {limits.max_bytes} bytes, "
-                    f"{limits.max_age:g} s",
-            action="restore delivery to the broker, or raise [mqtt] outbox_max_entries / "
-                   "outbox_max_bytes / outbox_max_age",
-            attributes={f"dropped_{k}": v for k, v in sorted(dropped.items())},
-        ))
+        self.runtime.emit(
+            Event(
+                source="mqtt",
+                kind="outbox_dropped",
+                severity=Severity.CRITICAL if dropped.get("event") else Severity.WARNING,
+                subject="outbox",
+                message=f"mqtt: the outbox is full or too old and dropped undelivered entries "
+                f"({counts}); limits {limits.max_entries} entries, {limits.max_bytes} bytes, "
+                f"{limits.max_age:g} s",
+                action="restore delivery to the broker, or raise [mqtt] outbox_max_entries / "
+                "outbox_max_bytes / outbox_max_age",
+                attributes={f"dropped_{k}": v for k, v in sorted(dropped.items())},
+            )
+        )
 
     def problems(self) -> list[str]:
         if self._last_drop is None:
@@ -448,8 +502,15 @@ class MqttSink:
     # -- metrics ----------------------------------------------------------------------------
 
     def families(self) -> Sequence[MetricFamily]:
-        return (CONNECTED, LAST_ACK_AGE, BIRTH_SEQUENCE, OUTBOX_ENTRIES, OUTBOX_DROPPED,
-                PUBLISHED, CONNECT_FAILURES)
+        return (
+            CONNECTED,
+            LAST_ACK_AGE,
+            BIRTH_SEQUENCE,
+            OUTBOX_ENTRIES,
+            OUTBOX_DROPPED,
+            PUBLISHED,
+            CONNECT_FAILURES,
+        )
 
     def samples(self) -> Sequence[Sample]:
         out = [CONNECTED.sample(1 if self.connected else 0), BIRTH_SEQUENCE.sample(self.bdseq)]
@@ -464,8 +525,10 @@ class MqttSink:
             out.extend(OUTBOX_ENTRIES.sample(depth.get(kind, 0), kind) for kind in KINDS)
         out.extend(OUTBOX_DROPPED.sample(self.outbox.dropped.get(kind, 0), kind) for kind in KINDS)
         out.extend(PUBLISHED.sample(self.published.get(kind, 0), kind) for kind in KINDS)
-        out.extend(CONNECT_FAILURES.sample(n, reason)
-                   for reason, n in sorted(self.connect_failures.items()))
+        out.extend(
+            CONNECT_FAILURES.sample(n, reason)
+            for reason, n in sorted(self.connect_failures.items())
+        )
         return out
 
 

@@ -54,8 +54,9 @@ class CheckedClient(aiomqtt.Client):
         self.lost = False
         self.on_progress: Callable[[], None] = lambda: None
 
-    def _on_publish(self, client: paho.Client, userdata: Any, mid: int,
-                    reason_code: ReasonCode, properties: Any) -> None:
+    def _on_publish(
+        self, client: paho.Client, userdata: Any, mid: int, reason_code: ReasonCode, properties: Any
+    ) -> None:
         tracked = self._tracked.pop(mid, None)
         if tracked is not None:
             self._complete(tracked[0], tracked[1], reason_code)
@@ -73,8 +74,9 @@ class CheckedClient(aiomqtt.Client):
         self.completed.append((token, error))
         self.on_progress()
 
-    def publish_tracked(self, token: int, topic: str, payload: bytes, qos: int,
-                        retain: bool) -> None:
+    def publish_tracked(
+        self, token: int, topic: str, payload: bytes, qos: int, retain: bool
+    ) -> None:
         info = self._client.publish(topic, payload, qos, retain)
         if info.rc != paho.MQTT_ERR_SUCCESS:
             raise aiomqtt.MqttCodeError(info.rc, f"could not publish to {topic}")
@@ -83,8 +85,9 @@ class CheckedClient(aiomqtt.Client):
         else:
             self._tracked[info.mid] = (token, topic)
 
-    async def publish_acked(self, topic: str, payload: bytes, qos: int, retain: bool,
-                            timeout: float | None = None) -> None:
+    async def publish_acked(
+        self, topic: str, payload: bytes, qos: int, retain: bool, timeout: float | None = None
+    ) -> None:
         """Publish; return once the broker accepted it (QoS 1: a successful PUBACK)."""
         info = self._client.publish(topic, payload, qos, retain)
         if info.rc != paho.MQTT_ERR_SUCCESS:
@@ -117,7 +120,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, PublishRefused):
         return "publish_refused", (
             "the broker's ACL does not let this node publish there; allow "
-            "'pattern write <prefix>/%u/#' for the node's user")
+            "'pattern write <prefix>/%u/#' for the node's user"
+        )
     if isinstance(exc, MqttConnectError):
         code = getattr(exc.rc, "value", exc.rc)
         if code in BAD_CREDENTIALS:
@@ -125,14 +129,24 @@ def classify(exc: BaseException) -> tuple[str, str]:
         if code in NOT_AUTHORIZED:
             return "not_authorized", (
                 "check [mqtt] username and the password in password_file, and that the broker "
-                "lets this user connect")
+                "lets this user connect"
+            )
         return "refused", "the broker refused the connection; read the broker's log"
     text = str(exc).lower()
     if any(mark in text for mark in ("certificate", "ssl", "tls", "hostname mismatch")):
         return "tls_failed", (
             "check ca_file, that the broker's certificate names the host in [mqtt] url, "
-            "and cert_file/key_file")
-    if any(mark in text for mark in ("refused", "no route", "name or service", "unreachable",
-                                     "temporary failure in name resolution")):
+            "and cert_file/key_file"
+        )
+    if any(
+        mark in text
+        for mark in (
+            "refused",
+            "no route",
+            "name or service",
+            "unreachable",
+            "temporary failure in name resolution",
+        )
+    ):
         return "unreachable", "is the broker running and reachable at [mqtt] url?"
     return "connection_lost", "the broker went away or stopped answering; it is retried"

@@ -47,16 +47,19 @@ def parse_url(value: str, key: str = "mqtt.url") -> BrokerAddress:
         raise ConfigError(key, f"an MQTT URL has no path, query or fragment: {value!r}")
     if port == 0:
         raise ConfigError(key, "port must be 1-65535, got 0")
-    return BrokerAddress(parts.hostname, port or DEFAULT_PORTS[parts.scheme],
-                         parts.scheme == "mqtts")
+    return BrokerAddress(
+        parts.hostname, port or DEFAULT_PORTS[parts.scheme], parts.scheme == "mqtts"
+    )
 
 
 def check_topic_prefix(prefix: str, key: str = "mqtt.topic_prefix") -> None:
     levels = prefix.split("/")
     if not prefix or not all(_TOPIC_LEVEL.match(level) for level in levels):
         raise ConfigError(
-            key, f"expected topic levels separated by '/', without '+', '#' or empty levels, "
-                 f"got {prefix!r}")
+            key,
+            f"expected topic levels separated by '/', without '+', '#' or empty levels, "
+            f"got {prefix!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -66,29 +69,39 @@ class MqttSettings:
     topic_prefix: str = setting("gpuwarden/v1", help="topics are <prefix>/<node>/<kind>")
     username: str = setting("", help="broker user name; empty: anonymous")
     password_file: Path | None = setting(
-        None, help="file holding the broker password (mode 600)", secret=False)
+        None, help="file holding the broker password (mode 600)", secret=False
+    )
     client_id: str = setting("", help="MQTT client id; empty: gpuwarden-<node>")
     keepalive: int = setting(
-        30, minimum=5, maximum=65535,
-        help="seconds; the broker sends the Will after about 1.5 x this of silence (never 0)")
+        30,
+        minimum=5,
+        maximum=65535,
+        help="seconds; the broker sends the Will after about 1.5 x this of silence (never 0)",
+    )
     ca_file: Path | None = setting(None, help="CA bundle for mqtts://; empty: the system CAs")
     cert_file: Path | None = setting(None, help="client certificate (PEM) for mqtts://")
     key_file: Path | None = setting(None, help="client key (PEM, mode 600) for mqtts://")
     metrics_interval: float = setting(
-        60.0, minimum=1.0, maximum=86400.0, help="seconds between metric snapshots")
+        60.0, minimum=1.0, maximum=86400.0, help="seconds between metric snapshots"
+    )
     metrics_qos: int = setting(0, minimum=0, maximum=1, help="QoS of metric snapshots: 0 or 1")
     outbox_max_entries: int = setting(
-        100_000, minimum=10, help="outbox bound; metric snapshots are dropped first, events last")
+        100_000, minimum=10, help="outbox bound; metric snapshots are dropped first, events last"
+    )
     outbox_max_bytes: int = setting(
-        64 * 1024 * 1024, minimum=4096, help="outbox bound in payload bytes")
+        64 * 1024 * 1024, minimum=4096, help="outbox bound in payload bytes"
+    )
     outbox_max_age: float = setting(
-        7 * 86400.0, minimum=60.0, help="seconds after which an undelivered entry is dropped")
+        7 * 86400.0, minimum=60.0, help="seconds after which an undelivered entry is dropped"
+    )
     publish_window: int = setting(
-        100, minimum=1, maximum=65535, help="QoS 1 publishes in flight at once")
+        100, minimum=1, maximum=65535, help="QoS 1 publishes in flight at once"
+    )
     reconnect_min: float = setting(1.0, exclusive_minimum=0.0, help="first reconnect delay, s")
     reconnect_max: float = setting(60.0, exclusive_minimum=0.0, help="longest reconnect delay, s")
     connect_timeout: float = setting(
-        10.0, exclusive_minimum=0.0, help="seconds for CONNACK and for each PUBACK")
+        10.0, exclusive_minimum=0.0, help="seconds for CONNACK and for each PUBACK"
+    )
 
     def __post_init__(self) -> None:
         address = parse_url(self.url, "url")
@@ -96,7 +109,8 @@ class MqttSettings:
         if (self.cert_file is None) != (self.key_file is None):
             raise ConfigError("cert_file", "set cert_file and key_file together, or neither")
         if not address.tls and any(
-                p is not None for p in (self.ca_file, self.cert_file, self.key_file)):
+            p is not None for p in (self.ca_file, self.cert_file, self.key_file)
+        ):
             raise ConfigError("url", "ca_file, cert_file and key_file need an mqtts:// URL")
         if self.password_file is not None and not self.username:
             raise ConfigError("password_file", "a password_file needs a username")

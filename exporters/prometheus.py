@@ -70,7 +70,8 @@ class PrometheusSettings:
     tls_cert_file: Path | None = setting(None, help="serve HTTPS with this certificate (PEM)")
     tls_key_file: Path | None = setting(None, help="the certificate's key (PEM)")
     basic_auth_users_file: Path | None = setting(
-        None, help="require basic auth; lines of user:bcrypt-hash")
+        None, help="require basic auth; lines of user:bcrypt-hash"
+    )
 
     def __post_init__(self) -> None:
         parse_listen(self.listen, "listen")
@@ -161,12 +162,17 @@ class PrometheusSink:
             raise OSError(f"prometheus: {exc}") from None
         try:
             self._server = await asyncio.start_server(
-                self.http.handle, host, port, ssl=tls,
-                ssl_handshake_timeout=REQUEST_TIMEOUT if tls else None)
+                self.http.handle,
+                host,
+                port,
+                ssl=tls,
+                ssl_handshake_timeout=REQUEST_TIMEOUT if tls else None,
+            )
         except OSError as exc:
             raise OSError(
-                exc.errno, f"cannot listen on {self.settings.listen}: {exc.strerror}; "
-                "is another process using the port? set [prometheus] listen"
+                exc.errno,
+                f"cannot listen on {self.settings.listen}: {exc.strerror}; "
+                "is another process using the port? set [prometheus] listen",
             ) from exc
         log.info("serving metrics", listen=f"{self.address[0]}:{self.address[1]}")
 
@@ -240,8 +246,10 @@ class PrometheusSink:
             status, body = self.healthz()
             return status, {"Content-Type": "text/plain; charset=utf-8"}, body
         if path == "/":
-            return 200, {"Content-Type": "text/plain; charset=utf-8"}, (
-                b"gpuwarden: /metrics (Prometheus), /healthz (200 while collection is fresh)\n"
+            return (
+                200,
+                {"Content-Type": "text/plain; charset=utf-8"},
+                (b"gpuwarden: /metrics (Prometheus), /healthz (200 while collection is fresh)\n"),
             )
         return 404, {}, b"not found\n"
 

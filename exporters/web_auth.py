@@ -63,7 +63,8 @@ def parse_users(text: str, source: str = "users file") -> dict[str, bytes]:
         if not hashed.startswith(BCRYPT_PREFIXES) or len(hashed) != 60:
             raise UsersFileError(
                 f"{source}:{number}: the hash of {user!r} is not a bcrypt hash ($2b$..., 60 "
-                "characters); make one with: htpasswd -nbBC 12 USER PASSWORD")
+                "characters); make one with: htpasswd -nbBC 12 USER PASSWORD"
+            )
         if user in users:
             raise UsersFileError(f"{source}:{number}: user {user!r} appears twice")
         users[user] = hashed.encode("ascii")

@@ -66,8 +66,11 @@ def table_lines(obj: Any, skip: frozenset[str] = frozenset()) -> list[str]:
         if help_text:
             lines.append(f"# {help_text}")
         shown = toml_value(value)
-        lines.append(f"#{spec.name} = {shown}" if shown is not None
-                     else f"#{spec.name} = ...   # unset by default")
+        lines.append(
+            f"#{spec.name} = {shown}"
+            if shown is not None
+            else f"#{spec.name} = ...   # unset by default"
+        )
     return lines
 
 
@@ -81,8 +84,13 @@ def render() -> str:
             os.environ["STATE_DIRECTORY"] = saved
     out = [HEADER]
     core = table_lines(defaults.core)
-    out += [line.replace('#state_dir = "/var/lib/gpuwarden"',
-                         '#state_dir = "/var/lib/gpuwarden"   # or $STATE_DIRECTORY') for line in core]
+    out += [
+        line.replace(
+            '#state_dir = "/var/lib/gpuwarden"',
+            '#state_dir = "/var/lib/gpuwarden"   # or $STATE_DIRECTORY',
+        )
+        for line in core
+    ]
     for name in sorted(defaults.sections):
         out += ["", f"[{name}]", *table_lines(defaults.sections[name])]
     for name in sorted(defaults.collectors):

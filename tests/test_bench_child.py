@@ -24,14 +24,29 @@ from collectors.bench_history import BenchmarkRecord
 pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
 
 REPO = Path(__file__).resolve().parents[1]
-GUIDE_FIELDS = ("time_utc", "gpu_index", "gpu_name", "torch", "torch_cuda", "dtype",
-                "matmul_precision", "size", "iterations", "median_seconds", "estimated_tflops")
+GUIDE_FIELDS = (
+    "time_utc",
+    "gpu_index",
+    "gpu_name",
+    "torch",
+    "torch_cuda",
+    "dtype",
+    "matmul_precision",
+    "size",
+    "iterations",
+    "median_seconds",
+    "estimated_tflops",
+)
 
 
 def run_child(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
     completed = subprocess.run(
-        [sys.executable, "-m", "collectors.bench_child", *args], capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, timeout=120, check=False,
+        [sys.executable, "-m", "collectors.bench_child", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        timeout=120,
+        check=False,
     )
     lines = [line for line in completed.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, completed.stdout
@@ -42,8 +57,20 @@ class TestRecord:
     """A healthy run prints one record with the field guide's fields and more."""
 
     def test_cpu_run_prints_a_complete_correct_record(self) -> None:
-        code, record, _ = run_child("--device", "cpu", "--size", "128", "--iterations", "3",
-                                    "--warmup", "1", "--samples", "3", "--min-window", "0.02")
+        code, record, _ = run_child(
+            "--device",
+            "cpu",
+            "--size",
+            "128",
+            "--iterations",
+            "3",
+            "--warmup",
+            "1",
+            "--samples",
+            "3",
+            "--min-window",
+            "0.02",
+        )
         assert code == 0
         for name in GUIDE_FIELDS:
             assert name in record, name
@@ -56,7 +83,8 @@ class TestRecord:
         # the window grew to the minimum: the iterations were scaled up from 3 as needed
         assert record["median_seconds"] >= 0.02
         assert record["estimated_tflops"] == pytest.approx(
-            2 * 128**3 * record["iterations"] / record["median_seconds"] / 1e12)
+            2 * 128**3 * record["iterations"] / record["median_seconds"] / 1e12
+        )
         parsed = BenchmarkRecord.from_dict(record)
         assert parsed.profile == "fp32"
         assert parsed.duration_class == "min20ms"
@@ -67,9 +95,21 @@ class TestCorrectness:
 
     @pytest.mark.parametrize("profile", ["fp32", "bf16"])
     def test_planted_wrong_result_is_reported_wrong(self, profile: str) -> None:
-        code, record, _ = run_child("--device", "cpu", "--profile", profile, "--size", "128",
-                                    "--iterations", "1", "--warmup", "0", "--samples", "1",
-                                    env={PLANT_WRONG_RESULT_ENV: "1"})
+        code, record, _ = run_child(
+            "--device",
+            "cpu",
+            "--profile",
+            profile,
+            "--size",
+            "128",
+            "--iterations",
+            "1",
+            "--warmup",
+            "0",
+            "--samples",
+            "1",
+            env={PLANT_WRONG_RESULT_ENV: "1"},
+        )
         assert code == 0  # a wrong answer is still a record: the parent judges it
         assert record["correct"] is False
         assert record["max_error"] > PROFILES[profile].tolerance
@@ -142,18 +182,30 @@ class TestFailures:
 class TestClassification:
     """torch's error texts map to failure kinds a person can act on."""
 
-    @pytest.mark.parametrize(("text", "kind", "code"), [
-        ("CUDA out of memory. Tried to allocate 2.00 GiB", "out_of_memory", EXIT_OUT_OF_MEMORY),
-        ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes",
-         "out_of_memory", EXIT_OUT_OF_MEMORY),
-        ("The NVIDIA driver on your system is too old (found version 11040)", "driver_too_old",
-         EXIT_NO_DEVICE),
-        ("CUDA driver version is insufficient for CUDA runtime version", "driver_too_old",
-         EXIT_NO_DEVICE),
-        ("Found no NVIDIA driver on your system.", "cuda_unavailable", EXIT_NO_DEVICE),
-        ("CUDA error: invalid device ordinal", "device_not_found", EXIT_NO_DEVICE),
-        ("CUDA error: an illegal memory access was encountered", "error", 5),
-    ])
+    @pytest.mark.parametrize(
+        ("text", "kind", "code"),
+        [
+            ("CUDA out of memory. Tried to allocate 2.00 GiB", "out_of_memory", EXIT_OUT_OF_MEMORY),
+            (
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes",
+                "out_of_memory",
+                EXIT_OUT_OF_MEMORY,
+            ),
+            (
+                "The NVIDIA driver on your system is too old (found version 11040)",
+                "driver_too_old",
+                EXIT_NO_DEVICE,
+            ),
+            (
+                "CUDA driver version is insufficient for CUDA runtime version",
+                "driver_too_old",
+                EXIT_NO_DEVICE,
+            ),
+            ("Found no NVIDIA driver on your system.", "cuda_unavailable", EXIT_NO_DEVICE),
+            ("CUDA error: invalid device ordinal", "device_not_found", EXIT_NO_DEVICE),
+            ("CUDA error: an illegal memory access was encountered", "error", 5),
+        ],
+    )
     def test_messages(self, text: str, kind: str, code: int) -> None:
         failure = classify_failure(RuntimeError(text))
         assert failure.kind == kind

@@ -14,15 +14,21 @@ from tests.test_bench_history import GUIDE_LINE
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bench(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-          config: str = "") -> subprocess.CompletedProcess[str]:
+def bench(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, config: str = ""
+) -> subprocess.CompletedProcess[str]:
     config_path = tmp_path / "gpuwarden.toml"
-    config_path.write_text(f'state_dir = "{tmp_path / "state"}"\n[collectors.benchmark]\n'
-                           f"iterations = 2\nwarmup = 1\nsamples = 2\nmin_window_seconds = 0.0\n"
-                           + config)
+    config_path.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[collectors.benchmark]\n'
+        f"iterations = 2\nwarmup = 1\nsamples = 2\nmin_window_seconds = 0.0\n" + config
+    )
     return subprocess.run(
         [sys.executable, "-m", "agent.cli", "bench", "--config", str(config_path), *args],
-        capture_output=True, text=True, timeout=300, check=False, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
 
@@ -48,8 +54,16 @@ class TestRunNow:
         assert json.loads(as_json.stdout)["median_seconds"] == record["median_seconds"]
 
     def test_wrong_result_exits_3_with_the_critical_finding(self, tmp_path: Path) -> None:
-        done = bench(tmp_path, "--device", "cpu", "--dtype", "bfloat16", "--size", "128",
-                     env={PLANT_WRONG_RESULT_ENV: "1"})
+        done = bench(
+            tmp_path,
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--size",
+            "128",
+            env={PLANT_WRONG_RESULT_ENV: "1"},
+        )
         assert done.returncode == 3, done.stderr
         assert "WRONG RESULT" in done.stdout
         assert "CRITICAL" in done.stdout
@@ -79,8 +93,10 @@ class TestImport:
         assert "line 3 skipped" in done.stderr
         again = bench(tmp_path, "--import", str(guide))
         assert "imported 0 run(s)" in again.stdout
-        saved = [json.loads(line) for line in
-                 (tmp_path / "state" / "benchmark-history.jsonl").read_text().splitlines()]
+        saved = [
+            json.loads(line)
+            for line in (tmp_path / "state" / "benchmark-history.jsonl").read_text().splitlines()
+        ]
         assert [r["gpu_uuid"] for r in saved] == ["GPU-1234", "GPU-1234"]
         assert {r["source"] for r in saved} == {"import"}
         shown = bench(tmp_path, "--history")

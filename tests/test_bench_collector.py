@@ -51,11 +51,18 @@ class CountingRunner(ChildRunner):
         return await super().run(arguments, extra_env)
 
 
-def make(tmp_path: Path, activity: FakeGpuActivity, *, env: dict[str, str] | None = None,
-         body: str = RECORD_CHILD, **settings: Any) -> tuple[BenchmarkCollector, CountingRunner]:
+def make(
+    tmp_path: Path,
+    activity: FakeGpuActivity,
+    *,
+    env: dict[str, str] | None = None,
+    body: str = RECORD_CHILD,
+    **settings: Any,
+) -> tuple[BenchmarkCollector, CountingRunner]:
     runner = CountingRunner(fake_child(tmp_path, "child", body), timeout=30, env=env)
-    collector = BenchmarkCollector(BenchmarkSettings(**settings), deps(tmp_path / "state"),
-                                   activity=activity, runner=runner)
+    collector = BenchmarkCollector(
+        BenchmarkSettings(**settings), deps(tmp_path / "state"), activity=activity, runner=runner
+    )
     return collector, runner
 
 
@@ -92,8 +99,9 @@ class TestIdleGate:
         collector, runner = make(tmp_path, FakeGpuActivity(), idle_rounds=3)
         for i in range(2):
             result = await collector.collect(context(T0 + i * MINUTE, i))
-            assert series(result.samples, "gpuwarden_benchmark_skips_total",
-                          reason="settling") == [i + 1]
+            assert series(result.samples, "gpuwarden_benchmark_skips_total", reason="settling") == [
+                i + 1
+            ]
         assert runner.arguments == []
         await collector.collect(context(T0 + 2 * MINUTE, 2))
         assert len(runner.arguments) == 1
@@ -103,16 +111,18 @@ class TestIdleGate:
         collector, runner = make(tmp_path, activity, idle_rounds=2)
         result = await collector.collect(context(T0))
         result = await collector.collect(context(T0 + MINUTE))
-        assert series(result.samples, "gpuwarden_benchmark_skips_total",
-                      reason="busy_processes") == [2]
+        assert series(
+            result.samples, "gpuwarden_benchmark_skips_total", reason="busy_processes"
+        ) == [2]
         assert series(result.samples, "gpuwarden_benchmark_gpu_idle") == [0]
         activity.processes[0] = 0
         await collector.collect(context(T0 + 2 * MINUTE))
         assert runner.arguments == []  # one quiet round is not enough
         activity.utilization[0] = 80.0  # a spike resets the window
         result = await collector.collect(context(T0 + 3 * MINUTE))
-        assert series(result.samples, "gpuwarden_benchmark_skips_total",
-                      reason="busy_utilization") == [1]
+        assert series(
+            result.samples, "gpuwarden_benchmark_skips_total", reason="busy_utilization"
+        ) == [1]
         activity.utilization[0] = 2.0
         await collector.collect(context(T0 + 4 * MINUTE))
         assert runner.arguments == []
@@ -123,8 +133,9 @@ class TestIdleGate:
         collector, runner = make(tmp_path, FakeGpuActivity(processes={0: None}), idle_rounds=1)
         result = await collector.collect(context(T0))
         assert runner.arguments == []
-        assert series(result.samples, "gpuwarden_benchmark_skips_total",
-                      reason="activity_unknown") == [1]
+        assert series(
+            result.samples, "gpuwarden_benchmark_skips_total", reason="activity_unknown"
+        ) == [1]
 
     async def test_always_runs_on_a_busy_gpu(self, tmp_path: Path) -> None:
         activity = FakeGpuActivity(processes={0: 3}, utilization={0: 100.0})
@@ -148,8 +159,14 @@ class TestSchedule:
         assert len(runner.arguments) == 3
 
     async def test_settings_reach_the_child(self, tmp_path: Path) -> None:
-        collector, runner = make(tmp_path, FakeGpuActivity(), when="always", profile="bf16",
-                                 iterations=7, min_window_seconds=1.5)
+        collector, runner = make(
+            tmp_path,
+            FakeGpuActivity(),
+            when="always",
+            profile="bf16",
+            iterations=7,
+            min_window_seconds=1.5,
+        )
         await collector.collect(context(T0))
         args = runner.arguments[0]
         assert args[args.index("--profile") + 1] == "bf16"
@@ -162,8 +179,7 @@ class TestRecords:
     """A run becomes a history line with the GPU's identity, and metrics."""
 
     async def test_history_line_and_metrics(self, tmp_path: Path) -> None:
-        collector, _ = make(tmp_path, FakeGpuActivity(), env={"FAKE_TFLOPS": "49.5"},
-                            when="always")
+        collector, _ = make(tmp_path, FakeGpuActivity(), env={"FAKE_TFLOPS": "49.5"}, when="always")
         result = await collector.collect(context(T0))
         lines = (tmp_path / "state" / HISTORY_FILE).read_text().splitlines()
         assert len(lines) == 1
@@ -173,16 +189,21 @@ class TestRecords:
         assert saved["driver_version"] == "580.159.04"
         assert saved["source"] == "agent"
         labels = {"uuid": gpu(0).uuid, "pci_bus_id": "0000:10:00.0", "model": "NVIDIA H200"}
-        assert series(result.samples, "gpuwarden_benchmark_flops_per_second",
-                      profile="fp32", **labels) == [pytest.approx(49.5e12)]
+        assert series(
+            result.samples, "gpuwarden_benchmark_flops_per_second", profile="fp32", **labels
+        ) == [pytest.approx(49.5e12)]
         assert series(result.samples, "gpuwarden_benchmark_correct") == [1]
         assert series(result.samples, "gpuwarden_benchmark_runs_total") == [1]
         assert series(result.samples, "gpuwarden_benchmark_baseline_ratio") == []
         assert len(series(result.samples, "gpuwarden_benchmark_last_run_timestamp_seconds")) == 1
 
     async def test_child_on_another_gpu_is_rejected(self, tmp_path: Path) -> None:
-        collector, _ = make(tmp_path, FakeGpuActivity(), when="always",
-                            env={"FAKE_SEEN_UUID": "GPU-ffffffff-0000-0000-0000-000000000000"})
+        collector, _ = make(
+            tmp_path,
+            FakeGpuActivity(),
+            when="always",
+            env={"FAKE_SEEN_UUID": "GPU-ffffffff-0000-0000-0000-000000000000"},
+        )
         result = await collector.collect(context(T0))
         assert [e.kind for e in result.events] == ["benchmark_failed"]
         assert result.events[0].attributes["reason"] == "wrong_device"
@@ -190,8 +211,9 @@ class TestRecords:
 
     async def test_same_uuid_without_prefix_is_accepted(self, tmp_path: Path) -> None:
         bare = gpu(0).uuid.removeprefix("GPU-").upper()
-        collector, _ = make(tmp_path, FakeGpuActivity(), when="always",
-                            env={"FAKE_SEEN_UUID": bare})
+        collector, _ = make(
+            tmp_path, FakeGpuActivity(), when="always", env={"FAKE_SEEN_UUID": bare}
+        )
         result = await collector.collect(context(T0))
         assert result.events == []
         assert series(result.samples, "gpuwarden_benchmark_correct") == [1]
@@ -202,8 +224,9 @@ class TestEvents:
 
     async def test_failure_once_per_cause_then_recovery(self, tmp_path: Path) -> None:
         crash = "import sys\nsys.stderr.write('boom\\n')\nsys.exit(9)\n"
-        collector, runner = make(tmp_path, FakeGpuActivity(), when="always", period=60.0,
-                                 body=crash)
+        collector, runner = make(
+            tmp_path, FakeGpuActivity(), when="always", period=60.0, body=crash
+        )
         first = await collector.collect(context(T0))
         assert [e.kind for e in first.events] == ["benchmark_failed"]
         event = first.events[0]
@@ -220,11 +243,16 @@ class TestEvents:
 
     async def test_wrong_result_from_the_real_child_is_critical(self, tmp_path: Path) -> None:
         runner = ChildRunner(timeout=120, env={PLANT_WRONG_RESULT_ENV: "1"})
-        settings = BenchmarkSettings(when="always", size=128, iterations=1, warmup=0, samples=1,
-                                     min_window_seconds=0.0)
-        collector = BenchmarkCollector(settings, deps(tmp_path / "state"),
-                                       activity=FakeGpuActivity(), runner=runner,
-                                       device_plan=cpu_plan)
+        settings = BenchmarkSettings(
+            when="always", size=128, iterations=1, warmup=0, samples=1, min_window_seconds=0.0
+        )
+        collector = BenchmarkCollector(
+            settings,
+            deps(tmp_path / "state"),
+            activity=FakeGpuActivity(),
+            runner=runner,
+            device_plan=cpu_plan,
+        )
         result = await collector.collect(context(T0))
         assert [e.kind for e in result.events] == ["benchmark_wrong_result"]
         event = result.events[0]
@@ -241,11 +269,14 @@ class TestEvents:
         state.mkdir()
         with (state / HISTORY_FILE).open("w") as f:
             for i in range(3):
-                f.write(record(50.0, T0 - 10 * 3600 + i, uuid=gpu(0).uuid, torch="2.11.0",
-                               window=0.5).to_json() + "\n")
+                f.write(
+                    record(
+                        50.0, T0 - 10 * 3600 + i, uuid=gpu(0).uuid, torch="2.11.0", window=0.5
+                    ).to_json()
+                    + "\n"
+                )
         env: dict[str, str] = {"FAKE_TFLOPS": "40"}
-        collector, runner = make(tmp_path, FakeGpuActivity(), env=env, when="always",
-                                 period=60.0)
+        collector, runner = make(tmp_path, FakeGpuActivity(), env=env, when="always", period=60.0)
         kinds = []
         for i, tflops in enumerate(["40", "41", "42", "50"]):
             runner.env["FAKE_TFLOPS"] = tflops
@@ -263,22 +294,26 @@ class TestEvents:
             events += result.events
         assert [(e.kind, e.subject) for e in events] == [("benchmark_peer_slow", gpu(2).uuid)]
         assert "0.79" in events[0].message
-        assert series(result.samples, "gpuwarden_benchmark_peer_ratio",
-                      uuid=gpu(2).uuid) == [pytest.approx(40 / 50.5)]
+        assert series(result.samples, "gpuwarden_benchmark_peer_ratio", uuid=gpu(2).uuid) == [
+            pytest.approx(40 / 50.5)
+        ]
 
 
 class TestStateStoreFull:
     """A state store that refuses writes costs neither the run's round nor its schedule."""
 
     async def test_failed_run_is_reported_once_and_not_rerun_before_its_period(
-            self, tmp_path: Path) -> None:
+        self, tmp_path: Path
+    ) -> None:
         crash = "import sys\nsys.exit(9)\n"
         store = FullDiskStore()
         runner = CountingRunner(fake_child(tmp_path, "child", crash), timeout=30)
         collector = BenchmarkCollector(
             BenchmarkSettings(when="always", period=3600.0),
             CollectorDeps("test-node", tmp_path / "state", store, SharedServices(), lambda e: None),
-            activity=FakeGpuActivity(), runner=runner)
+            activity=FakeGpuActivity(),
+            runner=runner,
+        )
         first = await collector.collect(context(T0))
         second = await collector.collect(context(T0 + MINUTE, 1))
         assert [e.kind for e in first.events] == ["benchmark_failed"]
@@ -291,7 +326,9 @@ class TestStateStoreFull:
         runner.command = fake_child(tmp_path, "fixed", RECORD_CHILD)
         fixed = await collector.collect(context(T0 + 7400.0, 3))
         assert [e.kind for e in fixed.events] == ["benchmark_recovered"]
-        assert store.items("benchmark") == {f"last_attempt:{gpu(0).uuid}": pytest.approx(T0 + 7400.0, abs=60)}
+        assert store.items("benchmark") == {
+            f"last_attempt:{gpu(0).uuid}": pytest.approx(T0 + 7400.0, abs=60)
+        }
 
 
 class TestSettings:
@@ -302,8 +339,7 @@ class TestSettings:
             config_module.parse({"collectors": {"benchmark": {"size": 8192}}})
 
     def test_tensor_profile_allows_large_sizes(self) -> None:
-        cfg = config_module.parse({"collectors": {"benchmark": {"profile": "bf16",
-                                                                "size": 16384}}})
+        cfg = config_module.parse({"collectors": {"benchmark": {"profile": "bf16", "size": 16384}}})
         assert cfg.collector("benchmark").enabled
 
     def test_child_timeout_must_fit_the_round(self) -> None:
@@ -348,8 +384,9 @@ class TestNvmlAdapter:
         with pytest.raises(GpuBackendUnavailable):
             activity.gpus()
         runner = CountingRunner(fake_child(tmp_path, "child", RECORD_CHILD), timeout=30)
-        collector = BenchmarkCollector(BenchmarkSettings(when="always"), deps(tmp_path / "s"),
-                                       activity=activity, runner=runner)
+        collector = BenchmarkCollector(
+            BenchmarkSettings(when="always"), deps(tmp_path / "s"), activity=activity, runner=runner
+        )
         result = await collector.collect(context(T0))
         assert series(result.samples, "gpuwarden_benchmark_gpus") == [0]
         assert runner.arguments == []
@@ -358,11 +395,13 @@ class TestNvmlAdapter:
         fake = FakeNvml([FakeGpu.h200(0, processes=1)])
         activity = NvmlActivity(NvmlBackend(fake))
         runner = CountingRunner(fake_child(tmp_path, "child", RECORD_CHILD), timeout=30)
-        collector = BenchmarkCollector(BenchmarkSettings(idle_rounds=1), deps(tmp_path / "s"),
-                                       activity=activity, runner=runner)
+        collector = BenchmarkCollector(
+            BenchmarkSettings(idle_rounds=1), deps(tmp_path / "s"), activity=activity, runner=runner
+        )
         result = await collector.collect(context(T0))
-        assert series(result.samples, "gpuwarden_benchmark_skips_total",
-                      reason="busy_processes") == [1]
+        assert series(
+            result.samples, "gpuwarden_benchmark_skips_total", reason="busy_processes"
+        ) == [1]
         fake.gpus[0].processes = 0
         await collector.collect(context(T0 + MINUTE))
         assert len(runner.arguments) == 1

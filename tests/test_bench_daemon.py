@@ -38,8 +38,12 @@ class TestNoTorchInTheDaemon:
 
     def test_collector_runs_leave_no_torch_in_sys_modules(self, tmp_path: Path) -> None:
         completed = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tmp_path / "state")], capture_output=True,
-            text=True, timeout=300, check=False, cwd=REPO,
+            [sys.executable, "-c", SCRIPT, str(tmp_path / "state")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         assert completed.returncode == 0, completed.stderr

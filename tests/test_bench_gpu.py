@@ -45,10 +45,12 @@ def _wait_until_no_process(activity: NvmlActivity, gpu: GpuIdentity) -> int | No
 class TestOnGpu:
     """A real run per profile on GPU 0: right UUID, right answer, nothing left behind."""
 
-    @pytest.mark.parametrize(("profile", "size"), [("fp32", 2048), ("tf32", 4096),
-                                                   ("bf16", 8192), ("fp16", 8192)])
-    async def test_run_is_correct_and_pinned(self, tmp_path: Path, activity: NvmlActivity,
-                                             profile: Profile, size: int) -> None:
+    @pytest.mark.parametrize(
+        ("profile", "size"), [("fp32", 2048), ("tf32", 4096), ("bf16", 8192), ("fp16", 8192)]
+    )
+    async def test_run_is_correct_and_pinned(
+        self, tmp_path: Path, activity: NvmlActivity, profile: Profile, size: int
+    ) -> None:
         settings = BenchmarkSettings(when="always", profile=profile, size=size)
         collector = BenchmarkCollector(settings, deps(tmp_path / "state"), activity=activity)
         gpus = activity.gpus()
@@ -59,23 +61,34 @@ class TestOnGpu:
         assert record.correct is True
         assert record.max_error is not None
         assert record.median_seconds >= settings.min_window_seconds
-        print(json.dumps({"profile": profile, "tflops": record.estimated_tflops,
-                          "max_error": record.max_error, "iterations": record.iterations,
-                          "wall": result.outcome.wall_seconds}))
+        print(
+            json.dumps(
+                {
+                    "profile": profile,
+                    "tflops": record.estimated_tflops,
+                    "max_error": record.max_error,
+                    "iterations": record.iterations,
+                    "wall": result.outcome.wall_seconds,
+                }
+            )
+        )
         assert _wait_until_no_process(activity, gpus[0]) == 0
 
-    async def test_planted_wrong_result_is_critical(self, tmp_path: Path,
-                                                    activity: NvmlActivity) -> None:
+    async def test_planted_wrong_result_is_critical(
+        self, tmp_path: Path, activity: NvmlActivity
+    ) -> None:
         settings = BenchmarkSettings(when="always", size=2048, min_window_seconds=0.0)
         runner = ChildRunner(timeout=120, env={PLANT_WRONG_RESULT_ENV: "1"})
-        collector = BenchmarkCollector(settings, deps(tmp_path / "state"), activity=activity,
-                                       runner=runner)
+        collector = BenchmarkCollector(
+            settings, deps(tmp_path / "state"), activity=activity, runner=runner
+        )
         result = await collector.collect(context())
         assert [e.kind for e in result.events] == ["benchmark_wrong_result"]
         assert series(result.samples, "gpuwarden_benchmark_correct") == [0]
 
-    async def test_idle_gate_reads_the_real_gpu(self, tmp_path: Path,
-                                                activity: NvmlActivity) -> None:
+    async def test_idle_gate_reads_the_real_gpu(
+        self, tmp_path: Path, activity: NvmlActivity
+    ) -> None:
         settings = BenchmarkSettings(idle_rounds=2, size=1024, min_window_seconds=0.1)
         collector = BenchmarkCollector(settings, deps(tmp_path / "state"), activity=activity)
         first = await collector.collect(context(round_number=0))

@@ -28,10 +28,12 @@ HOUR = 3600.0
 POLICY = BaselinePolicy(runs=5, min_runs=3, regression_ratio=0.9, regression_runs=2)
 
 # A line as the field guide's script writes it (its exact field set and formats).
-GUIDE_LINE = ('{"time_utc": "2025-03-01T10:00:00Z", "gpu_index": 0, "gpu_name": "NVIDIA H200", '
-              '"torch": "2.11.0+cu130", "torch_cuda": "13.0", "dtype": "float32", '
-              '"matmul_precision": "highest", "size": 2048, "iterations": 20, '
-              '"median_seconds": 0.00687, "estimated_tflops": 50.01}')
+GUIDE_LINE = (
+    '{"time_utc": "2025-03-01T10:00:00Z", "gpu_index": 0, "gpu_name": "NVIDIA H200", '
+    '"torch": "2.11.0+cu130", "torch_cuda": "13.0", "dtype": "float32", '
+    '"matmul_precision": "highest", "size": 2048, "iterations": 20, '
+    '"median_seconds": 0.00687, "estimated_tflops": 50.01}'
+)
 
 
 def judged(history: list[BenchmarkRecord], new: BenchmarkRecord) -> BenchmarkRecord:
@@ -55,13 +57,21 @@ class TestRecordParsing:
         original = record(50.0, T0, ratio=0.98)
         assert BenchmarkRecord.from_dict(json.loads(original.to_json())) == original
 
-    @pytest.mark.parametrize(("change", "field"), [
-        ({"size": "2048"}, "size"), ({"size": 0}, "size"), ({"size": True}, "size"),
-        ({"median_seconds": 0}, "median_seconds"), ({"median_seconds": -1}, "median_seconds"),
-        ({"estimated_tflops": "fast"}, "estimated_tflops"), ({"time_utc": "yesterday"}, "time_utc"),
-        ({"gpu_index": -1}, "gpu_index"), ({"correct": "yes"}, "correct"),
-        ({"sample_seconds": "0.1"}, "sample_seconds"),
-    ])
+    @pytest.mark.parametrize(
+        ("change", "field"),
+        [
+            ({"size": "2048"}, "size"),
+            ({"size": 0}, "size"),
+            ({"size": True}, "size"),
+            ({"median_seconds": 0}, "median_seconds"),
+            ({"median_seconds": -1}, "median_seconds"),
+            ({"estimated_tflops": "fast"}, "estimated_tflops"),
+            ({"time_utc": "yesterday"}, "time_utc"),
+            ({"gpu_index": -1}, "gpu_index"),
+            ({"correct": "yes"}, "correct"),
+            ({"sample_seconds": "0.1"}, "sample_seconds"),
+        ],
+    )
     def test_bad_fields_name_themselves(self, change: dict[str, Any], field: str) -> None:
         data = {**json.loads(GUIDE_LINE), **change}
         with pytest.raises(RecordError, match=field):
@@ -73,12 +83,35 @@ class TestRecordParsing:
         with pytest.raises(RecordError, match="dtype"):
             BenchmarkRecord.from_dict(data)
 
-    @given(st.dictionaries(st.sampled_from(
-        ["time_utc", "gpu_index", "gpu_name", "torch", "torch_cuda", "dtype", "size",
-         "matmul_precision", "iterations", "median_seconds", "estimated_tflops", "correct",
-         "sample_seconds", "max_error", "gpu_uuid"]),
-        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30)
-        | st.lists(st.floats(), max_size=3)))
+    @given(
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "time_utc",
+                    "gpu_index",
+                    "gpu_name",
+                    "torch",
+                    "torch_cuda",
+                    "dtype",
+                    "size",
+                    "matmul_precision",
+                    "iterations",
+                    "median_seconds",
+                    "estimated_tflops",
+                    "correct",
+                    "sample_seconds",
+                    "max_error",
+                    "gpu_uuid",
+                ]
+            ),
+            st.none()
+            | st.booleans()
+            | st.integers()
+            | st.floats()
+            | st.text(max_size=30)
+            | st.lists(st.floats(), max_size=3),
+        )
+    )
     def test_any_object_parses_or_raises_record_error(self, data: dict[str, Any]) -> None:
         merged = {**json.loads(GUIDE_LINE), **data}
         try:
@@ -106,7 +139,7 @@ class TestHistoryFile:
 
     def test_bad_lines_are_skipped_and_counted(self, tmp_path: Path) -> None:
         path = tmp_path / "benchmark-history.jsonl"
-        path.write_text(GUIDE_LINE + "\nnot json\n{\"size\": 1}\n\n" + GUIDE_LINE + "\n")
+        path.write_text(GUIDE_LINE + '\nnot json\n{"size": 1}\n\n' + GUIDE_LINE + "\n")
         history = HistoryFile(path)
         assert len(history.refresh()) == 2
         assert [number for number, _ in history.bad_lines] == [2, 3]
@@ -199,15 +232,21 @@ class TestPeers:
     """A GPU is compared with the median of the latest runs of its same-model peers."""
 
     def test_peer_median_and_ratio(self) -> None:
-        history = [record(50.0, T0, uuid="GPU-B"), record(52.0, T0 + 1, uuid="GPU-C"),
-                   record(51.0, T0 + 2, uuid="GPU-D"), record(10.0, T0 - 10, uuid="GPU-D")]
+        history = [
+            record(50.0, T0, uuid="GPU-B"),
+            record(52.0, T0 + 1, uuid="GPU-C"),
+            record(51.0, T0 + 2, uuid="GPU-D"),
+            record(10.0, T0 - 10, uuid="GPU-D"),
+        ]
         mine = record(40.0, T0 + 3, uuid="GPU-A")
         assert peer_median(history, mine, POLICY) == 51.0
         assert judge(history, mine, POLICY).peer_ratio == pytest.approx(40 / 51)
 
     def test_other_models_old_runs_and_wrong_runs_are_not_peers(self) -> None:
-        history = [record(500.0, T0, uuid="GPU-B", name="NVIDIA B200"),
-                   record(50.0, T0 - 10 * 86400, uuid="GPU-C"),
-                   record(5.0, T0, uuid="GPU-D", correct=False),
-                   record(50.0, T0, uuid="GPU-E", torch="2.10.0")]
+        history = [
+            record(500.0, T0, uuid="GPU-B", name="NVIDIA B200"),
+            record(50.0, T0 - 10 * 86400, uuid="GPU-C"),
+            record(5.0, T0, uuid="GPU-D", correct=False),
+            record(50.0, T0, uuid="GPU-E", torch="2.10.0"),
+        ]
         assert peer_median(history, record(40.0, T0 + 3, uuid="GPU-A"), POLICY) is None

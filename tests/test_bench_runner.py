@@ -33,10 +33,15 @@ class TestTimeout:
 
     async def test_sleeping_child_and_its_grandchild_are_killed(self, tmp_path: Path) -> None:
         pid_file = tmp_path / "grandchild.pid"
-        command = fake_child(tmp_path, "sleeper", (
-            "import subprocess, sys, time\n"
-            f"p = subprocess.Popen(['sleep', '300'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
-            "print('starting', flush=True)\ntime.sleep(300)\n"))
+        command = fake_child(
+            tmp_path,
+            "sleeper",
+            (
+                "import subprocess, sys, time\n"
+                f"p = subprocess.Popen(['sleep', '300'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+                "print('starting', flush=True)\ntime.sleep(300)\n"
+            ),
+        )
         runner = ChildRunner(command, timeout=1.5)
         outcome = await runner.run([])
         assert outcome.failure == "timeout"
@@ -51,9 +56,14 @@ class TestTimeout:
 
     async def test_cancelled_run_kills_the_child(self, tmp_path: Path) -> None:
         pid_file = tmp_path / "child.pid"
-        command = fake_child(tmp_path, "sleeper", (
-            f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-            "time.sleep(300)\n"))
+        command = fake_child(
+            tmp_path,
+            "sleeper",
+            (
+                f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                "time.sleep(300)\n"
+            ),
+        )
         task = asyncio.ensure_future(ChildRunner(command, timeout=60).run([]))
         while not pid_file.exists() or not pid_file.read_text():
             await asyncio.sleep(0.05)
@@ -67,9 +77,14 @@ class TestCrash:
     """Non-zero exits, signals and garbage are failures with the stderr tail kept."""
 
     async def test_nonzero_exit_keeps_code_and_stderr(self, tmp_path: Path) -> None:
-        command = fake_child(tmp_path, "crasher", (
-            "import sys\nsys.stderr.write('x' * 10000 + 'Segmentation in cuBLAS\\n')\n"
-            "sys.exit(7)\n"))
+        command = fake_child(
+            tmp_path,
+            "crasher",
+            (
+                "import sys\nsys.stderr.write('x' * 10000 + 'Segmentation in cuBLAS\\n')\n"
+                "sys.exit(7)\n"
+            ),
+        )
         outcome = await ChildRunner(command, timeout=30).run([])
         assert outcome.failure == "crash"
         assert outcome.exit_code == 7
@@ -78,7 +93,9 @@ class TestCrash:
         assert len(outcome.stderr_tail) <= 4096
 
     async def test_killed_by_signal_is_named(self, tmp_path: Path) -> None:
-        command = fake_child(tmp_path, "segv", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+        command = fake_child(
+            tmp_path, "segv", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"
+        )
         outcome = await ChildRunner(command, timeout=30).run([])
         assert outcome.failure == "crash"
         assert outcome.message == "killed by SIGSEGV"
@@ -97,21 +114,34 @@ class TestCrash:
     async def test_record_with_nonzero_exit_is_a_crash(self, tmp_path: Path) -> None:
         command = fake_child(tmp_path, "late", RECORD_CHILD + "import sys\nsys.exit(139)\n")
         outcome = await ChildRunner(command, timeout=30).run(
-            ["--size", "128", "--iterations", "1", "--profile", "fp32", "--device", "cpu",
-             "--min-window", "0"])
+            [
+                "--size",
+                "128",
+                "--iterations",
+                "1",
+                "--profile",
+                "fp32",
+                "--device",
+                "cpu",
+                "--min-window",
+                "0",
+            ]
+        )
         assert outcome.failure == "crash"
         assert outcome.record is None
 
     async def test_error_object_keeps_its_kind(self, tmp_path: Path) -> None:
-        body = ("import json, sys\nprint(json.dumps({'error': 'out_of_memory', "
-                "'message': 'CUDA out of memory'}))\nsys.exit(4)\n")
+        body = (
+            "import json, sys\nprint(json.dumps({'error': 'out_of_memory', "
+            "'message': 'CUDA out of memory'}))\nsys.exit(4)\n"
+        )
         outcome = await ChildRunner(fake_child(tmp_path, "oom", body), timeout=30).run([])
         assert outcome.failure == "out_of_memory"
         assert outcome.exit_code == 4
         assert outcome.message == "CUDA out of memory"
 
     async def test_unknown_error_kind_becomes_error(self, tmp_path: Path) -> None:
-        body = "print('{\"error\": \"gremlins\", \"message\": \"m\"}')\n"
+        body = 'print(\'{"error": "gremlins", "message": "m"}\')\n'
         outcome = await ChildRunner(fake_child(tmp_path, "odd", body), timeout=30).run([])
         assert outcome.failure == "error"
 
@@ -142,10 +172,12 @@ class TestParse:
         result = parse_child_output(data)
         assert result is None or isinstance(result, dict)
 
-    @given(st.dictionaries(st.text(max_size=10), st.integers() | st.text(max_size=10),
-                           max_size=5),
-           st.lists(st.text(max_size=40).filter(lambda s: "\n" not in s and "\r" not in s),
-                    max_size=5))
+    @given(
+        st.dictionaries(st.text(max_size=10), st.integers() | st.text(max_size=10), max_size=5),
+        st.lists(
+            st.text(max_size=40).filter(lambda s: "\n" not in s and "\r" not in s), max_size=5
+        ),
+    )
     def test_an_object_after_noise_is_found(self, obj: dict[str, object], noise: list[str]) -> None:
         data = "\n".join([*noise, json.dumps(obj), ""]).encode()
         assert parse_child_output(data) == obj

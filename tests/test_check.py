@@ -33,12 +33,15 @@ def finding(findings: list[Finding], name: str) -> Finding:
 class TestExitCode:
     """The worst line decides: FAIL 2, WARN 1, otherwise 0 (N/A and SKIP are not problems)."""
 
-    @pytest.mark.parametrize(("statuses", "code"), [
-        ([Status.OK, Status.NA, Status.SKIP], 0),
-        ([Status.OK, Status.WARN, Status.NA], 1),
-        ([Status.WARN, Status.FAIL, Status.OK], 2),
-        ([], 0),
-    ])
+    @pytest.mark.parametrize(
+        ("statuses", "code"),
+        [
+            ([Status.OK, Status.NA, Status.SKIP], 0),
+            ([Status.OK, Status.WARN, Status.NA], 1),
+            ([Status.WARN, Status.FAIL, Status.OK], 2),
+            ([], 0),
+        ],
+    )
     def test_worst_wins(self, statuses: list[Status], code: int) -> None:
         assert exit_code([Finding("x", "y", s, "d") for s in statuses]) == code
 
@@ -52,11 +55,17 @@ class TestExitCode:
 class TestMemoryOnFixtureTrees:
     """The system collector's own round on a fixture /proc, judged against the thresholds."""
 
-    @pytest.mark.parametrize(("available_gib", "status", "code"), [
-        (48, Status.OK, 0), (5, Status.WARN, 1), (2, Status.FAIL, 2),
-    ])
-    async def test_memory_status_and_exit_code(self, tmp_path: Path, available_gib: int,
-                                               status: Status, code: int) -> None:
+    @pytest.mark.parametrize(
+        ("available_gib", "status", "code"),
+        [
+            (48, Status.OK, 0),
+            (5, Status.WARN, 1),
+            (2, Status.FAIL, 2),
+        ],
+    )
+    async def test_memory_status_and_exit_code(
+        self, tmp_path: Path, available_gib: int, status: Status, code: int
+    ) -> None:
         proc = make_proc_tree(tmp_path / "proc", 64 * GIB_KB, available_gib * GIB_KB)
         cfg = load(write_config(tmp_path, proc_root=proc))
         report = await run_check(cfg, NO_TORCH)
@@ -108,8 +117,12 @@ class TestStateStore:
         store = StateStore.open(state_dir)
         for i in range(entries):
             store.outbox_put("event", f"e{i}", b"{}")
-        store.record_event(Event(source="disk", kind="disk_full", severity=Severity.WARNING,
-                                 message="/ is 97% full"), outbox=False)
+        store.record_event(
+            Event(
+                source="disk", kind="disk_full", severity=Severity.WARNING, message="/ is 97% full"
+            ),
+            outbox=False,
+        )
         store.close()
         return tmp_path
 
@@ -135,12 +148,15 @@ class TestPrometheusAddress:
         assert line.status is Status.OK
         assert "free" in line.detail
 
-    @pytest.mark.parametrize(("reply", "status"), [
-        (b"HTTP/1.0 200 OK\r\n\r\nok\n", Status.OK),
-        (b"HTTP/1.0 503 Service Unavailable\r\n\r\ndegraded\n", Status.WARN),
-        (b"HTTP/1.0 401 Unauthorized\r\n\r\n", Status.OK),
-        (b"SSH-2.0-OpenSSH_9.2\r\n", Status.WARN),
-    ])
+    @pytest.mark.parametrize(
+        ("reply", "status"),
+        [
+            (b"HTTP/1.0 200 OK\r\n\r\nok\n", Status.OK),
+            (b"HTTP/1.0 503 Service Unavailable\r\n\r\ndegraded\n", Status.WARN),
+            (b"HTTP/1.0 401 Unauthorized\r\n\r\n", Status.OK),
+            (b"SSH-2.0-OpenSSH_9.2\r\n", Status.WARN),
+        ],
+    )
     async def test_something_answers(self, reply: bytes, status: Status) -> None:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await reader.readuntil(b"\r\n\r\n")
@@ -178,8 +194,10 @@ class TestBroker:
         # Started as root, mosquitto drops to its own user, which cannot read pytest's private
         # tmp dirs; `user root` keeps it able to load the key.
         keep_user = ["user root"] if os.geteuid() == 0 else []
-        tls_broker = Broker(tmp_path / "broker", extra_config=[
-            *keep_user, f"cafile {ca}", f"certfile {cert}", f"keyfile {key}"]).start()
+        tls_broker = Broker(
+            tmp_path / "broker",
+            extra_config=[*keep_user, f"cafile {ca}", f"certfile {cert}", f"keyfile {key}"],
+        ).start()
         try:
             endpoint = probes.Endpoint("127.0.0.1", tls_broker.port, tls=True)
             good = await probes.check_broker(endpoint, probes.TlsFiles(ca_file=ca))
@@ -207,19 +225,52 @@ class TestBroker:
 class TestTorch:
     """The probe runs in a child interpreter; each outcome maps to a status."""
 
-    @pytest.mark.parametrize(("probe", "gpus", "status"), [
-        ({"missing": "No module named 'torch'"}, True, Status.NA),
-        ({"error": "no answer within 90 s", "timeout": True}, True, Status.WARN),
-        ({"error": "exit code -11: Segmentation fault"}, True, Status.FAIL),
-        ({"version": "2.13.0+cpu", "cuda_build": None}, False, Status.NA),
-        ({"version": "2.13.0+cpu", "cuda_build": None}, True, Status.WARN),
-        ({"version": "2.11.0", "cuda_build": "13.0", "available": False,
-          "warnings": ["The NVIDIA driver on your system is too old"]}, True, Status.FAIL),
-        ({"version": "2.11.0", "cuda_build": "13.0", "available": True, "device_count": 1,
-          "arch_list": ["sm_80", "sm_90"], "capabilities": [[9, 0]], "op_ok": True}, True, Status.OK),
-        ({"version": "2.11.0", "cuda_build": "13.0", "available": True, "device_count": 1,
-          "arch_list": ["sm_80"], "capabilities": [[10, 0]], "op_ok": True}, True, Status.FAIL),
-    ])
+    @pytest.mark.parametrize(
+        ("probe", "gpus", "status"),
+        [
+            ({"missing": "No module named 'torch'"}, True, Status.NA),
+            ({"error": "no answer within 90 s", "timeout": True}, True, Status.WARN),
+            ({"error": "exit code -11: Segmentation fault"}, True, Status.FAIL),
+            ({"version": "2.13.0+cpu", "cuda_build": None}, False, Status.NA),
+            ({"version": "2.13.0+cpu", "cuda_build": None}, True, Status.WARN),
+            (
+                {
+                    "version": "2.11.0",
+                    "cuda_build": "13.0",
+                    "available": False,
+                    "warnings": ["The NVIDIA driver on your system is too old"],
+                },
+                True,
+                Status.FAIL,
+            ),
+            (
+                {
+                    "version": "2.11.0",
+                    "cuda_build": "13.0",
+                    "available": True,
+                    "device_count": 1,
+                    "arch_list": ["sm_80", "sm_90"],
+                    "capabilities": [[9, 0]],
+                    "op_ok": True,
+                },
+                True,
+                Status.OK,
+            ),
+            (
+                {
+                    "version": "2.11.0",
+                    "cuda_build": "13.0",
+                    "available": True,
+                    "device_count": 1,
+                    "arch_list": ["sm_80"],
+                    "capabilities": [[10, 0]],
+                    "op_ok": True,
+                },
+                True,
+                Status.FAIL,
+            ),
+        ],
+    )
     def test_classification(self, probe: dict[str, object], gpus: bool, status: Status) -> None:
         assert probes.classify_torch(probe, gpus, "python3").status is status
 
@@ -232,7 +283,7 @@ class TestTorch:
 
     async def test_interpreter_without_torch(self, tmp_path: Path) -> None:
         fake = tmp_path / "python"
-        fake.write_text("#!/bin/sh\nexec /usr/bin/env -i python3 -I -S \"$@\"\n")
+        fake.write_text('#!/bin/sh\nexec /usr/bin/env -i python3 -I -S "$@"\n')
         fake.chmod(0o755)
         probe = await probes.run_torch_probe(str(fake))
         assert "missing" in probe
@@ -249,8 +300,14 @@ class TestCommandLine:
     """`gpuwarden check` as a user runs it: table or JSON, and the exit code."""
 
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "agent", "check", *args], capture_output=True,
-                              text=True, timeout=120, check=False, cwd=Path(__file__).parent.parent)
+        return subprocess.run(
+            [sys.executable, "-m", "agent", "check", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=Path(__file__).parent.parent,
+        )
 
     def test_json_on_this_machine(self, tmp_path: Path) -> None:
         cfg = write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc"))

@@ -30,12 +30,15 @@ from tests.support.host import (
 )
 
 OPTIONS = CheckOptions(torch=False, process_gap=0.05)
-H200_PROC = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  "
-             "(dvs-builder@U22-I3-AE18-23-3)  Mon Jun 30 2025\n")
+H200_PROC = (
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  "
+    "(dvs-builder@U22-I3-AE18-23-3)  Mon Jun 30 2025\n"
+)
 
 
-async def check_with(tmp_path: Path, fake: FakeNvml, options: CheckOptions = OPTIONS,
-                     proc_version: bool = True) -> tuple[list[Finding], int]:
+async def check_with(
+    tmp_path: Path, fake: FakeNvml, options: CheckOptions = OPTIONS, proc_version: bool = True
+) -> tuple[list[Finding], int]:
     cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc")))
     version = tmp_path / "nvidia-version"
     if proc_version:
@@ -78,20 +81,34 @@ class TestHealthyGpus:
 class TestGpuProblems:
     """Each problem the fake can script shows on its own GPU's line with the right status."""
 
-    @pytest.mark.parametrize(("changes", "fragment", "status", "code"), [
-        ({"persistence_mode": 0}, "persistence", Status.WARN, 1),
-        ({"temperature": 84}, "temperature", Status.WARN, 1),
-        ({"temperature": 88}, "temperature", Status.FAIL, 2),
-        ({"clock_event_reasons": CLOCK_EVENT_REASONS["hw_thermal_slowdown"]}, "throttling", Status.WARN, 1),
-        ({"clock_event_reasons": CLOCK_EVENT_REASONS["sw_thermal_slowdown"]}, "throttling", Status.WARN, 1),
-        ({"pcie_width": (8, 16)}, "PCIe", Status.WARN, 1),
-        ({"remapped_rows": (0, 1, 1, 0)}, "ECC", Status.WARN, 1),
-        ({"remapped_rows": (0, 3, 0, 1)}, "ECC", Status.FAIL, 2),
-        ({"ecc_mode": (0, 0)}, "ECC", Status.WARN, 1),
-        ({"lost": True}, "identity", Status.FAIL, 2),
-    ])
-    async def test_problem_on_gpu_1(self, tmp_path: Path, changes: dict[str, object], fragment: str,
-                                    status: Status, code: int) -> None:
+    @pytest.mark.parametrize(
+        ("changes", "fragment", "status", "code"),
+        [
+            ({"persistence_mode": 0}, "persistence", Status.WARN, 1),
+            ({"temperature": 84}, "temperature", Status.WARN, 1),
+            ({"temperature": 88}, "temperature", Status.FAIL, 2),
+            (
+                {"clock_event_reasons": CLOCK_EVENT_REASONS["hw_thermal_slowdown"]},
+                "throttling",
+                Status.WARN,
+                1,
+            ),
+            (
+                {"clock_event_reasons": CLOCK_EVENT_REASONS["sw_thermal_slowdown"]},
+                "throttling",
+                Status.WARN,
+                1,
+            ),
+            ({"pcie_width": (8, 16)}, "PCIe", Status.WARN, 1),
+            ({"remapped_rows": (0, 1, 1, 0)}, "ECC", Status.WARN, 1),
+            ({"remapped_rows": (0, 3, 0, 1)}, "ECC", Status.FAIL, 2),
+            ({"ecc_mode": (0, 0)}, "ECC", Status.WARN, 1),
+            ({"lost": True}, "identity", Status.FAIL, 2),
+        ],
+    )
+    async def test_problem_on_gpu_1(
+        self, tmp_path: Path, changes: dict[str, object], fragment: str, status: Status, code: int
+    ) -> None:
         fake = FakeNvml([FakeGpu.h200(0), FakeGpu.h200(1, **changes)])
         findings, exit_code = await check_with(tmp_path, fake)
         bad = [f for f in findings if f.status is status and fragment in f.name]
@@ -110,7 +127,9 @@ class TestGpuProblems:
         assert code == 1
 
     async def test_idle_link_generation_is_normal(self, tmp_path: Path) -> None:
-        findings, code = await check_with(tmp_path, FakeNvml([FakeGpu.h200(0, pcie_generation=(1, 5))]))
+        findings, code = await check_with(
+            tmp_path, FakeNvml([FakeGpu.h200(0, pcie_generation=(1, 5))])
+        )
         pcie = line(findings, "PCIe")
         assert pcie.status is Status.OK
         assert "idle GPU lowers its link generation" in pcie.detail
@@ -171,23 +190,38 @@ class TestNoDriver:
 class TestDisk:
     """The disk collector's own round on scripted statvfs answers, judged by its levels."""
 
-    async def _disk_findings(self, tmp_path: Path, available: int, inodes_free: int = 500) -> list[Finding]:
+    async def _disk_findings(
+        self, tmp_path: Path, available: int, inodes_free: int = 500
+    ) -> list[Finding]:
         tree = ProcTree(tmp_path / "proc")
         tree.set_mountinfo("28 27 259:3 / /data rw,relatime shared:2 - xfs /dev/nvme1n1 rw\n")
-        statvfs = ScriptedStatvfs({
-            str(tmp_path / "root" / "data"): fake_statvfs_result(
-                size=100 * GIB, available=available, inodes=1000, inodes_free=inodes_free),
-        })
+        statvfs = ScriptedStatvfs(
+            {
+                str(tmp_path / "root" / "data"): fake_statvfs_result(
+                    size=100 * GIB, available=available, inodes=1000, inodes_free=inodes_free
+                ),
+            }
+        )
         settings = DiskSettings(proc_root=tree.root, rootfs=tmp_path / "root")
         collector = DiskCollector(settings, make_deps(), statvfs=statvfs)
         with pooled_caller() as caller:
             collection = await run_round(collector, caller)
-        return classify_disk(CollectorResult("disk", tuple(collection.samples), tuple(collection.events)))
+        return classify_disk(
+            CollectorResult("disk", tuple(collection.samples), tuple(collection.events))
+        )
 
-    @pytest.mark.parametrize(("available_gib", "inodes_free", "status"), [
-        (40, 500, Status.OK), (7, 500, Status.WARN), (2, 500, Status.FAIL), (40, 20, Status.FAIL),
-    ])
-    async def test_levels(self, tmp_path: Path, available_gib: int, inodes_free: int, status: Status) -> None:
+    @pytest.mark.parametrize(
+        ("available_gib", "inodes_free", "status"),
+        [
+            (40, 500, Status.OK),
+            (7, 500, Status.WARN),
+            (2, 500, Status.FAIL),
+            (40, 20, Status.FAIL),
+        ],
+    )
+    async def test_levels(
+        self, tmp_path: Path, available_gib: int, inodes_free: int, status: Status
+    ) -> None:
         findings = await self._disk_findings(tmp_path, available_gib * GIB, inodes_free)
         data = line(findings, "disk /data")
         assert data.status is status, data
@@ -231,7 +265,9 @@ class TestIoProbe:
     async def test_probe_in_tmp(self, tmp_path: Path) -> None:
         cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc")))
         (tmp_path / "probe").mkdir()
-        options = CheckOptions(torch=False, process_gap=0.05, expect_gpus=0, io_test_dir=tmp_path / "probe")
+        options = CheckOptions(
+            torch=False, process_gap=0.05, expect_gpus=0, io_test_dir=tmp_path / "probe"
+        )
         report = await run_check(cfg, options)
         probe = line(report.findings, "write probe")
         free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
@@ -246,9 +282,15 @@ class TestIoProbe:
 class TestFolding:
     """GPU indices in a folded line are written as ranges."""
 
-    @pytest.mark.parametrize(("indices", "text"), [
-        (["0", "1", "2", "3"], "0-3"), (["0", "2", "3", "7"], "0,2-3,7"), (["5"], "5"), ([], ""),
-    ])
+    @pytest.mark.parametrize(
+        ("indices", "text"),
+        [
+            (["0", "1", "2", "3"], "0-3"),
+            (["0", "2", "3", "7"], "0,2-3,7"),
+            (["5"], "5"),
+            ([], ""),
+        ],
+    )
     def test_ranges(self, indices: list[str], text: str) -> None:
         assert index_ranges(indices) == text
 

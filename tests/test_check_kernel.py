@@ -61,12 +61,16 @@ class TestLiveRingBuffer:
         [line] = classify_kernel_log(scan)
         assert line.status is Status.OK
         assert f"in {len(kmsg.records)} records" in line.detail
-        assert any("NVRM: loading NVIDIA UNIX Open Kernel Module" in raw for raw in scan.raw_lines())
+        assert any(
+            "NVRM: loading NVIDIA UNIX Open Kernel Module" in raw for raw in scan.raw_lines()
+        )
         assert kmsg.fds == {}  # the descriptor was closed
 
     def test_forged_user_space_xid_is_not_a_finding(self, tmp_path: Path) -> None:
         kmsg = FakeKmsg.with_records(capture_records())
-        kmsg.write("NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.", facility=1)
+        kmsg.write(
+            "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.", facility=1
+        )
         scan = scan_kernel_log(KernelLogSettings(boot_id_path=boot_id(tmp_path)), io=kmsg)
         [line] = classify_kernel_log(scan)
         assert line.status is Status.OK
@@ -76,8 +80,10 @@ class TestLiveRingBuffer:
     def test_xid_in_buffer(self, tmp_path: Path) -> None:
         kmsg = FakeKmsg.with_records(capture_records())
         for _ in range(3):
-            kmsg.write("NVRM: Xid (PCI:0000:18:00): 48, pid='<unknown>', name=<unknown>, "
-                       "An uncorrectable double bit error (DBE) has been detected on GPU")
+            kmsg.write(
+                "NVRM: Xid (PCI:0000:18:00): 48, pid='<unknown>', name=<unknown>, "
+                "An uncorrectable double bit error (DBE) has been detected on GPU"
+            )
         scan = scan_kernel_log(KernelLogSettings(boot_id_path=boot_id(tmp_path)), io=kmsg)
         [line] = classify_kernel_log(scan)
         assert line.name == "Xid 48 0000:18:00.0"
@@ -90,15 +96,24 @@ class TestBundle:
 
     async def test_kernel_members(self, tmp_path: Path) -> None:
         extra = f'[collectors.kernel_log]\npath = "{SAVED}"\n'
-        cfg = load(write_config(tmp_path / "conf", proc_root=make_proc_tree(tmp_path / "proc"), extra=extra))
+        cfg = load(
+            write_config(
+                tmp_path / "conf", proc_root=make_proc_tree(tmp_path / "proc"), extra=extra
+            )
+        )
         out = tmp_path / "b.tar.gz"
         await build_bundle(cfg, DiagOptions(output=out, run_torch_probe=False, process_gap=0.05))
         with tarfile.open(out) as tar:
-            members = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode()  # type: ignore[union-attr]
-                       for m in tar.getmembers()}
+            members = {
+                m.name.split("/", 1)[1]: tar.extractfile(m).read().decode()  # type: ignore[union-attr]
+                for m in tar.getmembers()
+            }
         findings = json.loads(members["kernel-log/findings.json"])
         assert findings["records_read"] >= 20  # records, not lines: some carry continuation lines
         assert {f["kind"] for f in findings["findings"]} >= {"xid", "sxid", "io_error", "fs_error"}
         raw = members["kernel-log/nvidia-and-io-lines.txt"]
-        assert "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus." in raw
+        assert (
+            "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus."
+            in raw
+        )
         assert "nvme nvme0: 16/0/0 default/read/poll queues" in raw

@@ -33,8 +33,14 @@ def nvml() -> None:
 
 
 def gpuwarden(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True,
-                          timeout=300, check=False, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
 
 
 class TestCheckOnRealGpu:
@@ -54,7 +60,9 @@ class TestCheckOnRealGpu:
         temperature = [f for f in data["findings"] if f["name"].endswith("temperature")]
         assert temperature and all(f["status"] in ("OK", "WARN", "FAIL") for f in temperature)
         torch_line = lines["torch on this driver"]
-        assert torch_line["status"] in ("OK", "N/A"), torch_line  # OK where a CUDA torch is installed
+        assert torch_line["status"] in ("OK", "N/A"), (
+            torch_line
+        )  # OK where a CUDA torch is installed
         assert done.returncode == data["exit_code"]
 
 

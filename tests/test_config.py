@@ -18,19 +18,51 @@ BAD_FILES: list[tuple[str, str, str]] = [
     # (id, file content, fragment the message must contain)
     ("syntax", "node_id = \n", "TOML syntax error"),
     ("unknown-top", "nodeid = 'x'\n", "nodeid: unknown key (a typo?)"),
-    ("unknown-section-key", "[prometheus]\nlisen = '127.0.0.1:1'\n", "prometheus.lisen: unknown key"),
-    ("wrong-type", "[heartbeat]\ninterval = 'fast'\n", "heartbeat.interval: expected a number, got a string"),
-    ("bool-as-string", "[prometheus]\nenabled = 'yes'\n", "prometheus.enabled: expected true or false"),
+    (
+        "unknown-section-key",
+        "[prometheus]\nlisen = '127.0.0.1:1'\n",
+        "prometheus.lisen: unknown key",
+    ),
+    (
+        "wrong-type",
+        "[heartbeat]\ninterval = 'fast'\n",
+        "heartbeat.interval: expected a number, got a string",
+    ),
+    (
+        "bool-as-string",
+        "[prometheus]\nenabled = 'yes'\n",
+        "prometheus.enabled: expected true or false",
+    ),
     ("below-minimum", "[heartbeat]\ninterval = 0\n", "heartbeat.interval: expected a value >= 0.1"),
     ("bad-listen", "[prometheus]\nlisten = 'localhost'\n", "prometheus.listen: expected host:port"),
     ("bad-port", "[prometheus]\nlisten = '127.0.0.1:70000'\n", "port must be 1-65535"),
-    ("unknown-collector", "[collectors.gpus]\nenabled = true\n", "collectors.gpus: unknown collector"),
-    ("collector-key", "[collectors.system]\nintervall = 3\n", "collectors.system.intervall: unknown key"),
-    ("collector-interval", "[collectors.system]\ninterval = -1\n", "collectors.system.interval: expected a value >= 0.05"),
+    (
+        "unknown-collector",
+        "[collectors.gpus]\nenabled = true\n",
+        "collectors.gpus: unknown collector",
+    ),
+    (
+        "collector-key",
+        "[collectors.system]\nintervall = 3\n",
+        "collectors.system.intervall: unknown key",
+    ),
+    (
+        "collector-interval",
+        "[collectors.system]\ninterval = -1\n",
+        "collectors.system.interval: expected a value >= 0.05",
+    ),
     ("node-id-slash", "node_id = 'a/b'\n", "node_id: expected letters, digits"),
-    ("node-id-control", "node_id = \"a\\u0000b\"\n", "node_id: expected letters, digits"),
-    ("huge-integer", "[collectors.system]\ninterval = 1" + "0" * 400 + "\n", "collectors.system.interval: expected a number, got one too large"),
-    ("huge-float", "[heartbeat]\ninterval = 1e400\n", "heartbeat.interval: expected a finite number"),
+    ("node-id-control", 'node_id = "a\\u0000b"\n', "node_id: expected letters, digits"),
+    (
+        "huge-integer",
+        "[collectors.system]\ninterval = 1" + "0" * 400 + "\n",
+        "collectors.system.interval: expected a number, got one too large",
+    ),
+    (
+        "huge-float",
+        "[heartbeat]\ninterval = 1e400\n",
+        "heartbeat.interval: expected a finite number",
+    ),
     ("log-level", "log_level = 'loud'\n", "log_level: expected one of"),
     ("section-not-table", "heartbeat = 3\n", "heartbeat: expected a table"),
 ]
@@ -64,8 +96,9 @@ class TestDefaults:
 class TestBadFiles:
     """Each bad file names the file, the key and what was expected."""
 
-    @pytest.mark.parametrize(("content", "fragment"), [(c, f) for _, c, f in BAD_FILES],
-                             ids=[i for i, _, _ in BAD_FILES])
+    @pytest.mark.parametrize(
+        ("content", "fragment"), [(c, f) for _, c, f in BAD_FILES], ids=[i for i, _, _ in BAD_FILES]
+    )
     def test_load_raises_with_message(self, tmp_path: Path, content: str, fragment: str) -> None:
         path = tmp_path / "bad.toml"
         path.write_text(content)
@@ -84,7 +117,11 @@ class TestBadFiles:
         path.write_text("[heartbeat]\ninterval = 'fast'\n")
         result = subprocess.run(
             [sys.executable, "-m", "agent", *command, "--config", str(path)],
-            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         assert result.returncode == 2
@@ -95,7 +132,11 @@ class TestBadFiles:
         path.write_text("node_id = 'ok-node'\n")
         result = subprocess.run(
             [sys.executable, "-m", "agent", "config", "check", "--config", str(path)],
-            cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
             env={**os.environ, "PYTHONPATH": str(REPO)},
         )
         assert result.returncode == 0, result.stderr

@@ -46,13 +46,22 @@ def skipped(report: dict[str, Any]) -> dict[str, str]:
 
 def populate_state(state_dir: Path) -> None:
     store = StateStore.open(state_dir)
-    store.record_event(Event(source="bench", kind="upload_failed", severity=Severity.WARNING,
-                             message=LEAKY_EVENT, subject="GPU-5f1c2a3e"), outbox=True)
+    store.record_event(
+        Event(
+            source="bench",
+            kind="upload_failed",
+            severity=Severity.WARNING,
+            message=LEAKY_EVENT,
+            subject="GPU-5f1c2a3e",
+        ),
+        outbox=True,
+    )
     store.put("ledger", "mqtt", {"last_delivery": 1795970000.0})
     store.put("bench", "baseline", {"tflops": 674.0})
     store.close()
     (state_dir / "bench-history.jsonl").write_text(
-        json.dumps({"gpu": 0, "tflops": 671.2, "note": "run by jane.doe@example-lab.org"}) + "\n")
+        json.dumps({"gpu": 0, "tflops": 671.2, "note": "run by jane.doe@example-lab.org"}) + "\n"
+    )
 
 
 @pytest.fixture
@@ -75,9 +84,19 @@ class TestContents:
     async def test_members(self, setup: tuple[Config, Path]) -> None:
         cfg, tmp = setup
         members = await make_bundle(cfg, tmp / "b.tar.gz", (CORPUS_DIR / "train.log",))
-        for name in (MANIFEST, REDACTION_REPORT, "versions.json", "check.json", "collectors/system.json",
-                     "config/effective.json", "config/gpuwarden.toml", "state/summary.json",
-                     "state/events.json", "state/bench-history.jsonl", "include/train.log"):
+        for name in (
+            MANIFEST,
+            REDACTION_REPORT,
+            "versions.json",
+            "check.json",
+            "collectors/system.json",
+            "config/effective.json",
+            "config/gpuwarden.toml",
+            "state/summary.json",
+            "state/events.json",
+            "state/bench-history.jsonl",
+            "include/train.log",
+        ):
             assert name in members, sorted(members)
         versions = json.loads(members["versions.json"])
         assert versions["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
@@ -136,7 +155,9 @@ class TestGpuSnapshot:
         await build_bundle(cfg, options, shared=shared)
         members = read_bundle(tmp / "b.tar.gz")
         gpu = json.loads(members["collectors/gpu.json"])
-        temperatures = [s for s in gpu["samples"] if s["name"] == "gpuwarden_gpu_temperature_celsius"]
+        temperatures = [
+            s for s in gpu["samples"] if s["name"] == "gpuwarden_gpu_temperature_celsius"
+        ]
         assert {s["labels"]["uuid"] for s in temperatures} == {FakeGpu.h200(0).uuid}
         assert json.loads(members["versions.json"])["nvidia"]["driver_version"] == "580.159.04"
         check = json.loads(members["check.json"])
@@ -150,10 +171,14 @@ class TestSecretFiles:
         secret = tmp_path / "mqtt-password"
         secret.write_text("Zq81-broker-pw-never-shown\n")
         secret.chmod(0o600)
-        extra = (f'[mqtt]\nurl = "mqtt://127.0.0.1:1"\nusername = "node"\n'
-                 f'password_file = "{secret}"\n')
-        cfg = load(write_config(tmp_path / "conf", proc_root=make_proc_tree(tmp_path / "proc"),
-                                extra=extra))
+        extra = (
+            f'[mqtt]\nurl = "mqtt://127.0.0.1:1"\nusername = "node"\npassword_file = "{secret}"\n'
+        )
+        cfg = load(
+            write_config(
+                tmp_path / "conf", proc_root=make_proc_tree(tmp_path / "proc"), extra=extra
+            )
+        )
         assert secret.resolve() in secret_files(cfg)
         members = await make_bundle(cfg, tmp_path / "b.tar.gz", (secret,))
         assert all(b"Zq81-broker-pw-never-shown" not in data for data in members.values())
@@ -185,7 +210,9 @@ class TestStateStoreUntouched:
         cfg, tmp = setup
 
         def snapshot() -> dict[str, str]:
-            return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in cfg.state_dir.iterdir()}
+            return {
+                p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in cfg.state_dir.iterdir()
+            }
 
         before = snapshot()
         await make_bundle(cfg, tmp / "b.tar.gz")
@@ -195,8 +222,15 @@ class TestStateStoreUntouched:
         cfg, tmp = setup
         live = StateStore.open(cfg.state_dir)  # holds the WAL open, as the daemon does
         try:
-            live.record_event(Event(source="gpu", kind="xid", severity=Severity.CRITICAL,
-                                    message="Xid 79 on GPU 0000:3b:00.0"), outbox=True)
+            live.record_event(
+                Event(
+                    source="gpu",
+                    kind="xid",
+                    severity=Severity.CRITICAL,
+                    message="Xid 79 on GPU 0000:3b:00.0",
+                ),
+                outbox=True,
+            )
             db_before = (cfg.state_dir / "state.db").read_bytes()
             members = await make_bundle(cfg, tmp / "b.tar.gz")
             assert (cfg.state_dir / "state.db").read_bytes() == db_before
@@ -240,7 +274,11 @@ class TestAtomicWrite:
         final = tmp_path / "b.tar.gz"
         write_atomically(final, lambda h: bundle.write_tar(h, "top", 0.0))
         with tarfile.open(final) as tar:
-            assert sorted(tar.getnames()) == ["top/a.txt", "top/manifest.json", "top/redaction.json"]
+            assert sorted(tar.getnames()) == [
+                "top/a.txt",
+                "top/manifest.json",
+                "top/redaction.json",
+            ]
         assert io.BytesIO(final.read_bytes()).read(2) == b"\x1f\x8b"
 
 
@@ -248,9 +286,20 @@ class TestIncludeTail:
     """An --include file cut to its last bytes loses no secret to the cut."""
 
     def test_key_whose_begin_line_was_cut_off(self, tmp_path: Path) -> None:
-        body = [f"{n}" * 4 + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODkrLw" + f"{n}" * 10 for n in range(8)]
-        text = "\n".join(["step=1 loss=2.0", "-----BEGIN RSA PRIVATE KEY-----", *body,
-                          "-----END RSA PRIVATE KEY-----", "step=2 loss=1.9", ""])
+        body = [
+            f"{n}" * 4 + "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVo0NTY3ODkrLw" + f"{n}" * 10
+            for n in range(8)
+        ]
+        text = "\n".join(
+            [
+                "step=1 loss=2.0",
+                "-----BEGIN RSA PRIVATE KEY-----",
+                *body,
+                "-----END RSA PRIVATE KEY-----",
+                "step=2 loss=1.9",
+                "",
+            ]
+        )
         log = tmp_path / "job.log"
         log.write_text(text)
         # The cut lands inside the key's body: the BEGIN line and the first lines are gone.
@@ -267,14 +316,28 @@ class TestCommandLine:
     """`gpuwarden diag` as a user runs it."""
 
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "agent", "diag", *args], capture_output=True,
-                              text=True, timeout=120, check=False, cwd=Path(__file__).parent.parent)
+        return subprocess.run(
+            [sys.executable, "-m", "agent", "diag", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=Path(__file__).parent.parent,
+        )
 
     def test_writes_and_reports(self, setup: tuple[Config, Path]) -> None:
         _, tmp = setup
         out = tmp / "out.tar.gz"
-        done = self._run("--config", str(tmp / "conf" / "gpuwarden.toml"), "-o", str(out),
-                         "--include", str(CORPUS_DIR / "dotenv"), "--no-torch", "--json")
+        done = self._run(
+            "--config",
+            str(tmp / "conf" / "gpuwarden.toml"),
+            "-o",
+            str(out),
+            "--include",
+            str(CORPUS_DIR / "dotenv"),
+            "--no-torch",
+            "--json",
+        )
         assert done.returncode == 0, done.stderr
         data = json.loads(done.stdout)
         assert data["path"] == str(out)
@@ -283,8 +346,13 @@ class TestCommandLine:
 
     def test_unwritable_destination_is_exit_code_1(self, setup: tuple[Config, Path]) -> None:
         _, tmp = setup
-        done = self._run("--config", str(tmp / "conf" / "gpuwarden.toml"), "--no-torch",
-                         "-o", str(tmp / "no" / "such" / "dir" / "b.tar.gz"))
+        done = self._run(
+            "--config",
+            str(tmp / "conf" / "gpuwarden.toml"),
+            "--no-torch",
+            "-o",
+            str(tmp / "no" / "such" / "dir" / "b.tar.gz"),
+        )
         assert done.returncode == 1
         assert "cannot write the bundle" in done.stderr
         assert not (tmp / "no").exists()
@@ -294,8 +362,9 @@ class TestLiveAgent:
     """With the agent running: its /metrics and /healthz (the in-memory delivery ledger) and
     its live state store go into the bundle, and check sees it serving."""
 
-    async def test_bundle_and_check_with_a_running_agent(self, agent_process: AgentProcess,
-                                                         tmp_path: Path) -> None:
+    async def test_bundle_and_check_with_a_running_agent(
+        self, agent_process: AgentProcess, tmp_path: Path
+    ) -> None:
         agent_process.start()
         cfg = load(agent_process.config_path)
         out = tmp_path / "live.tar.gz"
@@ -316,6 +385,7 @@ class TestLiveAgent:
 
     async def test_note_when_the_agent_is_not_running(self, setup: tuple[Config, Path]) -> None:
         cfg, tmp = setup
-        _, bundle = await build_bundle(cfg, DiagOptions(output=tmp / "b.tar.gz", run_torch_probe=False,
-                                                        process_gap=0.05))
+        _, bundle = await build_bundle(
+            cfg, DiagOptions(output=tmp / "b.tar.gz", run_torch_probe=False, process_gap=0.05)
+        )
         assert any("no live metrics or delivery ledger (is it running?)" in n for n in bundle.notes)

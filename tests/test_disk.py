@@ -50,7 +50,12 @@ class TestMountSelection:
     def test_defaults_keep_block_and_network_file_systems_only(self) -> None:
         mounts = select_mounts(read_mountinfo(HOST1), _settings(HOST1))
         assert [m.mount_point for m in mounts] == [
-            "/", "/boot/efi", "/data", "/mnt/archive", "/mnt/lustre", "/mnt/nfs",
+            "/",
+            "/boot/efi",
+            "/data",
+            "/mnt/archive",
+            "/mnt/lustre",
+            "/mnt/nfs",
             "/mnt/scratch space",
         ]
 
@@ -66,13 +71,16 @@ class TestMountSelection:
         assert "/data" in points
 
     def test_include_and_exclude_globs(self) -> None:
-        settings = _settings(HOST1, mountpoints_include=["/mnt/*"], mountpoints_exclude=["/mnt/archive"])
+        settings = _settings(
+            HOST1, mountpoints_include=["/mnt/*"], mountpoints_exclude=["/mnt/archive"]
+        )
         points = [m.mount_point for m in select_mounts(read_mountinfo(HOST1), settings)]
         assert points == ["/mnt/lustre", "/mnt/nfs", "/mnt/scratch space"]
 
     def test_fs_type_include_and_a_tmpfs_made_watchable(self) -> None:
-        settings = _settings(HOST1, fs_types_include=["nfs*", "tmpfs"], fs_types_exclude=[],
-                             mountpoints_exclude=[])
+        settings = _settings(
+            HOST1, fs_types_include=["nfs*", "tmpfs"], fs_types_exclude=[], mountpoints_exclude=[]
+        )
         points = [m.mount_point for m in select_mounts(read_mountinfo(HOST1), settings)]
         assert points == ["/dev/shm", "/mnt/nfs", "/run"]
 
@@ -92,8 +100,17 @@ class TestLevels:
         for used in (89.9, 90.0, 89.0, 90.5, 86.0, 85.1, 89.9, 84.9, 88.0):
             level = self.limits.next_level(level, used, 0)
             seen.append(level)
-        assert seen == [Level.OK, Level.WARNING, Level.WARNING, Level.WARNING, Level.WARNING,
-                        Level.WARNING, Level.WARNING, Level.OK, Level.OK]
+        assert seen == [
+            Level.OK,
+            Level.WARNING,
+            Level.WARNING,
+            Level.WARNING,
+            Level.WARNING,
+            Level.WARNING,
+            Level.WARNING,
+            Level.OK,
+            Level.OK,
+        ]
 
     def test_critical_steps_down_to_warning_then_ok(self) -> None:
         level = self.limits.next_level(Level.OK, 97.0, 0)
@@ -141,11 +158,17 @@ class TestThresholdEvents:
         kinds = []
         with pooled_caller() as caller:
             for used in (50, 91, 89, 90, 86, 84, 97):
-                statvfs.answers["/"] = fake_statvfs_result(size=100 * GIB, available=(100 - used) * GIB)
+                statvfs.answers["/"] = fake_statvfs_result(
+                    size=100 * GIB, available=(100 - used) * GIB
+                )
                 result = await run_round(collector, caller)
                 kinds.append([(e.kind, e.severity) for e in result.events])
         assert kinds == [
-            [], [("filesystem_space_low", Severity.WARNING)], [], [], [],
+            [],
+            [("filesystem_space_low", Severity.WARNING)],
+            [],
+            [],
+            [],
             [("filesystem_space_ok", Severity.INFO)],
             [("filesystem_space_low", Severity.CRITICAL)],
         ]
@@ -154,8 +177,9 @@ class TestThresholdEvents:
 
     async def test_inodes_threshold_and_absent_inode_counts(self, tmp_path: Path) -> None:
         tree = _only_root(tmp_path)
-        statvfs = ScriptedStatvfs({"/": fake_statvfs_result(size=GIB, available=GIB // 2,
-                                                            inodes=1000, inodes_free=20)})
+        statvfs = ScriptedStatvfs(
+            {"/": fake_statvfs_result(size=GIB, available=GIB // 2, inodes=1000, inodes_free=20)}
+        )
         collector = DiskCollector(_settings(tree.root), make_deps(), statvfs)
         with pooled_caller() as caller:
             result = await run_round(collector, caller)
@@ -163,8 +187,9 @@ class TestThresholdEvents:
             assert event.severity is Severity.CRITICAL
             assert event.attributes["left"] == 20
             # btrfs and some NFS servers report 0 inodes: absent, and no inode alarm.
-            statvfs.answers["/"] = fake_statvfs_result(size=GIB, available=GIB // 2, inodes=0,
-                                                       inodes_free=0)
+            statvfs.answers["/"] = fake_statvfs_result(
+                size=GIB, available=GIB // 2, inodes=0, inodes_free=0
+            )
             result = await run_round(collector, caller)
         assert values(result, "gpuwarden_filesystem_inodes") == {}
         assert not by_kind(result.events, "filesystem_inodes_ok")
@@ -174,11 +199,14 @@ class TestThresholdEvents:
         store = MemoryKeyValueStore()
         statvfs = ScriptedStatvfs({"/": fake_statvfs_result(size=100 * GIB, available=5 * GIB)})
         with pooled_caller() as caller:
-            first = await run_round(DiskCollector(_settings(tree.root), make_deps(store), statvfs), caller)
-            again = await run_round(DiskCollector(_settings(tree.root), make_deps(store), statvfs), caller)
+            first = await run_round(
+                DiskCollector(_settings(tree.root), make_deps(store), statvfs), caller
+            )
+            again = await run_round(
+                DiskCollector(_settings(tree.root), make_deps(store), statvfs), caller
+            )
         assert [e.kind for e in first.events] == ["filesystem_space_low"]
         assert again.events == []
-
 
     async def test_an_unmounted_file_system_is_forgotten(self, tmp_path: Path) -> None:
         tree = _only_root(tmp_path)
@@ -208,9 +236,14 @@ class TestStateStoreFull:
             later = await run_round(collector, caller)
         assert [e.kind for e in full.events] == ["filesystem_space_low"]
         assert values(full, "gpuwarden_filesystem_available_bytes") == {
-            ("/", "/dev/nvme0n1p2", "ext4"): 2 * GIB}
-        assert values(full, "gpuwarden_filesystem_threshold_level")[
-            ("/", "/dev/nvme0n1p2", "ext4", "space")] == 2
+            ("/", "/dev/nvme0n1p2", "ext4"): 2 * GIB
+        }
+        assert (
+            values(full, "gpuwarden_filesystem_threshold_level")[
+                ("/", "/dev/nvme0n1p2", "ext4", "space")
+            ]
+            == 2
+        )
         assert later.events == []
         assert store.items("disk.levels") == {"space:/": 2}
 
@@ -234,9 +267,16 @@ class TestReadOnly:
             tree.set_mountinfo(self.RW)
             back = await run_round(collector, caller)
         assert start.events == []
-        assert values(start, "gpuwarden_filesystem_readonly")[("/mnt/archive", "/dev/sdb1", "ext4")] == 1
+        assert (
+            values(start, "gpuwarden_filesystem_readonly")[("/mnt/archive", "/dev/sdb1", "ext4")]
+            == 1
+        )
         (event,) = turned.events
-        assert (event.kind, event.severity, event.subject) == ("filesystem_readonly", Severity.CRITICAL, "/")
+        assert (event.kind, event.severity, event.subject) == (
+            "filesystem_readonly",
+            Severity.CRITICAL,
+            "/",
+        )
         assert "fsck" in event.action
         assert [e.kind for e in back.events] == ["filesystem_writable"]
 
@@ -253,8 +293,9 @@ class TestReadOnly:
             statvfs.answers["/"] = fake_statvfs_result(size=GIB, available=GIB // 2, read_only=True)
             result = await run_round(collector, caller)
         assert result.events == []
-        readonly = [s.value for s in result.samples
-                    if s.family.name == "gpuwarden_filesystem_readonly"]
+        readonly = [
+            s.value for s in result.samples if s.family.name == "gpuwarden_filesystem_readonly"
+        ]
         assert readonly == [0.0]
 
 
@@ -265,7 +306,8 @@ class TestStuckMount:
         tree = ProcTree(tmp_path / "proc")
         tree.set_mountinfo(
             "27 1 259:2 / / rw - ext4 /dev/sda1 rw\n"
-            "30 27 0:45 / /mnt/nfs rw - nfs4 storage01:/export rw,hard\n")
+            "30 27 0:45 / /mnt/nfs rw - nfs4 storage01:/export rw,hard\n"
+        )
         statvfs = HangingStatvfs(hanging={"/mnt/nfs"}, answer=lambda path: os.statvfs("/"))
         collector = DiskCollector(_settings(tree.root), make_deps(), statvfs)
         nfs = ("/mnt/nfs", "storage01:/export", "nfs4")
@@ -277,7 +319,11 @@ class TestStuckMount:
             await until(lambda: not caller.hung, what="the hung statvfs to return")
             third = await run_round(collector, caller)
         (stuck,) = first.events
-        assert (stuck.kind, stuck.severity, stuck.subject) == ("mount_stuck", Severity.CRITICAL, "/mnt/nfs")
+        assert (stuck.kind, stuck.severity, stuck.subject) == (
+            "mount_stuck",
+            Severity.CRITICAL,
+            "/mnt/nfs",
+        )
         assert "storage01:/export" in stuck.action
         assert values(first, "gpuwarden_mount_stuck") == {nfs: 1, ("/", "/dev/sda1", "ext4"): 0}
         assert nfs not in values(first, "gpuwarden_filesystem_size_bytes")
@@ -318,9 +364,11 @@ class TestErrors:
         tree.set_mountinfo(
             "27 1 259:2 / / rw - ext4 /dev/sda1 rw\n"
             "28 27 259:3 / /secret rw - ext4 /dev/sdb1 rw\n"
-            "29 27 259:4 / /gone rw - ext4 /dev/sdc1 rw\n")
-        statvfs = ScriptedStatvfs({"/": _healthy(),
-                                   "/secret": OSError(errno.EACCES, "Permission denied")})
+            "29 27 259:4 / /gone rw - ext4 /dev/sdc1 rw\n"
+        )
+        statvfs = ScriptedStatvfs(
+            {"/": _healthy(), "/secret": OSError(errno.EACCES, "Permission denied")}
+        )
         collector = DiskCollector(_settings(tree.root), make_deps(), statvfs)
         with pooled_caller() as caller:
             first = await run_round(collector, caller)
@@ -340,5 +388,7 @@ class TestRealHost:
         collector = DiskCollector(DiskSettings(), make_deps())
         with pooled_caller() as caller:
             result = await run_round(collector, caller)
-        sizes = {labels[0]: v for labels, v in values(result, "gpuwarden_filesystem_size_bytes").items()}
+        sizes = {
+            labels[0]: v for labels, v in values(result, "gpuwarden_filesystem_size_bytes").items()
+        }
         assert sizes["/"] == pytest.approx(shutil.disk_usage("/").total, rel=0.01)

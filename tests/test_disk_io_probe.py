@@ -79,14 +79,17 @@ class TestCollector:
     async def test_probe_and_refusal_in_one_round(self, tmp_path: Path) -> None:
         good, full = tmp_path / "good", tmp_path / "missing"
         good.mkdir()
-        settings = IoProbeSettings(enabled=True, directories=(str(good), str(full)), size_mib=1,
-                                   free_margin_mib=0)
+        settings = IoProbeSettings(
+            enabled=True, directories=(str(good), str(full)), size_mib=1, free_margin_mib=0
+        )
         collector = IoProbeCollector(settings, make_deps())
         with pooled_caller(timeout=60) as caller:
             result = await run_round(collector, caller, now=123.0)
             again = await run_round(collector, caller, now=124.0)
         assert values(result, "gpuwarden_io_probe_write_bytes_per_second")[(str(good),)] > 0
-        assert values(result, "gpuwarden_io_probe_last_run_timestamp_seconds") == {(str(good),): 123.0}
+        assert values(result, "gpuwarden_io_probe_last_run_timestamp_seconds") == {
+            (str(good),): 123.0
+        }
         errors = values(result, "gpuwarden_io_probe_error")
         assert errors[(str(good), "refused")] == 0
         assert errors[(str(full), "refused")] == 1

@@ -18,22 +18,36 @@ def kernel_escape(path: str) -> str:
 
 paths = st.text(
     alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="\x00"),
-    min_size=1, max_size=40,
+    min_size=1,
+    max_size=40,
 ).map(lambda text: "/" + text)
-optional_fields = st.lists(st.sampled_from(["shared:1", "master:7", "propagate_from:3", "unbindable"]),
-                           max_size=3)
+optional_fields = st.lists(
+    st.sampled_from(["shared:1", "master:7", "propagate_from:3", "unbindable"]), max_size=3
+)
 
 
 class TestMountinfoProperties:
     """Any path the kernel can write comes back unchanged; malformed lines raise ProcParseError."""
 
     @given(mount_point=paths, root=paths, source=paths, optional=optional_fields)
-    def test_escaped_paths_round_trip(self, mount_point: str, root: str, source: str,
-                                      optional: list[str]) -> None:
-        line = " ".join([
-            "36", "27", "8:17", kernel_escape(root), kernel_escape(mount_point),
-            "rw,relatime", *optional, "-", "ext4", kernel_escape(source), "ro,errors=remount-ro",
-        ])
+    def test_escaped_paths_round_trip(
+        self, mount_point: str, root: str, source: str, optional: list[str]
+    ) -> None:
+        line = " ".join(
+            [
+                "36",
+                "27",
+                "8:17",
+                kernel_escape(root),
+                kernel_escape(mount_point),
+                "rw,relatime",
+                *optional,
+                "-",
+                "ext4",
+                kernel_escape(source),
+                "ro,errors=remount-ro",
+            ]
+        )
         (mount,) = parse_mountinfo(f"{line}\n")
         assert mount.mount_point == mount_point
         assert mount.root == root
@@ -51,7 +65,9 @@ class TestMountinfoProperties:
         assert all(f" {m.major_minor} " in text for m in mounts)
 
     def test_space_escape_from_a_real_line(self) -> None:
-        (mount,) = parse_mountinfo("31 27 259:4 / /mnt/scratch\\040space rw - ext4 /dev/nvme2n1 rw\n")
+        (mount,) = parse_mountinfo(
+            "31 27 259:4 / /mnt/scratch\\040space rw - ext4 /dev/nvme2n1 rw\n"
+        )
         assert mount.mount_point == "/mnt/scratch space"
         assert not mount.read_only
 

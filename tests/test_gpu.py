@@ -90,8 +90,12 @@ class TestTelemetry:
 
     async def test_labels_and_values(self, rig: GpuRig) -> None:
         result = await rig.collect()
-        labels = {"gpu": "1", "uuid": rig.fake.gpus[1].uuid, "pci_bus_id": "0000:28:00.0",
-                  "model": "NVIDIA H200"}
+        labels = {
+            "gpu": "1",
+            "uuid": rig.fake.gpus[1].uuid,
+            "pci_bus_id": "0000:28:00.0",
+            "model": "NVIDIA H200",
+        }
         assert value(result, "gpuwarden_gpu_temperature_celsius", sensor="gpu", **labels) == 33
         assert value(result, "gpuwarden_gpu_power_limit_watts", **labels) == 700
         assert value(result, "gpuwarden_gpu_up", **labels) == 1
@@ -116,8 +120,9 @@ class TestTelemetry:
         assert find(result, "gpuwarden_gpu_power_watts", gpu="0") == []
 
     async def test_throttle_reasons_one_series_each(self, rig: GpuRig) -> None:
-        rig.fake.gpus[0].clock_event_reasons = (CLOCK_EVENT_REASONS["sw_power_cap"]
-                                                | CLOCK_EVENT_REASONS["hw_thermal_slowdown"])
+        rig.fake.gpus[0].clock_event_reasons = (
+            CLOCK_EVENT_REASONS["sw_power_cap"] | CLOCK_EVENT_REASONS["hw_thermal_slowdown"]
+        )
         result = await rig.collect()
         series = find(result, "gpuwarden_gpu_clock_event_active", gpu="0")
         assert len(series) == len(CLOCK_EVENT_REASONS)
@@ -126,9 +131,15 @@ class TestTelemetry:
         assert "hardware_slowdown" in kinds(result)
 
     async def test_slow_reads_on_their_interval(self) -> None:
-        rig = GpuRig(FakeNvml(fake_gpus(1)),
-                     settings=GpuSettings(event_thread=False, slow_interval=60.0,
-                                          static_refresh_interval=600.0, energy_interval=100.0))
+        rig = GpuRig(
+            FakeNvml(fake_gpus(1)),
+            settings=GpuSettings(
+                event_thread=False,
+                slow_interval=60.0,
+                static_refresh_interval=600.0,
+                energy_interval=100.0,
+            ),
+        )
         try:
             for _ in range(12):  # 120 s at a 10 s interval
                 result = await rig.collect(advance=10)
@@ -294,13 +305,15 @@ class TestCounters:
         before = CounterTracker(state, boot_id="boot-1")
         counter_events(before, labels, GpuReading(ecc_uncorrected_volatile=2), FAST_COUNTERS)
         after = CounterTracker(state, boot_id="boot-2")  # 7 errors since the reboot
-        events = counter_events(after, labels, GpuReading(ecc_uncorrected_volatile=7),
-                                FAST_COUNTERS)
+        events = counter_events(
+            after, labels, GpuReading(ecc_uncorrected_volatile=7), FAST_COUNTERS
+        )
         assert kinds(events) == ["counter_reset", "ecc_uncorrected_volatile_increase"]
         assert events[1].attributes["delta"] == 7
         again = CounterTracker(state, boot_id="boot-2")  # a restart within the same boot
-        events = counter_events(again, labels, GpuReading(ecc_uncorrected_volatile=9),
-                                FAST_COUNTERS)
+        events = counter_events(
+            again, labels, GpuReading(ecc_uncorrected_volatile=9), FAST_COUNTERS
+        )
         assert kinds(events) == ["ecc_uncorrected_volatile_increase"]
         assert events[0].attributes["delta"] == 2
 
@@ -309,8 +322,9 @@ class TestCounters:
         state.put("gpu.counters", "GPU-1/ecc_uncorrected_volatile", 2)  # an older agent's
         labels = {"gpu": "0", "uuid": "GPU-1", "pci_bus_id": "", "model": ""}
         tracker = CounterTracker(state, boot_id="boot-1")
-        events = counter_events(tracker, labels, GpuReading(ecc_uncorrected_volatile=3),
-                                FAST_COUNTERS)
+        events = counter_events(
+            tracker, labels, GpuReading(ecc_uncorrected_volatile=3), FAST_COUNTERS
+        )
         assert [e.attributes["delta"] for e in events] == [1]
         assert state.get("gpu.counters", "GPU-1/ecc_uncorrected_volatile") == [3, "boot-1"]
 
@@ -321,8 +335,9 @@ class TestCounters:
         assert kinds(await rig.collect()) == ["counter_reset"]
 
     async def test_slow_counter(self) -> None:
-        rig = GpuRig(FakeNvml(fake_gpus(1)), settings=GpuSettings(event_thread=False,
-                                                                  slow_interval=10.0))
+        rig = GpuRig(
+            FakeNvml(fake_gpus(1)), settings=GpuSettings(event_thread=False, slow_interval=10.0)
+        )
         try:
             await rig.collect()
             rig.fake.gpus[0].pcie_replays = 5
@@ -414,8 +429,9 @@ class TestGpuCount:
     """Fewer GPUs than expected, or than at the last start, is critical."""
 
     async def test_expected_gpus(self) -> None:
-        rig = GpuRig(FakeNvml(fake_gpus(2)), settings=GpuSettings(event_thread=False,
-                                                                  expected_gpus=4))
+        rig = GpuRig(
+            FakeNvml(fake_gpus(2)), settings=GpuSettings(event_thread=False, expected_gpus=4)
+        )
         try:
             first = await rig.collect()
             assert kinds(first) == ["gpus_missing"]

@@ -27,12 +27,19 @@ def wait_for(condition: object, timeout: float = 5.0) -> bool:
     return False
 
 
-def make_thread(fake: FakeNvml, correlator: XidCorrelator, emitted: list[Event],
-                masks: list[int | None]) -> GpuEventThread:
+def make_thread(
+    fake: FakeNvml, correlator: XidCorrelator, emitted: list[Event], masks: list[int | None]
+) -> GpuEventThread:
     backend = NvmlBackend(fake)
     backend.start()
-    return GpuEventThread(backend, correlator, emitted.append, list(enumerate(masks)),
-                          lambda: {"0000:18:00.0": LABELS}, wait_ms=50)
+    return GpuEventThread(
+        backend,
+        correlator,
+        emitted.append,
+        list(enumerate(masks)),
+        lambda: {"0000:18:00.0": LABELS},
+        wait_ms=50,
+    )
 
 
 class TestEventThread:
@@ -72,8 +79,9 @@ class TestEventThread:
         fake = FakeNvml(fake_gpus(1))
         built: list[tuple[XidObservation, frozenset[XidSource], Mapping[str, str]]] = []
 
-        def build(obs: XidObservation, sources: frozenset[XidSource],
-                  labels: Mapping[str, str]) -> Event:
+        def build(
+            obs: XidObservation, sources: frozenset[XidSource], labels: Mapping[str, str]
+        ) -> Event:
             built.append((obs, sources, labels))
             return Event(source="xid", kind="xid", severity=Severity.CRITICAL, message="xid")
 
@@ -127,17 +135,24 @@ class TestCollectorRunsTheThread:
     async def test_xid_event_in_the_collection(self) -> None:
         rig = GpuRig(FakeNvml(fake_gpus(1)), settings=GpuSettings(event_wait_ms=50))
 
-        def build(obs: XidObservation, sources: frozenset[XidSource],
-                  labels: Mapping[str, str]) -> Event:
-            return Event(source="xid", kind=f"xid_{obs.code}", severity=Severity.CRITICAL,
-                         message="xid", subject=labels.get("uuid", ""))
+        def build(
+            obs: XidObservation, sources: frozenset[XidSource], labels: Mapping[str, str]
+        ) -> Event:
+            return Event(
+                source="xid",
+                kind=f"xid_{obs.code}",
+                severity=Severity.CRITICAL,
+                message="xid",
+                subject=labels.get("uuid", ""),
+            )
 
         rig.correlator.set_builder(build)
         rig.correlator.window = 0.0
         try:
             first = await rig.collect()
-            assert [s.value for s in first.samples
-                    if s.family.name == "gpuwarden_gpu_event_thread_up"] == [1.0]
+            assert [
+                s.value for s in first.samples if s.family.name == "gpuwarden_gpu_event_thread_up"
+            ] == [1.0]
             thread = rig.collector.events_thread
             assert thread is not None
             assert thread.ready.wait(5)
@@ -169,8 +184,11 @@ class TestDeadThreadRestarts:
 
     async def test_dead_thread_is_reported_and_restarted(self) -> None:
         emitted = _BreakingEmit()
-        rig = GpuRig(FakeNvml(fake_gpus(1)), emitted=emitted,
-                     settings=GpuSettings(event_wait_ms=50, nvml_retry_interval=60.0))
+        rig = GpuRig(
+            FakeNvml(fake_gpus(1)),
+            emitted=emitted,
+            settings=GpuSettings(event_wait_ms=50, nvml_retry_interval=60.0),
+        )
         try:
             await rig.collect()
             first = rig.collector.events_thread
@@ -191,8 +209,11 @@ class TestDeadThreadRestarts:
             assert kinds(restarted) == []
             second = rig.collector.events_thread
             assert second is not None and second is not first
-            assert [s.value for s in restarted.samples
-                    if s.family.name == "gpuwarden_gpu_event_thread_up"] == [1.0]
+            assert [
+                s.value
+                for s in restarted.samples
+                if s.family.name == "gpuwarden_gpu_event_thread_up"
+            ] == [1.0]
             assert second.ready.wait(5)
             rig.fake.push_event(rig.fake.gpus[0], pynvml.nvmlEventTypeDoubleBitEccError)
             assert wait_for(lambda: "ecc_double_bit_event" in kinds(emitted))

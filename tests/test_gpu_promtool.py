@@ -38,10 +38,15 @@ def exposition(collection: Collection) -> bytes:
 
 def everything_gpu(index: int) -> FakeGpu:
     """A GPU that answers every field, NVLink and retired pages included (an A100-like one)."""
-    gpu = FakeGpu.h200(index, nvlink_states=[1, 1], retired_pending=0, retired_pages={
-        pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: [0x1000],
-        pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: [],
-    })
+    gpu = FakeGpu.h200(
+        index,
+        nvlink_states=[1, 1],
+        retired_pending=0,
+        retired_pages={
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS: [0x1000],
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR: [],
+        },
+    )
     for link in range(2):
         for counter in range(4):
             gpu.nvlink_errors[(link, counter)] = link + counter
@@ -63,7 +68,8 @@ class TestPromtool:
         text = exposition(collection)
         names = {s.family.name for s in collection.samples}
         assert names == {f.name for f in FAMILIES}, "a family the round never produced"
-        result = subprocess.run([PROMTOOL, "check", "metrics"], input=text,
-                                capture_output=True, timeout=30, check=False)
+        result = subprocess.run(
+            [PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=30, check=False
+        )
         assert result.returncode == 0, (result.stdout + result.stderr).decode()
-        assert b'gpuwarden_gpu_nvlink_errors_total{' in text
+        assert b"gpuwarden_gpu_nvlink_errors_total{" in text

@@ -28,8 +28,18 @@ from tests.support.nvml import find, value
 
 pytestmark = [pytest.mark.gpu]
 
-SMI_FIELDS = ("index", "uuid", "name", "pci.bus_id", "temperature.gpu", "memory.total",
-              "power.limit", "driver_version", "clocks.sm", "clocks.mem")
+SMI_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "pci.bus_id",
+    "temperature.gpu",
+    "memory.total",
+    "power.limit",
+    "driver_version",
+    "clocks.sm",
+    "clocks.mem",
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +57,9 @@ async def one_round(backend: NvmlBackend) -> Collection:
     shared = SharedServices()
     shared.put(NvmlBackend, backend)
     emitted: list[Event] = []
-    deps = CollectorDeps("gpu-test", Path("/nonexistent"), MemoryKeyValueStore(), shared,
-                         emitted.append)
+    deps = CollectorDeps(
+        "gpu-test", Path("/nonexistent"), MemoryKeyValueStore(), shared, emitted.append
+    )
     collector = GpuCollector(GpuSettings(event_thread=False), deps)
     executor = concurrent.futures.ThreadPoolExecutor(4)
     try:
@@ -68,11 +79,17 @@ def nvidia_smi() -> list[dict[str, str]]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         pytest.skip("nvidia-smi not installed")
-    out = subprocess.run([smi, f"--query-gpu={','.join(SMI_FIELDS)}",
-                          "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    return [dict(zip(SMI_FIELDS, (v.strip() for v in line.split(",")), strict=True))
-            for line in out.strip().splitlines()]
+    out = subprocess.run(
+        [smi, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [
+        dict(zip(SMI_FIELDS, (v.strip() for v in line.split(",")), strict=True))
+        for line in out.strip().splitlines()
+    ]
 
 
 class TestRealBackend:
@@ -87,10 +104,20 @@ class TestRealBackend:
             assert dict(result.static.errors) == {}
             assert dict(result.slow.errors) == {}
             r = result.reading
-            for name in ("temperature_gpu_celsius", "power_draw_watts", "power_limit_watts",
-                         "sm_clock_hertz", "memory_clock_hertz", "clock_event_reasons",
-                         "utilization_gpu_ratio", "memory_total_bytes", "memory_used_bytes",
-                         "pcie_generation", "pcie_width", "compute_processes"):
+            for name in (
+                "temperature_gpu_celsius",
+                "power_draw_watts",
+                "power_limit_watts",
+                "sm_clock_hertz",
+                "memory_clock_hertz",
+                "clock_event_reasons",
+                "utilization_gpu_ratio",
+                "memory_total_bytes",
+                "memory_used_bytes",
+                "pcie_generation",
+                "pcie_width",
+                "compute_processes",
+            ):
                 assert getattr(r, name) is not None, name
             assert result.static.identity.uuid.startswith("GPU-")
             assert result.static.driver_version
@@ -120,8 +147,9 @@ class TestRealEventThread:
     def test_start_stop(self, backend: NvmlBackend) -> None:
         gpus = [(g.index, backend.read_gpu(g.index, static=True).static) for g in backend.gpus()]
         masks = [(i, s.supported_event_types if s else None) for i, s in gpus]
-        thread = GpuEventThread(backend, XidCorrelator(), lambda e: None, masks,
-                                lambda: {}, wait_ms=200)
+        thread = GpuEventThread(
+            backend, XidCorrelator(), lambda e: None, masks, lambda: {}, wait_ms=200
+        )
         thread.start()
         assert thread.ready.wait(10)
         assert thread.running, thread.error
@@ -143,8 +171,9 @@ class TestAgainstNvidiaSmi:
             assert labels["pci_bus_id"] == normalize_pci_bus_id(row["pci.bus_id"])
             info = find(collection, "gpuwarden_gpu_info", gpu=gpu)[0].labels
             assert info["driver_version"] == row["driver_version"]
-            temperature = value(collection, "gpuwarden_gpu_temperature_celsius", gpu=gpu,
-                                sensor="gpu")
+            temperature = value(
+                collection, "gpuwarden_gpu_temperature_celsius", gpu=gpu, sensor="gpu"
+            )
             assert temperature is not None
             assert abs(temperature - float(row["temperature.gpu"])) <= 3
             total = value(collection, "gpuwarden_gpu_memory_total_bytes", gpu=gpu)

@@ -33,23 +33,50 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     source = work / "src"
     source.mkdir()
     for name in ("agent", "collectors", "exporters"):
-        shutil.copytree(ROOT / name, source / name,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index",
-                    "--no-build-isolation", "-w", str(work / "dist"), str(source)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "-w",
+            str(work / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return next((work / "dist").glob("gpuwarden-*.whl"))
 
 
 @pytest.fixture(scope="module")
 def staged(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     destdir = tmp_path_factory.mktemp("destdir")
-    env = {**os.environ, "DESTDIR": str(destdir), "PACKAGE": str(wheel),
-           "PIP_ARGS": "--no-deps --no-index", "PYTHON": sys.executable, "CREATE_USER": "1"}
-    done = subprocess.run(["sh", str(ROOT / "scripts/install.sh")], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    env = {
+        **os.environ,
+        "DESTDIR": str(destdir),
+        "PACKAGE": str(wheel),
+        "PIP_ARGS": "--no-deps --no-index",
+        "PYTHON": sys.executable,
+        "CREATE_USER": "1",
+    }
+    done = subprocess.run(
+        ["sh", str(ROOT / "scripts/install.sh")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return destdir
 
@@ -58,13 +85,15 @@ class TestStagedInstall:
     """Everything lands under DESTDIR, pointing at the final paths."""
 
     def test_layout(self, staged: Path) -> None:
-        for path in ("etc/systemd/system/gpuwarden.service",
-                     "etc/systemd/system/gpuwarden-watch.service",
-                     "usr/lib/sysusers.d/gpuwarden.conf",
-                     "etc/gpuwarden/gpuwarden.toml",
-                     "opt/gpuwarden/share/prometheus/gpuwarden-rules.yml",
-                     "opt/gpuwarden/share/grafana/gpuwarden.json",
-                     "opt/gpuwarden/venv/bin/gpuwarden"):
+        for path in (
+            "etc/systemd/system/gpuwarden.service",
+            "etc/systemd/system/gpuwarden-watch.service",
+            "usr/lib/sysusers.d/gpuwarden.conf",
+            "etc/gpuwarden/gpuwarden.toml",
+            "opt/gpuwarden/share/prometheus/gpuwarden-rules.yml",
+            "opt/gpuwarden/share/grafana/gpuwarden.json",
+            "opt/gpuwarden/venv/bin/gpuwarden",
+        ):
             assert (staged / path).is_file(), path
         secret = staged / "etc/gpuwarden/mqtt-password"
         assert secret.stat().st_mode & 0o777 == 0o600
@@ -78,11 +107,22 @@ class TestStagedInstall:
         # The wheel went in without dependencies (offline); borrow them from the test's venv.
         env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
         python = staged / "opt/gpuwarden/venv/bin/python"
-        done = subprocess.run([str(python), str(staged / "opt/gpuwarden/venv/bin/gpuwarden"),
-                               "config", "check", "--config",
-                               str(staged / "etc/gpuwarden/gpuwarden.toml")],
-                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                              check=False)
+        done = subprocess.run(
+            [
+                str(python),
+                str(staged / "opt/gpuwarden/venv/bin/gpuwarden"),
+                "config",
+                "check",
+                "--config",
+                str(staged / "etc/gpuwarden/gpuwarden.toml"),
+            ],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
     def test_user_created_in_the_staging_root(self, staged: Path) -> None:
@@ -92,10 +132,20 @@ class TestStagedInstall:
     def test_edited_config_is_kept(self, staged: Path, wheel: Path) -> None:
         config_path = staged / "etc/gpuwarden/gpuwarden.toml"
         config_path.write_text('node_id = "edited"\n')
-        env = {**os.environ, "DESTDIR": str(staged), "PACKAGE": str(wheel),
-               "PIP_ARGS": "--no-deps --no-index", "PYTHON": sys.executable}
-        subprocess.run(["sh", str(ROOT / "scripts/install.sh")], env=env, check=True,
-                       capture_output=True, timeout=300)
+        env = {
+            **os.environ,
+            "DESTDIR": str(staged),
+            "PACKAGE": str(wheel),
+            "PIP_ARGS": "--no-deps --no-index",
+            "PYTHON": sys.executable,
+        }
+        subprocess.run(
+            ["sh", str(ROOT / "scripts/install.sh")],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         assert config_path.read_text() == 'node_id = "edited"\n'
 
 
@@ -106,7 +156,8 @@ class TestConfigExample:
         current = (ROOT / "configs/gpuwarden.toml.example").read_text()
         assert current == config_example.render(), (
             "configs/gpuwarden.toml.example is out of date: "
-            "run python scripts/config_example.py --write")
+            "run python scripts/config_example.py --write"
+        )
 
     def test_uncommented_it_is_the_defaults(self) -> None:
         lines = []

@@ -19,8 +19,12 @@ from collectors.xid import XidCorrelator, XidObservation
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
 
 PCI = "0000:3b:00.0"
-IDENTITY = {"gpu": "0", "uuid": "GPU-5b3c1d2e", "pci_bus_id": "00000000:3B:00.0",
-            "model": "NVIDIA H200"}
+IDENTITY = {
+    "gpu": "0",
+    "uuid": "GPU-5b3c1d2e",
+    "pci_bus_id": "00000000:3B:00.0",
+    "model": "NVIDIA H200",
+}
 IO_ERROR = "I/O error, dev sdb, sector 2048 op 0x1:(WRITE) flags 0x800 phys_seg 1 prio class 2"
 
 
@@ -34,8 +38,9 @@ def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
 class Harness:
     """A collector as the runtime builds it: real thread pool, real state store."""
 
-    def __init__(self, tmp_path: Path, device: FakeKmsg,
-                 executor: concurrent.futures.Executor) -> None:
+    def __init__(
+        self, tmp_path: Path, device: FakeKmsg, executor: concurrent.futures.Executor
+    ) -> None:
         self.tmp_path = tmp_path
         self.device = device
         self.executor = executor
@@ -46,8 +51,9 @@ class Harness:
         self.collector = self.build()
 
     def build(self) -> KernelLogCollector:
-        settings = KernelLogSettings(path=Path("/dev/kmsg"), boot_id_path=self.boot_id,
-                                     repeat_holdoff=300.0)
+        settings = KernelLogSettings(
+            path=Path("/dev/kmsg"), boot_id_path=self.boot_id, repeat_holdoff=300.0
+        )
         deps = CollectorDeps("node", self.tmp_path, self.store, self.shared, lambda e: None)
         return KernelLogCollector(settings, deps, io=self.device)
 
@@ -99,7 +105,9 @@ def value(samples: list[Sample], name: str, **labels: str) -> float | None:
 
 def planted_device() -> FakeKmsg:
     device = FakeKmsg.with_records(capture_records())
-    device.write("NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus.")
+    device.write(
+        "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus."
+    )
     device.write("NVRM: Xid (PCI:0000:3b:00): 48, pid=1, name=fake, forged", facility=1, level=6)
     for _ in range(3):
         device.write(IO_ERROR, level=3)
@@ -110,8 +118,9 @@ def planted_device() -> FakeKmsg:
 class TestKernelLogCollector:
     """What the runtime gets from the collector, round by round."""
 
-    async def test_first_start_reports_backlog_once(self, tmp_path: Path,
-                                                    executor: concurrent.futures.Executor) -> None:
+    async def test_first_start_reports_backlog_once(
+        self, tmp_path: Path, executor: concurrent.futures.Executor
+    ) -> None:
         """The backlog's findings are events marked predates_agent; a forged Xid is only counted;
         repeated I/O errors raise one event; the counters count every line."""
         h = Harness(tmp_path, planted_device(), executor)
@@ -130,8 +139,17 @@ class TestKernelLogCollector:
         assert oom.attributes["pid"] == 9876
         assert oom.source == "kernel_log"
         assert oom.attributes["predates_agent"] is True
-        assert value(samples, "gpuwarden_xid_errors_total", xid="79", gpu="0",
-                     uuid="GPU-5b3c1d2e", model="NVIDIA H200") == 1
+        assert (
+            value(
+                samples,
+                "gpuwarden_xid_errors_total",
+                xid="79",
+                gpu="0",
+                uuid="GPU-5b3c1d2e",
+                model="NVIDIA H200",
+            )
+            == 1
+        )
         assert value(samples, "gpuwarden_kernel_log_ignored_records_total", kind="xid") == 1
         assert value(samples, "gpuwarden_kernel_log_findings_total", kind="io_error") == 3
         assert value(samples, "gpuwarden_kernel_log_suppressed_events_total", kind="io_error") == 2
@@ -141,8 +159,9 @@ class TestKernelLogCollector:
         assert {s.family for s in samples} <= set(h.collector.families())
         await h.collector.close()
 
-    async def test_restart_reports_nothing_again(self, tmp_path: Path,
-                                                 executor: concurrent.futures.Executor) -> None:
+    async def test_restart_reports_nothing_again(
+        self, tmp_path: Path, executor: concurrent.futures.Executor
+    ) -> None:
         """Same boot, restarted agent: no event repeats; the skipped records are counted."""
         h = Harness(tmp_path, planted_device(), executor)
         events, _ = await h.collect()
@@ -150,13 +169,15 @@ class TestKernelLogCollector:
         await h.restart()
         events, samples = await h.collect()
         assert events == []
-        assert value(samples, "gpuwarden_kernel_log_replay_skipped_records_total") == \
-            len(h.device.records)
+        assert value(samples, "gpuwarden_kernel_log_replay_skipped_records_total") == len(
+            h.device.records
+        )
         assert value(samples, "gpuwarden_kernel_log_records_total") == 0
         await h.collector.close()
 
     async def test_a_failed_cursor_commit_keeps_the_rounds_findings(
-            self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
+        self, tmp_path: Path, executor: concurrent.futures.Executor
+    ) -> None:
         """The state store refuses the cursor once: the round's findings still come out, and
         the cursor is saved by the next round's commit, so a restart replays nothing."""
         h = Harness(tmp_path, planted_device(), executor)
@@ -171,20 +192,23 @@ class TestKernelLogCollector:
         await h.restart()
         events, samples = await h.collect()
         assert events == []
-        assert value(samples, "gpuwarden_kernel_log_replay_skipped_records_total") == \
-            len(h.device.records)
+        assert value(samples, "gpuwarden_kernel_log_replay_skipped_records_total") == len(
+            h.device.records
+        )
         await h.collector.close()
 
     async def test_reload_does_not_mark_new_records_as_backlog(
-            self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
+        self, tmp_path: Path, executor: concurrent.futures.Executor
+    ) -> None:
         """A collector made again by a configuration reload (same process, same shared
         services) reports records written since the last round as live, not predating."""
         h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
         events, _ = await h.collect()
         assert events == []
         await h.collector.close()
-        h.device.write("Out of memory: Killed process 4321 (trainer) total-vm:1kB, anon-rss:1kB",
-                       level=3)
+        h.device.write(
+            "Out of memory: Killed process 4321 (trainer) total-vm:1kB, anon-rss:1kB", level=3
+        )
         h.collector = h.build()  # what Runtime.reload does: same store, same SharedServices
         events, _ = await h.collect()
         [oom] = events
@@ -193,7 +217,8 @@ class TestKernelLogCollector:
         await h.collector.close()
 
     async def test_live_xid_seen_by_both_sources_is_one_event(
-            self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
+        self, tmp_path: Path, executor: concurrent.futures.Executor
+    ) -> None:
         """An Xid NVML reports and the kernel log writes at the same time: one event, both."""
         h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
         events, _ = await h.collect()
@@ -201,10 +226,15 @@ class TestKernelLogCollector:
         correlator = h.shared.get(XidCorrelator, XidCorrelator)
         correlator.set_identity(PCI, IDENTITY)
         now = time.time()
-        correlator.observe(XidObservation(source="nvml", pci_bus_id=PCI, code=48, time=now,
-                                          text="NVML event: Xid 48"))
-        h.device.write("NVRM: Xid (PCI:0000:3b:00): 48, pid=77, name=sim, DBE",
-                       usec=int(time.monotonic() * 1e6))
+        correlator.observe(
+            XidObservation(
+                source="nvml", pci_bus_id=PCI, code=48, time=now, text="NVML event: Xid 48"
+            )
+        )
+        h.device.write(
+            "NVRM: Xid (PCI:0000:3b:00): 48, pid=77, name=sim, DBE",
+            usec=int(time.monotonic() * 1e6),
+        )
         events, _ = await h.collect(now=now)
         assert events == []  # the correlation window is open
         events, samples = await h.collect(now=now + correlator.window + 1)
@@ -216,20 +246,24 @@ class TestKernelLogCollector:
         await h.collector.close()
 
     async def test_close_hands_on_waiting_xids(
-            self, tmp_path: Path, executor: concurrent.futures.Executor) -> None:
+        self, tmp_path: Path, executor: concurrent.futures.Executor
+    ) -> None:
         """An Xid still inside its correlation window at shutdown is emitted, not lost."""
         h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
         emitted: list[Event] = []
         h.collector.deps = CollectorDeps("node", tmp_path, h.store, h.shared, emitted.append)
         await h.collect()
-        h.device.write("NVRM: Xid (PCI:0000:3b:00): 94, Contained", usec=int(time.monotonic() * 1e6))
+        h.device.write(
+            "NVRM: Xid (PCI:0000:3b:00): 94, Contained", usec=int(time.monotonic() * 1e6)
+        )
         events, _ = await h.collect()
         assert events == []
         await h.collector.close()
         assert [e.attributes["xid"] for e in emitted] == [94]
 
-    async def test_saved_file_source(self, tmp_path: Path,
-                                     executor: concurrent.futures.Executor) -> None:
+    async def test_saved_file_source(
+        self, tmp_path: Path, executor: concurrent.futures.Executor
+    ) -> None:
         """A file of saved lines works as the source, tail-like."""
         log = tmp_path / "kern.log"
         log.write_text(f"[  1.0] {IO_ERROR}\n")
@@ -242,13 +276,15 @@ class TestKernelLogCollector:
         with log.open("a") as handle:
             handle.write("[  2.0] INFO: task python3:55012 blocked for more than 245 seconds.\n")
         result = await collector.collect(ctx)
-        assert [(e.kind, e.attributes["predates_agent"]) for e in result.events] == \
-            [("hung_task", False)]
+        assert [(e.kind, e.attributes["predates_agent"]) for e in result.events] == [
+            ("hung_task", False)
+        ]
         await collector.close()
         store.close()
 
     def test_registered(self) -> None:
         """The registry finds the collector; its interval is shorter than the Xid window."""
         from agent import registry
+
         assert registry.collector_spec("kernel_log") is SPEC
         assert SPEC.defaults().interval < 5.0  # shorter than the correlator's window

@@ -39,8 +39,9 @@ def h200_device() -> FakeKmsg:
     return device
 
 
-def reader_for(device: FakeKmsg, boot_id_path: Path, state: MemoryKeyValueStore | StateStore,
-               **kwargs: object) -> KmsgReader:
+def reader_for(
+    device: FakeKmsg, boot_id_path: Path, state: MemoryKeyValueStore | StateStore, **kwargs: object
+) -> KmsgReader:
     return KmsgReader(Path("/dev/kmsg"), boot_id_path, state, io=device, **kwargs)  # type: ignore[arg-type]
 
 
@@ -72,8 +73,9 @@ class TestReading:
     def test_h200_capture_with_planted_xids(self, tmp_path: Path) -> None:
         """Every record of the capture is read, the planted Xids last, one read each."""
         device = h200_device()
-        reader = reader_for(device, write_boot_id(tmp_path / "boot_id", BOOT_A),
-                            MemoryKeyValueStore())
+        reader = reader_for(
+            device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
+        )
         batch = reader.read()
         assert len(batch.records) == len(device.records)
         assert batch.records[-2].message == XID79
@@ -88,13 +90,15 @@ class TestReading:
         assert second.records == []
         assert not second.predates_agent
 
-    def test_backlog_longer_than_one_round(self, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_backlog_longer_than_one_round(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """A backlog read over several rounds is all marked predates_agent; what follows is not."""
         monkeypatch.setattr("collectors.kmsg.MAX_RECORDS_PER_READ", 100)
         device = h200_device()
-        reader = reader_for(device, write_boot_id(tmp_path / "boot_id", BOOT_A),
-                            MemoryKeyValueStore())
+        reader = reader_for(
+            device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
+        )
         batches = [reader.read() for _ in range(4)]
         assert [len(b.records) for b in batches] == [100, 100, 100, len(device.records) - 300]
         assert all(b.predates_agent for b in batches)
@@ -106,16 +110,18 @@ class TestReading:
     def test_short_buffer_is_a_clear_error(self, tmp_path: Path) -> None:
         """A buffer too small for a record fails loudly, naming the cause (it would loop)."""
         device = FakeKmsg.with_records([kmsg_record(0, "x" * 200)])
-        reader = reader_for(device, write_boot_id(tmp_path / "boot_id", BOOT_A),
-                            MemoryKeyValueStore(), read_size=64)
+        reader = reader_for(
+            device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore(), read_size=64
+        )
         with pytest.raises(KernelLogError, match="EINVAL"):
             reader.read()
 
     def test_overrun_is_counted_and_reading_continues(self, tmp_path: Path) -> None:
         """EPIPE: the overwritten records are counted as lost, the rest is read."""
         device = FakeKmsg.with_records([kmsg_record(i, f"r{i}") for i in range(5)])
-        reader = reader_for(device, write_boot_id(tmp_path / "boot_id", BOOT_A),
-                            MemoryKeyValueStore())
+        reader = reader_for(
+            device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
+        )
         assert len(reader.read().records) == 5
         for i in range(5, 15):
             device.write(f"r{i}")
@@ -128,8 +134,9 @@ class TestReading:
         """A record written by a root process arrives with facility 1 and is not from_kernel."""
         device = FakeKmsg()
         device.write(XID79, facility=1, level=6)
-        reader = reader_for(device, write_boot_id(tmp_path / "boot_id", BOOT_A),
-                            MemoryKeyValueStore())
+        reader = reader_for(
+            device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
+        )
         [record] = reader.read().records
         assert record.facility == 1
         assert not record.from_kernel
@@ -154,16 +161,19 @@ class TestRestart:
         batch = first.read()
         first.commit(batch)
         first.close()
-        assert store.get(STATE_NAMESPACE, KMSG_CURSOR_KEY) == \
-            {"boot_id": BOOT_A, "seq": device.next_seq - 1}
+        assert store.get(STATE_NAMESPACE, KMSG_CURSOR_KEY) == {
+            "boot_id": BOOT_A,
+            "seq": device.next_seq - 1,
+        }
         device.write("NVRM: Xid (PCI:0000:3b:00): 48, DBE while the agent was down")
         store.close()
 
         store = StateStore.open(tmp_path / "state")
         again = reader_for(device, boot, store)
         batch = again.read()
-        assert [r.message for r in batch.records] == \
-            ["NVRM: Xid (PCI:0000:3b:00): 48, DBE while the agent was down"]
+        assert [r.message for r in batch.records] == [
+            "NVRM: Xid (PCI:0000:3b:00): 48, DBE while the agent was down"
+        ]
         assert batch.predates_agent
         assert batch.skipped == len(device.records) - 1
         again.commit(batch)

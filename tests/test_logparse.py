@@ -22,38 +22,83 @@ XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen of
 class TestShapes:
     """Each saved shape gives the message, its stamp and (where the shape has one) the facility."""
 
-    @pytest.mark.parametrize(("line", "fmt", "facility", "level", "stamp"), [
-        (f"4,1005,11172835,-;{XID}", "kmsg", 0, 4, "11.172835"),
-        (f"[   11.172835] {XID}", "dmesg", None, None, "11.172835"),
-        (f"[Sun Nov 29 17:42:14 2026] {XID}", "dmesg-T", None, None, "Sun Nov 29 17:42:14 2026"),
-        (f"[Mon Nov  9 07:02:04 2026] {XID}", "dmesg-T", None, None, "Mon Nov  9 07:02:04 2026"),
-        (f"kern  :warn  : 2026-11-29T17:42:14,172835+00:00 {XID}", "decode+dmesg-iso", 0, 4,
-         "2026-11-29T17:42:14,172835+00:00"),
-        (f"kern  :err   : [   11.172835] {XID}", "decode+dmesg", 0, 3, "11.172835"),
-        (f"2026-11-29T17:42:14,172835+00:00 {XID}", "dmesg-iso", None, None,
-         "2026-11-29T17:42:14,172835+00:00"),
-        (f"Nov 29 17:42:14 gpu-host-17 kernel: {XID}", "journal", 0, None, "Nov 29 17:42:14"),
-        (f"Nov  9 17:42:14.172835 gpu-host-17 kernel: {XID}", "journal", 0, None,
-         "Nov  9 17:42:14.172835"),
-        (f"2026-11-29T17:42:14+0000 gpu-host-17 kernel: {XID}", "journal", 0, None,
-         "2026-11-29T17:42:14+0000"),
-        (XID, "plain", None, None, ""),
-    ])
-    def test_shape(self, line: str, fmt: str, facility: int | None, level: int | None,
-                   stamp: str) -> None:
+    @pytest.mark.parametrize(
+        ("line", "fmt", "facility", "level", "stamp"),
+        [
+            (f"4,1005,11172835,-;{XID}", "kmsg", 0, 4, "11.172835"),
+            (f"[   11.172835] {XID}", "dmesg", None, None, "11.172835"),
+            (
+                f"[Sun Nov 29 17:42:14 2026] {XID}",
+                "dmesg-T",
+                None,
+                None,
+                "Sun Nov 29 17:42:14 2026",
+            ),
+            (
+                f"[Mon Nov  9 07:02:04 2026] {XID}",
+                "dmesg-T",
+                None,
+                None,
+                "Mon Nov  9 07:02:04 2026",
+            ),
+            (
+                f"kern  :warn  : 2026-11-29T17:42:14,172835+00:00 {XID}",
+                "decode+dmesg-iso",
+                0,
+                4,
+                "2026-11-29T17:42:14,172835+00:00",
+            ),
+            (f"kern  :err   : [   11.172835] {XID}", "decode+dmesg", 0, 3, "11.172835"),
+            (
+                f"2026-11-29T17:42:14,172835+00:00 {XID}",
+                "dmesg-iso",
+                None,
+                None,
+                "2026-11-29T17:42:14,172835+00:00",
+            ),
+            (f"Nov 29 17:42:14 gpu-host-17 kernel: {XID}", "journal", 0, None, "Nov 29 17:42:14"),
+            (
+                f"Nov  9 17:42:14.172835 gpu-host-17 kernel: {XID}",
+                "journal",
+                0,
+                None,
+                "Nov  9 17:42:14.172835",
+            ),
+            (
+                f"2026-11-29T17:42:14+0000 gpu-host-17 kernel: {XID}",
+                "journal",
+                0,
+                None,
+                "2026-11-29T17:42:14+0000",
+            ),
+            (XID, "plain", None, None, ""),
+        ],
+    )
+    def test_shape(
+        self, line: str, fmt: str, facility: int | None, level: int | None, stamp: str
+    ) -> None:
         """The message comes out whole whatever the prefix."""
         record = parse_line(line, 7)
         assert record is not None
-        assert (record.message, record.format, record.facility, record.level, record.timestamp) \
-            == (XID, fmt, facility, level, stamp)
+        assert (record.message, record.format, record.facility, record.level, record.timestamp) == (
+            XID,
+            fmt,
+            facility,
+            level,
+            stamp,
+        )
         assert record.line == 7
 
     def test_user_space_lines_are_marked(self) -> None:
         """A raw record with facility 1, `user:` in dmesg --decode, a journal ident other than
         `kernel` are not from the kernel."""
-        for line in (f"14,9,1,-;{XID}", f"user  :info  : 2026-11-29T17:42:14,1+00:00 {XID}",
-                     f"Nov 29 17:42:14 host root[4242]: {XID}", f"Nov 29 17:42:14 host logger: {XID}",
-                     f"2026-11-29T17:42:14+0000 host root[42]: {XID}"):
+        for line in (
+            f"14,9,1,-;{XID}",
+            f"user  :info  : 2026-11-29T17:42:14,1+00:00 {XID}",
+            f"Nov 29 17:42:14 host root[4242]: {XID}",
+            f"Nov 29 17:42:14 host logger: {XID}",
+            f"2026-11-29T17:42:14+0000 host root[42]: {XID}",
+        ):
             record = parse_line(line)
             assert record is not None, line
             assert not record.from_kernel, line
@@ -62,8 +107,11 @@ class TestShapes:
         """`usb 1-1: ...` after an ISO stamp is a dmesg message, not host `usb`, ident `1-1`."""
         record = parse_line("2026-11-29T17:42:14,1+00:00 usb 1-1: new high-speed USB device")
         assert record is not None
-        assert (record.format, record.message, record.from_kernel) == \
-            ("dmesg-iso", "usb 1-1: new high-speed USB device", True)
+        assert (record.format, record.message, record.from_kernel) == (
+            "dmesg-iso",
+            "usb 1-1: new high-speed USB device",
+            True,
+        )
 
     def test_blank_and_banner_lines_are_no_records(self) -> None:
         """Blank lines and journalctl's `-- ... --` banners are neither records nor malformed."""
@@ -72,10 +120,16 @@ class TestShapes:
         assert parse_line("-- Boot 0123456789abcdef --") is None
         assert parse_line("-- No entries --") is None
 
-    @pytest.mark.parametrize("line", [
-        "6,notanumber,17,-;broken", "99999,1,1,-;priority too large", "[   17.5 never closes",
-        "[Sun Nov 29 17:42 never closes", "a\x00b",
-    ])
+    @pytest.mark.parametrize(
+        "line",
+        [
+            "6,notanumber,17,-;broken",
+            "99999,1,1,-;priority too large",
+            "[   17.5 never closes",
+            "[Sun Nov 29 17:42 never closes",
+            "a\x00b",
+        ],
+    )
     def test_malformed(self, line: str) -> None:
         """Lines that start like a shape but break it raise MalformedLine."""
         with pytest.raises(MalformedLine):
@@ -87,9 +141,16 @@ class TestKmsgRecord:
 
     def test_fields_escapes_and_continuations(self) -> None:
         """Priority splits into facility and level; \\xNN unescapes; KEY=value lines become fields."""
-        data = b"14,42,1234567,-;hello\\x09tab \\x5c back\n SUBSYSTEM=pci\n DEVICE=+pci:0000:3b:00.0\n"
+        data = (
+            b"14,42,1234567,-;hello\\x09tab \\x5c back\n SUBSYSTEM=pci\n DEVICE=+pci:0000:3b:00.0\n"
+        )
         record = parse_kmsg_record(data)
-        assert (record.facility, record.level, record.seq, record.monotonic_usec) == (1, 6, 42, 1234567)
+        assert (record.facility, record.level, record.seq, record.monotonic_usec) == (
+            1,
+            6,
+            42,
+            1234567,
+        )
         assert record.message == "hello\ttab \\ back"
         assert dict(record.fields) == {"SUBSYSTEM": "pci", "DEVICE": "+pci:0000:3b:00.0"}
 
@@ -165,15 +226,25 @@ class TestProperties:
         assert record.seq is not None
         assert record.facility is not None
 
-    @given(facility=st.integers(0, 23), level=st.integers(0, 7), seq=st.integers(0, 2**63),
-           usec=st.integers(0, 2**63), message=_messages)
-    def test_kmsg_round_trip(self, facility: int, level: int, seq: int, usec: int,
-                             message: str) -> None:
+    @given(
+        facility=st.integers(0, 23),
+        level=st.integers(0, 7),
+        seq=st.integers(0, 2**63),
+        usec=st.integers(0, 2**63),
+        message=_messages,
+    )
+    def test_kmsg_round_trip(
+        self, facility: int, level: int, seq: int, usec: int, message: str
+    ) -> None:
         """What the kernel escapes comes back as written."""
         data = kmsg_record(seq, message, level=level, facility=facility, usec=usec)
         record = parse_kmsg_record(data)
-        assert (record.facility, record.level, record.seq, record.monotonic_usec) == \
-            (facility, level, seq, usec)
+        assert (record.facility, record.level, record.seq, record.monotonic_usec) == (
+            facility,
+            level,
+            seq,
+            usec,
+        )
         assert record.message == message
         assert escape_kmsg(record.message).isascii()
 
@@ -184,10 +255,15 @@ LIVE = H200_CAPTURE.parent / "h200-live"
 class TestRealH200Shapes:
     """The shapes util-linux printed on the real H200 parse whole and agree with the raw records."""
 
-    @pytest.mark.parametrize(("name", "shape"), [
-        ("kmsg.txt", "kmsg"), ("dmesg.txt", "dmesg"), ("dmesg-T.txt", "dmesg-T"),
-        ("dmesg-iso.txt", "decode+dmesg-iso"),
-    ])
+    @pytest.mark.parametrize(
+        ("name", "shape"),
+        [
+            ("kmsg.txt", "kmsg"),
+            ("dmesg.txt", "dmesg"),
+            ("dmesg-T.txt", "dmesg-T"),
+            ("dmesg-iso.txt", "decode+dmesg-iso"),
+        ],
+    )
     def test_same_messages_in_every_shape(self, name: str, shape: str) -> None:
         """Every line is recognised as its shape, none malformed, same messages as the raw
         records (dmesg prints the unescaped text, the raw records escape it)."""

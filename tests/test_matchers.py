@@ -30,38 +30,77 @@ def scan(*messages: str) -> list[Finding]:
 class TestXid:
     """NVRM Xid lines in their variations."""
 
-    @pytest.mark.parametrize(("line", "pci", "code", "pid", "process"), [
-        ("NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus.",
-         "0000:3b:00.0", 79, 2314, "python3"),
-        ("NVRM: Xid (0000:86:00): 13, pid=4411, name=train.py, Graphics SM Warp Exception on "
-         "(GPC 1, TPC 0, SM 1): Out Of Range Address", "0000:86:00.0", 13, 4411, "train.py"),
-        ("NVRM: Xid (PCI:0000:C1:00): 94, pid='<unknown>', name=<unknown>, Contained: CE User "
-         "Channel (0x9). RST: No, D-RST: No", "0000:c1:00.0", 94, None, ""),
-        ("NVRM: Xid (PCI:0001:0a:00): 48, An uncorrectable double bit error (DBE) has been "
-         "detected on GPU in the framebuffer at partition 6, subpartition 0.",
-         "0001:0a:00.0", 48, None, ""),
-        ("NVRM: Xid (PCI:0000:18:00): 119, pid=1021, name=nvidia-smi, Timeout after 6s of "
-         "waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL)",
-         "0000:18:00.0", 119, 1021, "nvidia-smi"),
-        ("NVRM: Xid (PCI:0000:18:00): 31", "0000:18:00.0", 31, None, ""),
-    ])
-    def test_variants(self, line: str, pci: str, code: int, pid: int | None,
-                      process: str) -> None:
+    @pytest.mark.parametrize(
+        ("line", "pci", "code", "pid", "process"),
+        [
+            (
+                "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus.",
+                "0000:3b:00.0",
+                79,
+                2314,
+                "python3",
+            ),
+            (
+                "NVRM: Xid (0000:86:00): 13, pid=4411, name=train.py, Graphics SM Warp Exception on "
+                "(GPC 1, TPC 0, SM 1): Out Of Range Address",
+                "0000:86:00.0",
+                13,
+                4411,
+                "train.py",
+            ),
+            (
+                "NVRM: Xid (PCI:0000:C1:00): 94, pid='<unknown>', name=<unknown>, Contained: CE User "
+                "Channel (0x9). RST: No, D-RST: No",
+                "0000:c1:00.0",
+                94,
+                None,
+                "",
+            ),
+            (
+                "NVRM: Xid (PCI:0001:0a:00): 48, An uncorrectable double bit error (DBE) has been "
+                "detected on GPU in the framebuffer at partition 6, subpartition 0.",
+                "0001:0a:00.0",
+                48,
+                None,
+                "",
+            ),
+            (
+                "NVRM: Xid (PCI:0000:18:00): 119, pid=1021, name=nvidia-smi, Timeout after 6s of "
+                "waiting for RPC response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL)",
+                "0000:18:00.0",
+                119,
+                1021,
+                "nvidia-smi",
+            ),
+            ("NVRM: Xid (PCI:0000:18:00): 31", "0000:18:00.0", 31, None, ""),
+        ],
+    )
+    def test_variants(self, line: str, pci: str, code: int, pid: int | None, process: str) -> None:
         """PCI: prefix optional, no function number, text varies; the address is normalised."""
         [finding] = XidMatcher().feed(LogRecord(message=line, line=3))
-        assert (finding.kind, finding.pci_bus_id, finding.code, finding.pid, finding.process) == \
-            ("xid", pci, code, pid, process)
+        assert (finding.kind, finding.pci_bus_id, finding.code, finding.pid, finding.process) == (
+            "xid",
+            pci,
+            code,
+            pid,
+            process,
+        )
         assert finding.line == 3
         assert finding.meaning
         assert finding.action
 
     def test_catalog_severity_and_unknown_codes(self) -> None:
         """79 is critical, 13 a warning (application), an unknown code is kept and says so."""
-        found = scan("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
-                     "NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception",
-                     "NVRM: Xid (PCI:0000:3b:00): 4242, something new")
-        assert [(f.code, f.severity) for f in found] == \
-            [(79, Severity.CRITICAL), (13, Severity.WARNING), (4242, Severity.WARNING)]
+        found = scan(
+            "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+            "NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception",
+            "NVRM: Xid (PCI:0000:3b:00): 4242, something new",
+        )
+        assert [(f.code, f.severity) for f in found] == [
+            (79, Severity.CRITICAL),
+            (13, Severity.WARNING),
+            (4242, Severity.WARNING),
+        ]
         assert found[1].attributes["fault"] == "application"
         assert found[2].attributes["known"] is False
         assert "4242" in found[2].meaning
@@ -86,9 +125,11 @@ class TestSxid:
         ]
 
 
-THREE_LINES = ("NVRM: The NVIDIA GPU 0000:18:00.0",
-               "NVRM: (PCI ID: 10de:2335) installed in this system has",
-               "NVRM: fallen off the bus and is not responding to commands.")
+THREE_LINES = (
+    "NVRM: The NVIDIA GPU 0000:18:00.0",
+    "NVRM: (PCI ID: 10de:2335) installed in this system has",
+    "NVRM: fallen off the bus and is not responding to commands.",
+)
 
 
 class TestFallenOffBus:
@@ -97,8 +138,12 @@ class TestFallenOffBus:
     def test_three_line_form(self) -> None:
         """One finding, at the first line, with the GPU's address and PCI device id."""
         [finding] = scan("usb 1-1: new device", *THREE_LINES)
-        assert (finding.kind, finding.pci_bus_id, finding.line, finding.severity) == \
-            ("gpu_fallen_off_bus", "0000:18:00.0", 2, Severity.CRITICAL)
+        assert (finding.kind, finding.pci_bus_id, finding.line, finding.severity) == (
+            "gpu_fallen_off_bus",
+            "0000:18:00.0",
+            2,
+            Severity.CRITICAL,
+        )
         assert finding.attributes["pci_device_id"] == "10de:2335"
 
     def test_interrupted_sequence_is_no_finding(self) -> None:
@@ -111,8 +156,9 @@ class TestFallenOffBus:
         one_line = "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."
         [alone] = scan(one_line)
         assert (alone.kind, alone.pci_bus_id) == ("gpu_fallen_off_bus", "0000:3b:00.0")
-        after = scan("NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.",
-                     one_line)
+        after = scan(
+            "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.", one_line
+        )
         assert [f.kind for f in after] == ["xid"]
         other_gpu = scan("NVRM: Xid (PCI:0000:86:00): 79, GPU has fallen off the bus.", one_line)
         assert [f.kind for f in other_gpu] == ["xid", "gpu_fallen_off_bus"]
@@ -120,8 +166,9 @@ class TestFallenOffBus:
     def test_far_from_its_xid_79_is_reported(self) -> None:
         """Hundreds of records later, a new fall off the bus is a new finding."""
         matcher = FallenOffBusMatcher()
-        for record in records("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
-                              *["filler"] * 200):
+        for record in records(
+            "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", *["filler"] * 200
+        ):
             assert list(matcher.feed(record)) == []
         found = list(matcher.feed(LogRecord("NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.")))
         assert len(found) == 1
@@ -130,43 +177,126 @@ class TestFallenOffBus:
 class TestHostKinds:
     """Disk, file-system, NVMe, OOM and hung-task lines as the kernel writes them."""
 
-    @pytest.mark.parametrize(("line", "kind", "device", "process", "pid"), [
-        ("blk_update_request: I/O error, dev sdb, sector 123456 op 0x1:(WRITE) flags 0x800 "
-         "phys_seg 1 prio class 0", "io_error", "sdb", "", None),
-        ("I/O error, dev nvme0n1, sector 2048 op 0x0:(READ) flags 0x80700 phys_seg 1 prio class 2",
-         "io_error", "nvme0n1", "", None),
-        ("Buffer I/O error on dev sdc1, logical block 0, async page read", "io_error", "sdc1", "", None),
-        ("EXT4-fs error (device sdb1): ext4_find_entry:1455: inode #2: comm ls: reading "
-         "directory lblock 0", "fs_error", "sdb1", "", None),
-        ("EXT4-fs (dm-0): Remounting filesystem read-only", "fs_error", "dm-0", "", None),
-        ("XFS (nvme1n1p1): Metadata corruption detected at xfs_buf_ioend+0x1a0/0x3d0 [xfs], "
-         "xfs_inode block 0x1f0", "fs_error", "nvme1n1p1", "", None),
-        ("XFS (md0): log I/O error -5", "fs_error", "md0", "", None),
-        ("XFS (sdb1): Corruption of in-memory data (0x8) detected at xfs_trans_cancel+0x140/0x150 "
-         "[xfs] (fs/xfs/xfs_trans.c:1098).  Shutting down filesystem.", "fs_error", "sdb1", "", None),
-        ("nvme nvme1: I/O 234 QID 7 timeout, reset controller", "nvme_error", "nvme1", "", None),
-        ("nvme nvme0: I/O 17 QID 0 timeout, aborting", "nvme_error", "nvme0", "", None),
-        ("nvme nvme3: controller is down; will reset: CSTS=0xffffffff, PCI_STATUS=0x10",
-         "nvme_error", "nvme3", "", None),
-        ("nvme nvme2: Removing after probe failure status: -19", "nvme_error", "nvme2", "", None),
-        ("Out of memory: Killed process 9876 (python3) total-vm:123456789kB, anon-rss:98765432kB, "
-         "file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:200000kB oom_score_adj:0",
-         "oom_kill", "", "python3", 9876),
-        ("Memory cgroup out of memory: Killed process 4321 (pt_main_thread) total-vm:1kB",
-         "oom_kill", "", "pt_main_thread", 4321),
-        ("Killed process 1234 (java) total-vm:4096kB, anon-rss:2048kB, file-rss:0kB",
-         "oom_kill", "", "java", 1234),
-        ("INFO: task kworker/u64:2:812 blocked for more than 122 seconds.",
-         "hung_task", "", "kworker/u64:2", 812),
-        ("INFO: task python3:55012 blocked for more than 245 seconds.",
-         "hung_task", "", "python3", 55012),
-    ])
-    def test_kind(self, line: str, kind: str, device: str, process: str,
-                  pid: int | None) -> None:
+    @pytest.mark.parametrize(
+        ("line", "kind", "device", "process", "pid"),
+        [
+            (
+                "blk_update_request: I/O error, dev sdb, sector 123456 op 0x1:(WRITE) flags 0x800 "
+                "phys_seg 1 prio class 0",
+                "io_error",
+                "sdb",
+                "",
+                None,
+            ),
+            (
+                "I/O error, dev nvme0n1, sector 2048 op 0x0:(READ) flags 0x80700 phys_seg 1 prio class 2",
+                "io_error",
+                "nvme0n1",
+                "",
+                None,
+            ),
+            (
+                "Buffer I/O error on dev sdc1, logical block 0, async page read",
+                "io_error",
+                "sdc1",
+                "",
+                None,
+            ),
+            (
+                "EXT4-fs error (device sdb1): ext4_find_entry:1455: inode #2: comm ls: reading "
+                "directory lblock 0",
+                "fs_error",
+                "sdb1",
+                "",
+                None,
+            ),
+            ("EXT4-fs (dm-0): Remounting filesystem read-only", "fs_error", "dm-0", "", None),
+            (
+                "XFS (nvme1n1p1): Metadata corruption detected at xfs_buf_ioend+0x1a0/0x3d0 [xfs], "
+                "xfs_inode block 0x1f0",
+                "fs_error",
+                "nvme1n1p1",
+                "",
+                None,
+            ),
+            ("XFS (md0): log I/O error -5", "fs_error", "md0", "", None),
+            (
+                "XFS (sdb1): Corruption of in-memory data (0x8) detected at xfs_trans_cancel+0x140/0x150 "
+                "[xfs] (fs/xfs/xfs_trans.c:1098).  Shutting down filesystem.",
+                "fs_error",
+                "sdb1",
+                "",
+                None,
+            ),
+            (
+                "nvme nvme1: I/O 234 QID 7 timeout, reset controller",
+                "nvme_error",
+                "nvme1",
+                "",
+                None,
+            ),
+            ("nvme nvme0: I/O 17 QID 0 timeout, aborting", "nvme_error", "nvme0", "", None),
+            (
+                "nvme nvme3: controller is down; will reset: CSTS=0xffffffff, PCI_STATUS=0x10",
+                "nvme_error",
+                "nvme3",
+                "",
+                None,
+            ),
+            (
+                "nvme nvme2: Removing after probe failure status: -19",
+                "nvme_error",
+                "nvme2",
+                "",
+                None,
+            ),
+            (
+                "Out of memory: Killed process 9876 (python3) total-vm:123456789kB, anon-rss:98765432kB, "
+                "file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:200000kB oom_score_adj:0",
+                "oom_kill",
+                "",
+                "python3",
+                9876,
+            ),
+            (
+                "Memory cgroup out of memory: Killed process 4321 (pt_main_thread) total-vm:1kB",
+                "oom_kill",
+                "",
+                "pt_main_thread",
+                4321,
+            ),
+            (
+                "Killed process 1234 (java) total-vm:4096kB, anon-rss:2048kB, file-rss:0kB",
+                "oom_kill",
+                "",
+                "java",
+                1234,
+            ),
+            (
+                "INFO: task kworker/u64:2:812 blocked for more than 122 seconds.",
+                "hung_task",
+                "",
+                "kworker/u64:2",
+                812,
+            ),
+            (
+                "INFO: task python3:55012 blocked for more than 245 seconds.",
+                "hung_task",
+                "",
+                "python3",
+                55012,
+            ),
+        ],
+    )
+    def test_kind(self, line: str, kind: str, device: str, process: str, pid: int | None) -> None:
         """Kind, device or process and pid come out of the line; meaning names them."""
         [finding] = HostMatcher().feed(LogRecord(message=line))
-        assert (finding.kind, finding.device, finding.process, finding.pid) == \
-            (kind, device, process, pid)
+        assert (finding.kind, finding.device, finding.process, finding.pid) == (
+            kind,
+            device,
+            process,
+            pid,
+        )
         assert (device or process) in finding.meaning
 
     def test_hung_task_seconds(self) -> None:
@@ -174,18 +304,21 @@ class TestHostKinds:
         [finding] = scan("INFO: task python3:55012 blocked for more than 245 seconds.")
         assert finding.attributes["blocked_seconds"] == 245
 
-    @pytest.mark.parametrize("line", [
-        "nvme nvme0: 16/0/0 default/read/poll queues",
-        "EXT4-fs (sda1): mounted filesystem 1c2d3e4f with ordered data mode. Quota mode: none.",
-        "XFS (sdb1): Mounting V5 Filesystem 1c2d3e4f-aaaa-bbbb-cccc-1234567890ab",
-        "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,task=python3,pid=9876,uid=0",
-        "oom_reaper: reaped process 9876 (python3), now anon-rss:0kB, file-rss:0kB",
-        "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.159.04",
-        "NVRM: GPU at PCI:0000:3b:00: GPU-5b3c1d2e-8f4a-4c6b-9d1e-2a3b4c5d6e7f",
-        "nvidia-nvswitch0: using MSI",
-        "      Tainted: P           OE      6.8.0-49-generic #49-Ubuntu",
-        "\"echo 0 > /proc/sys/kernel/hung_task_timeout_secs\" disables this message.",
-    ])
+    @pytest.mark.parametrize(
+        "line",
+        [
+            "nvme nvme0: 16/0/0 default/read/poll queues",
+            "EXT4-fs (sda1): mounted filesystem 1c2d3e4f with ordered data mode. Quota mode: none.",
+            "XFS (sdb1): Mounting V5 Filesystem 1c2d3e4f-aaaa-bbbb-cccc-1234567890ab",
+            "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,task=python3,pid=9876,uid=0",
+            "oom_reaper: reaped process 9876 (python3), now anon-rss:0kB, file-rss:0kB",
+            "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.159.04",
+            "NVRM: GPU at PCI:0000:3b:00: GPU-5b3c1d2e-8f4a-4c6b-9d1e-2a3b4c5d6e7f",
+            "nvidia-nvswitch0: using MSI",
+            "      Tainted: P           OE      6.8.0-49-generic #49-Ubuntu",
+            '"echo 0 > /proc/sys/kernel/hung_task_timeout_secs" disables this message.',
+        ],
+    )
     def test_ordinary_lines_are_no_findings(self, line: str) -> None:
         """Lines near the findings, which are not findings themselves, produce nothing."""
         assert scan(line) == []
@@ -217,14 +350,23 @@ class TestUserSpaceRecords:
 
 _nvrm_like = st.one_of(
     st.text(max_size=200),
-    st.builds(lambda pci, code, rest: f"NVRM: Xid (PCI:{pci}): {code}, {rest}",
-              st.text("0123456789abcdefABCDEF:.", max_size=20), st.text("0123456789", max_size=8),
-              st.text(max_size=40)),
-    st.builds(lambda dev, rest: f"nvidia-nvswitch{dev}: SXid (PCI:{rest}",
-              st.integers(0, 99), st.text(max_size=60)),
+    st.builds(
+        lambda pci, code, rest: f"NVRM: Xid (PCI:{pci}): {code}, {rest}",
+        st.text("0123456789abcdefABCDEF:.", max_size=20),
+        st.text("0123456789", max_size=8),
+        st.text(max_size=40),
+    ),
+    st.builds(
+        lambda dev, rest: f"nvidia-nvswitch{dev}: SXid (PCI:{rest}",
+        st.integers(0, 99),
+        st.text(max_size=60),
+    ),
     st.sampled_from([*THREE_LINES, "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus."]),
-    st.builds(lambda a, b: f"INFO: task {a}:{b} blocked for more than 1 seconds.",
-              st.text(max_size=30), st.text(max_size=10)),
+    st.builds(
+        lambda a, b: f"INFO: task {a}:{b} blocked for more than 1 seconds.",
+        st.text(max_size=30),
+        st.text(max_size=10),
+    ),
     st.builds(lambda a: f"Out of memory: Killed process {a}", st.text(max_size=40)),
 )
 
@@ -238,8 +380,16 @@ class TestProperties:
         matchers = MatcherSet()
         recs = [LogRecord(message=m, line=i, facility=f) for i, (m, f) in enumerate(items, 1)]
         for finding in matchers.scan(recs):
-            assert finding.kind in {"xid", "sxid", "gpu_fallen_off_bus", "io_error", "fs_error",
-                                    "nvme_error", "oom_kill", "hung_task"}
+            assert finding.kind in {
+                "xid",
+                "sxid",
+                "gpu_fallen_off_bus",
+                "io_error",
+                "fs_error",
+                "nvme_error",
+                "oom_kill",
+                "hung_task",
+            }
             assert finding.meaning
             assert finding.action
             assert isinstance(finding.severity, Severity)

@@ -21,8 +21,13 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def all_families(tmp_path: Path) -> list[MetricFamily]:
-    deps = CollectorDeps(node_id="n", state_dir=tmp_path, state=MemoryKeyValueStore(),
-                         shared=SharedServices(), emit=lambda event: None)
+    deps = CollectorDeps(
+        node_id="n",
+        state_dir=tmp_path,
+        state=MemoryKeyValueStore(),
+        shared=SharedServices(),
+        emit=lambda event: None,
+    )
     families: list[MetricFamily] = []
     for name in registry.COLLECTORS:
         spec = registry.collector_spec(name)
@@ -58,19 +63,30 @@ class TestMetricContract:
         prom = CollectorRegistry(auto_describe=False)
         prom.register(Snapshot())  # type: ignore[arg-type]
         text = generate_latest(prom)
-        result = subprocess.run(["promtool", "check", "metrics"], input=text,
-                                capture_output=True, timeout=60, check=False)
+        result = subprocess.run(
+            ["promtool", "check", "metrics"],
+            input=text,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
         assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
     def test_readme_lists_every_metric(self, tmp_path: Path) -> None:
         text = README.read_text()
-        missing = sorted({f.name for f in all_families(tmp_path)
-                          if not re.search(rf"`{re.escape(f.name)}(`|\{{)", text)})
+        missing = sorted(
+            {
+                f.name
+                for f in all_families(tmp_path)
+                if not re.search(rf"`{re.escape(f.name)}(`|\{{)", text)
+            }
+        )
         assert not missing, f"README.md has no row for: {missing}"
 
     def test_sample_rejects_nan_and_wrong_labels(self) -> None:
-        family = MetricFamily("gpuwarden_x_celsius", __import__("agent.model").model.MetricType.GAUGE,
-                              "x", ("gpu",))
+        family = MetricFamily(
+            "gpuwarden_x_celsius", __import__("agent.model").model.MetricType.GAUGE, "x", ("gpu",)
+        )
         with pytest.raises(ValueError, match="NaN"):
             family.sample(float("nan"), "0")
         with pytest.raises(ValueError, match="labels"):

@@ -47,9 +47,11 @@ async def agent(tmp_path: Path) -> AsyncIterator[Callable[..., InProcessAgent]]:
 class TestSettings:
     """[mqtt] validation: URLs, keepalive, TLS file pairs."""
 
-    @given(st.sampled_from(["mqtt", "mqtts"]), st.from_regex(r"[a-z][a-z0-9-]{0,20}(\.[a-z]{2,5})?",
-                                                             fullmatch=True),
-           st.integers(1, 65535))
+    @given(
+        st.sampled_from(["mqtt", "mqtts"]),
+        st.from_regex(r"[a-z][a-z0-9-]{0,20}(\.[a-z]{2,5})?", fullmatch=True),
+        st.integers(1, 65535),
+    )
     def test_url_round_trip(self, scheme: str, host: str, port: int) -> None:
         """Any host and port come back as given, TLS for mqtts."""
         address = parse_url(f"{scheme}://{host}:{port}")
@@ -83,14 +85,21 @@ class TestTopics:
     """Status, heartbeat, events and metrics land on the contract's topics."""
 
     async def test_birth_heartbeat_events_metrics_and_offline(
-            self, broker: Broker, agent: Callable[..., InProcessAgent]) -> None:
+        self, broker: Broker, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """online (retained, bdseq), heartbeats (retained), events with ids, metrics, offline."""
         sub = Subscriber(broker.port).start()
         first = agent({"url": broker.url, "metrics_interval": 1.0, "metrics_qos": 1})
         await first.start()
         ids = emit_events(first, 5, "hello")
-        await until(lambda: len(sub.on("/events")) >= 5 and len(sub.on("/metrics")) >= 1
-                    and len(sub.on("/heartbeat")) >= 2, what="events, metrics, heartbeats")
+        await until(
+            lambda: (
+                len(sub.on("/events")) >= 5
+                and len(sub.on("/metrics")) >= 1
+                and len(sub.on("/heartbeat")) >= 2
+            ),
+            what="events, metrics, heartbeats",
+        )
         online = sub.on("node-a/status")[0].json()
         assert online["state"] == "online"
         assert online["bdseq"] >= 1
@@ -107,8 +116,9 @@ class TestTopics:
         metrics = sub.on("/metrics")[-1].json()["metrics"]
         assert metrics["gpuwarden_build_info"]["labels"] == ["version", "python"]
         await first.stop()
-        await until(lambda: any(m.json()["state"] == "offline" for m in sub.on("/status")),
-                    what="offline")
+        await until(
+            lambda: any(m.json()["state"] == "offline" for m in sub.on("/status")), what="offline"
+        )
         offline = [m.json() for m in sub.on("/status")][-1]
         assert offline["bdseq"] == online["bdseq"]
         # retained: a late subscriber still sees the last status and heartbeat
@@ -139,8 +149,9 @@ class TestAccess:
             subprocess.run(["mosquitto_passwd", "-b", str(passwords), user, password], check=True)
         lines = [f"password_file {passwords}", "user root"]
         if acl:
-            (workdir / "acl").write_text("pattern write gpuwarden/v1/%u/#\n"
-                                         "user watcher\ntopic read gpuwarden/v1/#\n")
+            (workdir / "acl").write_text(
+                "pattern write gpuwarden/v1/%u/#\nuser watcher\ntopic read gpuwarden/v1/#\n"
+            )
             lines.append(f"acl_file {workdir / 'acl'}")
         return Broker(workdir, allow_anonymous=False, extra_config=lines).start()
 
@@ -150,13 +161,19 @@ class TestAccess:
         path.chmod(0o600)
         return path
 
-    async def test_right_password_delivers(self, tmp_path: Path,
-                                           agent: Callable[..., InProcessAgent]) -> None:
+    async def test_right_password_delivers(
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """With the right password the node connects and its events arrive."""
         broker = self.password_broker(tmp_path)
         try:
-            a = agent({"url": broker.url, "username": "node-a",
-                       "password_file": str(self.password_file(tmp_path, "right"))})
+            a = agent(
+                {
+                    "url": broker.url,
+                    "username": "node-a",
+                    "password_file": str(self.password_file(tmp_path, "right")),
+                }
+            )
             runtime = await a.start()
             await until(lambda: runtime.sinks["mqtt"].connected, what="connected")
             assert runtime.ledger["mqtt"].last_delivery is not None
@@ -164,13 +181,19 @@ class TestAccess:
             broker.stop()
 
     async def test_wrong_password_is_one_clear_event(
-            self, tmp_path: Path, agent: Callable[..., InProcessAgent]) -> None:
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """Bad credentials: one event (not one per retry), counted per attempt. mosquitto 2
         answers a v5 CONNECT with a wrong password with 0x87 Not authorized, not 0x86."""
         broker = self.password_broker(tmp_path)
         try:
-            a = agent({"url": broker.url, "username": "node-a",
-                       "password_file": str(self.password_file(tmp_path, "wrong"))})
+            a = agent(
+                {
+                    "url": broker.url,
+                    "username": "node-a",
+                    "password_file": str(self.password_file(tmp_path, "wrong")),
+                }
+            )
             runtime = await a.start()
             sink = runtime.sinks["mqtt"]
             await until(lambda: sum(sink.connect_failures.values()) >= 3, what="retries")
@@ -183,7 +206,8 @@ class TestAccess:
             broker.stop()
 
     async def test_readable_password_file_is_refused(
-            self, tmp_path: Path, agent: Callable[..., InProcessAgent]) -> None:
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """A password file other users can read stops the start with the chmod to run."""
         path = self.password_file(tmp_path, "right")
         path.chmod(0o644)
@@ -191,14 +215,21 @@ class TestAccess:
         with pytest.raises(OSError, match="chmod 600"):
             await a.start()
 
-    async def test_acl_denial_is_detected(self, tmp_path: Path,
-                                          agent: Callable[..., InProcessAgent]) -> None:
+    async def test_acl_denial_is_detected(
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """Under its own name a node delivers; under another's prefix the v5 PUBACK refusal
         becomes a publish_refused event and nothing is deleted from the outbox."""
         broker = self.password_broker(tmp_path, acl=True)
         try:
-            a = agent({"url": broker.url, "username": "node-a", "topic_prefix": "elsewhere/v1",
-                       "password_file": str(self.password_file(tmp_path, "right"))})
+            a = agent(
+                {
+                    "url": broker.url,
+                    "username": "node-a",
+                    "topic_prefix": "elsewhere/v1",
+                    "password_file": str(self.password_file(tmp_path, "right")),
+                }
+            )
             runtime = await a.start()
             sink = runtime.sinks["mqtt"]
             await until(lambda: bool(a.events_of("broker_publish_refused")), what="refusal")
@@ -213,34 +244,48 @@ class TestAccess:
 class TestTls:
     """mqtts:// with a CA made by the test; a wrong CA or host name fails loudly."""
 
-    def tls_broker(self, tmp_path: Path, authority: Authority, host: str,
-                   client_certs: bool = False) -> Broker:
-        server = authority.issue(host, dns_names=(host,), ip_addresses=("127.0.0.1",)
-                                 if host == "127.0.0.1" else ())
+    def tls_broker(
+        self, tmp_path: Path, authority: Authority, host: str, client_certs: bool = False
+    ) -> Broker:
+        server = authority.issue(
+            host, dns_names=(host,), ip_addresses=("127.0.0.1",) if host == "127.0.0.1" else ()
+        )
         workdir = tmp_path / "broker-tls"
         # These lines make the generated listener a TLS one.
-        lines = [f"certfile {server.cert}", f"keyfile {server.key}", f"cafile {authority.cert}",
-                 "user root"]
+        lines = [
+            f"certfile {server.cert}",
+            f"keyfile {server.key}",
+            f"cafile {authority.cert}",
+            "user root",
+        ]
         if client_certs:
             lines.append("require_certificate true")
         return Broker(workdir, extra_config=lines).start()
 
-    async def test_client_certificate(self, tmp_path: Path,
-                                      agent: Callable[..., InProcessAgent]) -> None:
+    async def test_client_certificate(
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """A broker that requires client certificates accepts the node's cert and key."""
         authority = Authority(tmp_path / "ca").create()
         broker = self.tls_broker(tmp_path, authority, "127.0.0.1", client_certs=True)
         client = authority.issue("node-a", client=True)
         try:
-            a = agent({"url": f"mqtts://127.0.0.1:{broker.port}", "ca_file": str(authority.cert),
-                       "cert_file": str(client.cert), "key_file": str(client.key)})
+            a = agent(
+                {
+                    "url": f"mqtts://127.0.0.1:{broker.port}",
+                    "ca_file": str(authority.cert),
+                    "cert_file": str(client.cert),
+                    "key_file": str(client.key),
+                }
+            )
             runtime = await a.start()
             await until(lambda: runtime.sinks["mqtt"].connected, what="mutual TLS connection")
         finally:
             broker.stop()
 
-    async def test_good_ca_connects(self, tmp_path: Path,
-                                    agent: Callable[..., InProcessAgent]) -> None:
+    async def test_good_ca_connects(
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """The CA that signed the broker's certificate, and the right host name: connected."""
         authority = Authority(tmp_path / "ca").create()
         broker = self.tls_broker(tmp_path, authority, "127.0.0.1")
@@ -253,13 +298,17 @@ class TestTls:
 
     @pytest.mark.parametrize("problem", ["wrong_ca", "wrong_host"])
     async def test_wrong_ca_or_host_fails_loudly(
-            self, tmp_path: Path, agent: Callable[..., InProcessAgent], problem: str) -> None:
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent], problem: str
+    ) -> None:
         """Another CA, or a certificate for another host: a tls_failed event, no connection."""
         authority = Authority(tmp_path / "ca").create()
         host = "127.0.0.1" if problem == "wrong_ca" else "other.example"
         broker = self.tls_broker(tmp_path, authority, host)
-        trusted = Authority(tmp_path / "other-ca", "other").create() if problem == "wrong_ca" \
+        trusted = (
+            Authority(tmp_path / "other-ca", "other").create()
+            if problem == "wrong_ca"
             else authority
+        )
         try:
             a = agent({"url": f"mqtts://127.0.0.1:{broker.port}", "ca_file": str(trusted.cert)})
             runtime = await a.start()
@@ -274,7 +323,8 @@ class TestOutage:
     """Broker down for a while: the outbox keeps everything and delivers it in order."""
 
     async def test_every_event_arrives_after_the_outage(
-            self, tmp_path: Path, agent: Callable[..., InProcessAgent]) -> None:
+        self, tmp_path: Path, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """Exactly the ids produced before, during and after the outage arrive."""
         workdir = tmp_path / "broker-p"
         broker = Broker(workdir, extra_config=persistent_broker_lines(workdir)).start()
@@ -301,8 +351,10 @@ class TestOutage:
             first_seen = list(dict.fromkeys(received))
             assert first_seen == ids
             kinds = {e.kind for e in runtime.recent_events}
-            assert {"broker_connection_lost", "broker_connected"} <= kinds or \
-                {"broker_unreachable", "broker_connected"} <= kinds
+            assert {"broker_connection_lost", "broker_connected"} <= kinds or {
+                "broker_unreachable",
+                "broker_connected",
+            } <= kinds
         finally:
             sub.stop()
             broker.stop()
@@ -311,8 +363,9 @@ class TestOutage:
 class TestExposition:
     """The sink's own series pass promtool and show the age of the last PUBACK."""
 
-    async def test_promtool_clean(self, broker: Broker,
-                                  agent: Callable[..., InProcessAgent]) -> None:
+    async def test_promtool_clean(
+        self, broker: Broker, agent: Callable[..., InProcessAgent]
+    ) -> None:
         """/metrics rendering of the delivery series: promtool check metrics exits 0."""
         from prometheus_client import CollectorRegistry, generate_latest
 
@@ -329,8 +382,9 @@ class TestExposition:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(Snapshot())  # type: ignore[arg-type]
         text = generate_latest(registry)
-        check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
-                               check=False)
+        check = subprocess.run(
+            ["promtool", "check", "metrics"], input=text, capture_output=True, check=False
+        )
         assert check.returncode == 0, check.stdout + check.stderr
         assert b"gpuwarden_mqtt_last_ack_age_seconds " in text
         assert b'gpuwarden_stale{kind="sink",name="mqtt"} 0.0' in text

@@ -47,17 +47,25 @@ class TestStaleSink:
             assert stale_value(runtime, "sink", "mqtt") == 1
             assert any("sink mqtt has not delivered" in p for p in runtime.health().problems)
             # a heartbeat queued while stale (the first one after the event may predate it)
-            await until(lambda: any(b"sink mqtt has not delivered" in e.payload
-                                    for e in runtime.store.outbox_peek(100)
-                                    if e.kind == "heartbeat"), what="a degraded heartbeat queued")
+            await until(
+                lambda: any(
+                    b"sink mqtt has not delivered" in e.payload
+                    for e in runtime.store.outbox_peek(100)
+                    if e.kind == "heartbeat"
+                ),
+                what="a degraded heartbeat queued",
+            )
             broker.start()
             sub.start()
             await until(lambda: bool(agent.events_of("sink_recovered")), what="recovered")
             assert stale_value(runtime, "sink", "mqtt") == 0
-            await until(lambda: any(isinstance(m.json()["health"], list)
-                                    for m in sub.on("/heartbeat")), what="degraded heartbeat")
-            degraded = next(m.json() for m in sub.on("/heartbeat")
-                            if isinstance(m.json()["health"], list))
+            await until(
+                lambda: any(isinstance(m.json()["health"], list) for m in sub.on("/heartbeat")),
+                what="degraded heartbeat",
+            )
+            degraded = next(
+                m.json() for m in sub.on("/heartbeat") if isinstance(m.json()["health"], list)
+            )
             assert any("sink mqtt" in problem for problem in degraded["health"])
             assert len(agent.events_of("sink_stale")) == 1
         finally:
@@ -74,11 +82,15 @@ class TestStaleCollector:
         empty_proc = tmp_path / "proc"
         empty_proc.mkdir()
         agent = InProcessAgent(
-            tmp_path / "state", {"url": "mqtt://127.0.0.1:1", "reconnect_min": 5.0,
-                                 "reconnect_max": 5.0},
+            tmp_path / "state",
+            {"url": "mqtt://127.0.0.1:1", "reconnect_min": 5.0, "reconnect_max": 5.0},
             heartbeat_interval=0.3,
-            extra={"collectors": {"system": {"interval": 0.2, "timeout": 0.5,
-                                              "proc_root": str(empty_proc)}}})
+            extra={
+                "collectors": {
+                    "system": {"interval": 0.2, "timeout": 0.5, "proc_root": str(empty_proc)}
+                }
+            },
+        )
         runtime = await agent.start()
         try:
             await until(lambda: bool(agent.events_of("collector_stale")), what="collector_stale")
@@ -97,14 +109,25 @@ class TestClassify:
         """CONNACK codes, TLS, refused sockets, lost sessions and refused publishes."""
         refused = ReasonCode(PacketTypes.PUBACK, identifier=0x87)
         assert classify(PublishRefused("t", refused))[0] == "publish_refused"
-        assert classify(MqttConnectError(ReasonCode(PacketTypes.CONNACK, identifier=0x86)))[0] \
+        assert (
+            classify(MqttConnectError(ReasonCode(PacketTypes.CONNACK, identifier=0x86)))[0]
             == "bad_credentials"
-        assert classify(MqttConnectError(ReasonCode(PacketTypes.CONNACK, identifier=0x87)))[0] \
+        )
+        assert (
+            classify(MqttConnectError(ReasonCode(PacketTypes.CONNACK, identifier=0x87)))[0]
             == "not_authorized"
-        assert classify(MqttConnectError(ReasonCode(PacketTypes.CONNACK, identifier=0x88)))[0] \
+        )
+        assert (
+            classify(MqttConnectError(ReasonCode(PacketTypes.CONNACK, identifier=0x88)))[0]
             == "refused"
-        tls = aiomqtt.MqttError(str(ssl.SSLCertVerificationError(
-            1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")))
+        )
+        tls = aiomqtt.MqttError(
+            str(
+                ssl.SSLCertVerificationError(
+                    1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed"
+                )
+            )
+        )
         assert classify(tls)[0] == "tls_failed"
         assert classify(aiomqtt.MqttError("[Errno 111] Connection refused"))[0] == "unreachable"
         assert classify(aiomqtt.MqttError("Operation timed out"))[0] == "connection_lost"

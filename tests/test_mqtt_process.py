@@ -16,9 +16,11 @@ from tests.support.waiting import wait_until
 
 
 def mqtt_config(broker: Broker) -> str:
-    return (f'[mqtt]\nenabled = true\nurl = "{broker.url}"\nkeepalive = 5\n'
-            "reconnect_min = 0.2\nreconnect_max = 1.0\n"
-            "[heartbeat]\ninterval = 0.5\nstale_after_intervals = 2\n")
+    return (
+        f'[mqtt]\nenabled = true\nurl = "{broker.url}"\nkeepalive = 5\n'
+        "reconnect_min = 0.2\nreconnect_max = 1.0\n"
+        "[heartbeat]\ninterval = 0.5\nstale_after_intervals = 2\n"
+    )
 
 
 def statuses(sub: Subscriber) -> list[dict[str, object]]:
@@ -34,8 +36,9 @@ def stored_event_ids(agent: AgentProcess) -> set[str]:
 class TestWillAndBirth:
     """What the broker tells the world when the agent dies or stops."""
 
-    def test_will_on_sigkill_offline_on_sigterm(self, broker: Broker,
-                                                agent_process: AgentProcess) -> None:
+    def test_will_on_sigkill_offline_on_sigterm(
+        self, broker: Broker, agent_process: AgentProcess
+    ) -> None:
         """SIGKILL: the broker publishes the Will (offline, same bdseq). Restart: a higher
         bdseq. SIGTERM: the agent publishes offline itself and exits 0."""
         sub = Subscriber(broker.port).start()
@@ -90,13 +93,16 @@ class TestKilledDuringOutage:
             agent_process.signal(signal.SIGKILL)
             agent_process.stop()
             agent_process.start()
-            wait_until(lambda: len(stored_event_ids(agent_process)) > len(before_kill),
-                       what="events from the restarted agent")
+            wait_until(
+                lambda: len(stored_event_ids(agent_process)) > len(before_kill),
+                what="events from the restarted agent",
+            )
             broker.start()
             sub.start()
             produced = stored_event_ids(agent_process)
-            sub.wait_for(lambda s: produced <= set(s.event_ids()), timeout=30,
-                         what="every stored event")
+            sub.wait_for(
+                lambda s: produced <= set(s.event_ids()), timeout=30, what="every stored event"
+            )
             received = set(sub.event_ids())
             assert received <= stored_event_ids(agent_process)  # nothing invented
             kinds = {m.json()["kind"] for m in sub.on("/events")}

@@ -16,8 +16,9 @@ from tests.support.mqtt import InProcessAgent, Subscriber
 from tests.support.waiting import until
 
 
-def fail_once(original: Callable[..., Any],
-              when: Callable[..., bool] = lambda *_a, **_k: True) -> Callable[..., Any]:
+def fail_once(
+    original: Callable[..., Any], when: Callable[..., bool] = lambda *_a, **_k: True
+) -> Callable[..., Any]:
     """`original`, except that its first call matching `when` raises StateStoreError."""
     failed = False
 
@@ -63,8 +64,12 @@ class TestStoreFailure:
 
     @pytest.mark.parametrize("method", ["peek", "ack"])
     async def test_outbox_fails_once_while_draining(
-            self, agent: InProcessAgent, subscribed: Subscriber, method: str,
-            monkeypatch: pytest.MonkeyPatch) -> None:
+        self,
+        agent: InProcessAgent,
+        subscribed: Subscriber,
+        method: str,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
         """outbox.peek / outbox.ack raising once: a new connection delivers what follows."""
         runtime = await agent.start()
         sink = runtime.sinks["mqtt"]
@@ -76,19 +81,24 @@ class TestStoreFailure:
         assert_survived(runtime)
 
     async def test_birth_number_read_fails_once(
-            self, agent: InProcessAgent, subscribed: Subscriber,
-            monkeypatch: pytest.MonkeyPatch) -> None:
+        self, agent: InProcessAgent, subscribed: Subscriber, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """Reading the stored birth number raising once: the sink connects on the retry."""
-        monkeypatch.setattr(StateStore, "get", fail_once(
-            StateStore.get, lambda _store, namespace, key: (namespace, key) == ("mqtt", "bdseq")))
+        monkeypatch.setattr(
+            StateStore,
+            "get",
+            fail_once(
+                StateStore.get, lambda _store, namespace, key: (namespace, key) == ("mqtt", "bdseq")
+            ),
+        )
         runtime = await agent.start()
         await delivers_event(agent, subscribed, "after")
         assert runtime.sinks["mqtt"].connected
         assert_survived(runtime)
 
     async def test_producer_survives_a_store_failure(
-            self, agent: InProcessAgent, subscribed: Subscriber,
-            monkeypatch: pytest.MonkeyPatch) -> None:
+        self, agent: InProcessAgent, subscribed: Subscriber, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """The heartbeat producer raising once goes on producing heartbeats."""
         runtime = await agent.start()
         sink = runtime.sinks["mqtt"]

@@ -60,8 +60,9 @@ class TestErrorMapping:
         assert "Unknown" in reading.errors["temperature_gpu"]
 
     def test_driver_missing_at_init(self) -> None:
-        backend = NvmlBackend(FakeNvml([FakeGpu.h200(0)],
-                                       init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+        backend = NvmlBackend(
+            FakeNvml([FakeGpu.h200(0)], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        )
         with pytest.raises(NvmlUnavailable) as caught:
             backend.start()
         assert caught.value.code == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
@@ -86,7 +87,6 @@ class TestErrorMapping:
         assert not backend.up
         with pytest.raises(NvmlUnavailable):
             backend.device_count()
-
 
     def test_failed_device_count_is_an_error_not_zero(self) -> None:
         fake = CountFails([FakeGpu.h200(i) for i in range(8)])

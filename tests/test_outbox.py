@@ -19,7 +19,9 @@ def event(i: int) -> Event:
     return Event(source="test", kind="probe", severity=Severity.INFO, message=f"event {i}")
 
 
-def fill(store: StateStore, outbox: Outbox, events: int, metrics: int, heartbeats: int) -> list[str]:
+def fill(
+    store: StateStore, outbox: Outbox, events: int, metrics: int, heartbeats: int
+) -> list[str]:
     ids = []
     for i in range(max(events, metrics, heartbeats)):
         if i < metrics:
@@ -77,8 +79,10 @@ class TestBounds:
         outbox.put("metrics", "snapshot", b"x", created=now - 120)
         # An event that happened an hour ago (an old kernel-log record) is queued now: its age
         # in the outbox counts from now, or it would be dropped on arrival.
-        store.record_event(Event(source="t", kind="k", severity=Severity.INFO, message="old",
-                                 time=now - 3600), outbox=True)
+        store.record_event(
+            Event(source="t", kind="k", severity=Severity.INFO, message="old", time=now - 3600),
+            outbox=True,
+        )
         store.record_event(event(1), outbox=True)
         assert outbox.enforce(now + 30) == {"metrics": 1}
         assert store.outbox_depth() == {"event": 2}
@@ -86,8 +90,10 @@ class TestBounds:
         assert store.outbox_depth() == {}
 
     @settings(max_examples=40, deadline=None)
-    @given(st.lists(st.sampled_from(["event", "metrics", "heartbeat"]), max_size=80),
-           st.integers(10, 40))
+    @given(
+        st.lists(st.sampled_from(["event", "metrics", "heartbeat"]), max_size=80),
+        st.integers(10, 40),
+    )
     def test_bound_holds_and_events_outlive_snapshots(self, kinds: list[str], limit: int) -> None:
         """After enforce: within the bound; an event was dropped only if no snapshot is left."""
         store = StateStore.in_memory()
@@ -119,14 +125,15 @@ class TestSurvival:
         assert [e.key for e in again.outbox_peek(10)] == ids
         again.close()
 
-
     async def test_startup_problems_are_queued(self, tmp_path: Path) -> None:
         """An event raised while opening the store (a corrupt database) is in the outbox."""
         state = tmp_path / "state"
         state.mkdir()
         (state / "state.db").write_bytes(b"this is not a database" * 100)
-        agent = InProcessAgent(state, {"url": f"mqtt://127.0.0.1:{free_port()}",
-                                       "reconnect_min": 5.0, "reconnect_max": 5.0})
+        agent = InProcessAgent(
+            state,
+            {"url": f"mqtt://127.0.0.1:{free_port()}", "reconnect_min": 5.0, "reconnect_max": 5.0},
+        )
         runtime = await agent.start()
         try:
             queued = [e for e in runtime.store.outbox_peek(100) if e.kind == "event"]
@@ -141,9 +148,16 @@ class TestSinkDrops:
     async def test_full_outbox_while_broker_down(self, tmp_path: Path) -> None:
         """Broker unreachable, outbox over its bound: snapshots dropped and counted, one
         outbox_dropped event, events kept."""
-        agent = InProcessAgent(tmp_path / "state", {
-            "url": f"mqtt://127.0.0.1:{free_port()}", "outbox_max_entries": 20,
-            "reconnect_min": 5.0, "reconnect_max": 5.0}, heartbeat_interval=60.0)
+        agent = InProcessAgent(
+            tmp_path / "state",
+            {
+                "url": f"mqtt://127.0.0.1:{free_port()}",
+                "outbox_max_entries": 20,
+                "reconnect_min": 5.0,
+                "reconnect_max": 5.0,
+            },
+            heartbeat_interval=60.0,
+        )
         runtime = await agent.start()
         try:
             sink = runtime.sinks["mqtt"]

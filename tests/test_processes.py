@@ -41,8 +41,14 @@ class TestCounts:
         with pooled_caller() as caller:
             result = await run_round(_collector(HOST1), caller)
         counts = {labels[0]: v for labels, v in values(result, "gpuwarden_processes").items()}
-        assert counts == {"running": 1, "sleeping": 4, "disk_sleep": 2, "zombie": 3,
-                          "stopped": 1, "idle": 1}
+        assert counts == {
+            "running": 1,
+            "sleeping": 4,
+            "disk_sleep": 2,
+            "zombie": 3,
+            "stopped": 1,
+            "idle": 1,
+        }
         assert values(result, "gpuwarden_processes_scanned") == {(): 12}
 
     def test_processes_exiting_during_real_scans_are_not_errors(self) -> None:
@@ -79,12 +85,16 @@ class TestDState:
         assert early.events == []
         (event,) = late.events
         assert (event.kind, event.severity, event.subject) == (
-            "process_stuck_d_state", Severity.WARNING, "pid 4242")
+            "process_stuck_d_state",
+            Severity.WARNING,
+            "pid 4242",
+        )
         assert "rpc_wait_bit_killable" in event.message
         assert "SIGKILL" in event.action
         assert later.events == []
         assert values(later, "gpuwarden_process_disk_sleep_seconds") == {
-            ("4242", "rsync", "rpc_wait_bit_killable"): 200.0}
+            ("4242", "rsync", "rpc_wait_bit_killable"): 200.0
+        }
         assert [e.kind for e in ended.events] == ["process_d_state_ended"]
         assert values(ended, "gpuwarden_process_disk_sleep_seconds") == {}
 
@@ -105,7 +115,8 @@ class TestDState:
         assert event.attributes["tid"] == 311
         assert "thread 311" in event.message
         assert values(seen, "gpuwarden_process_disk_sleep_seconds") == {
-            ("300", "python3", "nv_wait_event"): 10.0}
+            ("300", "python3", "nv_wait_event"): 10.0
+        }
         counts = {labels[0]: v for labels, v in values(seen, "gpuwarden_processes").items()}
         assert counts["disk_sleep"] == 0  # counts stay per process, by the leader's state
 
@@ -121,10 +132,23 @@ class TestDState:
 
     # Kernel threads as /proc/[pid]/stat showed them on an H200 (driver 580.159.04; older
     # kernels cut them at 15 characters), and the tools' names, cut at 15.
-    @pytest.mark.parametrize("comm", ["nv_queue", "nv_open_q", "UVM global queue",
-                                      "UVM deferred release queue", "UVM Tools Event Queue",
-                                      "UVM deferred re", "nvidia", "nvidia-smi", "nvidia-persiste",
-                                      "nv-hostengine", "dcgmi", "nv-fabricmanage"])
+    @pytest.mark.parametrize(
+        "comm",
+        [
+            "nv_queue",
+            "nv_open_q",
+            "UVM global queue",
+            "UVM deferred release queue",
+            "UVM Tools Event Queue",
+            "UVM deferred re",
+            "nvidia",
+            "nvidia-smi",
+            "nvidia-persiste",
+            "nv-hostengine",
+            "dcgmi",
+            "nv-fabricmanage",
+        ],
+    )
     async def test_nvidia_names_are_critical(self, tmp_path: Path, comm: str) -> None:
         tree = ProcTree(tmp_path / "proc")
         tree.add_process(50, comm, "D")
@@ -155,18 +179,24 @@ class TestDState:
                 tree.add_process(pid, f"new{pid}", "D")
             result = await run_round(collector, caller, now=50.0)
         assert values(result, "gpuwarden_process_disk_sleep_seconds") == {
-            ("10", "old", ""): 50.0, ("11", "new11", ""): 0.0}
+            ("10", "old", ""): 50.0,
+            ("11", "new11", ""): 0.0,
+        }
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not Path("/proc/driver/nvidia/version").exists(),
-                    reason="the NVIDIA driver is not loaded here")
+@pytest.mark.skipif(
+    not Path("/proc/driver/nvidia/version").exists(), reason="the NVIDIA driver is not loaded here"
+)
 class TestRealNvidiaThreads:
     """On a host with the NVIDIA driver loaded, its kernel threads match the default names."""
 
     def test_driver_threads_match_gpu_process_names(self) -> None:
-        names = {s.comm for s in read_all_stats(Path("/proc")).values()
-                 if s.ppid == 2 and (s.comm.startswith(("nv", "UVM")))}
+        names = {
+            s.comm
+            for s in read_all_stats(Path("/proc")).values()
+            if s.ppid == 2 and (s.comm.startswith(("nv", "UVM")))
+        }
         assert "nv_queue" in names
         patterns = ProcessesSettings().gpu_process_names
         assert {n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in patterns)} == set()
@@ -209,8 +239,9 @@ time.sleep(120)
 @pytest.fixture
 def zombie_parent() -> Iterator[subprocess.Popen[str]]:
     """A real parent that forks three children, lets them exit and never waits for them."""
-    parent = subprocess.Popen([sys.executable, "-c", ZOMBIE_PARENT, "3"], stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", ZOMBIE_PARENT, "3"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert parent.stdout is not None
         assert parent.stdout.readline().strip() == "ready"
@@ -221,21 +252,28 @@ def zombie_parent() -> Iterator[subprocess.Popen[str]]:
 
 
 def _zombies_of(ppid: int) -> int:
-    return sum(1 for s in read_all_stats(Path("/proc")).values() if s.state == "Z" and s.ppid == ppid)
+    return sum(
+        1 for s in read_all_stats(Path("/proc")).values() if s.state == "Z" and s.ppid == ppid
+    )
 
 
 class TestRealZombies:
     """Zombies made here, found in the real /proc."""
 
-    async def test_real_zombies_name_their_parent(self, zombie_parent: subprocess.Popen[str]) -> None:
+    async def test_real_zombies_name_their_parent(
+        self, zombie_parent: subprocess.Popen[str]
+    ) -> None:
         deadline = time.monotonic() + 10
         while _zombies_of(zombie_parent.pid) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
         collector = _collector(Path("/proc"), zombie_threshold=3)
         with pooled_caller() as caller:
             result = await run_round(collector, caller)
-        (event,) = [e for e in by_kind(result.events, "zombies_accumulating")
-                    if e.attributes["ppid"] == zombie_parent.pid]
+        (event,) = [
+            e
+            for e in by_kind(result.events, "zombies_accumulating")
+            if e.attributes["ppid"] == zombie_parent.pid
+        ]
         assert event.attributes["zombies"] == 3
         assert f"pid {zombie_parent.pid}" in event.action
         assert "cannot be killed" in event.action

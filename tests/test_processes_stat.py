@@ -19,14 +19,26 @@ comms = st.text(alphabet=st.sampled_from("ab )(x-:/ .\t0"), max_size=15)
 class TestStatProperties:
     """The fields after comm are found whatever comm holds."""
 
-    @given(pid=st.integers(1, 4_194_304), comm=comms, state=st.sampled_from("RSDZTtXIPWK"),
-           ppid=st.integers(0, 4_194_304), starttime=st.integers(0, 2**63),
-           threads=st.integers(1, 100_000))
-    def test_round_trip(self, pid: int, comm: str, state: str, ppid: int, starttime: int, *,
-                        threads: int) -> None:
+    @given(
+        pid=st.integers(1, 4_194_304),
+        comm=comms,
+        state=st.sampled_from("RSDZTtXIPWK"),
+        ppid=st.integers(0, 4_194_304),
+        starttime=st.integers(0, 2**63),
+        threads=st.integers(1, 100_000),
+    )
+    def test_round_trip(
+        self, pid: int, comm: str, state: str, ppid: int, starttime: int, *, threads: int
+    ) -> None:
         stat = parse_stat(stat_line(pid, comm, state, ppid, starttime, num_threads=threads))
         assert (stat.pid, stat.comm, stat.state, stat.ppid, stat.starttime, stat.num_threads) == (
-            pid, comm, state, ppid, starttime, threads)
+            pid,
+            comm,
+            state,
+            ppid,
+            starttime,
+            threads,
+        )
 
     @given(st.text(max_size=300))
     def test_arbitrary_text_parses_or_raises_the_parse_error(self, text: str) -> None:

@@ -42,22 +42,54 @@ class TestCorpus:
 
     def test_every_kind_is_counted(self) -> None:
         counts = REDACTOR.redact("\n".join((CORPUS_DIR / n).read_text() for n in CORPUS_FILES))[1]
-        for kind in ("aws_access_key_id", "github_token", "huggingface_token", "openai_key",
-                     "anthropic_key", "private_key", "email", "prompt", "url_password", "jwt",
-                     "azure_key", "azure_sas", "slack_token", "stripe_key", "pypi_token",
-                     "npm_token", "docker_token", "secret_value", "wandb_key"):
+        for kind in (
+            "aws_access_key_id",
+            "github_token",
+            "huggingface_token",
+            "openai_key",
+            "anthropic_key",
+            "private_key",
+            "email",
+            "prompt",
+            "url_password",
+            "jwt",
+            "azure_key",
+            "azure_sas",
+            "slack_token",
+            "stripe_key",
+            "pypi_token",
+            "npm_token",
+            "docker_token",
+            "secret_value",
+            "wandb_key",
+        ):
             assert counts[kind] >= 1, kind
 
 
 TOKENS = [
     ("aws_access_key_id", "key AKIAIOSFODNN7EXAMPLQ in use", "AKIAIOSFODNN7EXAMPLQ"),
     ("github_token", "ghp_" + "a1B2" * 9, "ghp_" + "a1B2" * 9),
-    ("github_token", "x github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123 y",
-     "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123"),
+    (
+        "github_token",
+        "x github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123 y",
+        "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123",
+    ),
     ("gitlab_token", "glpat-abcdefghij0123456789", "glpat-abcdefghij0123456789"),
-    ("huggingface_token", "token=hf_abcdefghijklmnopqrstuvwxyzABCDEFGH", "hf_abcdefghijklmnopqrstuvwxyzABCDEFGH"),
-    ("openai_key", "sk-proj-Abcdefghij0123456789abcdefghij", "sk-proj-Abcdefghij0123456789abcdefghij"),
-    ("anthropic_key", "sk-ant-api03-Abcdefghij0123456789abcdef", "sk-ant-api03-Abcdefghij0123456789abcdef"),
+    (
+        "huggingface_token",
+        "token=hf_abcdefghijklmnopqrstuvwxyzABCDEFGH",
+        "hf_abcdefghijklmnopqrstuvwxyzABCDEFGH",
+    ),
+    (
+        "openai_key",
+        "sk-proj-Abcdefghij0123456789abcdefghij",
+        "sk-proj-Abcdefghij0123456789abcdefghij",
+    ),
+    (
+        "anthropic_key",
+        "sk-ant-api03-Abcdefghij0123456789abcdef",
+        "sk-ant-api03-Abcdefghij0123456789abcdef",
+    ),
     ("slack_token", "xoxp-1234567890-abcdefghij", "xoxp-1234567890-abcdefghij"),
     ("stripe_key", "sk_live_abcdefghij0123456789", "sk_live_abcdefghij0123456789"),
     ("pypi_token", "pypi-" + "A" * 60, "pypi-" + "A" * 60),
@@ -73,7 +105,11 @@ TOKENS = [
     ("secret_value", "pin_password: 4711093", "4711093"),
     ("cli_secret", "app --api-key=deadbeefcafe run", "deadbeefcafe"),
     ("email", "mail ops@example.com now", "ops@example.com"),
-    ("private_key", "-----BEGIN RSA PRIVATE KEY-----\nMIIabc\n-----END RSA PRIVATE KEY-----", "MIIabc"),
+    (
+        "private_key",
+        "-----BEGIN RSA PRIVATE KEY-----\nMIIabc\n-----END RSA PRIVATE KEY-----",
+        "MIIabc",
+    ),
     ("private_key", "-----BEGIN PRIVATE KEY-----\nMIIcutoff\nMIImore", "MIImore"),
 ]
 
@@ -129,8 +165,10 @@ LEAKS = [
     ("PASSWORD=(hunter22)", "hunter22"),
     ('password="hunter22 and more', "hunter22"),
     ("-----BEGIN RSA PRIVATE KEY-----\nMIIcut", "MIIcut"),
-    ("MIIEvQIBADANBgkqhkiG9w0BAQEF\nVJTUt9Us8cKjMzEfYyjiWA4R4\n-----END PRIVATE KEY-----\n",
-     "VJTUt9Us8cKjMzEfYyjiWA4R4"),
+    (
+        "MIIEvQIBADANBgkqhkiG9w0BAQEF\nVJTUt9Us8cKjMzEfYyjiWA4R4\n-----END PRIVATE KEY-----\n",
+        "VJTUt9Us8cKjMzEfYyjiWA4R4",
+    ),
 ]
 
 
@@ -143,7 +181,8 @@ class TestReviewLeaks:
 
     def test_multi_word_value_stops_at_the_next_pair(self) -> None:
         assert redact("use_auth_token=abcdef123456 push_to_hub=false") == (
-            "use_auth_token=[REDACTED:secret_value] push_to_hub=false")
+            "use_auth_token=[REDACTED:secret_value] push_to_hub=false"
+        )
 
     def test_unterminated_quote_keeps_its_quote(self) -> None:
         assert redact('password="hunter22') == 'password="[REDACTED:secret_value]'
@@ -160,7 +199,7 @@ KEEP = [
     "uuid=GPU-5f1c2a3e-8b9d-4c7e-a1f2-3b4c5d6e7f80 pci=00000000:3B:00.0",
     "NCCL WARN NET/IB : Got completion from peer 10.12.0.18<59122> with status=12",
     "tokenizer: pad_token=<pad> eos_token=</s> max_tokens=4096 num_tokens=77",
-    "password_file = \"/etc/gpuwarden/mqtt-password\"",
+    'password_file = "/etc/gpuwarden/mqtt-password"',
     "use_auth_token=True push_to_hub=false",
     '{"max_tokens": 256, "usage": {"prompt_tokens": 61}}',
     "torchrun --nproc_per_node=8 train.py --max-new-tokens 512",
@@ -188,18 +227,25 @@ class TestPrompts:
     """Prompt and completion text goes; structure and lengths stay."""
 
     def test_messages_content_blanked_structure_kept(self) -> None:
-        record = {"model": "m", "messages": [{"role": "user", "content": "tell me a secret"}],
-                  "max_tokens": 5}
+        record = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "tell me a secret"}],
+            "max_tokens": 5,
+        }
         out = json.loads(redact(json.dumps(record)))
         assert out["messages"][0]["role"] == "user"
         assert out["messages"][0]["content"] == "[REDACTED:prompt:16 chars]"
         assert out["max_tokens"] == 5
 
     def test_content_parts_and_token_ids(self) -> None:
-        record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}],
-                  "input": [101, 2023, 102]}
+        record = {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}],
+            "input": [101, 2023, 102],
+        }
         out = json.loads(redact(json.dumps(record)))
-        assert out["messages"][0]["content"] == [{"type": "text", "text": "[REDACTED:prompt:11 chars]"}]
+        assert out["messages"][0]["content"] == [
+            {"type": "text", "text": "[REDACTED:prompt:11 chars]"}
+        ]
         assert out["input"] == "[REDACTED:prompt:3 items]"
 
     def test_prefixed_log_line(self) -> None:
@@ -220,16 +266,51 @@ class TestPrompts:
         assert redact(line) == line
 
 
-TEXT = st.text(
-    alphabet=st.characters(codec="utf-8"), max_size=400
-) | st.lists(
-    st.sampled_from([
-        "password=", "token: ", '"prompt": "', '"messages": [', "{", "}", "]", '"', "'", " ", "\n",
-        "ghp_", "a" * 36, "@", "example.com", "://", "user:", "pw@", "Bearer ", "[REDACTED:x]",
-        "-----BEGIN PRIVATE KEY-----", "-----END PRIVATE KEY-----", "sk-", "eyJ", ".", "AKIA",
-        "ABCDEFGHIJKLMNOP", "hf_", "content", '"content": "', "=", ":", ",", "--token ", "wandb login ",
-        "0123456789abcdef0123456789abcdef01234567", "sig=", "&", "AccountKey=", ";",
-    ]),
+TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=400) | st.lists(
+    st.sampled_from(
+        [
+            "password=",
+            "token: ",
+            '"prompt": "',
+            '"messages": [',
+            "{",
+            "}",
+            "]",
+            '"',
+            "'",
+            " ",
+            "\n",
+            "ghp_",
+            "a" * 36,
+            "@",
+            "example.com",
+            "://",
+            "user:",
+            "pw@",
+            "Bearer ",
+            "[REDACTED:x]",
+            "-----BEGIN PRIVATE KEY-----",
+            "-----END PRIVATE KEY-----",
+            "sk-",
+            "eyJ",
+            ".",
+            "AKIA",
+            "ABCDEFGHIJKLMNOP",
+            "hf_",
+            "content",
+            '"content": "',
+            "=",
+            ":",
+            ",",
+            "--token ",
+            "wandb login ",
+            "0123456789abcdef0123456789abcdef01234567",
+            "sig=",
+            "&",
+            "AccountKey=",
+            ";",
+        ]
+    ),
     max_size=40,
 ).map("".join)
 
@@ -248,15 +329,20 @@ class TestProperties:
     def test_line_windows_change_nothing(self, text: str) -> None:
         # Rules run only on lines holding their hints (for speed); on the whole text they
         # must give the same result.
-        whole = mock.patch.multiple(redact_module, _hint_spans=lambda t, rule: [(0, len(t))],
-                                    _key_value_lines=lambda t: [(0, len(t))])
+        whole = mock.patch.multiple(
+            redact_module,
+            _hint_spans=lambda t, rule: [(0, len(t))],
+            _key_value_lines=lambda t: [(0, len(t))],
+        )
         with whole:
             reference = redact(text)
         assert redact(text) == reference
 
     @settings(max_examples=200, deadline=None)
-    @given(st.text(alphabet=" \n=:;,abcXYZ019._-", max_size=60),
-           st.text(alphabet=" \n=:;,abcXYZ019._-", max_size=60))
+    @given(
+        st.text(alphabet=" \n=:;,abcXYZ019._-", max_size=60),
+        st.text(alphabet=" \n=:;,abcXYZ019._-", max_size=60),
+    )
     def test_embedded_token_always_removed(self, before: str, after: str) -> None:
         token = "ghp_" + "Q7" * 18
         assert token not in redact(f"{before} {token} {after}")

@@ -34,7 +34,9 @@ class TestReload:
     def test_reload(self, agent_process: AgentProcess) -> None:
         agent_process.config_text = "[collectors.system]\ninterval = 15.0\n"
         agent_process.start()
-        wait_for_text(agent_process, 'gpuwarden_collector_interval_seconds{collector="system"} 15.0')
+        wait_for_text(
+            agent_process, 'gpuwarden_collector_interval_seconds{collector="system"} 15.0'
+        )
         agent_process.config_text = "[collectors.system]\ninterval = 2.0\n"
         agent_process.write_config()
         agent_process.signal(signal.SIGHUP)
@@ -67,7 +69,7 @@ class TestHealthz:
             assert b"collector b stale" in sink.healthz()[1]
             status, _, text = sink.respond(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             assert status == 200
-            assert b'gpuwarden_health_ok 0.0' in text
+            assert b"gpuwarden_health_ok 0.0" in text
             assert runtime.ledger["prometheus"].last_delivery is not None
         finally:
             await runtime.stop()
@@ -85,8 +87,14 @@ class TestCommandLine:
 
     @pytest.mark.parametrize("command", sorted(COMMANDS))
     def test_help(self, command: str) -> None:
-        result = subprocess.run([sys.executable, "-m", "agent", command, "--help"], cwd=REPO,
-                                capture_output=True, text=True, timeout=60, check=False,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        result = subprocess.run(
+            [sys.executable, "-m", "agent", command, "--help"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert result.returncode == 0
         assert "--config" in result.stdout

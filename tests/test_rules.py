@@ -39,8 +39,9 @@ class TestPromtool:
 
     def test_a_broken_rule_would_be_caught(self, tmp_path: Path) -> None:
         broken = tmp_path / "rules.yml"
-        broken.write_text(RULES.read_text().replace("gpuwarden_health_ok == 0",
-                                                    "gpuwarden_health_ok == == 0"))
+        broken.write_text(
+            RULES.read_text().replace("gpuwarden_health_ok == 0", "gpuwarden_health_ok == == 0")
+        )
         assert promtool("check", "rules", broken).returncode != 0
 
 
@@ -95,8 +96,10 @@ class TestDashboard:
         assert len(exprs) >= 15
         lines = ["groups:", "  - name: dashboard", "    rules:"]
         for i, (_, expr) in enumerate(exprs):
-            lines += [f"      - record: gpuwarden_dashboard:query_{i}",
-                      f"        expr: '{expr.replace(chr(39), chr(39) * 2)}'"]
+            lines += [
+                f"      - record: gpuwarden_dashboard:query_{i}",
+                f"        expr: '{expr.replace(chr(39), chr(39) * 2)}'",
+            ]
         path = tmp_path / "dashboard-rules.yml"
         path.write_text("\n".join(lines) + "\n")
         done = promtool("check", "rules", path)

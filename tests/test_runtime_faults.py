@@ -35,8 +35,9 @@ class ManyHangs:
         return ()
 
     async def collect(self, ctx: CollectContext) -> Collection:
-        await asyncio.gather(*(ctx.call(f"gpu{i}", self.release.wait, 30) for i in range(10)),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(ctx.call(f"gpu{i}", self.release.wait, 30) for i in range(10)), return_exceptions=True
+        )
         return Collection()
 
     async def close(self) -> None:
@@ -49,12 +50,15 @@ class TestPools:
     async def test_hung_gpus_do_not_queue_other_collectors(self) -> None:
         stuck = ManyHangs()
         runtime, _ = scripted_runtime({"disk": "slow"}, interval=0.1, timeout=0.5)
-        spec: CollectorSpec[Any] = CollectorSpec("stuck", "test", CollectorSettings,
-                                                 lambda settings, deps: stuck)
+        spec: CollectorSpec[Any] = CollectorSpec(
+            "stuck", "test", CollectorSettings, lambda settings, deps: stuck
+        )
         runtime._specs["stuck"] = spec
         cfg = runtime.config
-        runtime.config = dataclasses.replace(cfg, collectors={
-            **cfg.collectors, "stuck": CollectorSettings(interval=0.1, timeout=0.3)})
+        runtime.config = dataclasses.replace(
+            cfg,
+            collectors={**cfg.collectors, "stuck": CollectorSettings(interval=0.1, timeout=0.3)},
+        )
         await runtime.start()
         try:
             await asyncio.sleep(1.5)
@@ -70,8 +74,7 @@ class TestFirstRound:
     """READY waits for every collector's first round, not the fastest one's."""
 
     async def test_first_round_waits_for_the_slow_collector(self) -> None:
-        runtime, made = scripted_runtime({"fast": "ok", "slow": "slow"}, interval=0.05,
-                                         timeout=1.0)
+        runtime, made = scripted_runtime({"fast": "ok", "slow": "slow"}, interval=0.05, timeout=1.0)
         await runtime.start()
         try:
             await asyncio.sleep(0.1)  # fast has run rounds; slow's first (0.2 s) is running
@@ -116,9 +119,16 @@ class TestOutboxAge:
     def test_old_event_is_queued_now(self) -> None:
         store = StateStore.in_memory()
         week_ago = time.time() - 7 * 86400
-        store.record_event(Event(source="kernel_log", kind="xid", severity=Severity.CRITICAL,
-                                 message="Xid 79 from last week's log", time=week_ago),
-                           outbox=True)
+        store.record_event(
+            Event(
+                source="kernel_log",
+                kind="xid",
+                severity=Severity.CRITICAL,
+                message="Xid 79 from last week's log",
+                time=week_ago,
+            ),
+            outbox=True,
+        )
         [entry] = store.outbox_peek()
         assert entry.created > time.time() - 60
 
@@ -132,10 +142,12 @@ class NeverReturns(ManyHangs):
 
 def runtime_with(collector: ManyHangs) -> Runtime:
     runtime, _ = scripted_runtime({})
-    runtime._specs[collector.name] = CollectorSpec(collector.name, "test", CollectorSettings,
-                                                   lambda settings, deps: collector)
-    runtime.config = dataclasses.replace(runtime.config, collectors={
-        collector.name: CollectorSettings(interval=0.1, timeout=0.3)})
+    runtime._specs[collector.name] = CollectorSpec(
+        collector.name, "test", CollectorSettings, lambda settings, deps: collector
+    )
+    runtime.config = dataclasses.replace(
+        runtime.config, collectors={collector.name: CollectorSettings(interval=0.1, timeout=0.3)}
+    )
     return runtime
 
 
@@ -163,12 +175,17 @@ class TestExitWithHungCall:
 
     def test_process_exits(self) -> None:
         began = time.monotonic()
-        result = subprocess.run([sys.executable, "-c", HANG_SCRIPT], cwd=REPO,
-                                env={**os.environ, "PYTHONPATH": str(REPO)},
-                                capture_output=True, text=True, timeout=60, check=False)
+        result = subprocess.run(
+            [sys.executable, "-c", HANG_SCRIPT],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         took = time.monotonic() - began
         assert result.returncode == 0, result.stderr
         assert "hung 10" in result.stdout
         # The hung call blocks for 30 s; a process that waited for it would take that long.
         assert took < 25, took
-

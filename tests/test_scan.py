@@ -53,8 +53,18 @@ class TestFormats:
         path = FIXTURES / name
         code, out, err = run_scan(capsys, "--json", str(path))
         findings = [json.loads(line) for line in out.splitlines()]
-        got = [(f["kind"], f.get("xid"), f.get("pci_bus_id"), f.get("device"), f.get("process"),
-                f.get("pid"), f["severity"]) for f in findings]
+        got = [
+            (
+                f["kind"],
+                f.get("xid"),
+                f.get("pci_bus_id"),
+                f.get("device"),
+                f.get("process"),
+                f.get("pid"),
+                f["severity"],
+            )
+            for f in findings
+        ]
         assert got == EXPECTED
         lines = path.read_text(errors="replace").splitlines()
         for finding in findings:
@@ -96,15 +106,18 @@ class TestExitCodes:
     def test_warnings_only(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         """An application Xid and an OOM kill are warnings: exit 1."""
         log = tmp_path / "warn.log"
-        log.write_text("[  1.0] NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception\n"
-                       "[  2.0] Out of memory: Killed process 1 (x) total-vm:1kB\n")
+        log.write_text(
+            "[  1.0] NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception\n"
+            "[  2.0] Out of memory: Killed process 1 (x) total-vm:1kB\n"
+        )
         code, out, _ = run_scan(capsys, "--json", str(log))
         assert code == 1
         assert len(out.splitlines()) == 2
 
     @pytest.mark.parametrize("target", ["absent.log", "."])
-    def test_unreadable(self, target: str, tmp_path: Path,
-                        capsys: pytest.CaptureFixture[str]) -> None:
+    def test_unreadable(
+        self, target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
         """A missing file or a directory: exit 2 with the path in the message."""
         path = tmp_path / target
         code, out, err = run_scan(capsys, str(path))
@@ -114,15 +127,28 @@ class TestExitCodes:
     def test_real_process_and_help(self, tmp_path: Path) -> None:
         """The installed entry point: stdin as `-`, exit codes documented in --help."""
         proc = subprocess.run(
-            [sys.executable, "-m", "agent", "scan", "--json", "-"], cwd=ROOT, text=True,
+            [sys.executable, "-m", "agent", "scan", "--json", "-"],
+            cwd=ROOT,
+            text=True,
             input="[  5.0] INFO: task python3:55012 blocked for more than 245 seconds.\n",
-            capture_output=True, timeout=60, check=False)
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
         assert proc.returncode == 1
         assert json.loads(proc.stdout)["kind"] == "hung_task"
-        helptext = subprocess.run([sys.executable, "-m", "agent", "scan", "--help"], cwd=ROOT,
-                                  text=True, capture_output=True, timeout=60, check=True).stdout
-        assert "Exit codes: 0 no findings; 1 findings, none worse than warning; 2 a critical" \
+        helptext = subprocess.run(
+            [sys.executable, "-m", "agent", "scan", "--help"],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        assert (
+            "Exit codes: 0 no findings; 1 findings, none worse than warning; 2 a critical"
             in " ".join(helptext.split())
+        )
 
 
 class TestProperties:

@@ -56,16 +56,25 @@ class TestIsolation:
             assert good.success is True and good.failures == 0
             assert bad.success is False and bad.failures >= 2
             assert "scripted failure" in bad.last_error
-            labels = {s.label_values for s in runtime.samples() if s.family.name == "gpuwarden_test_rounds"}
+            labels = {
+                s.label_values
+                for s in runtime.samples()
+                if s.family.name == "gpuwarden_test_rounds"
+            }
             assert ("good",) in labels and ("bad",) not in labels
-            success = {s.label_values[0]: s.value for s in runtime.samples()
-                       if s.family.name == "gpuwarden_collector_success"}
+            success = {
+                s.label_values[0]: s.value
+                for s in runtime.samples()
+                if s.family.name == "gpuwarden_collector_success"
+            }
             assert success == {"good": 1.0, "bad": 0.0}
         finally:
             await runtime.stop()
 
     async def test_hang_reported_once_no_thread_growth(self) -> None:
-        runtime, made = await run_for(0.6, {"good": "ok", "stuck": "hang"}, interval=0.05, timeout=0.1)
+        runtime, made = await run_for(
+            0.6, {"good": "ok", "stuck": "hang"}, interval=0.05, timeout=0.1
+        )
         try:
             threads_before = threading.active_count()
             good_rounds = len(made["good"].rounds)
@@ -79,8 +88,11 @@ class TestIsolation:
             hung_events = [e for e in runtime.recent_events if e.kind == "call_hung"]
             assert len(hung_events) == 1
             assert hung_events[0].severity is Severity.WARNING
-            hung = {s.label_values[0]: s.value for s in runtime.samples()
-                    if s.family.name == "gpuwarden_collector_hung_calls"}
+            hung = {
+                s.label_values[0]: s.value
+                for s in runtime.samples()
+                if s.family.name == "gpuwarden_collector_hung_calls"
+            }
             assert hung == {"good": 0.0, "stuck": 1.0}
             # The call returns: the hang clears, the collector succeeds again.
             made["stuck"].release.set()
@@ -93,7 +105,9 @@ class TestIsolation:
             await runtime.stop()
 
     async def test_slow_collector_does_not_delay_others(self) -> None:
-        runtime, made = await run_for(1.0, {"fast": "ok", "slow": "slow"}, interval=0.05, timeout=1.0)
+        runtime, made = await run_for(
+            1.0, {"fast": "ok", "slow": "slow"}, interval=0.05, timeout=1.0
+        )
         try:
             assert len(made["fast"].rounds) > 2 * len(made["slow"].rounds)
             assert runtime.collectors["slow"].success is True

@@ -142,8 +142,13 @@ class TestRetention:
 
         runtime, _ = scripted_runtime({})
         now = clock.time()
-        old = Event(source="t", kind="old", severity=Severity.INFO, message="m",
-                    time=now - EVENT_RETENTION - 60)
+        old = Event(
+            source="t",
+            kind="old",
+            severity=Severity.INFO,
+            message="m",
+            time=now - EVENT_RETENTION - 60,
+        )
         runtime.store.record_event(old, outbox=True)
         runtime.store.record_event(event("new"), outbox=False)
         assert runtime.prune_history(now) == 1

@@ -29,7 +29,9 @@ class TestReadings:
         assert values(result, "gpuwarden_swap_free_bytes") == {(): 2097148 * 1024}
         assert values(result, "gpuwarden_load_average")[("5m",)] == 1.25
         assert values(result, "gpuwarden_uptime_seconds") == {(): 86400.25}
-        assert values(result, "gpuwarden_boot_info") == {("8d3c1e0a-5b7f-4a58-9d3e-2f0c6b1a7e42",): 1}
+        assert values(result, "gpuwarden_boot_info") == {
+            ("8d3c1e0a-5b7f-4a58-9d3e-2f0c6b1a7e42",): 1
+        }
 
 
 class TestRebootDetection:
@@ -60,13 +62,19 @@ class TestRebootDetection:
         finally:
             store.close()
         (event,) = after.events
-        assert (event.kind, event.severity, event.subject) == ("host_rebooted", Severity.WARNING, BOOT_B)
+        assert (event.kind, event.severity, event.subject) == (
+            "host_rebooted",
+            Severity.WARNING,
+            BOOT_B,
+        )
         assert event.attributes["previous_boot_id"] == BOOT_A
         assert event.attributes["previous_last_alive"] == 1_000_015.0
         assert event.attributes["boot_time"] == 1_000_440.0
         assert "journalctl -b -1" in event.action
         assert again.events == []
-        assert values(again, "gpuwarden_previous_boot_last_alive_timestamp_seconds") == {(): 1_000_015.0}
+        assert values(again, "gpuwarden_previous_boot_last_alive_timestamp_seconds") == {
+            (): 1_000_015.0
+        }
 
     async def test_a_restart_in_the_same_boot_is_not_a_reboot(self, tmp_path: Path) -> None:
         tree = ProcTree(tmp_path / "proc")
@@ -91,7 +99,9 @@ class TestRebootDetection:
 class TestStateStoreFull:
     """Writes that fail every round cost neither the samples nor a repeated reboot event."""
 
-    async def test_rounds_keep_their_samples_and_report_the_reboot_once(self, tmp_path: Path) -> None:
+    async def test_rounds_keep_their_samples_and_report_the_reboot_once(
+        self, tmp_path: Path
+    ) -> None:
         tree = ProcTree(tmp_path / "proc")
         tree.set_system(BOOT_B)
         store = FullDiskStore()

@@ -57,8 +57,9 @@ class TestNames:
         assert PROMTOOL is not None
         body = _every_family_once()
         assert "gpuwarden_process_disk_sleep_seconds" in body
-        lint = subprocess.run([PROMTOOL, "check", "metrics"], input=body, text=True,
-                              capture_output=True, check=False)
+        lint = subprocess.run(
+            [PROMTOOL, "check", "metrics"], input=body, text=True, capture_output=True, check=False
+        )
         assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
 
 
@@ -66,8 +67,9 @@ class TestHostCollectorsInTheAgent:
     """disk, processes, system and io_probe configured from TOML, served on /metrics."""
 
     @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) missing")
-    def test_metrics_are_served_and_lint_clean(self, agent_process: AgentProcess,
-                                               tmp_path: Path) -> None:
+    def test_metrics_are_served_and_lint_clean(
+        self, agent_process: AgentProcess, tmp_path: Path
+    ) -> None:
         probe_dir = tmp_path / "probe"
         probe_dir.mkdir()
         agent_process.config_text = (
@@ -78,17 +80,31 @@ class TestHostCollectorsInTheAgent:
             "size_mib = 1\nfree_margin_mib = 0\n"
         )
         agent_process.start()
-        body = _wait_for(agent_process, [
-            f'gpuwarden_collector_success{{collector="{name}"}} 1.0'
-            for name in ("disk", "processes", "system", "io_probe")
-        ] + ['gpuwarden_filesystem_size_bytes{device=', 'gpuwarden_processes{state="sleeping"}',
-             "gpuwarden_io_probe_write_bytes_per_second{"])
+        body = _wait_for(
+            agent_process,
+            [
+                f'gpuwarden_collector_success{{collector="{name}"}} 1.0'
+                for name in ("disk", "processes", "system", "io_probe")
+            ]
+            + [
+                "gpuwarden_filesystem_size_bytes{device=",
+                'gpuwarden_processes{state="sleeping"}',
+                "gpuwarden_io_probe_write_bytes_per_second{",
+            ],
+        )
         assert PROMTOOL is not None
-        lint = subprocess.run([PROMTOOL, "check", "metrics"], input=body, text=True,
-                              capture_output=True, check=False)
-        problems = [line for line in (lint.stdout + lint.stderr).splitlines()
-                    if "gpuwarden_filesystem" in line or "gpuwarden_process" in line
-                    or "gpuwarden_io_probe" in line or "gpuwarden_mount" in line
-                    or "gpuwarden_zombie" in line or "gpuwarden_previous_boot" in line]
+        lint = subprocess.run(
+            [PROMTOOL, "check", "metrics"], input=body, text=True, capture_output=True, check=False
+        )
+        problems = [
+            line
+            for line in (lint.stdout + lint.stderr).splitlines()
+            if "gpuwarden_filesystem" in line
+            or "gpuwarden_process" in line
+            or "gpuwarden_io_probe" in line
+            or "gpuwarden_mount" in line
+            or "gpuwarden_zombie" in line
+            or "gpuwarden_previous_boot" in line
+        ]
         assert problems == []
         assert list(probe_dir.iterdir()) == []

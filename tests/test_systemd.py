@@ -78,7 +78,9 @@ class TestNotifier:
 class TestWatchdog:
     """WATCHDOG=1 only while every supervised task makes progress."""
 
-    async def test_pings_stop_when_a_task_stalls(self, notify_socket: tuple[socket.socket, str]) -> None:
+    async def test_pings_stop_when_a_task_stalls(
+        self, notify_socket: tuple[socket.socket, str]
+    ) -> None:
         sock, path = notify_socket
         sock.setblocking(False)
         clock = [0.0]
@@ -111,8 +113,9 @@ def drain(sock: socket.socket) -> list[str]:
 class TestAgentNotifies:
     """The real agent says READY, pings the watchdog and says STOPPING."""
 
-    def test_ready_watchdog_stopping(self, notify_socket: tuple[socket.socket, str],
-                                     agent_process: AgentProcess) -> None:
+    def test_ready_watchdog_stopping(
+        self, notify_socket: tuple[socket.socket, str], agent_process: AgentProcess
+    ) -> None:
         sock, path = notify_socket
         agent_process.env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "400000"}
         agent_process.start(wait=False)

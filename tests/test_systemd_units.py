@@ -17,8 +17,9 @@ EXEC = "/opt/gpuwarden/venv/bin/gpuwarden"
 
 
 def analyze(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SYSTEMD_ANALYZE, *map(str, args)], capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [SYSTEMD_ANALYZE, *map(str, args)], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def exposure(unit: Path) -> float:
@@ -59,8 +60,9 @@ class TestVerify:
         assert done.stderr.strip() == ""
 
     def test_missing_executable_is_caught(self, tmp_path: Path) -> None:
-        done = analyze("verify", f"--root={unit_root(tmp_path, with_executable=False)}",
-                       "gpuwarden.service")
+        done = analyze(
+            "verify", f"--root={unit_root(tmp_path, with_executable=False)}", "gpuwarden.service"
+        )
         assert done.returncode != 0
         assert "not executable" in done.stderr
 
@@ -94,7 +96,9 @@ class TestSecurity:
         assert "WatchdogSec" in settings
         allowed = re.findall(r"^DeviceAllow=(.*)$", text, re.MULTILINE)
         assert "/dev/kmsg r" in allowed
-        assert {"char-nvidia-frontend rw", "char-nvidia-uvm rw", "/dev/nvidiactl rw"} <= set(allowed)
+        assert {"char-nvidia-frontend rw", "char-nvidia-uvm rw", "/dev/nvidiactl rw"} <= set(
+            allowed
+        )
 
     def test_a_loose_unit_scores_worse(self, tmp_path: Path) -> None:
         loose = tmp_path / "loose.service"
@@ -107,9 +111,13 @@ class TestSysusers:
 
     def test_creates_user(self, tmp_path: Path) -> None:
         (tmp_path / "etc").mkdir()
-        done = subprocess.run(["systemd-sysusers", f"--root={tmp_path}",
-                               str(UNITS / "gpuwarden.sysusers")],
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            ["systemd-sysusers", f"--root={tmp_path}", str(UNITS / "gpuwarden.sysusers")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         passwd = (tmp_path / "etc/passwd").read_text()
         entry = next(line for line in passwd.splitlines() if line.startswith("gpuwarden:"))

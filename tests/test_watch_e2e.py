@@ -39,8 +39,9 @@ def fast_rules() -> str:
     """The shipped rules with `for:` of 2 s and the sink threshold at 4 s instead of 5 min."""
     text = re.sub(r"for: \d+m", "for: 2s", RULES.read_text())
     return text.replace(
-        "gpuwarden_sink_last_delivery_timestamp_seconds{sink!=\"prometheus\"} > 300",
-        "gpuwarden_sink_last_delivery_timestamp_seconds{sink!=\"prometheus\"} > 4")
+        'gpuwarden_sink_last_delivery_timestamp_seconds{sink!="prometheus"} > 300',
+        'gpuwarden_sink_last_delivery_timestamp_seconds{sink!="prometheus"} > 4',
+    )
 
 
 @pytest.fixture
@@ -53,8 +54,9 @@ def prometheus_factory(tmp_path: Path) -> Iterator[list[PrometheusServer]]:
 
 @pytest.fixture
 async def watcher(broker: Broker) -> AsyncIterator[RecordingWatcher]:
-    instance = RecordingWatcher(watch_settings(broker, default_interval=1.0, keepalive=KEEPALIVE,
-                                               evaluate_interval=0.2))
+    instance = RecordingWatcher(
+        watch_settings(broker, default_interval=1.0, keepalive=KEEPALIVE, evaluate_interval=0.2)
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(instance.run(stop))
     await until(lambda: instance.fleet.connected, what="the watcher to connect")
@@ -86,40 +88,61 @@ class TestEndToEnd:
     """Silence is an alert, from both sides: the watcher (push) and Prometheus (pull)."""
 
     async def test_stale_broker_loss_and_death(
-        self, tmp_path: Path, broker: Broker, agent_process: AgentProcess,
-        watcher: RecordingWatcher, prometheus_factory: list[PrometheusServer],
+        self,
+        tmp_path: Path,
+        broker: Broker,
+        agent_process: AgentProcess,
+        watcher: RecordingWatcher,
+        prometheus_factory: list[PrometheusServer],
     ) -> None:
         agent = agent_process
         agent.config_text = (
             f'[mqtt]\nenabled = true\nurl = "{broker.url}"\nkeepalive = {KEEPALIVE}\n'
-            "reconnect_min = 0.5\nreconnect_max = 2.0\n[heartbeat]\ninterval = 1.0\n")
+            "reconnect_min = 0.5\nreconnect_max = 2.0\n[heartbeat]\ninterval = 1.0\n"
+        )
         await asyncio.to_thread(agent.start)
         assert watcher.metrics is not None
         workdir = tmp_path / "prometheus"
         workdir.mkdir()
         (workdir / "rules.yml").write_text(fast_rules())
-        prom = PrometheusServer(workdir, (
-            "global: {scrape_interval: 1s, evaluation_interval: 1s, scrape_timeout: 1s}\n"
-            "rule_files: [rules.yml]\nscrape_configs:\n"
-            f"  - job_name: gpuwarden\n    static_configs: [{{targets: ['127.0.0.1:{agent.port}']}}]\n"
-            "  - job_name: gpuwarden-watch\n"
-            f"    static_configs: [{{targets: ['127.0.0.1:{watcher.metrics.port}']}}]\n"),
-            port=free_port())
+        prom = PrometheusServer(
+            workdir,
+            (
+                "global: {scrape_interval: 1s, evaluation_interval: 1s, scrape_timeout: 1s}\n"
+                "rule_files: [rules.yml]\nscrape_configs:\n"
+                f"  - job_name: gpuwarden\n    static_configs: [{{targets: ['127.0.0.1:{agent.port}']}}]\n"
+                "  - job_name: gpuwarden-watch\n"
+                f"    static_configs: [{{targets: ['127.0.0.1:{watcher.metrics.port}']}}]\n"
+            ),
+            port=free_port(),
+        )
         prometheus_factory.append(prom)
         await asyncio.to_thread(prom.start)
-        await until(lambda: watcher.fleet.nodes.get(NODE) is not None
-                    and watcher.fleet.nodes[NODE].heartbeat_at is not None, what="first heartbeat")
+        await until(
+            lambda: (
+                watcher.fleet.nodes.get(NODE) is not None
+                and watcher.fleet.nodes[NODE].heartbeat_at is not None
+            ),
+            what="first heartbeat",
+        )
         await wait_async(lambda: prometheus_has(prom, 'up{job="gpuwarden"} == 1'), 30, "scrapes")
-        await wait_async(lambda: prometheus_has(prom, 'up{job="gpuwarden-watch"} == 1'), 30,
-                         "watcher scrapes")
+        await wait_async(
+            lambda: prometheus_has(prom, 'up{job="gpuwarden-watch"} == 1'), 30, "watcher scrapes"
+        )
         await asyncio.to_thread(check_dashboard_against, prom)
 
         # A hung agent: its connection lives on (keepalive 5 s), its heartbeat stops.
         agent.signal(signal.SIGSTOP)
-        await until(lambda: watcher.saw(True, "node_stale", NODE), timeout=3 * 1.0 + 5,
-                    what="stale within 3 heartbeat intervals (plus evaluation)")
-        await wait_async(lambda: prometheus_has(prom, 'ALERTS{alertname="GpuwardenNodeStale"}'),
-                         30, "the NodeStale rule")
+        await until(
+            lambda: watcher.saw(True, "node_stale", NODE),
+            timeout=3 * 1.0 + 5,
+            what="stale within 3 heartbeat intervals (plus evaluation)",
+        )
+        await wait_async(
+            lambda: prometheus_has(prom, 'ALERTS{alertname="GpuwardenNodeStale"}'),
+            30,
+            "the NodeStale rule",
+        )
         agent.signal(signal.SIGCONT)
         await until(lambda: watcher.saw(False, "node_stale", NODE), what="stale cleared")
         assert not watcher.saw(True, "node_dead", NODE)
@@ -129,13 +152,21 @@ class TestEndToEnd:
         before = len(watcher.changes)
         await asyncio.to_thread(broker.stop)
         await until(lambda: watcher.saw(True, "broker_unreachable"), what="broker alert")
-        await wait_async(lambda: prometheus_has(
-            prom, 'ALERTS{alertname="GpuwardenSinkNotDelivering",alertstate="firing",sink="mqtt"}'),
-            40, "the sink rule to fire")
+        await wait_async(
+            lambda: prometheus_has(
+                prom,
+                'ALERTS{alertname="GpuwardenSinkNotDelivering",alertstate="firing",sink="mqtt"}',
+            ),
+            40,
+            "the sink rule to fire",
+        )
         assert await agent_metric(agent, "gpuwarden_sink_up", sink="mqtt") == 0
         await asyncio.to_thread(broker.start)
-        await until(lambda: watcher.saw(False, "broker_unreachable"), timeout=60,
-                    what="broker alert cleared")
+        await until(
+            lambda: watcher.saw(False, "broker_unreachable"),
+            timeout=60,
+            what="broker alert cleared",
+        )
         during = watcher.changes[before:]
         assert [c.alert.kind for c in during if c.raised] == ["broker_unreachable"]
 
@@ -146,15 +177,20 @@ class TestEndToEnd:
                 if await agent_metric(agent, "gpuwarden_mqtt_outbox_entries", kind=kind):
                     return False
             return True
+
         await wait_async(drained, 40, "the outbox to drain")
-        await wait_async(lambda: _not(prometheus_has(
-            prom, 'ALERTS{alertname="GpuwardenSinkNotDelivering"}')), 40, "the sink rule to clear")
+        await wait_async(
+            lambda: _not(prometheus_has(prom, 'ALERTS{alertname="GpuwardenSinkNotDelivering"}')),
+            40,
+            "the sink rule to clear",
+        )
 
         # SIGKILL: the broker sends the Will at once; Prometheus sees the target down. Start
         # from no agent-down alert at all (the SIGSTOP above, or a slow scrape on a loaded
         # machine, may have left one).
         async def agent_down_clear() -> bool:
             return not await asyncio.to_thread(prom.alert_states, "GpuwardenAgentDown")
+
         await wait_async(agent_down_clear, 40, "no agent-down alert before the kill")
         seen: list[str] = []
         timeline: list[tuple[float, list[str]]] = []
@@ -167,25 +203,38 @@ class TestEndToEnd:
             timeline.append((round(loop.time() - killed, 2), sorted(states)))
             seen.extend(sorted(states))
             return "firing" in states
+
         # Watch Prometheus from the kill on: the pending phase lasts only `for:` (2 s).
         prometheus_side = asyncio.create_task(wait_async(firing, 40, "agent-down firing"))
-        await until(lambda: watcher.saw(True, "node_dead", NODE), timeout=2.5 * KEEPALIVE,
-                    what="dead within 2.5 x keepalive")
+        await until(
+            lambda: watcher.saw(True, "node_dead", NODE),
+            timeout=2.5 * KEEPALIVE,
+            what="dead within 2.5 x keepalive",
+        )
         print(f"watcher: dead {loop.time() - killed:.2f} s after SIGKILL")
         await prometheus_side
         print(f"prometheus: {timeline}")
         assert "pending" in seen, timeline
         assert seen.index("pending") < seen.index("firing")
-        await wait_async(lambda: prometheus_has(prom, 'ALERTS{alertname="GpuwardenNodeDead"}'),
-                         30, "the NodeDead rule")
+        await wait_async(
+            lambda: prometheus_has(prom, 'ALERTS{alertname="GpuwardenNodeDead"}'),
+            30,
+            "the NodeDead rule",
+        )
 
 
 def check_dashboard_against(prom: PrometheusServer) -> None:
     """Every dashboard query evaluates in the real Prometheus, and every metric it names that
     this host (no GPU) can produce has series there."""
     present = set(prom.api("label/__name__/values"))
-    host_side = ("gpuwarden_watch_", "gpuwarden_collector_", "gpuwarden_sink_",
-                 "gpuwarden_mqtt_", "gpuwarden_health_", "gpuwarden_filesystem_")
+    host_side = (
+        "gpuwarden_watch_",
+        "gpuwarden_collector_",
+        "gpuwarden_sink_",
+        "gpuwarden_mqtt_",
+        "gpuwarden_health_",
+        "gpuwarden_filesystem_",
+    )
     conditional = {"gpuwarden_watch_alert_active"}  # a series only while an alert is raised
     missing = []
     for title, expr in dashboard_exprs():

@@ -14,16 +14,34 @@ P = "gpuwarden/v1"
 T0 = 1_700_000_000.0
 
 
-def status(fleet: Fleet, node: str, state: str, bdseq: int, now: float, *,
-           retained: bool = False, reason: str | None = None, ts: float | None = None) -> bool:
+def status(
+    fleet: Fleet,
+    node: str,
+    state: str,
+    bdseq: int,
+    now: float,
+    *,
+    retained: bool = False,
+    reason: str | None = None,
+    ts: float | None = None,
+) -> bool:
     body: dict[str, object] = {"state": state, "bdseq": bdseq, "ts": ts or now, "version": "0.1"}
     if reason:
         body["reason"] = reason
     return fleet.ingest(f"{P}/{node}/status", json.dumps(body).encode(), retained, now)
 
 
-def beat(fleet: Fleet, node: str, now: float, *, interval: float = 10.0, seq: int = 1,
-         retained: bool = False, ts: float | None = None, health: object = "ok") -> bool:
+def beat(
+    fleet: Fleet,
+    node: str,
+    now: float,
+    *,
+    interval: float = 10.0,
+    seq: int = 1,
+    retained: bool = False,
+    ts: float | None = None,
+    health: object = "ok",
+) -> bool:
     body = {"seq": seq, "ts": ts or now, "interval_s": interval, "health": health}
     return fleet.ingest(f"{P}/{node}/heartbeat", json.dumps(body).encode(), retained, now)
 
@@ -310,8 +328,12 @@ class TestHostileInput:
         assert not fleet.ingest(f"{P}/a b/status", b"{}", False, T0)
         assert not fleet.ingest(f"{P}/a/heartbeat", b'{"seq":1,"ts":NaN,"interval_s":1}', False, T0)
         assert not fleet.ingest(f"{P}/a/heartbeat", b"x" * 70000, False, T0)
-        assert fleet.counters.malformed == {"not_json": 1, "bad_node_id": 1, "bad_field": 1,
-                                            "too_large": 1}
+        assert fleet.counters.malformed == {
+            "not_json": 1,
+            "bad_node_id": 1,
+            "bad_field": 1,
+            "too_large": 1,
+        }
         assert fleet.nodes == {}
 
     def test_node_cap(self) -> None:
@@ -322,13 +344,25 @@ class TestHostileInput:
         assert fleet.counters.malformed == {"bad_topic": 1}
 
     @settings(max_examples=200)
-    @given(st.lists(st.tuples(st.sampled_from(["status", "heartbeat", "x"]),
-                              st.sampled_from(["a", "b", "_w", "a/b"]),
-                              st.binary(max_size=80) | st.sampled_from([
-                                  b'{"state":"online","bdseq":1}',
-                                  b'{"state":"offline","bdseq":0}',
-                                  b'{"seq":1,"ts":1700000000,"interval_s":0.5}']),
-                              st.booleans(), st.floats(0, 1000)), max_size=30))
+    @given(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["status", "heartbeat", "x"]),
+                st.sampled_from(["a", "b", "_w", "a/b"]),
+                st.binary(max_size=80)
+                | st.sampled_from(
+                    [
+                        b'{"state":"online","bdseq":1}',
+                        b'{"state":"offline","bdseq":0}',
+                        b'{"seq":1,"ts":1700000000,"interval_s":0.5}',
+                    ]
+                ),
+                st.booleans(),
+                st.floats(0, 1000),
+            ),
+            max_size=30,
+        )
+    )
     def test_any_sequence_never_crashes(
         self, msgs: list[tuple[str, str, bytes, bool, float]]
     ) -> None:

@@ -21,10 +21,18 @@ def fleet_with_nodes() -> Fleet:
     fleet = Fleet(now=T0, inventory=["spare"])
     fleet.broker_connected(T0 - SETTLE_SECONDS)
     for node in ("a", "b"):
-        fleet.ingest(f"gpuwarden/v1/{node}/status",
-                     json.dumps({"state": "online", "bdseq": 2, "ts": T0}).encode(), False, T0)
-        fleet.ingest(f"gpuwarden/v1/{node}/heartbeat",
-                     json.dumps({"seq": 1, "ts": T0, "interval_s": 5}).encode(), False, T0)
+        fleet.ingest(
+            f"gpuwarden/v1/{node}/status",
+            json.dumps({"state": "online", "bdseq": 2, "ts": T0}).encode(),
+            False,
+            T0,
+        )
+        fleet.ingest(
+            f"gpuwarden/v1/{node}/heartbeat",
+            json.dumps({"seq": 1, "ts": T0, "interval_s": 5}).encode(),
+            False,
+            T0,
+        )
     fleet.ingest("gpuwarden/v1/a/status", b"{", False, T0)
     fleet.evaluate(T0 + 20)
     return fleet
@@ -46,7 +54,10 @@ class TestExposition:
         assert 'gpuwarden_watch_node_state{node="spare",state="missing"} 1.0' in text
         assert 'gpuwarden_watch_malformed_messages_total{reason="not_json"} 1.0' in text
         assert 'gpuwarden_watch_nodes{state="stale"} 2.0' in text
-        assert 'gpuwarden_watch_alert_active{kind="fleet_quiet",node="",severity="critical"} 1.0' in text
+        assert (
+            'gpuwarden_watch_alert_active{kind="fleet_quiet",node="",severity="critical"} 1.0'
+            in text
+        )
 
     def test_forgotten_node_leaves_no_series(self) -> None:
         fleet = fleet_with_nodes()
@@ -55,9 +66,14 @@ class TestExposition:
 
     def test_promtool_check_metrics(self) -> None:
         promtool = shutil.which("promtool") or "/usr/bin/promtool"
-        done = subprocess.run([promtool, "check", "metrics"],
-                              input=exposition(fleet_with_nodes(), T0 + 20),
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = subprocess.run(
+            [promtool, "check", "metrics"],
+            input=exposition(fleet_with_nodes(), T0 + 20),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
     def test_http(self) -> None:
@@ -74,8 +90,9 @@ class TestReadme:
     """Every watcher metric has a row in the README's watcher section."""
 
     def test_rows(self) -> None:
-        names = set(re.findall(r"^# TYPE (\S+)", exposition(fleet_with_nodes(), T0 + 20),
-                               re.MULTILINE))
+        names = set(
+            re.findall(r"^# TYPE (\S+)", exposition(fleet_with_nodes(), T0 + 20), re.MULTILINE)
+        )
         readme = README.read_text()
         for name in names:
             base = name.removesuffix("_total")

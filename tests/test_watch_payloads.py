@@ -15,7 +15,9 @@ PREFIX = "gpuwarden/v1"
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -26,7 +28,8 @@ class TestTopic:
     def test_status_and_heartbeat(self) -> None:
         assert payloads.parse_topic(f"{PREFIX}/gpu-17/status", PREFIX) == Topic("gpu-17", "status")
         assert payloads.parse_topic(f"{PREFIX}/a.b_c:1/heartbeat", PREFIX) == Topic(
-            "a.b_c:1", "heartbeat")
+            "a.b_c:1", "heartbeat"
+        )
 
     def test_refusals(self) -> None:
         cases = {
@@ -57,7 +60,9 @@ class TestStatus:
     """Status: online/offline with a birth number; a clean stop is told apart by `reason`."""
 
     def test_online(self) -> None:
-        got = payloads.parse_status(b'{"state":"online","bdseq":3,"ts":1700000000.5,"version":"0.1"}')
+        got = payloads.parse_status(
+            b'{"state":"online","bdseq":3,"ts":1700000000.5,"version":"0.1"}'
+        )
         assert got == Status(True, 3, 1700000000.5, "0.1", False)
 
     def test_will_and_clean_stop(self) -> None:
@@ -96,8 +101,9 @@ class TestStatus:
         assert result.reason == "not_json"
 
     @settings(max_examples=300)
-    @given(st.dictionaries(st.sampled_from(["state", "bdseq", "ts", "version", "reason"]),
-                           json_values))
+    @given(
+        st.dictionaries(st.sampled_from(["state", "bdseq", "ts", "version", "reason"]), json_values)
+    )
     def test_any_object_is_parsed_or_refused(self, data: dict[str, object]) -> None:
         result = payloads.parse_status(json.dumps(data).encode())
         assert isinstance(result, (Status, Malformed))
@@ -119,12 +125,14 @@ class TestHeartbeat:
 
     def test_health_problems(self) -> None:
         got = payloads.parse_heartbeat(
-            b'{"seq":5,"ts":1.5,"interval_s":1,"health":["collector gpu stale","sink mqtt"]}')
+            b'{"seq":5,"ts":1.5,"interval_s":1,"health":["collector gpu stale","sink mqtt"]}'
+        )
         assert isinstance(got, Heartbeat)
         assert got.health_ok is False
         assert got.problems == ("collector gpu stale", "sink mqtt")
         nested = payloads.parse_heartbeat(
-            b'{"seq":5,"ts":1.5,"interval_s":1,"health":{"ok":false,"problems":["x"]}}')
+            b'{"seq":5,"ts":1.5,"interval_s":1,"health":{"ok":false,"problems":["x"]}}'
+        )
         assert isinstance(nested, Heartbeat)
         assert nested.health_ok is False
 

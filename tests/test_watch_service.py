@@ -46,14 +46,20 @@ class RecordingWatcher(Watcher):
         return changes
 
     def saw(self, raised: bool, kind: str, node: str = "") -> bool:
-        return any(c.raised == raised and c.alert.key == (kind, node)
-                   for c in self.__dict__.get("changes", []))
+        return any(
+            c.raised == raised and c.alert.key == (kind, node)
+            for c in self.__dict__.get("changes", [])
+        )
 
 
 def watch_settings(broker: Broker, **overrides: object) -> WatchSettings:
     values: dict[str, object] = {
-        "url": broker.url, "listen": f"127.0.0.1:{free_port()}", "evaluate_interval": 0.05,
-        "default_interval": 0.3, "broker_grace": 1.0, "keepalive": 5,
+        "url": broker.url,
+        "listen": f"127.0.0.1:{free_port()}",
+        "evaluate_interval": 0.05,
+        "default_interval": 0.3,
+        "broker_grace": 1.0,
+        "keepalive": 5,
     }
     values.update(overrides)
     return WatchSettings(**values)  # type: ignore[arg-type]
@@ -80,7 +86,9 @@ def nodes(broker: Broker) -> AsyncIterator[list[FakeNode]]:  # type: ignore[misc
 
 async def metrics(watcher: Watcher) -> str:
     assert watcher.metrics is not None
-    status, body = await asyncio.to_thread(http_get, f"http://127.0.0.1:{watcher.metrics.port}/metrics")
+    status, body = await asyncio.to_thread(
+        http_get, f"http://127.0.0.1:{watcher.metrics.port}/metrics"
+    )
     assert status == 200
     return body
 
@@ -88,8 +96,9 @@ async def metrics(watcher: Watcher) -> str:
 class TestNodeDeath:
     """A SIGKILLed node's Will marks it dead; the alert goes out on the alerts topic."""
 
-    async def test_sigkill_is_dead(self, broker: Broker, watcher: RecordingWatcher,
-                                   nodes: list[FakeNode]) -> None:
+    async def test_sigkill_is_dead(
+        self, broker: Broker, watcher: RecordingWatcher, nodes: list[FakeNode]
+    ) -> None:
         listener = AlertListener(broker.port, f"{P}/_watch/alerts").start()
         try:
             node = FakeNode(broker.port, "n1", bdseq=7).start()
@@ -97,15 +106,24 @@ class TestNodeDeath:
             await until(lambda: "n1" in watcher.fleet.nodes, what="n1 seen")
             node.signal(signal.SIGKILL)
             await until(lambda: watcher.saw(True, "node_dead", "n1"), what="n1 dead")
-            await until(lambda: "raise" in listener.events("node_dead", "n1"),
-                        what="the dead alert on the alerts topic")
+            await until(
+                lambda: "raise" in listener.events("node_dead", "n1"),
+                what="the dead alert on the alerts topic",
+            )
             body = await metrics(watcher)
             assert metric_value(body, "gpuwarden_watch_node_state", node="n1", state="dead") == 1
-            assert metric_value(body, "gpuwarden_watch_node_state", node="n1",
-                                state="online") == 0
+            assert metric_value(body, "gpuwarden_watch_node_state", node="n1", state="online") == 0
             assert metric_value(body, "gpuwarden_watch_node_birth_sequence", node="n1") == 7
-            assert metric_value(body, "gpuwarden_watch_alert_active", kind="node_missing",
-                                node="never-seen", severity="warning") == 1
+            assert (
+                metric_value(
+                    body,
+                    "gpuwarden_watch_alert_active",
+                    kind="node_missing",
+                    node="never-seen",
+                    severity="warning",
+                )
+                == 1
+            )
             # a rebirth clears it
             nodes.append(FakeNode(broker.port, "n1", bdseq=8).start())
             await until(lambda: watcher.saw(False, "node_dead", "n1"), what="n1 cleared")
@@ -126,8 +144,9 @@ class TestNodeDeath:
 class TestHungNode:
     """A SIGSTOPped node keeps its connection but stops beating: stale; SIGCONT clears it."""
 
-    async def test_sigstop_then_sigcont(self, broker: Broker, watcher: RecordingWatcher,
-                                        nodes: list[FakeNode]) -> None:
+    async def test_sigstop_then_sigcont(
+        self, broker: Broker, watcher: RecordingWatcher, nodes: list[FakeNode]
+    ) -> None:
         node = FakeNode(broker.port, "hung", interval=0.3, keepalive=30).start()
         talker = FakeNode(broker.port, "talker", interval=0.3, keepalive=30).start()
         nodes += [node, talker]
@@ -139,8 +158,9 @@ class TestHungNode:
         await until(lambda: watcher.saw(False, "node_stale", "hung"), what="hung cleared")
         assert not watcher.saw(True, "node_stale", "talker")
 
-    async def test_everyone_hung_is_one_alert(self, broker: Broker, watcher: RecordingWatcher,
-                                              nodes: list[FakeNode]) -> None:
+    async def test_everyone_hung_is_one_alert(
+        self, broker: Broker, watcher: RecordingWatcher, nodes: list[FakeNode]
+    ) -> None:
         group = [FakeNode(broker.port, f"q{i}", keepalive=30).start() for i in range(3)]
         nodes += group
         await until(lambda: {"q0", "q1", "q2"} <= set(watcher.fleet.nodes), what="nodes seen")
@@ -156,8 +176,9 @@ class TestHungNode:
 class TestBrokerLoss:
     """Broker gone: one broker alert, no node alerts; back: reconnect, clear, publish."""
 
-    async def test_stop_and_start_the_broker(self, broker: Broker, watcher: RecordingWatcher,
-                                             nodes: list[FakeNode]) -> None:
+    async def test_stop_and_start_the_broker(
+        self, broker: Broker, watcher: RecordingWatcher, nodes: list[FakeNode]
+    ) -> None:
         listener_topic = f"{P}/_watch/alerts"
         nodes.append(FakeNode(broker.port, "b1", keepalive=30).start())
         await until(lambda: "b1" in watcher.fleet.nodes, what="b1 seen")
@@ -167,15 +188,21 @@ class TestBrokerLoss:
         assert metric_value(body, "gpuwarden_watch_broker_connected") == 0
         assert watcher.metrics is not None
         status, _ = await asyncio.to_thread(
-            http_get, f"http://127.0.0.1:{watcher.metrics.port}/healthz")
+            http_get, f"http://127.0.0.1:{watcher.metrics.port}/healthz"
+        )
         assert status == 503
         broker.start()
         listener = AlertListener(broker.port, listener_topic).start()
         try:
-            await until(lambda: watcher.saw(False, "broker_unreachable"), timeout=40,
-                        what="broker alert cleared")
-            assert not any(c.alert.kind in ("node_stale", "node_dead", "fleet_quiet")
-                           and c.raised for c in watcher.changes)
+            await until(
+                lambda: watcher.saw(False, "broker_unreachable"),
+                timeout=40,
+                what="broker alert cleared",
+            )
+            assert not any(
+                c.alert.kind in ("node_stale", "node_dead", "fleet_quiet") and c.raised
+                for c in watcher.changes
+            )
             await until(lambda: not watcher.pending, what="queued alerts published")
         finally:
             listener.stop()
@@ -184,8 +211,9 @@ class TestBrokerLoss:
 class TestHostilePayloads:
     """Garbage on the node topics is counted and skipped; the watcher keeps working."""
 
-    async def test_garbage(self, broker: Broker, watcher: RecordingWatcher,
-                           nodes: list[FakeNode]) -> None:
+    async def test_garbage(
+        self, broker: Broker, watcher: RecordingWatcher, nodes: list[FakeNode]
+    ) -> None:
         nodes.append(FakeNode(broker.port, "good").start())
         bad = [
             (f"{P}/evil/status", b"\x00\xff not json"),
@@ -197,13 +225,18 @@ class TestHostilePayloads:
         ]
         for topic, payload in bad:
             await asyncio.to_thread(publish, broker.port, topic, payload)
-        await until(lambda: sum(watcher.fleet.counters.malformed.values()) >= len(bad),
-                    what="every bad message counted")
+        await until(
+            lambda: sum(watcher.fleet.counters.malformed.values()) >= len(bad),
+            what="every bad message counted",
+        )
         body = await metrics(watcher)
-        assert metric_value(body, "gpuwarden_watch_malformed_messages_total",
-                            reason="too_large") == 1
-        assert metric_value(body, "gpuwarden_watch_malformed_messages_total",
-                            reason="bad_node_id") == 1
+        assert (
+            metric_value(body, "gpuwarden_watch_malformed_messages_total", reason="too_large") == 1
+        )
+        assert (
+            metric_value(body, "gpuwarden_watch_malformed_messages_total", reason="bad_node_id")
+            == 1
+        )
         assert "evil" not in watcher.fleet.nodes
         await until(lambda: "good" in watcher.fleet.nodes, what="good node still seen")
 
@@ -228,9 +261,14 @@ class TestCommand:
         config = tmp_path / "gpuwarden.toml"
         config.write_text(f'[watch]\nurl = "{broker.url}"\nlisten = "127.0.0.1:{port}"\n')
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        process = subprocess.Popen([sys.executable, "-m", "agent", "watch", "--config",
-                                    str(config)], cwd=ROOT, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "agent", "watch", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             wait_for_port(port)
             status, body = http_get(f"http://127.0.0.1:{port}/metrics")
@@ -244,9 +282,15 @@ class TestCommand:
     def test_config_error(self, tmp_path: Path) -> None:
         config = tmp_path / "gpuwarden.toml"
         config.write_text('[watch]\nurl = "http://x"\n')
-        done = subprocess.run([sys.executable, "-m", "agent", "watch", "--config", str(config)],
-                              check=False, cwd=ROOT, capture_output=True, text=True, timeout=30,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        done = subprocess.run(
+            [sys.executable, "-m", "agent", "watch", "--config", str(config)],
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert done.returncode == 2
         assert "watch.url" in done.stderr
 
@@ -257,8 +301,7 @@ class SlowClient:
     def __init__(self) -> None:
         self.sent: list[str] = []
 
-    async def publish(self, topic: str, payload: bytes, qos: int = 0,
-                      retain: bool = False) -> None:
+    async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
         for _ in range(3):
             await asyncio.sleep(0)
         self.sent.append(json.loads(payload)["node"])

@@ -50,12 +50,15 @@ class TestUsersFile:
         users = parse_users(f"# scrapers\n\nprometheus:{HASH}\n  other : {HASH}  \n")
         assert users == {"prometheus": HASH.encode(), "other": HASH.encode()}
 
-    @pytest.mark.parametrize(("text", "message"), [
-        ("prometheus", ":1: expected user:bcrypt-hash"),
-        ("prometheus:plaintext", ":1: the hash of 'prometheus' is not a bcrypt hash"),
-        (f"a:{HASH}\na:{HASH}", ":2: user 'a' appears twice"),
-        ("# nobody\n", "no users"),
-    ])
+    @pytest.mark.parametrize(
+        ("text", "message"),
+        [
+            ("prometheus", ":1: expected user:bcrypt-hash"),
+            ("prometheus:plaintext", ":1: the hash of 'prometheus' is not a bcrypt hash"),
+            (f"a:{HASH}\na:{HASH}", ":2: user 'a' appears twice"),
+            ("# nobody\n", "no users"),
+        ],
+    )
     def test_errors_name_the_line(self, text: str, message: str) -> None:
         """A malformed file is refused with the line and what to do."""
         with pytest.raises(UsersFileError, match=message):
@@ -121,7 +124,8 @@ class TestCacheConcurrency:
     """cached() on the loop and check() in threads share the cache safely."""
 
     def test_threads_hammering_the_cache_raise_nothing(
-            self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """Concurrent inserts, evictions and lookups never raise."""
         monkeypatch.setattr(bcrypt, "checkpw", lambda _p, _h: True)
         auth = BasicAuth({f"u{i}": HASH.encode() for i in range(100)})
@@ -155,12 +159,18 @@ class TestEndpoint:
         users = tmp_path / "users"
         users.write_text(f"prometheus:{HASH}\n")
         port = free_port()
-        cfg = config_module.parse({
-            "node_id": "n", "state_dir": str(tmp_path / "state"),
-            "prometheus": {"listen": f"127.0.0.1:{port}", "tls_cert_file": str(server.cert),
-                           "tls_key_file": str(server.key),
-                           "basic_auth_users_file": str(users)},
-        })
+        cfg = config_module.parse(
+            {
+                "node_id": "n",
+                "state_dir": str(tmp_path / "state"),
+                "prometheus": {
+                    "listen": f"127.0.0.1:{port}",
+                    "tls_cert_file": str(server.cert),
+                    "tls_key_file": str(server.key),
+                    "basic_auth_users_file": str(users),
+                },
+            }
+        )
         runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
         await runtime.start()
         context = ssl.create_default_context(cafile=str(authority.cert))
@@ -188,7 +198,8 @@ class TestEndpoint:
             assert missing[1]["WWW-Authenticate"] == 'Basic realm="gpuwarden"'
             with pytest.raises(ConnectionError):  # plain HTTP to the TLS port: no answer
                 await asyncio.to_thread(
-                    urllib.request.urlopen, f"http://127.0.0.1:{port}/metrics", timeout=5)
+                    urllib.request.urlopen, f"http://127.0.0.1:{port}/metrics", timeout=5
+                )
             sink = runtime.sinks["prometheus"]
             assert isinstance(sink, PrometheusSink)
             assert sink.scrapes == 2
@@ -200,10 +211,15 @@ class TestEndpoint:
         """A malformed users file refuses to start the endpoint, naming the line."""
         users = tmp_path / "users"
         users.write_text("prometheus:plain\n")
-        cfg = config_module.parse({
-            "state_dir": str(tmp_path / "state"),
-            "prometheus": {"listen": f"127.0.0.1:{free_port()}",
-                           "basic_auth_users_file": str(users)}})
+        cfg = config_module.parse(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "prometheus": {
+                    "listen": f"127.0.0.1:{free_port()}",
+                    "basic_auth_users_file": str(users),
+                },
+            }
+        )
         runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
         with pytest.raises(OSError, match="users:1"):
             await runtime.start()
@@ -213,9 +229,13 @@ class TestEndpoint:
 @pytest.fixture
 async def endpoint(tmp_path: Path) -> AsyncIterator[PrometheusSink]:
     """A running agent with the plain-HTTP endpoint on a free port."""
-    cfg = config_module.parse({
-        "node_id": "n", "state_dir": str(tmp_path / "state"),
-        "prometheus": {"listen": f"127.0.0.1:{free_port()}"}})
+    cfg = config_module.parse(
+        {
+            "node_id": "n",
+            "state_dir": str(tmp_path / "state"),
+            "prometheus": {"listen": f"127.0.0.1:{free_port()}"},
+        }
+    )
     runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
     await runtime.start()
     sink = runtime.sinks["prometheus"]
@@ -231,7 +251,8 @@ class TestEndpointLimits:
     """Slow clients cannot pin the server; HEAD tells the length GET would send."""
 
     async def test_client_that_never_reads_is_dropped(
-            self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
+        self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """A request whose large response is never read is aborted after the timeout."""
         body = b"x" * (16 << 20)  # far more than the socket buffers hold
         monkeypatch.setattr(http, "REQUEST_TIMEOUT", 0.2)
@@ -254,7 +275,8 @@ class TestEndpointLimits:
             assert await asyncio.to_thread(read_all) < len(body)
 
     async def test_connections_over_the_cap_get_503(
-            self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
+        self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """With the cap taken by a silent client, the next connection is answered 503."""
         monkeypatch.setattr(endpoint.http, "_slots", asyncio.Semaphore(1))
         with socket.socket() as silent, socket.socket() as late:
@@ -266,7 +288,8 @@ class TestEndpointLimits:
         assert answer.startswith(b"HTTP/1.1 503 ")
 
     async def test_head_content_length_is_the_get_body_length(
-            self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch) -> None:
+        self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """HEAD /metrics: no body, and Content-Length of the GET body."""
         body = b"# a fixed exposition\nmetric 1\n"
         monkeypatch.setattr(endpoint, "metrics_body", lambda: body)

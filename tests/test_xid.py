@@ -20,8 +20,12 @@ from collectors.xid import (
 from collectors.xid_catalog import CATALOG_PATH, catalog_source, known_codes, lookup, lookup_sxid
 
 PCI = "0000:3b:00.0"
-IDENTITY = {"gpu": "3", "uuid": "GPU-5b3c1d2e", "pci_bus_id": "00000000:3B:00.0",
-            "model": "NVIDIA H200"}
+IDENTITY = {
+    "gpu": "3",
+    "uuid": "GPU-5b3c1d2e",
+    "pci_bus_id": "00000000:3B:00.0",
+    "model": "NVIDIA H200",
+}
 
 
 class FakeClock:
@@ -32,10 +36,17 @@ class FakeClock:
         return self.now
 
 
-def obs(source: XidSource, at: float, code: int = 79, pci: str = PCI,
-        predates: bool = False) -> XidObservation:
-    return XidObservation(source=source, pci_bus_id=pci, code=code, time=at,
-                          text=f"{source} text", predates_agent=predates)
+def obs(
+    source: XidSource, at: float, code: int = 79, pci: str = PCI, predates: bool = False
+) -> XidObservation:
+    return XidObservation(
+        source=source,
+        pci_bus_id=pci,
+        code=code,
+        time=at,
+        text=f"{source} text",
+        predates_agent=predates,
+    )
 
 
 class TestCatalog:
@@ -56,8 +67,35 @@ class TestCatalog:
 
     def test_field_notes_codes_are_present(self) -> None:
         """The codes operators act on (FIELD-NOTES.md) are all in the catalog."""
-        for code in (13, 31, 43, 45, 46, 48, 54, 62, 63, 64, 74, 79, 92, 94, 95, 109, 110, 119,
-                     120, 136, 140, 143, *range(144, 152), 154, 155, 156, 158):
+        for code in (
+            13,
+            31,
+            43,
+            45,
+            46,
+            48,
+            54,
+            62,
+            63,
+            64,
+            74,
+            79,
+            92,
+            94,
+            95,
+            109,
+            110,
+            119,
+            120,
+            136,
+            140,
+            143,
+            *range(144, 152),
+            154,
+            155,
+            156,
+            158,
+        ):
             assert lookup(code).known, code
 
     def test_application_faults_are_not_critical(self) -> None:
@@ -84,11 +122,16 @@ class TestCatalog:
 class TestNormalize:
     """Any PCI address form becomes `0000:3b:00.0`."""
 
-    @pytest.mark.parametrize(("text", "expected"), [
-        ("PCI:0000:3b:00", "0000:3b:00.0"), ("0000:3B:00", "0000:3b:00.0"),
-        ("00000000:3B:00.0", "0000:3b:00.0"), ("3b:00.1", "0000:3b:00.1"),
-        ("0001:0a:1f.7", "0001:0a:1f.7"),
-    ])
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            ("PCI:0000:3b:00", "0000:3b:00.0"),
+            ("0000:3B:00", "0000:3b:00.0"),
+            ("00000000:3B:00.0", "0000:3b:00.0"),
+            ("3b:00.1", "0000:3b:00.1"),
+            ("0001:0a:1f.7", "0001:0a:1f.7"),
+        ],
+    )
     def test_forms(self, text: str, expected: str) -> None:
         """Kernel, NVML and short forms agree."""
         assert normalize_pci_bus_id(text) == expected
@@ -133,8 +176,10 @@ class TestCorrelator:
         correlator.observe(obs("kmsg", 1000.0))
         correlator.observe(obs("nvml", 1000.0, code=48, pci="0000:86:00.0"))
         events = sorted(correlator.drain(1010.0), key=lambda e: e.attributes["xid"] or 0)
-        assert [(e.attributes["xid"], e.attributes["sources"]) for e in events] == \
-            [(48, "nvml"), (79, "kmsg")]
+        assert [(e.attributes["xid"], e.attributes["sources"]) for e in events] == [
+            (48, "nvml"),
+            (79, "kmsg"),
+        ]
         assert "seen only by nvml" in events[0].message
         assert "seen only by kmsg" in events[1].message
         assert events[1].attributes["gpu"] == ""
@@ -201,8 +246,11 @@ class TestCorrelator:
     def test_custom_builder(self) -> None:
         """set_builder replaces the default; occurrences are still added."""
         correlator = XidCorrelator(window=0.0, clock=FakeClock(0.0))
-        correlator.set_builder(lambda o, s, i: Event(source="t", kind="x", severity=Severity.INFO,
-                                                     message=f"{o.code} {sorted(s)}"))
+        correlator.set_builder(
+            lambda o, s, i: Event(
+                source="t", kind="x", severity=Severity.INFO, message=f"{o.code} {sorted(s)}"
+            )
+        )
         correlator.observe(obs("nvml", 0.0))
         [event] = correlator.drain(1.0)
         assert event.message == "79 ['nvml']"

@@ -32,20 +32,40 @@ _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", metavar="N|cpu", default=None,
-                        help="one GPU by NVML index, or cpu (default: every GPU)")
+    parser.add_argument(
+        "--device",
+        metavar="N|cpu",
+        default=None,
+        help="one GPU by NVML index, or cpu (default: every GPU)",
+    )
     parser.add_argument("--size", type=int, default=None, help="matrix side (default: config)")
-    parser.add_argument("--dtype", "--profile", dest="profile", default=None,
-                        choices=sorted({*PROFILES, *_DTYPE_ALIASES}),
-                        help="fp32 (highest precision), tf32, bf16 or fp16 (default: config)")
+    parser.add_argument(
+        "--dtype",
+        "--profile",
+        dest="profile",
+        default=None,
+        choices=sorted({*PROFILES, *_DTYPE_ALIASES}),
+        help="fp32 (highest precision), tf32, bf16 or fp16 (default: config)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per GPU tested")
-    parser.add_argument("--history", action="store_true",
-                        help="show each GPU's past runs and ratios instead of testing")
-    parser.add_argument("--import", dest="import_file", type=Path, default=None, metavar="FILE",
-                        help="add the runs of a gpu_benchmark.jsonl (the field guide's script) "
-                             "to the history")
-    parser.add_argument("--gpu-uuid", default=None,
-                        help="with --import: the UUID of the GPU the file's runs were made on")
+    parser.add_argument(
+        "--history",
+        action="store_true",
+        help="show each GPU's past runs and ratios instead of testing",
+    )
+    parser.add_argument(
+        "--import",
+        dest="import_file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="add the runs of a gpu_benchmark.jsonl (the field guide's script) to the history",
+    )
+    parser.add_argument(
+        "--gpu-uuid",
+        default=None,
+        help="with --import: the UUID of the GPU the file's runs were made on",
+    )
 
 
 class _ThreadCaller:
@@ -76,14 +96,25 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_run(settings, cfg.node_id, cfg.state_dir, args.device, args.json))
 
 
-async def _run(settings: BenchmarkSettings, node_id: str, state_dir: Path, device: str | None,
-               as_json: bool) -> int:
+async def _run(
+    settings: BenchmarkSettings, node_id: str, state_dir: Path, device: str | None, as_json: bool
+) -> int:
     activity: GpuActivity = NvmlActivity(NvmlBackend())
-    deps = CollectorDeps(node_id=node_id, state_dir=state_dir, state=MemoryKeyValueStore(),
-                         shared=SharedServices(), emit=lambda event: None)
+    deps = CollectorDeps(
+        node_id=node_id,
+        state_dir=state_dir,
+        state=MemoryKeyValueStore(),
+        shared=SharedServices(),
+        emit=lambda event: None,
+    )
     if device == "cpu":
-        collector = BenchmarkCollector(settings, deps, activity=_CpuActivity(), source="cli",
-                                       device_plan=lambda gpu: ("cpu", {}))
+        collector = BenchmarkCollector(
+            settings,
+            deps,
+            activity=_CpuActivity(),
+            source="cli",
+            device_plan=lambda gpu: ("cpu", {}),
+        )
         targets = all_gpus = [CPU]
     else:
         collector = BenchmarkCollector(settings, deps, activity=activity, source="cli")
@@ -139,10 +170,15 @@ def _result_json(result: RunResult) -> dict[str, Any]:
     if result.record is not None:
         return {**result.record.to_dict(), "events": [e.to_dict() for e in result.events]}
     outcome = result.outcome
-    return {"gpu_index": None if result.gpu is CPU else result.gpu.index,
-            "gpu_uuid": result.gpu.uuid, "gpu_name": result.gpu.name,
-            "error": outcome.failure, "message": outcome.message,
-            "exit_code": outcome.exit_code, "stderr_tail": outcome.stderr_tail[-2000:]}
+    return {
+        "gpu_index": None if result.gpu is CPU else result.gpu.index,
+        "gpu_uuid": result.gpu.uuid,
+        "gpu_name": result.gpu.name,
+        "error": outcome.failure,
+        "message": outcome.message,
+        "exit_code": outcome.exit_code,
+        "stderr_tail": outcome.stderr_tail[-2000:],
+    }
 
 
 def _where(gpu: GpuIdentity) -> str:
@@ -187,16 +223,22 @@ def show_history(history: HistoryFile, *, as_json: bool) -> int:
         return EXIT_OK
     by_gpu: dict[str, list[BenchmarkRecord]] = {}
     for record in records:
-        by_gpu.setdefault(record.gpu_uuid or f"(no uuid) index {record.gpu_index}", []).append(record)
+        by_gpu.setdefault(record.gpu_uuid or f"(no uuid) index {record.gpu_index}", []).append(
+            record
+        )
     for uuid, runs in by_gpu.items():
         print(f"{uuid}  {runs[-1].gpu_name}  index {runs[-1].gpu_index}")
-        print(f"  {'time (UTC)':<20} {'source':<6} {'profile':<7} {'size':>5} {'window':<9} "
-              f"{'TFLOP/s':>9} {'baseline':>8} {'peers':>6}  correct")
+        print(
+            f"  {'time (UTC)':<20} {'source':<6} {'profile':<7} {'size':>5} {'window':<9} "
+            f"{'TFLOP/s':>9} {'baseline':>8} {'peers':>6}  correct"
+        )
         for r in runs:
             correct = {True: "yes", False: "WRONG", None: "-"}[r.correct]
-            print(f"  {r.time_utc:<20} {r.source:<6} {r.profile:<7} {r.size:>5} "
-                  f"{r.duration_class:<9} {r.estimated_tflops:>9.2f} "
-                  f"{_ratio(r.baseline_ratio):>8} {_ratio(r.peer_ratio):>6}  {correct}")
+            print(
+                f"  {r.time_utc:<20} {r.source:<6} {r.profile:<7} {r.size:>5} "
+                f"{r.duration_class:<9} {r.estimated_tflops:>9.2f} "
+                f"{_ratio(r.baseline_ratio):>8} {_ratio(r.peer_ratio):>6}  {correct}"
+            )
     if history.bad_lines:
         print(f"({len(history.bad_lines)} unreadable line(s) in {history.path} skipped)")
     return EXIT_OK
@@ -212,21 +254,24 @@ def import_file(history: HistoryFile, path: Path, gpu_uuid: str | None) -> int:
     existing = {_identity(r) for r in history.refresh()}
     added = 0
     for parsed in loaded.records:
-        record = parsed.with_changes(source="import",
-                                     gpu_uuid=parsed.gpu_uuid or gpu_uuid or "")
+        record = parsed.with_changes(source="import", gpu_uuid=parsed.gpu_uuid or gpu_uuid or "")
         if _identity(record) in existing:
             continue
         history.append(record)
         existing.add(_identity(record))
         added += 1
-    print(f"imported {added} run(s) from {path} into {history.path}"
-          f" ({len(loaded.records) - added} already there)")
+    print(
+        f"imported {added} run(s) from {path} into {history.path}"
+        f" ({len(loaded.records) - added} already there)"
+    )
     for number, reason in loaded.bad_lines:
         print(f"  line {number} skipped: {reason}", file=sys.stderr)
     if any(not r.gpu_uuid for r in loaded.records) and not gpu_uuid:
-        print("  note: runs without a GPU UUID are kept but never used as a baseline; pass "
-              "--gpu-uuid (nvidia-smi -L shows it) to attach a file's runs to its GPU",
-              file=sys.stderr)
+        print(
+            "  note: runs without a GPU UUID are kept but never used as a baseline; pass "
+            "--gpu-uuid (nvidia-smi -L shows it) to attach a file's runs to its GPU",
+            file=sys.stderr,
+        )
     return EXIT_OK if not loaded.bad_lines else EXIT_FAILED
 
 

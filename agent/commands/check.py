@@ -22,18 +22,40 @@ from agent.diagnose.check import CheckOptions, CheckReport, run_check
 from agent.diagnose.findings import Status
 from agent.settings import ConfigError
 
-COLOURS = {Status.OK: "32", Status.WARN: "33", Status.FAIL: "31;1", Status.NA: "2", Status.SKIP: "2"}
+COLOURS = {
+    Status.OK: "32",
+    Status.WARN: "33",
+    Status.FAIL: "31;1",
+    Status.NA: "2",
+    Status.SKIP: "2",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--io-test", type=Path, metavar="DIR", default=None,
-                        help="also write and fsync 64 MiB in DIR and time it")
-    parser.add_argument("--bench", action="store_true", help="also run one matmul benchmark per GPU")
-    parser.add_argument("--expect-gpus", type=int, metavar="N", default=None,
-                        help="GPUs this host should have (default: at least one; 0: none, GPU lines N/A)")
-    parser.add_argument("--python", default=sys.executable, metavar="PATH",
-                        help="interpreter whose torch is checked (default: this one)")
+    parser.add_argument(
+        "--io-test",
+        type=Path,
+        metavar="DIR",
+        default=None,
+        help="also write and fsync 64 MiB in DIR and time it",
+    )
+    parser.add_argument(
+        "--bench", action="store_true", help="also run one matmul benchmark per GPU"
+    )
+    parser.add_argument(
+        "--expect-gpus",
+        type=int,
+        metavar="N",
+        default=None,
+        help="GPUs this host should have (default: at least one; 0: none, GPU lines N/A)",
+    )
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        metavar="PATH",
+        help="interpreter whose torch is checked (default: this one)",
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch child process")
 
 
@@ -48,13 +70,19 @@ def render_table(report: CheckReport, colour: bool, width: int = 100) -> str:
         status = f"{finding.status.value:<4}"
         if colour:
             status = f"\x1b[{COLOURS[finding.status]}m{status}\x1b[0m"
-        name = finding.name if len(finding.name) <= name_width else finding.name[: name_width - 1] + "…"
+        name = (
+            finding.name
+            if len(finding.name) <= name_width
+            else finding.name[: name_width - 1] + "…"
+        )
         indent = " " * (4 + 2 + name_width + 2)
         body = textwrap.wrap(finding.detail, max(width - len(indent), 30)) or [""]
         lines.append(f"{status}  {name:<{name_width}}  {body[0]}")
         lines.extend(indent + more for more in body[1:])
         if finding.action and finding.status in (Status.WARN, Status.FAIL):
-            for i, part in enumerate(textwrap.wrap(finding.action, max(width - len(indent) - 3, 30))):
+            for i, part in enumerate(
+                textwrap.wrap(finding.action, max(width - len(indent) - 3, 30))
+            ):
                 lines.append(indent + ("-> " if i == 0 else "   ") + part)
     counts = report.counts()
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
@@ -72,8 +100,13 @@ def main(args: argparse.Namespace) -> int:
     if args.expect_gpus is not None and args.expect_gpus < 0:
         print("gpuwarden check: --expect-gpus must be 0 or more", file=sys.stderr)
         return 2
-    options = CheckOptions(io_test_dir=args.io_test, bench=args.bench, expect_gpus=args.expect_gpus,
-                           python=args.python, torch=not args.no_torch)
+    options = CheckOptions(
+        io_test_dir=args.io_test,
+        bench=args.bench,
+        expect_gpus=args.expect_gpus,
+        python=args.python,
+        torch=not args.no_torch,
+    )
     report = asyncio.run(run_check(cfg, options))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -15,8 +15,11 @@ from agent.settings import ConfigError, to_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("check", "show"),
-                        help="check: validate only; show: print the effective settings")
+    parser.add_argument(
+        "action",
+        choices=("check", "show"),
+        help="check: validate only; show: print the effective settings",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -35,8 +38,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = config_module.load(args.config)
     except ConfigError as exc:
         if args.json:
-            print(json.dumps({"ok": False, "file": exc.file, "key": exc.key,
-                              "error": exc.message}))
+            print(json.dumps({"ok": False, "file": exc.file, "key": exc.key, "error": exc.message}))
         print(f"gpuwarden: configuration error: {exc}", file=sys.stderr)
         return 2
     if args.action == "show" or args.json:

@@ -20,12 +20,27 @@ from agent.settings import ConfigError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
-                        help="bundle path (default: ./gpuwarden-diag-<node>-<UTC time>.tar.gz)")
-    parser.add_argument("--include", type=Path, action="append", default=[], metavar="PATH",
-                        help="add a file (a training log, say), redacted; may be repeated")
-    parser.add_argument("--no-torch", action="store_true",
-                        help="skip the torch child process (it imports torch: a few seconds)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="bundle path (default: ./gpuwarden-diag-<node>-<UTC time>.tar.gz)",
+    )
+    parser.add_argument(
+        "--include",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="add a file (a training log, say), redacted; may be repeated",
+    )
+    parser.add_argument(
+        "--no-torch",
+        action="store_true",
+        help="skip the torch child process (it imports torch: a few seconds)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -34,8 +49,9 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gpuwarden: configuration error: {exc}", file=sys.stderr)
         return 2
-    options = DiagOptions(output=args.output, includes=tuple(args.include),
-                          run_torch_probe=not args.no_torch)
+    options = DiagOptions(
+        output=args.output, includes=tuple(args.include), run_torch_probe=not args.no_torch
+    )
     argv = sys.argv[2:]
     try:
         path, bundle = asyncio.run(build_bundle(cfg, options, argv))
@@ -46,8 +62,18 @@ def main(args: argparse.Namespace) -> int:
     size = path.stat().st_size
     redaction = bundle.report.to_dict()
     if args.json:
-        print(json.dumps({"path": str(path), "size_bytes": size, "files": len(bundle.members),
-                          "redaction": redaction, "notes": bundle.notes}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "path": str(path),
+                    "size_bytes": size,
+                    "files": len(bundle.members),
+                    "redaction": redaction,
+                    "notes": bundle.notes,
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"wrote {path} ({len(bundle.members)} files, {size / 1024:.1f} KiB)")
     kinds = ", ".join(f"{kind} {n}" for kind, n in redaction["by_kind"].items())

@@ -32,8 +32,12 @@ STOP_BUDGET = 4.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
-                        help="auto: JSON lines unless stdout is a terminal")
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="auto: JSON lines unless stdout is a terminal",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -83,11 +87,15 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         notifier.ready(runtime.health().summary())
         log.info("ready", collectors=sorted(runtime.collectors), sinks=sorted(runtime.sinks))
     interval = watchdog_interval()
-    helpers.append(asyncio.create_task(
-        run_watchdog(notifier, runtime.supervisor, interval or 10.0,
-                     lambda: runtime.health().summary())
-        if interval else _status_loop(notifier, runtime)
-    ))
+    helpers.append(
+        asyncio.create_task(
+            run_watchdog(
+                notifier, runtime.supervisor, interval or 10.0, lambda: runtime.health().summary()
+            )
+            if interval
+            else _status_loop(notifier, runtime)
+        )
+    )
     await stop.wait()
     began = time.monotonic()
     log.info("stopping: signal received")

@@ -32,12 +32,14 @@ EXIT_CRITICAL = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("file", metavar="FILE", help="saved kernel log ('-' for standard input)")
-    parser.add_argument("--json", action="store_true",
-                        help="one JSON object per finding, one per line")
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per finding, one per line"
+    )
 
 
-def scan_lines(lines: Iterable[str], stats: ParseStats | None = None,
-               matchers: MatcherSet | None = None) -> list[Finding]:
+def scan_lines(
+    lines: Iterable[str], stats: ParseStats | None = None, matchers: MatcherSet | None = None
+) -> list[Finding]:
     """Every finding in saved log lines, in line order."""
     matchers = matchers if matchers is not None else MatcherSet()
     return list(matchers.scan(parse_lines(lines, stats)))
@@ -65,8 +67,10 @@ def _what(finding: Finding) -> str:
 
 def print_table(findings: Sequence[Finding], out: TextIO) -> None:
     rows = [(str(f.line), f.severity.label, _what(f), _where(f)) for f in findings]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in
-              enumerate(("LINE", "SEVERITY", "KIND", "WHERE"))]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows))
+        for i, h in enumerate(("LINE", "SEVERITY", "KIND", "WHERE"))
+    ]
     header = ("LINE", "SEVERITY", "KIND", "WHERE")
     indent = " " * (sum(widths) + 2 * len(widths))
 

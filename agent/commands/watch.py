@@ -28,10 +28,15 @@ log = structlog.get_logger(component="watch")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="broker URL (overrides [watch] url)")
-    parser.add_argument("--inventory", type=Path, metavar="PATH",
-                        help="inventory file (overrides [watch] inventory_file)")
-    parser.add_argument("--listen", help="host:port for /metrics, '' for none "
-                        "(overrides [watch] listen)")
+    parser.add_argument(
+        "--inventory",
+        type=Path,
+        metavar="PATH",
+        help="inventory file (overrides [watch] inventory_file)",
+    )
+    parser.add_argument(
+        "--listen", help="host:port for /metrics, '' for none (overrides [watch] listen)"
+    )
     parser.add_argument("--json", action="store_true", help="JSON log lines even on a terminal")
 
 
@@ -73,7 +78,11 @@ async def _serve(watcher: Watcher) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    log.info("watching", url=watcher.settings.url, prefix=watcher.settings.topic_prefix,
-             inventory=len(watcher.fleet.nodes))
+    log.info(
+        "watching",
+        url=watcher.settings.url,
+        prefix=watcher.settings.topic_prefix,
+        inventory=len(watcher.fleet.nodes),
+    )
     await watcher.run(stop)
     log.info("stopped")

@@ -28,7 +28,9 @@ async def check_bench(runner: OneShotCollectors, config: Config) -> list[Finding
     settings = configured if isinstance(configured, BenchmarkSettings) else BenchmarkSettings()
     source = HistoryFile.in_state_dir(config.state_dir).path
     if source.is_file():
-        await asyncio.to_thread(shutil.copyfile, source, HistoryFile.in_state_dir(runner.scratch_dir).path)
+        await asyncio.to_thread(
+            shutil.copyfile, source, HistoryFile.in_state_dir(runner.scratch_dir).path
+        )
     built, _ = runner.build("benchmark", settings)
     assert isinstance(built, BenchmarkCollector)
     collector = built
@@ -55,22 +57,44 @@ def judge(result: RunResult) -> Finding:
     name = f"GPU {gpu.index} benchmark"
     if record is None:
         tail = outcome.stderr_tail.strip().splitlines()[-1:] or [""]
-        return Finding(AREA, name, Status.FAIL,
-                       f"the test gave no result ({outcome.failure}): {outcome.message} {tail[0]}".strip(),
-                       f"run gpuwarden bench --device {gpu.index} for the full output; check the kernel log "
-                       "for Xids")
-    detail = (f"{record.estimated_tflops:.1f} TFLOP/s, {record.profile} size {record.size} "
-              f"(torch {record.torch}, CUDA {record.torch_cuda})")
-    ratios = [f"{label} ratio {value:.2f}" for label, value in
-              (("baseline", record.baseline_ratio), ("peer", record.peer_ratio)) if value is not None]
+        return Finding(
+            AREA,
+            name,
+            Status.FAIL,
+            f"the test gave no result ({outcome.failure}): {outcome.message} {tail[0]}".strip(),
+            f"run gpuwarden bench --device {gpu.index} for the full output; check the kernel log "
+            "for Xids",
+        )
+    detail = (
+        f"{record.estimated_tflops:.1f} TFLOP/s, {record.profile} size {record.size} "
+        f"(torch {record.torch}, CUDA {record.torch_cuda})"
+    )
+    ratios = [
+        f"{label} ratio {value:.2f}"
+        for label, value in (("baseline", record.baseline_ratio), ("peer", record.peer_ratio))
+        if value is not None
+    ]
     if ratios:
         detail += "; " + ", ".join(ratios)
     if record.correct is False:
-        return Finding(AREA, name, Status.FAIL,
-                       f"WRONG RESULT: max error {record.max_error} over tolerance {record.tolerance:g}; {detail}",
-                       "take the GPU out of service: a wrong product is silent data corruption")
-    worst = max((e for e in result.events if e.severity >= Severity.WARNING),
-                key=lambda e: e.severity, default=None)
+        return Finding(
+            AREA,
+            name,
+            Status.FAIL,
+            f"WRONG RESULT: max error {record.max_error} over tolerance {record.tolerance:g}; {detail}",
+            "take the GPU out of service: a wrong product is silent data corruption",
+        )
+    worst = max(
+        (e for e in result.events if e.severity >= Severity.WARNING),
+        key=lambda e: e.severity,
+        default=None,
+    )
     if worst is not None:
-        return Finding(AREA, name, Status.from_severity(worst.severity), f"{worst.message}; {detail}", worst.action)
+        return Finding(
+            AREA,
+            name,
+            Status.from_severity(worst.severity),
+            f"{worst.message}; {detail}",
+            worst.action,
+        )
     return Finding(AREA, name, Status.OK, detail)

@@ -79,16 +79,24 @@ class Bundle:
         return self.add_text(name, text)
 
     def skip(self, name: str, reason: str) -> None:
-        self.report.skipped_files[self.redactor.redact_text(name)] = self.redactor.redact_text(reason)
+        self.report.skipped_files[self.redactor.redact_text(name)] = self.redactor.redact_text(
+            reason
+        )
 
     def manifest(self, header: dict[str, Any]) -> dict[str, Any]:
         files = [
             {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             for name, data in sorted(self.members.items())
         ]
-        return {**header, "files": files, "notes": list(self.notes),
-                "redaction": {"total": sum(self.report.by_kind.values()),
-                              "by_kind": dict(sorted(self.report.by_kind.items()))}}
+        return {
+            **header,
+            "files": files,
+            "notes": list(self.notes),
+            "redaction": {
+                "total": sum(self.report.by_kind.values()),
+                "by_kind": dict(sorted(self.report.by_kind.items())),
+            },
+        }
 
     def finish(self, header: dict[str, Any]) -> None:
         """Add the redaction report and the manifest (the manifest lists every other member)."""

@@ -116,7 +116,9 @@ def expected_gpus(config: Config, options: CheckOptions) -> int | None:
 
 def classify_system(result: CollectorResult) -> list[Finding]:
     if result.error:
-        return [Finding("host", "memory", Status.WARN, f"cannot read /proc/meminfo: {result.error}")]
+        return [
+            Finding("host", "memory", Status.WARN, f"cannot read /proc/meminfo: {result.error}")
+        ]
     total = result.values(system.MEMORY_TOTAL.name)
     available = result.values(system.MEMORY_AVAILABLE.name)
     if not total or not available or total[0].value <= 0:
@@ -124,11 +126,25 @@ def classify_system(result: CollectorResult) -> list[Finding]:
     fraction = available[0].value / total[0].value
     detail = f"{available[0].value / 2**30:.1f} GiB available of {total[0].value / 2**30:.1f} GiB ({fraction:.0%})"
     if fraction < MEMORY_FAIL_FRACTION:
-        return [Finding("host", "memory", Status.FAIL, detail,
-                        "find the processes holding memory (ps aux --sort=-rss | head)")]
+        return [
+            Finding(
+                "host",
+                "memory",
+                Status.FAIL,
+                detail,
+                "find the processes holding memory (ps aux --sort=-rss | head)",
+            )
+        ]
     if fraction < MEMORY_WARN_FRACTION:
-        return [Finding("host", "memory", Status.WARN, detail,
-                        "little headroom for data loaders; check for leftover processes")]
+        return [
+            Finding(
+                "host",
+                "memory",
+                Status.WARN,
+                detail,
+                "little headroom for data loaders; check for leftover processes",
+            )
+        ]
     return [Finding("host", "memory", Status.OK, detail)]
 
 
@@ -146,16 +162,32 @@ def check_state(config: Config) -> list[Finding]:
     snapshot = read_state(config.state_dir, event_limit=0)
     if not snapshot.available:
         status = Status.NA if "has not run" in snapshot.reason else Status.WARN
-        findings.append(Finding("state", "state store", status, snapshot.reason,
-                                "" if status is Status.NA else "run gpuwarden diag and send the bundle"))
+        findings.append(
+            Finding(
+                "state",
+                "state store",
+                status,
+                snapshot.reason,
+                "" if status is Status.NA else "run gpuwarden diag and send the bundle",
+            )
+        )
         return findings
     depth = sum(snapshot.outbox_depth.values())
     detail = f"schema {snapshot.schema_version}, outbox depth {depth}"
     if snapshot.outbox_oldest_age_seconds is not None:
         detail += f", oldest entry {snapshot.outbox_oldest_age_seconds:.0f} s old"
     status = Status.WARN if depth > OUTBOX_WARN_DEPTH else Status.OK
-    findings.append(Finding("state", "state store", status, detail,
-                            "the MQTT sink has not delivered for a while: check the broker line" if status is Status.WARN else ""))
+    findings.append(
+        Finding(
+            "state",
+            "state store",
+            status,
+            detail,
+            "the MQTT sink has not delivered for a while: check the broker line"
+            if status is Status.WARN
+            else "",
+        )
+    )
     return findings
 
 
@@ -164,16 +196,24 @@ async def check_network(config: Config) -> list[Finding]:
     prometheus = config.sections.get("prometheus")
     if isinstance(prometheus, PrometheusSettings) and prometheus.enabled:
         host, port = parse_listen(prometheus.listen)
-        jobs.append(probes.check_prometheus_listen(host, port, prometheus.tls_cert_file is not None))
+        jobs.append(
+            probes.check_prometheus_listen(host, port, prometheus.tls_cert_file is not None)
+        )
     mqtt = config.sections.get("mqtt")
     mqtt_on = isinstance(mqtt, MqttSettings) and mqtt.enabled
     if isinstance(mqtt, MqttSettings) and mqtt_on:
         address = mqtt.address
         files = probes.TlsFiles(mqtt.ca_file, mqtt.cert_file, mqtt.key_file)
-        jobs.append(probes.check_broker(probes.Endpoint(address.host, address.port, address.tls), files))
+        jobs.append(
+            probes.check_broker(probes.Endpoint(address.host, address.port, address.tls), files)
+        )
     findings = list(await asyncio.gather(*jobs))
     if not mqtt_on:
-        findings.append(Finding("network", "MQTT broker", Status.SKIP, "MQTT is not enabled in the configuration"))
+        findings.append(
+            Finding(
+                "network", "MQTT broker", Status.SKIP, "MQTT is not enabled in the configuration"
+            )
+        )
     return findings
 
 
@@ -189,18 +229,25 @@ async def probe_torch(options: CheckOptions) -> dict[str, Any] | None:
     return await probes.run_torch_probe(options.python)
 
 
-def torch_line(probe: dict[str, Any] | None, gpus_expected: bool, options: CheckOptions,
-               versions: dict[str, str]) -> Finding:
+def torch_line(
+    probe: dict[str, Any] | None,
+    gpus_expected: bool,
+    options: CheckOptions,
+    versions: dict[str, str],
+) -> Finding:
     if probe is None:
         return Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
-    return probes.classify_torch(probe, gpus_expected, options.python,
-                                 versions.get("cuda_driver_version"))
+    return probes.classify_torch(
+        probe, gpus_expected, options.python, versions.get("cuda_driver_version")
+    )
 
 
 async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Finding]:
     if directory is None:
         return [Finding("io", "write probe", Status.SKIP, "not asked for (--io-test DIR)")]
-    settings = IoProbeSettings(enabled=True, directories=(str(directory.resolve()),), timeout=IO_TEST_TIMEOUT)
+    settings = IoProbeSettings(
+        enabled=True, directories=(str(directory.resolve()),), timeout=IO_TEST_TIMEOUT
+    )
     result = await runner.run("io_probe", settings)
     name = f"write probe {directory}"
     if result.error:
@@ -217,8 +264,9 @@ async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Fi
     return [Finding("io", name, Status.OK, detail)]
 
 
-async def run_collectors(runner: OneShotCollectors, config: Config, expected: int | None,
-                         options: CheckOptions) -> dict[str, CollectorResult]:
+async def run_collectors(
+    runner: OneShotCollectors, config: Config, expected: int | None, options: CheckOptions
+) -> dict[str, CollectorResult]:
     jobs: dict[str, Awaitable[CollectorResult]] = {
         "system": runner.run("system"),
         "disk": runner.run("disk"),
@@ -233,12 +281,24 @@ async def run_collectors(runner: OneShotCollectors, config: Config, expected: in
     return dict(zip(jobs, results, strict=True))
 
 
-def gpu_lines(results: dict[str, CollectorResult], expected: int | None, options: CheckOptions,
-              versions: dict[str, str]) -> list[Finding]:
+def gpu_lines(
+    results: dict[str, CollectorResult],
+    expected: int | None,
+    options: CheckOptions,
+    versions: dict[str, str],
+) -> list[Finding]:
     if expected == 0:
-        return [Finding("gpu", "GPUs", Status.NA,
-                        "none expected on this host (--expect-gpus 0, or [collectors.gpu] enabled = false)")]
-    return classify_gpus(results["gpu"], expected, kernel_module(options.nvidia_proc_version), versions)
+        return [
+            Finding(
+                "gpu",
+                "GPUs",
+                Status.NA,
+                "none expected on this host (--expect-gpus 0, or [collectors.gpu] enabled = false)",
+            )
+        ]
+    return classify_gpus(
+        results["gpu"], expected, kernel_module(options.nvidia_proc_version), versions
+    )
 
 
 async def nvidia_versions(runner: OneShotCollectors) -> dict[str, str]:
@@ -252,34 +312,51 @@ async def nvidia_versions(runner: OneShotCollectors) -> dict[str, str]:
         return {}
 
 
-async def run_check(config: Config, options: CheckOptions,
-                    shared: SharedServices | None = None) -> CheckReport:
+async def run_check(
+    config: Config, options: CheckOptions, shared: SharedServices | None = None
+) -> CheckReport:
     """`shared`: the services collectors share (tests put a fake NVML backend there)."""
     report = CheckReport(config.node_id)
     expected = expected_gpus(config, options)
     torch_task = asyncio.create_task(probe_torch(options))
     network_task = asyncio.create_task(check_network(config))
-    kernel_task = asyncio.create_task(asyncio.wait_for(asyncio.to_thread(
-        scan_kernel_log, config.collectors.get("kernel_log"), options.kmsg_io), KERNEL_LOG_TIMEOUT))
-    runner = OneShotCollectors(config.node_id, dict(config.collectors), shared=shared or SharedServices())
+    kernel_task = asyncio.create_task(
+        asyncio.wait_for(
+            asyncio.to_thread(
+                scan_kernel_log, config.collectors.get("kernel_log"), options.kmsg_io
+            ),
+            KERNEL_LOG_TIMEOUT,
+        )
+    )
+    runner = OneShotCollectors(
+        config.node_id, dict(config.collectors), shared=shared or SharedServices()
+    )
     async with runner:
         results = await run_collectors(runner, config, expected, options)
         report.nvidia_versions = await nvidia_versions(runner)
         io_findings = await check_io(runner, options.io_test_dir)
-        bench_findings = (await check_bench(runner, config) if options.bench else
-                          [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")])
+        bench_findings = (
+            await check_bench(runner, config)
+            if options.bench
+            else [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")]
+        )
         report.hung_calls = runner.hung_calls()
     report.collectors = results
     report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
     report.torch_probe = await torch_task
-    report.findings.append(torch_line(report.torch_probe, expected != 0, options, report.nvidia_versions))
+    report.findings.append(
+        torch_line(report.torch_probe, expected != 0, options, report.nvidia_versions)
+    )
     try:
         report.kernel_log = await kernel_task
     except TimeoutError:
-        report.kernel_log = KernelLogScan("kernel log", error=f"not read within {KERNEL_LOG_TIMEOUT:g} s")
+        report.kernel_log = KernelLogScan(
+            "kernel log", error=f"not read within {KERNEL_LOG_TIMEOUT:g} s"
+        )
     report.findings.extend(classify_kernel_log(report.kernel_log))
     host: list[tuple[str, Callable[[CollectorResult], list[Finding]]]] = [
-        ("system", classify_system), ("disk", classify_disk),
+        ("system", classify_system),
+        ("disk", classify_disk),
         ("processes", lambda r: classify_processes(r, options.process_gap)),
     ]
     for name, classify in host:

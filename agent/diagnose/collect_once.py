@@ -55,8 +55,9 @@ class CollectorResult:
             "collector": self.name,
             "error": self.error,
             "seconds": round(self.seconds, 4),
-            "samples": [{"name": s.family.name, "labels": s.labels, "value": s.value}
-                        for s in self.samples],
+            "samples": [
+                {"name": s.family.name, "labels": s.labels, "value": s.value} for s in self.samples
+            ],
             "events": [e.to_dict() for e in self.events],
         }
 
@@ -81,8 +82,9 @@ class OneShotCollectors:
     async def __aenter__(self) -> OneShotCollectors:
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         # A hung call keeps its thread; do not wait for it (the process is about to exit).
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._scratch.cleanup()
@@ -110,7 +112,9 @@ class OneShotCollectors:
         with self._lock:
             self.extra_emitted.append(event)
 
-    def build(self, name: str, settings: CollectorSettings | None = None) -> tuple[Collector, CollectorSettings]:
+    def build(
+        self, name: str, settings: CollectorSettings | None = None
+    ) -> tuple[Collector, CollectorSettings]:
         spec = registry.collector_spec(name)
         chosen = settings or self.collector_settings.get(name) or spec.defaults()
         deps = CollectorDeps(
@@ -122,8 +126,14 @@ class OneShotCollectors:
         )
         return spec.make(chosen, deps), chosen
 
-    async def run(self, name: str, settings: CollectorSettings | None = None, *,
-                  rounds: int = 1, gap: float = 0.0) -> CollectorResult:
+    async def run(
+        self,
+        name: str,
+        settings: CollectorSettings | None = None,
+        *,
+        rounds: int = 1,
+        gap: float = 0.0,
+    ) -> CollectorResult:
         """One round (or `rounds`, `gap` seconds apart: the samples of the last, the events
         of all). Cached by name when the configured settings are used."""
         if name in self.results and settings is None:
@@ -150,12 +160,14 @@ class OneShotCollectors:
             # Closing is best effort in a one-shot run: the process exits next.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(collector.close(), 2.0)
-        result = CollectorResult(name, () if error else samples, tuple(events), error,
-                                 time.monotonic() - started)
+        result = CollectorResult(
+            name, () if error else samples, tuple(events), error, time.monotonic() - started
+        )
         return self._keep(name, result) if settings is None else result
 
-    async def _round(self, collector: Collector, caller: PooledCaller, settings: CollectorSettings,
-                     number: int) -> tuple[tuple[Sample, ...], list[Event], str]:
+    async def _round(
+        self, collector: Collector, caller: PooledCaller, settings: CollectorSettings, number: int
+    ) -> tuple[tuple[Sample, ...], list[Event], str]:
         ctx = CollectContext(caller=caller, now=time.time(), round=number)
         # The runtime's own bound for a round (agent/runtime.py), shortened: check must finish
         # in seconds, and every blocking call has its own timeout anyway.

@@ -37,8 +37,18 @@ from agent.state import DB_NAME
 from exporters.prometheus import PrometheusSettings, parse_listen
 
 BUNDLE_FORMAT = 1
-PACKAGES = ("gpuwarden", "nvidia-ml-py", "pynvml", "psutil", "prometheus-client", "aiomqtt",
-            "paho-mqtt", "structlog", "tenacity", "torch")
+PACKAGES = (
+    "gpuwarden",
+    "nvidia-ml-py",
+    "pynvml",
+    "psutil",
+    "prometheus-client",
+    "aiomqtt",
+    "paho-mqtt",
+    "structlog",
+    "tenacity",
+    "torch",
+)
 INCLUDE_LIMIT_BYTES = 64 * 2**20
 """Per --include file: the last 64 MiB of a training log holds the failure."""
 STATE_FILE_LIMIT_BYTES = 16 * 2**20
@@ -103,8 +113,11 @@ def collect_versions(nvidia_proc_version: Path) -> dict[str, Any]:
         "gpuwarden": __version__,
         "os": os_release.get("PRETTY_NAME"),
         "kernel": {"release": uname.release, "version": uname.version, "machine": uname.machine},
-        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
-                   "executable": sys.executable},
+        "python": {
+            "version": platform.python_version(),
+            "implementation": platform.python_implementation(),
+            "executable": sys.executable,
+        },
         "packages": packages,
         "nvidia_driver_proc": driver,
     }
@@ -116,8 +129,14 @@ def run_nvidia_smi() -> tuple[str, str]:
     if tool is None:
         return "", "nvidia-smi not found on PATH: no nvidia-smi -q output"
     try:
-        done = subprocess.run([tool, "-q"], capture_output=True, text=True, errors="replace",
-                              timeout=NVIDIA_SMI_TIMEOUT, check=False)
+        done = subprocess.run(
+            [tool, "-q"],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=NVIDIA_SMI_TIMEOUT,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return "", f"nvidia-smi -q did not finish within {NVIDIA_SMI_TIMEOUT:g} s (a hung GPU?)"
     except OSError as exc:
@@ -140,13 +159,19 @@ async def add_live_agent(bundle: Bundle, config: Config) -> None:
         try:
             status, body = await probes.http_get(host, port, path, tls)
         except (OSError, TimeoutError) as exc:
-            bundle.notes.append(f"agent at {prometheus.listen}: {probes.describe_network_error(exc)}; "
-                                "no live metrics or delivery ledger (is it running?)")
+            bundle.notes.append(
+                f"agent at {prometheus.listen}: {probes.describe_network_error(exc)}; "
+                "no live metrics or delivery ledger (is it running?)"
+            )
             return
         if status == 401:
-            bundle.notes.append(f"agent at {prometheus.listen} requires basic auth: no live metrics")
+            bundle.notes.append(
+                f"agent at {prometheus.listen} requires basic auth: no live metrics"
+            )
             return
-        bundle.add_text(member, f"# GET {path}: HTTP {status}\n" + body.decode("utf-8", errors="replace"))
+        bundle.add_text(
+            member, f"# GET {path}: HTTP {status}\n" + body.decode("utf-8", errors="replace")
+        )
 
 
 def add_config(bundle: Bundle, config: Config) -> None:
@@ -177,27 +202,39 @@ def add_includes(bundle: Bundle, config: Config, includes: Sequence[Path]) -> No
         name = f"include/{path.name or 'file'}"
         resolved = path.expanduser().resolve()
         if resolved in refused:
-            bundle.skip(name, f"{path} is a secret file named by the configuration (or the "
-                              "state database): never included")
+            bundle.skip(
+                name,
+                f"{path} is a secret file named by the configuration (or the "
+                "state database): never included",
+            )
         elif not resolved.is_file():
             bundle.skip(name, f"{path} is not a regular file")
         else:
             bundle.add_file(name, resolved, INCLUDE_LIMIT_BYTES)
 
 
-async def build_bundle(config: Config, options: DiagOptions, argv: Sequence[str] = (),
-                       shared: SharedServices | None = None) -> tuple[Path, Bundle]:
+async def build_bundle(
+    config: Config,
+    options: DiagOptions,
+    argv: Sequence[str] = (),
+    shared: SharedServices | None = None,
+) -> tuple[Path, Bundle]:
     """`shared`: services the collectors share (tests put a fake NVML backend there)."""
     now = time.time()
     bundle = Bundle(Redactor())
-    check_options = CheckOptions(torch=options.run_torch_probe, process_gap=options.process_gap,
-                                 nvidia_proc_version=options.nvidia_proc_version)
+    check_options = CheckOptions(
+        torch=options.run_torch_probe,
+        process_gap=options.process_gap,
+        nvidia_proc_version=options.nvidia_proc_version,
+    )
     smi_task = asyncio.create_task(asyncio.to_thread(run_nvidia_smi))
     report = await run_check(config, check_options, shared)
     versions = collect_versions(options.nvidia_proc_version)
     versions["nvidia"] = report.nvidia_versions  # from NVML, when the driver answered
     if report.torch_probe and "version" in report.torch_probe:
-        versions["torch_runtime"] = {k: report.torch_probe.get(k) for k in ("version", "cuda_build")}
+        versions["torch_runtime"] = {
+            k: report.torch_probe.get(k) for k in ("version", "cuda_build")
+        }
     bundle.add_json("versions.json", versions)
     bundle.add_json("check.json", {**report.to_dict(), "torch_probe": report.torch_probe})
     for name, result in sorted(report.collectors.items()):

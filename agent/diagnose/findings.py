@@ -37,8 +37,13 @@ class Finding:
     action: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"area": self.area, "name": self.name, "status": self.status.value,
-                "detail": self.detail, "action": self.action}
+        return {
+            "area": self.area,
+            "name": self.name,
+            "status": self.status.value,
+            "detail": self.detail,
+            "action": self.action,
+        }
 
 
 EXIT_OK = 0

@@ -22,8 +22,15 @@ TEMPERATURE_MARGIN_CELSIUS = 5.0
 """WARN this close to the GPU's slowdown threshold: clocks drop at the threshold itself."""
 # Clock event reasons that are not a problem: idle, an admin's clock setting, sync boost,
 # display. Software power capping under load is normal too, so it is named but not judged.
-BENIGN_REASONS = frozenset({"gpu_idle", "applications_clocks_setting", "sync_boost",
-                            "display_clock_setting", "sw_power_cap"})
+BENIGN_REASONS = frozenset(
+    {
+        "gpu_idle",
+        "applications_clocks_setting",
+        "sync_boost",
+        "display_clock_setting",
+        "sw_power_cap",
+    }
+)
 # Condition events of the gpu collector folded into the per-GPU lines below.
 FOLDED_KINDS = {
     "hardware_slowdown": "clocks",
@@ -60,10 +67,10 @@ def gpu_views(result: CollectorResult) -> list[GpuView]:
             continue
         labels = dict(zip(GPU_LABELS, sample.label_values, strict=False))
         view = views.setdefault(labels["gpu"], GpuView(labels))
-        extra = sample.label_values[len(GPU_LABELS):]
+        extra = sample.label_values[len(GPU_LABELS) :]
         view.values[(sample.family.name, extra)] = sample.value
         if sample.family.name == m.INFO.name:
-            view.info = dict(zip(sample.family.labels[len(GPU_LABELS):], extra, strict=True))
+            view.info = dict(zip(sample.family.labels[len(GPU_LABELS) :], extra, strict=True))
     # The collector names a GPU by its UUID, or by its index while the UUID is unknown (a GPU
     # lost before its first read).
     by_subject = {v.labels["uuid"] or v.labels["gpu"]: v for v in views.values()}
@@ -71,7 +78,9 @@ def gpu_views(result: CollectorResult) -> list[GpuView]:
         owner = by_subject.get(event.subject)
         if owner is not None and event.kind in FOLDED_KINDS:
             owner.events[FOLDED_KINDS[event.kind]].append(event)
-    return sorted(views.values(), key=lambda v: int(v.labels["gpu"]) if v.labels["gpu"].isdigit() else 0)
+    return sorted(
+        views.values(), key=lambda v: int(v.labels["gpu"]) if v.labels["gpu"].isdigit() else 0
+    )
 
 
 def _from_events(view: GpuView, topic: str, name: str, ok_detail: str) -> Finding:
@@ -80,7 +89,9 @@ def _from_events(view: GpuView, topic: str, name: str, ok_detail: str) -> Findin
         return Finding(AREA, f"{view.title} {name}", Status.OK, ok_detail)
     worst = max(events, key=lambda e: e.severity)
     detail = "; ".join(e.message for e in events)
-    return Finding(AREA, f"{view.title} {name}", Status.from_severity(worst.severity), detail, worst.action)
+    return Finding(
+        AREA, f"{view.title} {name}", Status.from_severity(worst.severity), detail, worst.action
+    )
 
 
 def identity(view: GpuView) -> Finding:
@@ -97,8 +108,13 @@ def identity(view: GpuView) -> Finding:
     if view.get(m.UP.name) == 0:
         finding = _from_events(view, "identity", "identity", "")
         if finding.status is Status.OK:  # down, but its event was not in this round
-            return Finding(AREA, finding.name, Status.FAIL, "the GPU does not answer NVML",
-                           "look for Xid errors in the kernel log; reset the GPU or reboot")
+            return Finding(
+                AREA,
+                finding.name,
+                Status.FAIL,
+                "the GPU does not answer NVML",
+                "look for Xid errors in the kernel log; reset the GPU or reboot",
+            )
         return finding
     return Finding(AREA, f"{view.title} identity", Status.OK, ", ".join(p for p in parts if p))
 
@@ -109,10 +125,14 @@ def persistence(view: GpuView) -> Finding:
     if mode == "enabled":
         return Finding(AREA, name, Status.OK, "enabled")
     if mode == "disabled":
-        return Finding(AREA, name, Status.WARN,
-                       "disabled: the driver unloads between jobs, so each job start pays the GPU "
-                       "initialisation and the clocks and ECC state are re-read",
-                       "enable nvidia-persistenced (or nvidia-smi -pm 1)")
+        return Finding(
+            AREA,
+            name,
+            Status.WARN,
+            "disabled: the driver unloads between jobs, so each job start pays the GPU "
+            "initialisation and the clocks and ECC state are re-read",
+            "enable nvidia-persistenced (or nvidia-smi -pm 1)",
+        )
     return Finding(AREA, name, Status.NA, "not reported by this GPU")
 
 
@@ -127,14 +147,21 @@ def temperature(view: GpuView) -> Finding:
         if value is None:
             continue
         threshold_name, threshold = next(
-            ((n, t) for n in threshold_names
-             if (t := view.get(m.TEMPERATURE_THRESHOLD.name, n)) is not None),
-            (threshold_names[0], None))
+            (
+                (n, t)
+                for n in threshold_names
+                if (t := view.get(m.TEMPERATURE_THRESHOLD.name, n)) is not None
+            ),
+            (threshold_names[0], None),
+        )
         text = f"{sensor} {value:.0f} °C"
         if threshold is not None:
             text += f" ({threshold_name.replace('_', ' ')} at {threshold:.0f} °C)"
             if value >= threshold:
-                status, action = Status.FAIL, "at or over its temperature limit, the GPU slows down: check cooling (inlet air, fans, airflow) now"
+                status, action = (
+                    Status.FAIL,
+                    "at or over its temperature limit, the GPU slows down: check cooling (inlet air, fans, airflow) now",
+                )
             elif value >= threshold - TEMPERATURE_MARGIN_CELSIUS and status is Status.OK:
                 status, action = Status.WARN, "close to its temperature limit: check cooling"
         texts.append(text)
@@ -144,10 +171,16 @@ def temperature(view: GpuView) -> Finding:
 
 
 def clocks(view: GpuView) -> Finding:
-    active = sorted(reason for (metric, extra), value in view.values.items()
-                    if metric == m.CLOCK_EVENT.name and value == 1 for reason in extra)
+    active = sorted(
+        reason
+        for (metric, extra), value in view.values.items()
+        if metric == m.CLOCK_EVENT.name and value == 1
+        for reason in extra
+    )
     if not any(metric == m.CLOCK_EVENT.name for metric, _ in view.values):
-        return Finding(AREA, f"{view.title} throttling", Status.NA, "clock event reasons not reported")
+        return Finding(
+            AREA, f"{view.title} throttling", Status.NA, "clock event reasons not reported"
+        )
     concerning = [r for r in active if r not in BENIGN_REASONS]
     detail = "active reasons: " + (", ".join(active) if active else "none")
     finding = _from_events(view, "clocks", "throttling", detail)
@@ -159,24 +192,46 @@ def clocks(view: GpuView) -> Finding:
 def ecc(view: GpuView) -> Finding:
     name = f"{view.title} ECC and row remapping"
     mode = view.info.get("ecc_mode", "")
-    counts = {key: view.get(m.ECC.name, *key)
-              for key in (("uncorrected", "volatile"), ("uncorrected", "aggregate"),
-                          ("corrected", "volatile"))}
-    rows = {cause: view.get(m.REMAPPED_ROWS.name, cause)
-            for cause in ("correctable", "uncorrectable")}
+    counts = {
+        key: view.get(m.ECC.name, *key)
+        for key in (
+            ("uncorrected", "volatile"),
+            ("uncorrected", "aggregate"),
+            ("corrected", "volatile"),
+        )
+    }
+    rows = {
+        cause: view.get(m.REMAPPED_ROWS.name, cause) for cause in ("correctable", "uncorrectable")
+    }
     parts = [f"ECC {mode}" if mode else "ECC mode not reported"]
-    parts += [f"{kind} {counter} {value:.0f}" for (kind, counter), value in counts.items() if value is not None]
-    parts += [f"rows remapped ({cause}) {value:.0f}" for cause, value in rows.items() if value is not None]
+    parts += [
+        f"{kind} {counter} {value:.0f}"
+        for (kind, counter), value in counts.items()
+        if value is not None
+    ]
+    parts += [
+        f"rows remapped ({cause}) {value:.0f}" for cause, value in rows.items() if value is not None
+    ]
     detail = ", ".join(parts)
     finding = _from_events(view, "ecc", "ECC and row remapping", detail)
     if finding.status is not Status.OK:
         return finding
     if mode == "disabled":
-        return Finding(AREA, name, Status.WARN, detail,
-                       "enable ECC (nvidia-smi -e 1, then reset the GPU): without it memory errors go unnoticed")
+        return Finding(
+            AREA,
+            name,
+            Status.WARN,
+            detail,
+            "enable ECC (nvidia-smi -e 1, then reset the GPU): without it memory errors go unnoticed",
+        )
     if (counts[("uncorrected", "volatile")] or 0) > 0:
-        return Finding(AREA, name, Status.WARN, detail + " (uncorrectable errors since the driver loaded)",
-                       "restart the jobs that ran on this GPU; reset the GPU when idle; watch for Xid 48/94/95")
+        return Finding(
+            AREA,
+            name,
+            Status.WARN,
+            detail + " (uncorrectable errors since the driver loaded)",
+            "restart the jobs that ran on this GPU; reset the GPU when idle; watch for Xid 48/94/95",
+        )
     if not mode and all(v is None for v in counts.values()):
         return Finding(AREA, name, Status.NA, "ECC is not reported by this GPU")
     return finding
@@ -193,8 +248,9 @@ def pcie(view: GpuView) -> Finding:
     def show(value: float | None) -> str:
         return "?" if value is None else f"{value:.0f}"
 
-    detail = (f"gen {show(generation)} of {show(generation_max)}, "
-              f"x{show(width)} of x{show(width_max)}")
+    detail = (
+        f"gen {show(generation)} of {show(generation_max)}, x{show(width)} of x{show(width_max)}"
+    )
     if generation is not None and generation_max is not None and generation < generation_max:
         detail += " (an idle GPU lowers its link generation to save power: normal)"
     return _from_events(view, "pcie", "PCIe link", detail)
@@ -232,18 +288,24 @@ def fold(findings: list[Finding]) -> list[Finding]:
         check = same[0].name.split(" ", 2)[2]
         gpus = index_ranges([f.name.split(" ", 2)[1] for f in same])
         details = list(dict.fromkeys(f.detail for f in same))
-        detail = details[0] if len(details) == 1 else "; ".join(
-            f"{f.name.split(' ', 2)[1]}: {f.detail}" for f in same)
+        detail = (
+            details[0]
+            if len(details) == 1
+            else "; ".join(f"{f.name.split(' ', 2)[1]}: {f.detail}" for f in same)
+        )
         out.append(Finding(AREA, f"GPU {gpus} {check}", status, detail))
     return out
 
 
-NO_DRIVER_ACTION = ("install or load the NVIDIA driver (nvidia-smi must list the GPUs); if this "
-                    "host has no GPU on purpose, run check with --expect-gpus 0")
+NO_DRIVER_ACTION = (
+    "install or load the NVIDIA driver (nvidia-smi must list the GPUs); if this "
+    "host has no GPU on purpose, run check with --expect-gpus 0"
+)
 
 
-def driver_line(result: CollectorResult, kernel_module: str | None,
-                versions: dict[str, str]) -> Finding:
+def driver_line(
+    result: CollectorResult, kernel_module: str | None, versions: dict[str, str]
+) -> Finding:
     """`kernel_module`: the first line of /proc/driver/nvidia/version, None when absent."""
     nvml_up = result.values(m.NVML_UP.name)
     if nvml_up and nvml_up[0].value == 1:
@@ -254,24 +316,45 @@ def driver_line(result: CollectorResult, kernel_module: str | None,
             parts.append(f"NVML {versions['nvml_version']}")
         return Finding(AREA, "NVIDIA driver", Status.OK, ", ".join(parts))
     down = [e for e in result.events if e.kind == "nvml_unavailable"]
-    reason = str(down[0].attributes.get("reason", "")) if down else result.error or "NVML did not start"
+    reason = (
+        str(down[0].attributes.get("reason", "")) if down else result.error or "NVML did not start"
+    )
     if kernel_module is None:
-        return Finding(AREA, "NVIDIA driver", Status.FAIL,
-                       "no NVIDIA driver is present: the kernel module is not loaded "
-                       f"(/proc/driver/nvidia/version is missing) and NVML cannot start ({reason})",
-                       NO_DRIVER_ACTION)
-    return Finding(AREA, "NVIDIA driver", Status.FAIL,
-                   f"the NVIDIA kernel module is loaded ({kernel_module}) but NVML does not answer: "
-                   f"{reason}", "a driver and library of different versions (after an upgrade "
-                   "without a reboot) is the usual cause: reboot, or reinstall the driver")
+        return Finding(
+            AREA,
+            "NVIDIA driver",
+            Status.FAIL,
+            "no NVIDIA driver is present: the kernel module is not loaded "
+            f"(/proc/driver/nvidia/version is missing) and NVML cannot start ({reason})",
+            NO_DRIVER_ACTION,
+        )
+    return Finding(
+        AREA,
+        "NVIDIA driver",
+        Status.FAIL,
+        f"the NVIDIA kernel module is loaded ({kernel_module}) but NVML does not answer: {reason}",
+        "a driver and library of different versions (after an upgrade "
+        "without a reboot) is the usual cause: reboot, or reinstall the driver",
+    )
 
 
-def classify_gpus(result: CollectorResult, expected: int | None, kernel_module: str | None = None,
-                  versions: dict[str, str] | None = None) -> list[Finding]:
+def classify_gpus(
+    result: CollectorResult,
+    expected: int | None,
+    kernel_module: str | None = None,
+    versions: dict[str, str] | None = None,
+) -> list[Finding]:
     """`expected`: None for at least one, N for exactly N (0 is handled by the caller)."""
     if result.error:
-        return [Finding(AREA, "GPU collector", Status.FAIL, f"one round failed: {result.error}",
-                        "run nvidia-smi; if it hangs too, look for Xids in the kernel log")]
+        return [
+            Finding(
+                AREA,
+                "GPU collector",
+                Status.FAIL,
+                f"one round failed: {result.error}",
+                "run nvidia-smi; if it hangs too, look for Xids in the kernel log",
+            )
+        ]
     driver = driver_line(result, kernel_module, versions or {})
     if driver.status is not Status.OK:
         return [driver]
@@ -284,7 +367,13 @@ def classify_gpus(result: CollectorResult, expected: int | None, kernel_module: 
         findings.extend(fold([check(view) for view in answering]))
     folded_uuids = {v.labels["uuid"] or v.labels["gpu"] for v in views}
     findings.extend(
-        Finding(AREA, event.subject or event.kind, Status.from_severity(event.severity), event.message, event.action)
+        Finding(
+            AREA,
+            event.subject or event.kind,
+            Status.from_severity(event.severity),
+            event.message,
+            event.action,
+        )
         for event in result.events
         if event.severity >= Severity.WARNING
         and not (event.kind in FOLDED_KINDS and event.subject in folded_uuids)
@@ -297,14 +386,29 @@ def gpu_count(samples: Iterable[Sample], expected: int | None) -> Finding:
     visible = next((int(s.value) for s in samples), 0)
     if expected is None:
         if visible == 0:
-            return Finding(AREA, "GPU count", Status.FAIL, "NVML answers but sees no GPU",
-                           "check lspci for NVIDIA devices and the kernel log for NVRM errors")
+            return Finding(
+                AREA,
+                "GPU count",
+                Status.FAIL,
+                "NVML answers but sees no GPU",
+                "check lspci for NVIDIA devices and the kernel log for NVRM errors",
+            )
         return Finding(AREA, "GPU count", Status.OK, f"{visible} visible")
     if visible < expected:
-        return Finding(AREA, "GPU count", Status.FAIL, f"{visible} visible, {expected} expected",
-                       "look for Xid 79 / 'fallen off the bus' in the kernel log and GPUs missing "
-                       "from lspci; reboot; if still missing, have the hardware inspected")
+        return Finding(
+            AREA,
+            "GPU count",
+            Status.FAIL,
+            f"{visible} visible, {expected} expected",
+            "look for Xid 79 / 'fallen off the bus' in the kernel log and GPUs missing "
+            "from lspci; reboot; if still missing, have the hardware inspected",
+        )
     if visible > expected:
-        return Finding(AREA, "GPU count", Status.WARN, f"{visible} visible, only {expected} expected",
-                       "update expected_gpus ([collectors.gpu]) or --expect-gpus")
+        return Finding(
+            AREA,
+            "GPU count",
+            Status.WARN,
+            f"{visible} visible, only {expected} expected",
+            "update expected_gpus ([collectors.gpu]) or --expect-gpus",
+        )
     return Finding(AREA, "GPU count", Status.OK, f"{visible} visible, as expected")

@@ -54,8 +54,11 @@ class KernelLogScan:
         """The matching records as `[seconds.micro] message` lines (at most MAX_RAW_LINES,
         the latest kept)."""
         finding_lines = {id(f.record) for f in self.findings}
-        lines = [format_record(r) for r in self.records
-                 if id(r) in finding_lines or RAW_LINE.search(r.message)]
+        lines = [
+            format_record(r)
+            for r in self.records
+            if id(r) in finding_lines or RAW_LINE.search(r.message)
+        ]
         return lines[-MAX_RAW_LINES:]
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,8 +74,11 @@ class KernelLogScan:
 
 def format_record(record: LogRecord) -> str:
     # A line written into /dev/kmsg from user space says so: it is not the driver's word.
-    message = record.message if record.from_kernel else (
-        f"{record.message}  <written from user space, facility {record.facility}>")
+    message = (
+        record.message
+        if record.from_kernel
+        else (f"{record.message}  <written from user space, facility {record.facility}>")
+    )
     if record.monotonic_usec is not None:
         return f"[{record.monotonic_usec // 1_000_000:>6}.{record.monotonic_usec % 1_000_000:06d}] {message}"
     if record.timestamp:
@@ -88,9 +94,11 @@ def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None
     scan = KernelLogScan(str(path))
     store = MemoryKeyValueStore()  # a fresh cursor: from the start of the buffer, never saved
     try:
-        reader: LogReader = (KmsgReader(path, chosen.boot_id_path, store, io=io)
-                             if io is not None or is_character_device(path)
-                             else FileLogReader(path, store))
+        reader: LogReader = (
+            KmsgReader(path, chosen.boot_id_path, store, io=io)
+            if io is not None or is_character_device(path)
+            else FileLogReader(path, store)
+        )
         try:
             while True:
                 batch = reader.read()
@@ -115,8 +123,15 @@ def _group_key(finding: LogFinding) -> tuple[str, int | None, str]:
 
 def classify_kernel_log(scan: KernelLogScan) -> list[Finding]:
     if scan.error:
-        return [Finding(AREA, "kernel log", Status.WARN, f"cannot read it: {scan.error}",
-                        "run check as root (or with CAP_SYSLOG) to see Xids and I/O errors")]
+        return [
+            Finding(
+                AREA,
+                "kernel log",
+                Status.WARN,
+                f"cannot read it: {scan.error}",
+                "run check as root (or with CAP_SYSLOG) to see Xids and I/O errors",
+            )
+        ]
     groups: dict[tuple[str, int | None, str], list[LogFinding]] = {}
     for finding in scan.findings:
         groups.setdefault(_group_key(finding), []).append(finding)
@@ -124,9 +139,15 @@ def classify_kernel_log(scan: KernelLogScan) -> list[Finding]:
         note = ""
         if scan.ignored:
             note = f"; {sum(scan.ignored.values())} look-alike line(s) from user space ignored"
-        return [Finding(AREA, "kernel log", Status.OK,
-                        f"no Xid, lost GPU, I/O, file-system or OOM findings in {len(scan.records)} "
-                        f"records of {scan.source}{note}")]
+        return [
+            Finding(
+                AREA,
+                "kernel log",
+                Status.OK,
+                f"no Xid, lost GPU, I/O, file-system or OOM findings in {len(scan.records)} "
+                f"records of {scan.source}{note}",
+            )
+        ]
     return [_group_line(key, found) for key, found in groups.items()]
 
 
@@ -134,7 +155,13 @@ def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -
     kind, code, where = key
     first = found[0]
     worst = max(f.severity for f in found)
-    what = f"Xid {code}" if kind == "xid" else f"SXid {code}" if kind == "sxid" else kind.replace("_", " ")
+    what = (
+        f"Xid {code}"
+        if kind == "xid"
+        else f"SXid {code}"
+        if kind == "sxid"
+        else kind.replace("_", " ")
+    )
     name = f"{what} {where}".strip()
     times = f" ({len(found)} times)" if len(found) > 1 else ""
     label = f"{first.name}: " if first.name else ""

@@ -31,8 +31,10 @@ def read_nvml_versions(backend: NvmlBackend) -> dict[str, str]:
         return out
     if driver:
         out["driver_version"] = driver
-    for key, function in (("cuda_driver_version", "nvmlSystemGetCudaDriverVersion_v2"),
-                          ("nvml_version", "nvmlSystemGetNVMLVersion")):
+    for key, function in (
+        ("cuda_driver_version", "nvmlSystemGetCudaDriverVersion_v2"),
+        ("nvml_version", "nvmlSystemGetNVMLVersion"),
+    ):
         read = getattr(backend.lib, function, None)
         if read is None:  # an old pynvml, or a stand-in without it
             continue

@@ -30,23 +30,46 @@ def check_state_dir(state_dir: Path) -> Finding:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
-        return Finding("state", name, Status.FAIL, f"{existing} exists and is not a directory",
-                       f"remove {existing} or point state_dir elsewhere")
+        return Finding(
+            "state",
+            name,
+            Status.FAIL,
+            f"{existing} exists and is not a directory",
+            f"remove {existing} or point state_dir elsewhere",
+        )
     try:
         read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
     except OSError as exc:
-        return Finding("state", name, Status.FAIL, f"cannot stat {existing}: {exc.strerror}",
-                       "check the mount behind state_dir")
+        return Finding(
+            "state",
+            name,
+            Status.FAIL,
+            f"cannot stat {existing}: {exc.strerror}",
+            "check the mount behind state_dir",
+        )
     if read_only:
-        return Finding("state", name, Status.FAIL, f"{existing} is on a read-only file system",
-                       "put state_dir on a writable file system (events and the outbox live there)")
+        return Finding(
+            "state",
+            name,
+            Status.FAIL,
+            f"{existing} is on a read-only file system",
+            "put state_dir on a writable file system (events and the outbox live there)",
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
-        return Finding("state", name, Status.FAIL,
-                       f"{existing} is not writable by uid {os.getuid()}",
-                       "chown the directory to the gpuwarden user, or set state_dir")
+        return Finding(
+            "state",
+            name,
+            Status.FAIL,
+            f"{existing} is not writable by uid {os.getuid()}",
+            "chown the directory to the gpuwarden user, or set state_dir",
+        )
     if existing != state_dir:
-        return Finding("state", name, Status.OK,
-                       f"does not exist yet; the agent can create it under {existing}")
+        return Finding(
+            "state",
+            name,
+            Status.OK,
+            f"does not exist yet; the agent can create it under {existing}",
+        )
     return Finding("state", name, Status.OK, "exists and is writable")
 
 
@@ -67,8 +90,9 @@ class TlsFiles:
     key_file: Path | None = None
 
 
-async def probe_tcp(endpoint: Endpoint, files: TlsFiles = TlsFiles(),
-                    timeout: float = CONNECT_TIMEOUT) -> str:
+async def probe_tcp(
+    endpoint: Endpoint, files: TlsFiles = TlsFiles(), timeout: float = CONNECT_TIMEOUT
+) -> str:
     """Connect (and handshake when TLS); returns a short description, raises OSError."""
     context: ssl.SSLContext | None = None
     if endpoint.tls:
@@ -77,8 +101,12 @@ async def probe_tcp(endpoint: Endpoint, files: TlsFiles = TlsFiles(),
         if files.cert_file is not None and files.key_file is not None:
             context.load_cert_chain(files.cert_file, files.key_file)
     reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(endpoint.host, endpoint.port, ssl=context,
-                                server_hostname=endpoint.host if context else None),
+        asyncio.open_connection(
+            endpoint.host,
+            endpoint.port,
+            ssl=context,
+            server_hostname=endpoint.host if context else None,
+        ),
         timeout,
     )
     del reader
@@ -116,7 +144,10 @@ async def check_broker(endpoint: Endpoint, files: TlsFiles = TlsFiles()) -> Find
         detail = await probe_tcp(endpoint, files)
     except (OSError, TimeoutError) as exc:
         return Finding(
-            "network", f"{name} {where}", Status.FAIL, describe_network_error(exc),
+            "network",
+            f"{name} {where}",
+            Status.FAIL,
+            describe_network_error(exc),
             "check that the broker runs and that the network and firewall let this host reach "
             f"{where}; events queue in the outbox meanwhile",
         )
@@ -131,20 +162,30 @@ async def check_prometheus_listen(host: str, port: int, tls: bool = False) -> Fi
     context = _insecure_client_context() if tls else None
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=context), CONNECT_TIMEOUT)
+            asyncio.open_connection(host, port, ssl=context), CONNECT_TIMEOUT
+        )
     except (OSError, TimeoutError) as exc:
         if not isinstance(exc, ConnectionRefusedError):
-            return Finding("network", name, Status.FAIL, describe_network_error(exc),
-                           "set [prometheus] listen to an address of this host")
+            return Finding(
+                "network",
+                name,
+                Status.FAIL,
+                describe_network_error(exc),
+                "set [prometheus] listen to an address of this host",
+            )
         return _check_bindable(name, host, port)
     try:
         writer.write(f"GET /healthz HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
         await writer.drain()
         head = await asyncio.wait_for(reader.read(512), CONNECT_TIMEOUT)
     except (OSError, TimeoutError) as exc:
-        return Finding("network", name, Status.WARN,
-                       f"something listens there but did not answer /healthz ({describe_network_error(exc)})",
-                       "check which process holds the port: ss -ltnp")
+        return Finding(
+            "network",
+            name,
+            Status.WARN,
+            f"something listens there but did not answer /healthz ({describe_network_error(exc)})",
+            "check which process holds the port: ss -ltnp",
+        )
     finally:
         writer.close()
         with contextlib.suppress(OSError):
@@ -155,10 +196,20 @@ async def check_prometheus_listen(host: str, port: int, tls: bool = False) -> Fi
     if " 401 " in f"{status_line} ":
         return Finding("network", name, Status.OK, "the agent is serving (basic auth required)")
     if " 503" in status_line:
-        return Finding("network", name, Status.WARN, "the agent is serving but reports itself degraded",
-                       f"curl http://{host}:{port}/healthz for the reasons")
-    return Finding("network", name, Status.WARN, f"another server answers there ({status_line or 'no reply'})",
-                   "check which process holds the port (ss -ltnp), or change [prometheus] listen")
+        return Finding(
+            "network",
+            name,
+            Status.WARN,
+            "the agent is serving but reports itself degraded",
+            f"curl http://{host}:{port}/healthz for the reasons",
+        )
+    return Finding(
+        "network",
+        name,
+        Status.WARN,
+        f"another server answers there ({status_line or 'no reply'})",
+        "check which process holds the port (ss -ltnp), or change [prometheus] listen",
+    )
 
 
 HTTP_LIMIT_BYTES = 32 * 2**20
@@ -171,12 +222,14 @@ def _insecure_client_context() -> ssl.SSLContext:
     return context
 
 
-async def http_get(host: str, port: int, path: str, tls: bool = False,
-                   timeout: float = CONNECT_TIMEOUT) -> tuple[int, bytes]:
+async def http_get(
+    host: str, port: int, path: str, tls: bool = False, timeout: float = CONNECT_TIMEOUT
+) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.0 GET to the local agent; raises OSError or TimeoutError."""
     context = _insecure_client_context() if tls else None
     reader, writer = await asyncio.wait_for(
-        asyncio.open_connection(host, port, ssl=context), timeout)
+        asyncio.open_connection(host, port, ssl=context), timeout
+    )
     try:
         writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
         await writer.drain()
@@ -198,10 +251,21 @@ def _check_bindable(name: str, host: str, port: int) -> Finding:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            action = ("set [prometheus] listen to an address of this host"
-                      if exc.errno == errno.EADDRNOTAVAIL else "free the port or change [prometheus] listen")
-            return Finding("network", name, Status.FAIL, f"the agent could not listen there: {exc.strerror}", action)
-    return Finding("network", name, Status.OK, "the agent is not running; the address is free for it")
+            action = (
+                "set [prometheus] listen to an address of this host"
+                if exc.errno == errno.EADDRNOTAVAIL
+                else "free the port or change [prometheus] listen"
+            )
+            return Finding(
+                "network",
+                name,
+                Status.FAIL,
+                f"the agent could not listen there: {exc.strerror}",
+                action,
+            )
+    return Finding(
+        "network", name, Status.OK, "the agent is not running; the address is free for it"
+    )
 
 
 # -- torch --------------------------------------------------------------------------------------
@@ -211,12 +275,17 @@ TORCH_TIMEOUT = 90.0
 cache on network storage can take much longer."""
 
 
-async def run_torch_probe(python: str = sys.executable, timeout: float = TORCH_TIMEOUT) -> dict[str, Any]:
+async def run_torch_probe(
+    python: str = sys.executable, timeout: float = TORCH_TIMEOUT
+) -> dict[str, Any]:
     """The child's JSON, or {"error": ...} when it could not give one."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            python, torch_probe.__file__, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+            python,
+            torch_probe.__file__,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
         )
     except OSError as exc:
         return {"error": f"cannot run {python}: {exc.strerror}"}
@@ -240,37 +309,68 @@ def _major(version: str | None) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def classify_torch(probe: dict[str, Any], gpus_expected: bool, python: str,
-                   cuda_driver: str | None = None) -> Finding:
+def classify_torch(
+    probe: dict[str, Any], gpus_expected: bool, python: str, cuda_driver: str | None = None
+) -> Finding:
     """`cuda_driver`: the CUDA version the driver supports (NVML), when known."""
     name = "torch on this driver"
     if "missing" in probe:
         return Finding("torch", name, Status.NA, f"torch is not installed for {python}")
     if "error" in probe:
         status = Status.WARN if probe.get("timeout") else Status.FAIL
-        return Finding("torch", name, status, f"the torch probe failed: {probe['error']}",
-                       f"run {python} -c 'import torch; print(torch.cuda.is_available())' by hand")
+        return Finding(
+            "torch",
+            name,
+            status,
+            f"the torch probe failed: {probe['error']}",
+            f"run {python} -c 'import torch; print(torch.cuda.is_available())' by hand",
+        )
     version, cuda = probe.get("version", "?"), probe.get("cuda_build")
     build = f"torch {version} (CUDA {cuda})" if cuda else f"torch {version} (CPU-only build)"
     if not gpus_expected:
         return Finding("torch", name, Status.NA, f"{build}; no GPU expected on this host")
     if not cuda:
-        return Finding("torch", name, Status.WARN, f"{build}: it cannot use the GPUs",
-                       "install a CUDA build of torch that this driver supports")
+        return Finding(
+            "torch",
+            name,
+            Status.WARN,
+            f"{build}: it cannot use the GPUs",
+            "install a CUDA build of torch that this driver supports",
+        )
     if not probe.get("available"):
         why = "; ".join(probe.get("warnings", [])) or "torch.cuda.is_available() is False"
         built, supported = _major(cuda), _major(cuda_driver)
         if built is not None and supported is not None and built > supported:
             why = f"it was built for CUDA {cuda}, the driver supports CUDA {cuda_driver} at most; {why}"
-        return Finding("torch", name, Status.FAIL, f"{build} cannot use the GPUs: {why}",
-                       "install a torch built for a CUDA version this driver supports, or update the driver")
+        return Finding(
+            "torch",
+            name,
+            Status.FAIL,
+            f"{build} cannot use the GPUs: {why}",
+            "install a torch built for a CUDA version this driver supports, or update the driver",
+        )
     arches = set(probe.get("arch_list", []))
     for major, minor in probe.get("capabilities", []):
-        if arches and f"sm_{major}{minor}" not in arches and not any(a.startswith("compute_") for a in arches):
-            return Finding("torch", name, Status.FAIL,
-                           f"{build} has no kernels for compute capability {major}.{minor} ({', '.join(sorted(arches))})",
-                           "install a torch build that includes this GPU architecture")
+        if (
+            arches
+            and f"sm_{major}{minor}" not in arches
+            and not any(a.startswith("compute_") for a in arches)
+        ):
+            return Finding(
+                "torch",
+                name,
+                Status.FAIL,
+                f"{build} has no kernels for compute capability {major}.{minor} ({', '.join(sorted(arches))})",
+                "install a torch build that includes this GPU architecture",
+            )
     if not probe.get("op_ok"):
-        return Finding("torch", name, Status.FAIL, f"{build}: a tiny CUDA operation gave a wrong result",
-                       "run the benchmark (gpuwarden check --bench) and check the kernel log for Xids")
-    return Finding("torch", name, Status.OK, f"{build} runs on {probe.get('device_count', 0)} GPU(s)")
+        return Finding(
+            "torch",
+            name,
+            Status.FAIL,
+            f"{build}: a tiny CUDA operation gave a wrong result",
+            "run the benchmark (gpuwarden check --bench) and check the kernel log for Xids",
+        )
+    return Finding(
+        "torch", name, Status.OK, f"{build} runs on {probe.get('device_count', 0)} GPU(s)"
+    )

@@ -33,9 +33,11 @@ class StateSnapshot:
             "available": self.available,
             "reason": self.reason,
             "schema_version": self.schema_version,
-            "outbox": {"depth_by_kind": self.outbox_depth,
-                       "depth": sum(self.outbox_depth.values()),
-                       "oldest_age_seconds": self.outbox_oldest_age_seconds},
+            "outbox": {
+                "depth_by_kind": self.outbox_depth,
+                "depth": sum(self.outbox_depth.values()),
+                "oldest_age_seconds": self.outbox_oldest_age_seconds,
+            },
             "kv": self.kv,
         }
 
@@ -43,14 +45,17 @@ class StateSnapshot:
 def open_read_only(path: Path) -> sqlite3.Connection:
     wal = Path(f"{path}-wal")
     mode = "mode=ro" if wal.exists() else "immutable=1"
-    return sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True, timeout=2.0,
-                           check_same_thread=False)
+    return sqlite3.connect(
+        f"{path.resolve().as_uri()}?{mode}", uri=True, timeout=2.0, check_same_thread=False
+    )
 
 
 def read_state(state_dir: Path, event_limit: int = 500, now: float | None = None) -> StateSnapshot:
     path = state_dir / DB_NAME
     if not path.is_file():
-        return StateSnapshot(path, False, f"no state database at {path} (the agent has not run here)")
+        return StateSnapshot(
+            path, False, f"no state database at {path} (the agent has not run here)"
+        )
     try:
         conn = open_read_only(path)
     except sqlite3.Error as exc:

@@ -83,8 +83,14 @@ class Alert:
         return (self.kind, self.node)
 
     def to_dict(self) -> dict[str, object]:
-        return {"kind": self.kind, "node": self.node, "severity": self.severity.label,
-                "message": self.message, "action": self.action, "since": self.since}
+        return {
+            "kind": self.kind,
+            "node": self.node,
+            "severity": self.severity.label,
+            "message": self.message,
+            "action": self.action,
+            "since": self.since,
+        }
 
 
 @dataclass(frozen=True)
@@ -118,10 +124,18 @@ class Fleet:
     """Every node the watcher knows, and the alerts that follow from them."""
 
     def __init__(
-        self, *, prefix: str = "gpuwarden/v1", stale_after_intervals: float = 3.0,
-        default_interval: float = 15.0, quiet_window: float = 30.0, quiet_min_nodes: int = 2,
-        broker_grace: float = 10.0, max_payload_bytes: int = 65536, max_nodes: int = 100_000,
-        inventory: Iterable[str] = (), now: float = 0.0,
+        self,
+        *,
+        prefix: str = "gpuwarden/v1",
+        stale_after_intervals: float = 3.0,
+        default_interval: float = 15.0,
+        quiet_window: float = 30.0,
+        quiet_min_nodes: int = 2,
+        broker_grace: float = 10.0,
+        max_payload_bytes: int = 65536,
+        max_nodes: int = 100_000,
+        inventory: Iterable[str] = (),
+        now: float = 0.0,
     ) -> None:
         self.prefix = prefix
         self.k = stale_after_intervals
@@ -245,9 +259,13 @@ class Fleet:
 
     def views(self, now: float) -> list[NodeView]:
         return [
-            NodeView(n.node, self.state_of(n, now),
-                     None if n.heartbeat_at is None else max(0.0, now - n.heartbeat_at),
-                     self.interval_of(n), n.bdseq)
+            NodeView(
+                n.node,
+                self.state_of(n, now),
+                None if n.heartbeat_at is None else max(0.0, now - n.heartbeat_at),
+                self.interval_of(n),
+                n.bdseq,
+            )
             for n in self.nodes.values()
         ]
 
@@ -266,8 +284,11 @@ class Fleet:
         return changes
 
     def _desired(self, now: float) -> dict[tuple[str, str], Alert]:
-        settled = (self.connected and self.connected_at is not None
-                   and now - self.connected_at >= SETTLE_SECONDS)
+        settled = (
+            self.connected
+            and self.connected_at is not None
+            and now - self.connected_at >= SETTLE_SECONDS
+        )
         if not settled:
             # Nothing can be learnt about nodes now: keep their alerts as they were.
             out = {k: a for k, a in self.active.items() if a.kind != "broker_unreachable"}
@@ -314,7 +335,9 @@ class Fleet:
         if not silent:
             return []
         latest = max(last for last, _, _ in silent)
-        group = [(name, state) for last, name, state in silent if last >= latest - self.quiet_window]
+        group = [
+            (name, state) for last, name, state in silent if last >= latest - self.quiet_window
+        ]
         if len(group) < self.quiet_min_nodes:
             return []
         if not any(state in (State.STALE, State.DEAD) for _, state in group):
@@ -325,50 +348,82 @@ class Fleet:
         state = self.state_of(node, now)
         name = node.node
         if state is State.DEAD:
-            return Alert("node_dead", name, Severity.CRITICAL,
-                         f"{name}: the agent's connection died (MQTT Will, birth {node.bdseq})",
-                         f"check that {name} is up and gpuwarden.service runs on it: "
-                         "systemctl status gpuwarden; journalctl -u gpuwarden",
-                         node.offline_at or now)
+            return Alert(
+                "node_dead",
+                name,
+                Severity.CRITICAL,
+                f"{name}: the agent's connection died (MQTT Will, birth {node.bdseq})",
+                f"check that {name} is up and gpuwarden.service runs on it: "
+                "systemctl status gpuwarden; journalctl -u gpuwarden",
+                node.offline_at or now,
+            )
         if state is State.STOPPED:
-            return Alert("node_stopped", name, Severity.WARNING,
-                         f"{name}: the agent was stopped cleanly and has not come back",
-                         f"if the stop was not planned: systemctl start gpuwarden on {name}; "
-                         "to retire the node, clear its retained status topic", node.offline_at or now)
+            return Alert(
+                "node_stopped",
+                name,
+                Severity.WARNING,
+                f"{name}: the agent was stopped cleanly and has not come back",
+                f"if the stop was not planned: systemctl start gpuwarden on {name}; "
+                "to retire the node, clear its retained status topic",
+                node.offline_at or now,
+            )
         if state is State.MISSING:
-            return Alert("node_missing", name, Severity.WARNING,
-                         f"{name}: in the inventory but never heard from",
-                         f"install and start gpuwarden on {name}, check its broker URL and "
-                         "credentials, or remove it from the inventory", self.started_at)
+            return Alert(
+                "node_missing",
+                name,
+                Severity.WARNING,
+                f"{name}: in the inventory but never heard from",
+                f"install and start gpuwarden on {name}, check its broker URL and "
+                "credentials, or remove it from the inventory",
+                self.started_at,
+            )
         if state is State.STALE:
             interval = self.interval_of(node)
             last = node.last_sign() or now
-            return Alert("node_stale", name, Severity.CRITICAL,
-                         f"{name}: no heartbeat for {now - last:.0f} s (interval {interval:g} s) "
-                         "while its connection is up: the agent is hung",
-                         f"on {name}: systemctl status gpuwarden; py-spy dump or restart it",
-                         last + self.k * interval)
+            return Alert(
+                "node_stale",
+                name,
+                Severity.CRITICAL,
+                f"{name}: no heartbeat for {now - last:.0f} s (interval {interval:g} s) "
+                "while its connection is up: the agent is hung",
+                f"on {name}: systemctl status gpuwarden; py-spy dump or restart it",
+                last + self.k * interval,
+            )
         if node.health_ok is False:
             problems = "; ".join(node.problems) or "unhealthy"
-            return Alert("node_unhealthy", name, Severity.WARNING,
-                         f"{name}: the agent reports problems: {problems}"[:500],
-                         f"on {name}: curl the agent's /healthz and read its log",
-                         node.heartbeat_at or now)
+            return Alert(
+                "node_unhealthy",
+                name,
+                Severity.WARNING,
+                f"{name}: the agent reports problems: {problems}"[:500],
+                f"on {name}: curl the agent's /healthz and read its log",
+                node.heartbeat_at or now,
+            )
         return None
 
 
 def _broker_alert(since: float, now: float) -> Alert:
-    return Alert("broker_unreachable", "", Severity.CRITICAL,
-                 f"the watcher has had no broker connection for {now - since:.0f} s: "
-                 "no node can be seen, and node alerts are frozen as they were",
-                 "check the broker (systemctl status mosquitto), the network and the "
-                 "watcher's [watch] url and credentials", since)
+    return Alert(
+        "broker_unreachable",
+        "",
+        Severity.CRITICAL,
+        f"the watcher has had no broker connection for {now - since:.0f} s: "
+        "no node can be seen, and node alerts are frozen as they were",
+        "check the broker (systemctl status mosquitto), the network and the "
+        "watcher's [watch] url and credentials",
+        since,
+    )
 
 
 def _fleet_alert(nodes: list[str], total: int, now: float) -> Alert:
     shown = ", ".join(nodes[:10]) + (" ..." if len(nodes) > 10 else "")
-    return Alert("fleet_quiet", "", Severity.CRITICAL,
-                 f"{len(nodes)} of {total} nodes went silent together ({shown}): the broker, "
-                 "a bridge or the network between the nodes and the broker is the likely cause",
-                 "check the broker's log and its listeners, bridges and the network path from "
-                 "the nodes; a node-by-node search will not help", now)
+    return Alert(
+        "fleet_quiet",
+        "",
+        Severity.CRITICAL,
+        f"{len(nodes)} of {total} nodes went silent together ({shown}): the broker, "
+        "a bridge or the network between the nodes and the broker is the likely cause",
+        "check the broker's log and its listeners, bridges and the network path from "
+        "the nodes; a node-by-node search will not help",
+        now,
+    )

@@ -18,8 +18,7 @@ from agent import __version__
 from agent.watch.fleet import Fleet, State
 from exporters.http import CONTENT_TYPE, Answer, OneShotServer, request_line
 
-MALFORMED_REASONS = ("bad_topic", "bad_node_id", "too_large", "not_json", "not_object",
-                     "bad_field")
+MALFORMED_REASONS = ("bad_topic", "bad_node_id", "too_large", "not_json", "not_object", "bad_field")
 
 
 class FleetCollector:
@@ -32,21 +31,34 @@ class FleetCollector:
 
     def collect(self) -> Iterable[Metric]:
         fleet, now = self.fleet, self.clock()
-        info = GaugeMetricFamily("gpuwarden_watch_build_info", "Watcher version, always 1",
-                                 labels=["version"])
+        info = GaugeMetricFamily(
+            "gpuwarden_watch_build_info", "Watcher version, always 1", labels=["version"]
+        )
         info.add_metric([__version__], 1.0)
-        connected = GaugeMetricFamily("gpuwarden_watch_broker_connected",
-                                      "1 while the watcher is connected to the broker")
+        connected = GaugeMetricFamily(
+            "gpuwarden_watch_broker_connected", "1 while the watcher is connected to the broker"
+        )
         connected.add_metric([], 1.0 if fleet.connected else 0.0)
-        age = GaugeMetricFamily("gpuwarden_watch_node_heartbeat_age_seconds",
-                                "Seconds since the node's last heartbeat", labels=["node"])
-        interval = GaugeMetricFamily("gpuwarden_watch_node_heartbeat_interval_seconds",
-                                     "The node's announced heartbeat interval", labels=["node"])
-        state = GaugeMetricFamily("gpuwarden_watch_node_state",
-                                  "1 for the node's current state, 0 for the others",
-                                  labels=["node", "state"])
-        bdseq = GaugeMetricFamily("gpuwarden_watch_node_birth_sequence",
-                                  "The node's current birth number (bdseq)", labels=["node"])
+        age = GaugeMetricFamily(
+            "gpuwarden_watch_node_heartbeat_age_seconds",
+            "Seconds since the node's last heartbeat",
+            labels=["node"],
+        )
+        interval = GaugeMetricFamily(
+            "gpuwarden_watch_node_heartbeat_interval_seconds",
+            "The node's announced heartbeat interval",
+            labels=["node"],
+        )
+        state = GaugeMetricFamily(
+            "gpuwarden_watch_node_state",
+            "1 for the node's current state, 0 for the others",
+            labels=["node", "state"],
+        )
+        bdseq = GaugeMetricFamily(
+            "gpuwarden_watch_node_birth_sequence",
+            "The node's current birth number (bdseq)",
+            labels=["node"],
+        )
         counts = dict.fromkeys(State, 0)
         for view in fleet.views(now):
             counts[view.state] += 1
@@ -60,32 +72,50 @@ class FleetCollector:
         nodes = GaugeMetricFamily("gpuwarden_watch_nodes", "Nodes by state", labels=["state"])
         for each, count in counts.items():
             nodes.add_metric([each.value], float(count))
-        alerts = GaugeMetricFamily("gpuwarden_watch_alert_active",
-                                   "1 for each alert the watcher holds raised",
-                                   labels=["kind", "node", "severity"])
+        alerts = GaugeMetricFamily(
+            "gpuwarden_watch_alert_active",
+            "1 for each alert the watcher holds raised",
+            labels=["kind", "node", "severity"],
+        )
         for alert in fleet.active.values():
             alerts.add_metric([alert.kind, alert.node, alert.severity.label], 1.0)
-        messages = CounterMetricFamily("gpuwarden_watch_messages", "Messages received",
-                                       labels=["topic"])
+        messages = CounterMetricFamily(
+            "gpuwarden_watch_messages", "Messages received", labels=["topic"]
+        )
         for topic, count in fleet.counters.messages.items():
             messages.add_metric([topic], float(count))
         malformed = CounterMetricFamily(
             "gpuwarden_watch_malformed_messages",
-            "Messages skipped as malformed, oversized or hostile", labels=["reason"])
+            "Messages skipped as malformed, oversized or hostile",
+            labels=["reason"],
+        )
         for reason in MALFORMED_REASONS:
             malformed.add_metric([reason], float(fleet.counters.malformed.get(reason, 0)))
-        old = CounterMetricFamily("gpuwarden_watch_stale_wills",
-                                  "Offline messages ignored for an old birth number")
+        old = CounterMetricFamily(
+            "gpuwarden_watch_stale_wills", "Offline messages ignored for an old birth number"
+        )
         old.add_metric([], float(fleet.counters.ignored_old_births))
-        return [info, connected, age, interval, state, bdseq, nodes, alerts, messages,
-                malformed, old]
+        return [
+            info,
+            connected,
+            age,
+            interval,
+            state,
+            bdseq,
+            nodes,
+            alerts,
+            messages,
+            malformed,
+            old,
+        ]
 
 
 class MetricsServer:
     """GET /metrics and /healthz (200 while connected to the broker), one request a connection."""
 
-    def __init__(self, fleet: Fleet, host: str, port: int,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, fleet: Fleet, host: str, port: int, clock: Callable[[], float] = time.time
+    ) -> None:
         self.fleet = fleet
         self.host, self.port = host, port
         self.registry = CollectorRegistry(auto_describe=False)

@@ -25,9 +25,7 @@ MAX_INTERVAL = 86400.0
 SHUTDOWN_REASONS = frozenset({"shutdown", "stop", "stopped", "clean"})
 """`reason` values of an offline status published by the agent itself on a clean stop."""
 
-Reason = Literal[
-    "bad_topic", "bad_node_id", "too_large", "not_json", "not_object", "bad_field"
-]
+Reason = Literal["bad_topic", "bad_node_id", "too_large", "not_json", "not_object", "bad_field"]
 Kind = Literal["status", "heartbeat"]
 
 
@@ -67,7 +65,7 @@ def parse_topic(topic: str, prefix: str) -> Topic | Malformed | None:
     head = prefix + "/"
     if not topic.startswith(head):
         return Malformed("bad_topic", "outside the prefix")
-    node, sep, kind = topic[len(head):].partition("/")
+    node, sep, kind = topic[len(head) :].partition("/")
     if node.startswith("_") and "/" not in kind:
         return None
     if not sep or kind not in ("status", "heartbeat"):

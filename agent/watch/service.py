@@ -60,18 +60,25 @@ def load_inventory(path: Path) -> list[str]:
         if not node:
             continue
         if not NODE_ID.fullmatch(node):
-            raise ConfigError("watch.inventory_file",
-                              f"{path}:{number}: {node!r} is not a node id ([A-Za-z0-9._:-])")
+            raise ConfigError(
+                "watch.inventory_file",
+                f"{path}:{number}: {node!r} is not a node id ([A-Za-z0-9._:-])",
+            )
         nodes.append(node)
     return nodes
 
 
 def fleet_from(settings: WatchSettings, inventory: list[str], now: float) -> Fleet:
     return Fleet(
-        prefix=settings.topic_prefix, stale_after_intervals=settings.stale_after_intervals,
-        default_interval=settings.default_interval, quiet_window=settings.quiet_window,
-        quiet_min_nodes=settings.quiet_min_nodes, broker_grace=settings.broker_grace,
-        max_payload_bytes=settings.max_payload_bytes, inventory=inventory, now=now,
+        prefix=settings.topic_prefix,
+        stale_after_intervals=settings.stale_after_intervals,
+        default_interval=settings.default_interval,
+        quiet_window=settings.quiet_window,
+        quiet_min_nodes=settings.quiet_min_nodes,
+        broker_grace=settings.broker_grace,
+        max_payload_bytes=settings.max_payload_bytes,
+        inventory=inventory,
+        now=now,
     )
 
 
@@ -98,8 +105,12 @@ def direct_queue(handle: Callable[[aiomqtt.Message], None]) -> type[asyncio.Queu
 
 
 class Watcher:
-    def __init__(self, settings: WatchSettings, inventory: list[str] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        settings: WatchSettings,
+        inventory: list[str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
         self.clock = clock
         self.fleet = fleet_from(settings, inventory or [], clock())
@@ -108,8 +119,11 @@ class Watcher:
         self.client: aiomqtt.Client | None = None
         self.supervisor = Supervisor()
         self.metrics: MetricsServer | None = None
-        self._password = (read_secret(settings.password_file, "watch.password_file")
-                          if settings.password_file else None)
+        self._password = (
+            read_secret(settings.password_file, "watch.password_file")
+            if settings.password_file
+            else None
+        )
 
     @property
     def status_topic(self) -> str:
@@ -120,12 +134,20 @@ class Watcher:
 
     def _client(self) -> aiomqtt.Client:
         s = self.settings
-        tls = ssl.create_default_context(cafile=str(s.ca_file) if s.ca_file else None) \
-            if s.tls else None
+        tls = (
+            ssl.create_default_context(cafile=str(s.ca_file) if s.ca_file else None)
+            if s.tls
+            else None
+        )
         return aiomqtt.Client(
-            s.host, s.port, username=s.username or None, password=self._password,
+            s.host,
+            s.port,
+            username=s.username or None,
+            password=self._password,
             identifier=s.client_id or f"gpuwarden-watch-{socket.gethostname()}",
-            keepalive=s.keepalive, tls_context=tls, timeout=10.0,
+            keepalive=s.keepalive,
+            tls_context=tls,
+            timeout=10.0,
             queue_type=direct_queue(self.handle),
             will=aiomqtt.Will(self.status_topic, self._status("offline"), qos=1, retain=True),
         )
@@ -139,11 +161,15 @@ class Watcher:
             await self.metrics.start()
             log.info("serving metrics", listen=f"{host}:{self.metrics.port}")
         notifier = notifier or Notifier()
-        tasks = [asyncio.create_task(self.mqtt_forever()), asyncio.create_task(self.evaluate_forever())]
+        tasks = [
+            asyncio.create_task(self.mqtt_forever()),
+            asyncio.create_task(self.evaluate_forever()),
+        ]
         interval = watchdog_interval()
         if interval:
-            tasks.append(asyncio.create_task(
-                run_watchdog(notifier, self.supervisor, interval, self.summary)))
+            tasks.append(
+                asyncio.create_task(run_watchdog(notifier, self.supervisor, interval, self.summary))
+            )
         notifier.ready(self.summary())
         try:
             await stop.wait()
@@ -152,8 +178,11 @@ class Watcher:
             if self.client is not None:
                 with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
                     await asyncio.wait_for(
-                        self.client.publish(self.status_topic, self._status("stopped"), qos=1,
-                                            retain=True), 2.0)
+                        self.client.publish(
+                            self.status_topic, self._status("stopped"), qos=1, retain=True
+                        ),
+                        2.0,
+                    )
             for task in tasks:
                 task.cancel()
             # A graceful MQTT disconnect waits for the broker; do not let it hold the exit.
@@ -174,8 +203,11 @@ class Watcher:
             # (with backoff, so a lasting one does not spin), not the watcher's MQTT side.
             retrying = AsyncRetrying(
                 retry=retry_if_exception_type(Exception),
-                wait=wait_exponential(multiplier=0.5, max=RECONNECT_MAX_SECONDS) + wait_random(0, 0.5),
-                stop=stop_never, before_sleep=self._connect_failed, reraise=True,
+                wait=wait_exponential(multiplier=0.5, max=RECONNECT_MAX_SECONDS)
+                + wait_random(0, 0.5),
+                stop=stop_never,
+                before_sleep=self._connect_failed,
+                reraise=True,
             )
             async for attempt in retrying:
                 with attempt:
@@ -185,11 +217,19 @@ class Watcher:
         self.fleet.broker_disconnected(self.clock())
         error = state.outcome.exception() if state.outcome else None
         if error is not None and not isinstance(error, aiomqtt.MqttError):
-            log.error("MQTT session failed; reconnecting", error=repr(error), exc_info=error,
-                      attempt=state.attempt_number)
+            log.error(
+                "MQTT session failed; reconnecting",
+                error=repr(error),
+                exc_info=error,
+                attempt=state.attempt_number,
+            )
             return
-        log.warning("cannot reach the broker; retrying", url=self.settings.url,
-                    error=str(error), attempt=state.attempt_number)
+        log.warning(
+            "cannot reach the broker; retrying",
+            url=self.settings.url,
+            error=str(error),
+            attempt=state.attempt_number,
+        )
 
     async def session(self) -> None:
         """One connection. Raises MqttError if it could not connect; returns when it is lost."""
@@ -201,8 +241,12 @@ class Watcher:
             log.info("connected to the broker", url=s.url)
             try:
                 await client.publish(self.status_topic, self._status("online"), qos=1, retain=True)
-                await client.subscribe([(f"{s.topic_prefix}/+/status", 1),
-                                        (f"{s.topic_prefix}/+/heartbeat", s.heartbeat_qos)])
+                await client.subscribe(
+                    [
+                        (f"{s.topic_prefix}/+/status", 1),
+                        (f"{s.topic_prefix}/+/heartbeat", s.heartbeat_qos),
+                    ]
+                )
                 await self.flush()
                 async for _ in client.messages:  # handled in direct_queue; ends on disconnect
                     pass
@@ -214,8 +258,9 @@ class Watcher:
 
     def handle(self, message: aiomqtt.Message) -> None:
         try:
-            self.fleet.ingest(message.topic.value, as_bytes(message.payload),
-                              bool(message.retain), self.clock())
+            self.fleet.ingest(
+                message.topic.value, as_bytes(message.payload), bool(message.retain), self.clock()
+            )
         except Exception:  # a bug here must not silence the watcher: log it, keep going
             log.exception("message handling failed", topic=message.topic.value[:200])
 
@@ -235,8 +280,11 @@ class Watcher:
         changes = self.fleet.evaluate(self.clock())
         for change in changes:
             alert = change.alert
-            fields = {"kind": alert.kind, "node": alert.node or None,
-                      "severity": alert.severity.label}
+            fields = {
+                "kind": alert.kind,
+                "node": alert.node or None,
+                "severity": alert.severity.label,
+            }
             if not change.raised:
                 log.info("alert cleared", **fields)
             elif alert.severity >= Severity.CRITICAL:
@@ -254,8 +302,11 @@ class Watcher:
             while (client := self.client) is not None and self.pending:
                 change = self.pending[0]
                 try:
-                    await client.publish(self.settings.effective_alerts_topic,
-                                         json.dumps(change.to_dict()).encode(), qos=1)
+                    await client.publish(
+                        self.settings.effective_alerts_topic,
+                        json.dumps(change.to_dict()).encode(),
+                        qos=1,
+                    )
                 except aiomqtt.MqttError:
                     return  # the session notices the loss and reconnects; the queue keeps it
                 # A full queue drops its head on append, maybe this one while it was in flight.

@@ -61,7 +61,10 @@ class AgentProcess:
             env.pop("NOTIFY_SOCKET", None)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
-            cwd=REPO, env=env, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            stdout=self.log_path.open("ab"),
+            stderr=subprocess.STDOUT,
         )
         if wait:
             self.wait_ready(timeout)

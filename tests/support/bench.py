@@ -26,8 +26,12 @@ from collectors.bench_history import BenchmarkRecord, format_time_utc
 
 
 def gpu(index: int, name: str = "NVIDIA H200") -> GpuIdentity:
-    return GpuIdentity(index=index, uuid=f"GPU-0000000{index}-aaaa-bbbb-cccc-ddddeeeeffff",
-                       name=name, pci_bus_id=f"0000:{0x10 + index:02x}:00.0")
+    return GpuIdentity(
+        index=index,
+        uuid=f"GPU-0000000{index}-aaaa-bbbb-cccc-ddddeeeeffff",
+        name=name,
+        pci_bus_id=f"0000:{0x10 + index:02x}:00.0",
+    )
 
 
 @dataclass
@@ -70,14 +74,20 @@ class DirectCaller:
 
 
 def context(now: float | None = None, round_number: int = 0) -> CollectContext:
-    return CollectContext(caller=DirectCaller(), now=time.time() if now is None else now,
-                          round=round_number)
+    return CollectContext(
+        caller=DirectCaller(), now=time.time() if now is None else now, round=round_number
+    )
 
 
 def deps(state_dir: Path, emitted: list[Event] | None = None) -> CollectorDeps:
     sink = emitted if emitted is not None else []
-    return CollectorDeps(node_id="test-node", state_dir=state_dir, state=MemoryKeyValueStore(),
-                         shared=SharedServices(), emit=sink.append)
+    return CollectorDeps(
+        node_id="test-node",
+        state_dir=state_dir,
+        state=MemoryKeyValueStore(),
+        shared=SharedServices(),
+        emit=sink.append,
+    )
 
 
 def fake_child(tmp_path: Path, name: str, body: str) -> list[str]:
@@ -87,27 +97,52 @@ def fake_child(tmp_path: Path, name: str, body: str) -> list[str]:
     return [sys.executable, str(script)]
 
 
-def record(tflops: float, at: float, *, uuid: str = "GPU-A", name: str = "NVIDIA H200",
-           correct: bool | None = True, driver: str = "580.159.04", torch: str = "2.11.0",
-           size: int = 2048, window: float = 0.5, ratio: float | None = None) -> BenchmarkRecord:
+def record(
+    tflops: float,
+    at: float,
+    *,
+    uuid: str = "GPU-A",
+    name: str = "NVIDIA H200",
+    correct: bool | None = True,
+    driver: str = "580.159.04",
+    torch: str = "2.11.0",
+    size: int = 2048,
+    window: float = 0.5,
+    ratio: float | None = None,
+) -> BenchmarkRecord:
     """A record as the agent writes it, with the throughput given."""
     iterations = 20
     return BenchmarkRecord(
-        time_utc=format_time_utc(at), gpu_index=0, gpu_name=name, torch=torch,
-        torch_cuda="13.0", dtype="float32", matmul_precision="highest", size=size,
-        iterations=iterations, median_seconds=2 * size**3 * iterations / (tflops * 1e12),
-        estimated_tflops=tflops, gpu_uuid=uuid, driver_version=driver, profile="fp32",
-        min_window_seconds=window, correct=correct, baseline_ratio=ratio,
+        time_utc=format_time_utc(at),
+        gpu_index=0,
+        gpu_name=name,
+        torch=torch,
+        torch_cuda="13.0",
+        dtype="float32",
+        matmul_precision="highest",
+        size=size,
+        iterations=iterations,
+        median_seconds=2 * size**3 * iterations / (tflops * 1e12),
+        estimated_tflops=tflops,
+        gpu_uuid=uuid,
+        driver_version=driver,
+        profile="fp32",
+        min_window_seconds=window,
+        correct=correct,
+        baseline_ratio=ratio,
     )
 
 
 def series(samples: Sequence[Any], name: str, **labels: str) -> list[float]:
     """Values of the samples of metric `name` whose labels include `labels`."""
-    return [s.value for s in samples if s.family.name == name
-            and all(s.labels.get(k) == v for k, v in labels.items())]
+    return [
+        s.value
+        for s in samples
+        if s.family.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
 
 
-RECORD_CHILD = r'''
+RECORD_CHILD = r"""
 import json, os, sys, time
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 tflops = float(os.environ.get("FAKE_TFLOPS", "50"))
@@ -123,6 +158,6 @@ print(json.dumps({
     "correct": os.environ.get("FAKE_CORRECT", "1") == "1", "max_error": 1e-7,
     "tolerance": 1e-5, "sample_seconds": [seconds] * 5,
 }))
-'''
+"""
 """A child that prints a record at once, without torch: FAKE_TFLOPS, FAKE_CORRECT, FAKE_TIME_UTC
 and FAKE_SEEN_UUID in its environment shape the record."""

@@ -19,8 +19,9 @@ from agent.model import Collection, Event, MetricFamily, MetricType, Severity
 from agent.runtime import Runtime
 from agent.state import StateStore
 
-ROUNDS = MetricFamily("gpuwarden_test_rounds", MetricType.GAUGE, "Rounds seen by a test collector",
-                      ("collector",))
+ROUNDS = MetricFamily(
+    "gpuwarden_test_rounds", MetricType.GAUGE, "Rounds seen by a test collector", ("collector",)
+)
 
 
 class ScriptedCollector:
@@ -53,8 +54,14 @@ class ScriptedCollector:
             await ctx.call("test:sleep", time.sleep, 0.2)
         events = []
         if len(self.rounds) == 1:
-            events.append(Event(source=self.name, kind="first_round", severity=Severity.INFO,
-                                message=f"{self.name} ran its first round"))
+            events.append(
+                Event(
+                    source=self.name,
+                    kind="first_round",
+                    severity=Severity.INFO,
+                    message=f"{self.name} ran its first round",
+                )
+            )
         return Collection(samples=[ROUNDS.sample(len(self.rounds), self.name)], events=events)
 
     async def close(self) -> None:
@@ -73,10 +80,13 @@ def scripted_runtime(
     made: dict[str, ScriptedCollector] = {}
     specs: dict[str, CollectorSpec[Any]] = {}
     for name, mode in modes.items():
-        def factory(settings: CollectorSettings, deps: CollectorDeps,
-                    name: str = name, mode: str = mode) -> ScriptedCollector:
+
+        def factory(
+            settings: CollectorSettings, deps: CollectorDeps, name: str = name, mode: str = mode
+        ) -> ScriptedCollector:
             made[name] = ScriptedCollector(name, mode, deps)
             return made[name]
+
         specs[name] = CollectorSpec(name, "test", CollectorSettings, factory)
     cfg = config.parse({"prometheus": {"enabled": False}, **(core or {})})
     settings = CollectorSettings(interval=interval, timeout=timeout)

@@ -12,7 +12,9 @@ from tests.support.ports import free_port
 GIB_KB = 1024 * 1024
 
 
-def make_proc_tree(root: Path, total_kb: int = 64 * GIB_KB, available_kb: int = 48 * GIB_KB) -> Path:
+def make_proc_tree(
+    root: Path, total_kb: int = 64 * GIB_KB, available_kb: int = 48 * GIB_KB
+) -> Path:
     """The files collectors/system.py reads, with the memory figures given."""
     (root / "sys/kernel/random").mkdir(parents=True, exist_ok=True)
     (root / "meminfo").write_text(
@@ -29,8 +31,9 @@ def make_proc_tree(root: Path, total_kb: int = 64 * GIB_KB, available_kb: int = 
     return root
 
 
-def write_config(directory: Path, proc_root: Path | None = None, extra: str = "",
-                 port: int | None = None) -> Path:
+def write_config(
+    directory: Path, proc_root: Path | None = None, extra: str = "", port: int | None = None
+) -> Path:
     """A configuration with its own state dir and a free Prometheus port."""
     directory.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -42,10 +45,15 @@ def write_config(directory: Path, proc_root: Path | None = None, extra: str = ""
     if proc_root is not None:
         # Host collectors on the fixture tree; the disk collector watches nothing (disk lines
         # are tested on scripted statvfs answers, not on this machine's disks).
-        lines += ["[collectors.system]", f'proc_root = "{proc_root}"',
-                  "[collectors.processes]", f'proc_root = "{proc_root}"',
-                  "[collectors.disk]", f'proc_root = "{proc_root}"',
-                  'mountpoints_include = ["/no-such-mount-for-tests"]']
+        lines += [
+            "[collectors.system]",
+            f'proc_root = "{proc_root}"',
+            "[collectors.processes]",
+            f'proc_root = "{proc_root}"',
+            "[collectors.disk]",
+            f'proc_root = "{proc_root}"',
+            'mountpoints_include = ["/no-such-mount-for-tests"]',
+        ]
     path = directory / "gpuwarden.toml"
     path.write_text("\n".join(lines) + "\n" + extra)
     return path
@@ -58,17 +66,57 @@ def load(path: Path) -> config_module.Config:
 def make_tls_files(directory: Path) -> tuple[Path, Path, Path]:
     """A throw-away CA and a server certificate for 127.0.0.1 (openssl): (ca, cert, key)."""
     directory.mkdir(parents=True, exist_ok=True)
-    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    ca_key, ca, key, csr, cert = (
+        directory / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem")
+    )
     ext = directory / "ext.cnf"
     ext.write_text("subjectAltName = IP:127.0.0.1\n")
 
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
-            "-days", "2", "-subj", "/CN=gpuwarden test CA")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
-            "-subj", "/CN=127.0.0.1")
-    openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-            "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+        "-days",
+        "2",
+        "-subj",
+        "/CN=gpuwarden test CA",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(csr),
+        "-subj",
+        "/CN=127.0.0.1",
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        "-out",
+        str(cert),
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+    )
     return ca, cert, key

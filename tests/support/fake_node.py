@@ -32,8 +32,9 @@ def main() -> int:
     base = f"{args.prefix}/{args.node}"
 
     def status(state: str, **extra: object) -> str:
-        return json.dumps({"state": state, "bdseq": args.bdseq, "ts": time.time(),
-                           "version": "fake", **extra})
+        return json.dumps(
+            {"state": state, "bdseq": args.bdseq, "ts": time.time(), "version": "fake", **extra}
+        )
 
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fake-{args.node}")
     client.will_set(f"{base}/status", status("offline"), qos=1, retain=True)
@@ -54,8 +55,9 @@ def main() -> int:
         beat = {"seq": seq, "ts": time.time(), "interval_s": args.interval, "health": "ok"}
         client.publish(f"{base}/heartbeat", json.dumps(beat), qos=1, retain=True)
         time.sleep(args.interval)
-    client.publish(f"{base}/status", status("offline", reason="shutdown"), qos=1,
-                   retain=True).wait_for_publish(5)
+    client.publish(
+        f"{base}/status", status("offline", reason="shutdown"), qos=1, retain=True
+    ).wait_for_publish(5)
     client.disconnect()
     client.loop_stop()
     return 0

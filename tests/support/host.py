@@ -29,8 +29,13 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
 
 def make_deps(state: KeyValueStore | None = None) -> CollectorDeps:
     emitted: list[Event] = []
-    return CollectorDeps("test-node", Path("/nonexistent"), state or MemoryKeyValueStore(),
-                         SharedServices(), emitted.append)
+    return CollectorDeps(
+        "test-node",
+        Path("/nonexistent"),
+        state or MemoryKeyValueStore(),
+        SharedServices(),
+        emitted.append,
+    )
 
 
 @contextmanager
@@ -43,10 +48,10 @@ def pooled_caller(timeout: float = 5.0) -> Iterator[PooledCaller]:
         executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def run_round(collector: Collector, caller: BlockingCaller, now: float | None = None,
-                    round_number: int = 0) -> Collection:
-    ctx = CollectContext(caller=caller, now=time.time() if now is None else now,
-                         round=round_number)
+async def run_round(
+    collector: Collector, caller: BlockingCaller, now: float | None = None, round_number: int = 0
+) -> Collection:
+    ctx = CollectContext(caller=caller, now=time.time() if now is None else now, round=round_number)
     return await collector.collect(ctx)
 
 
@@ -63,11 +68,11 @@ def sample_names(samples: Iterable[Sample]) -> set[str]:
     return {s.family.name for s in samples}
 
 
-def stat_line(pid: int, comm: str, state: str, ppid: int, starttime: int = 1000, *,
-              num_threads: int = 1) -> str:
+def stat_line(
+    pid: int, comm: str, state: str, ppid: int, starttime: int = 1000, *, num_threads: int = 1
+) -> str:
     """A /proc/[pid]/stat line with the fields the kernel writes (52 of them)."""
-    fields = ([state, str(ppid)] + ["0"] * 15 + [str(num_threads), "0", str(starttime)]
-              + ["0"] * 30)
+    fields = [state, str(ppid)] + ["0"] * 15 + [str(num_threads), "0", str(starttime)] + ["0"] * 30
     return f"{pid} ({comm}) {' '.join(fields)}\n"
 
 
@@ -78,11 +83,22 @@ class ProcTree:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def add_process(self, pid: int, comm: str, state: str, *, ppid: int = 1,
-                    starttime: int = 1000, wchan: str = "0", threads: int = 1) -> None:
+    def add_process(
+        self,
+        pid: int,
+        comm: str,
+        state: str,
+        *,
+        ppid: int = 1,
+        starttime: int = 1000,
+        wchan: str = "0",
+        threads: int = 1,
+    ) -> None:
         directory = self.root / str(pid)
         directory.mkdir(exist_ok=True)
-        (directory / "stat").write_text(stat_line(pid, comm, state, ppid, starttime, num_threads=threads))
+        (directory / "stat").write_text(
+            stat_line(pid, comm, state, ppid, starttime, num_threads=threads)
+        )
         (directory / "wchan").write_text(wchan)
 
     def add_thread(self, pid: int, tid: int, comm: str, state: str, wchan: str = "0") -> None:
@@ -102,21 +118,41 @@ class ProcTree:
         (self.root / "meminfo").write_text(
             "MemTotal:       16384000 kB\nMemFree:         1000000 kB\n"
             "MemAvailable:    8192000 kB\nSwapTotal:             0 kB\nSwapFree:              0 kB\n"
-            "HugePages_Total:       0\n")
+            "HugePages_Total:       0\n"
+        )
         (self.root / "loadavg").write_text("0.50 0.25 0.10 1/123 4567\n")
         (self.root / "uptime").write_text(f"{uptime} 100.00\n")
         (self.root / "sys/kernel/random").mkdir(parents=True, exist_ok=True)
         (self.root / "sys/kernel/random/boot_id").write_text(boot_id + "\n")
 
 
-def fake_statvfs_result(*, size: int, available: int, free: int | None = None,
-                        inodes: int = 1000, inodes_free: int = 500,
-                        read_only: bool = False, unit: int = 4096) -> os.statvfs_result:
+def fake_statvfs_result(
+    *,
+    size: int,
+    available: int,
+    free: int | None = None,
+    inodes: int = 1000,
+    inodes_free: int = 500,
+    read_only: bool = False,
+    unit: int = 4096,
+) -> os.statvfs_result:
     """A statvfs answer in bytes, for scripting how full a file system is."""
     free = available if free is None else free
     flag = os.ST_RDONLY if read_only else 0
-    return os.statvfs_result((unit, unit, size // unit, free // unit, available // unit,
-                              inodes, inodes_free, inodes_free, flag, 255))
+    return os.statvfs_result(
+        (
+            unit,
+            unit,
+            size // unit,
+            free // unit,
+            available // unit,
+            inodes,
+            inodes_free,
+            inodes_free,
+            flag,
+            255,
+        )
+    )
 
 
 class HangingStatvfs:
@@ -125,8 +161,9 @@ class HangingStatvfs:
     Other paths are answered by `answer` (default: the real os.statvfs).
     """
 
-    def __init__(self, hanging: Iterable[str],
-                 answer: Callable[[str], os.statvfs_result] = os.statvfs) -> None:
+    def __init__(
+        self, hanging: Iterable[str], answer: Callable[[str], os.statvfs_result] = os.statvfs
+    ) -> None:
         self.hanging = set(hanging)
         self.release = threading.Event()
         self.calls: list[str] = []

@@ -32,8 +32,15 @@ def escape_kmsg(text: str) -> str:
     return "".join(out)
 
 
-def kmsg_record(seq: int, message: str, *, level: int = 4, facility: int = 0,
-                usec: int | None = None, fields: Sequence[tuple[str, str]] = ()) -> bytes:
+def kmsg_record(
+    seq: int,
+    message: str,
+    *,
+    level: int = 4,
+    facility: int = 0,
+    usec: int | None = None,
+    fields: Sequence[tuple[str, str]] = (),
+) -> bytes:
     """One record as read() returns it: header line, then ` KEY=value` lines."""
     usec = seq * 1000 if usec is None else usec
     lines = [f"{facility * 8 + level},{seq},{usec},-;{escape_kmsg(message)}"]

@@ -47,8 +47,9 @@ class Broker:
 
     def start(self) -> Broker:
         conf = self.write_config()
-        self.process = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         try:
             wait_for_port(self.port)
         except TimeoutError:

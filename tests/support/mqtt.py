@@ -38,8 +38,9 @@ class Subscriber:
     _client: paho.Client | None = None
 
     def start(self, timeout: float = 10.0) -> Subscriber:
-        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
-                             clean_session=not self.persistent)
+        client = paho.Client(
+            CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=not self.persistent
+        )
         subscribed = threading.Event()
         client.on_message = lambda _c, _u, msg: self._record(msg)
         client.on_subscribe = lambda *_args: subscribed.set()
@@ -53,8 +54,9 @@ class Subscriber:
 
     def _record(self, msg: paho.MQTTMessage) -> None:
         with self._lock:
-            self.messages.append(Received(msg.topic, bytes(msg.payload), bool(msg.retain),
-                                          int(msg.qos)))
+            self.messages.append(
+                Received(msg.topic, bytes(msg.payload), bool(msg.retain), int(msg.qos))
+            )
 
     def stop(self) -> None:
         if self._client is not None:
@@ -66,8 +68,9 @@ class Subscriber:
         with self._lock:
             return [m for m in self.messages if m.topic.endswith(suffix)]
 
-    def wait_for(self, predicate: Callable[[Subscriber], bool], timeout: float = 20.0,
-                 what: str = "messages") -> None:
+    def wait_for(
+        self, predicate: Callable[[Subscriber], bool], timeout: float = 20.0, what: str = "messages"
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if predicate(self):
@@ -104,14 +107,22 @@ class InProcessAgent:
         from agent.runtime import Runtime
         from agent.state import StateStore
 
-        cfg = config_module.parse({
-            "node_id": "node-a", "state_dir": str(self.state_dir),
-            "prometheus": {"enabled": False},
-            "heartbeat": {"interval": self.heartbeat_interval},
-            "mqtt": {"enabled": True, "reconnect_min": 0.1, "reconnect_max": 0.5,
-                     "connect_timeout": 3.0, **self.mqtt},
-            **self.extra,
-        })
+        cfg = config_module.parse(
+            {
+                "node_id": "node-a",
+                "state_dir": str(self.state_dir),
+                "prometheus": {"enabled": False},
+                "heartbeat": {"interval": self.heartbeat_interval},
+                "mqtt": {
+                    "enabled": True,
+                    "reconnect_min": 0.1,
+                    "reconnect_max": 0.5,
+                    "connect_timeout": 3.0,
+                    **self.mqtt,
+                },
+                **self.extra,
+            }
+        )
         self.runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
         await self.runtime.start()
         return self.runtime

@@ -47,8 +47,9 @@ class GpuRig:
         return self.shared.get(XidCorrelator, XidCorrelator)
 
     def new_collector(self) -> GpuCollector:
-        deps = CollectorDeps("test-node", Path("/nonexistent"), self.state, self.shared,
-                             self.emitted.append)
+        deps = CollectorDeps(
+            "test-node", Path("/nonexistent"), self.state, self.shared, self.emitted.append
+        )
         return GpuCollector(self.settings, deps)
 
     async def restart(self) -> None:
@@ -77,16 +78,21 @@ def fake_gpus(count: int) -> list[FakeGpu]:
     return [FakeGpu.h200(i) for i in range(count)]
 
 
-def find(samples: list[Sample] | tuple[Sample, ...] | Collection, name: str,
-         **labels: str) -> list[Sample]:
+def find(
+    samples: list[Sample] | tuple[Sample, ...] | Collection, name: str, **labels: str
+) -> list[Sample]:
     """Samples of metric `name` whose labels include `labels`."""
     items = samples.samples if isinstance(samples, Collection) else samples
-    return [s for s in items if s.family.name == name
-            and all(s.labels.get(k) == v for k, v in labels.items())]
+    return [
+        s
+        for s in items
+        if s.family.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
 
 
-def value(samples: list[Sample] | tuple[Sample, ...] | Collection, name: str,
-          **labels: str) -> float | None:
+def value(
+    samples: list[Sample] | tuple[Sample, ...] | Collection, name: str, **labels: str
+) -> float | None:
     """The single matching sample's value, None when absent; fails on several."""
     found = find(samples, name, **labels)
     assert len(found) <= 1, f"{name} {labels}: {len(found)} samples"

@@ -29,11 +29,17 @@ class PrometheusServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "prometheus.yml").write_text(self.config_text)
         self.process = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={self.workdir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={self.workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            cwd=self.workdir, stdout=subprocess.DEVNULL,
-            stderr=(self.workdir / "prometheus.log").open("ab"))
+            [
+                PROMETHEUS,
+                f"--config.file={self.workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            cwd=self.workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=(self.workdir / "prometheus.log").open("ab"),
+        )
         wait_for_port(self.port, timeout=30)
         self.wait_ready()
         return self

@@ -7,7 +7,12 @@ from pathlib import Path
 
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "redaction"
 CORPUS_FILES = (
-    "train.log", "requests.jsonl", "dotenv", "bash_history", "id_ed25519", "service-account.json",
+    "train.log",
+    "requests.jsonl",
+    "dotenv",
+    "bash_history",
+    "id_ed25519",
+    "service-account.json",
 )
 
 

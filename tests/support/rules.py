@@ -18,13 +18,20 @@ DASHBOARD = ROOT / "configs/grafana/gpuwarden.json"
 METRIC = re.compile(r"\bgpuwarden_[a-z0-9_]+\b")
 # Modules that declare the families the rules and the dashboard use. Until every one of them
 # is on the branch, a name they would declare cannot be checked.
-DECLARING_MODULES = ("collectors/gpu.py", "collectors/kernel_log.py", "collectors/disk.py",
-                     "collectors/processes.py", "collectors/benchmark.py", "exporters/mqtt.py")
+DECLARING_MODULES = (
+    "collectors/gpu.py",
+    "collectors/kernel_log.py",
+    "collectors/disk.py",
+    "collectors/processes.py",
+    "collectors/benchmark.py",
+    "exporters/mqtt.py",
+)
 
 
 def promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PROMTOOL, *map(str, args)], capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [PROMTOOL, *map(str, args)], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def alert_blocks(text: str) -> dict[str, str]:

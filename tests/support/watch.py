@@ -29,10 +29,24 @@ class FakeNode:
 
     def start(self) -> FakeNode:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.fake_node", "--port", str(self.port),
-             "--node", self.node, "--bdseq", str(self.bdseq), "--interval", str(self.interval),
-             "--keepalive", str(self.keepalive)],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "tests.support.fake_node",
+                "--port",
+                str(self.port),
+                "--node",
+                self.node,
+                "--bdseq",
+                str(self.bdseq),
+                "--interval",
+                str(self.interval),
+                "--keepalive",
+                str(self.keepalive),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         assert self.process.stdout is not None
