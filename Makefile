@@ -45,6 +45,7 @@ check: lint typecheck unit
 
 lint:
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck:
 	$(VENV)/bin/mypy
