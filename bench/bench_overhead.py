@@ -28,11 +28,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from collectors.bench_child import PROFILES, Request, child_arguments  # noqa: E402
-from collectors.bench_gpus import GpuBackendUnavailable, NvmlActivity  # noqa: E402
-from collectors.bench_runner import ChildRunner  # noqa: E402
-from collectors.benchmark import cuda_device_plan  # noqa: E402
-from collectors.nvml import NvmlBackend  # noqa: E402
+from collectors._nvml import NvmlBackend  # noqa: E402
+from collectors.benchmark.child import PROFILES, Request, child_arguments  # noqa: E402
+from collectors.benchmark.collector import cuda_device_plan  # noqa: E402
+from collectors.benchmark.gpus import GpuBackendUnavailable, NvmlActivity  # noqa: E402
+from collectors.benchmark.runner import ChildRunner  # noqa: E402
 
 PLAIN_LOOP = r"""
 import json, statistics, sys, time

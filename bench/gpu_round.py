@@ -27,16 +27,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.blocking import PooledCaller
-from agent.collector import (
+from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     MemoryKeyValueStore,
     SharedServices,
 )
-from collectors.gpu import GpuCollector, GpuSettings
-from collectors.nvml import NvmlBackend, NvmlUnavailable
-from collectors.nvml_fake import FakeGpu, FakeNvml
+from agent.runtime.blocking import PooledCaller
+from collectors._nvml import NvmlBackend, NvmlUnavailable
+from collectors.gpu.collector import GpuCollector, GpuSettings
+from tests.support.nvml_fake import FakeGpu, FakeNvml
 
 # The nvidia-smi fields comparable to what a steady round reads (identity, temperatures, power,
 # clocks, throttle reasons, utilization, memory, PCIe, ECC, remapped rows).

@@ -41,15 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector as PromCollector
 
-from agent.blocking import PooledCaller
-from agent.collector import (
+from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.model import Event, MetricFamily, Sample
-from collectors.disk import SPEC as DISK_SPEC
+from agent.contracts.model import Event, MetricFamily, Sample
+from agent.runtime.blocking import PooledCaller
+from collectors.disk.collector import SPEC as DISK_SPEC
 from collectors.processes import SPEC as PROCESSES_SPEC
 from collectors.system import SPEC as SYSTEM_SPEC
 from exporters.prometheus import render

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.collector import MemoryKeyValueStore
-from collectors.kmsg import KmsgReader
-from collectors.log_matchers import MatcherSet
-from collectors.logparse import LogRecord, ParseStats, parse_lines
+from agent.contracts.collector import MemoryKeyValueStore
+from collectors.kernel_log.kmsg import KmsgReader
+from collectors.kernel_log.matchers import MatcherSet
+from collectors.kernel_log.parse import LogRecord, ParseStats, parse_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "kernel_log"

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent import config as config_module
-from agent import logs
-from agent.model import Event, Severity
-from agent.runtime import Runtime
-from agent.state import DB_NAME, StateStore
+from agent.contracts.model import Event, Severity
+from agent.program import config_file as config_module
+from agent.runtime import logs
+from agent.runtime.core import Runtime
+from agent.runtime.state import DB_NAME, StateStore
 from tests.support.mosquitto import Broker
 
 WINDOW = 100

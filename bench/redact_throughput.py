@@ -14,8 +14,8 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent import redact as redact_module
-from agent.redact import Redactor
+from agent.program.diagnose import redact as redact_module
+from agent.program.diagnose.redact import Redactor
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "redaction" / "train.log"
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.watch.fleet import Fleet
-from agent.watch.service import Watcher
-from agent.watch.settings import WatchSettings
+from agent.program.watch.fleet import Fleet
+from agent.program.watch.service import Watcher
+from agent.program.watch.settings import WatchSettings
 from tests.support.ports import free_port, wait_for_port
 
 PREFIX = "gpuwarden/v1"

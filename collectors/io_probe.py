@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.collector import (
+from agent.contracts.collector import (
     CallStillHung,
     CallTimedOut,
     CollectContext,
@@ -26,8 +26,8 @@ from agent.collector import (
     CollectorSettings,
     CollectorSpec,
 )
-from agent.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
-from agent.settings import setting
+from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.settings import setting
 
 MIB = 1024 * 1024
 CHUNK_BYTES = MIB

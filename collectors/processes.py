@@ -19,10 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.collector import CollectContext, CollectorDeps, CollectorSettings, CollectorSpec
-from agent.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
-from agent.settings import setting
-from collectors.procfs import ProcStat, find_thread_in_state, read_all_stats, read_wchan
+from agent.contracts.collector import (
+    CollectContext,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+)
+from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.settings import setting
+from collectors._procfs import ProcStat, find_thread_in_state, read_all_stats, read_wchan
 
 G = MetricType.GAUGE
 SOURCE = "processes"

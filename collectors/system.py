@@ -15,17 +15,17 @@ from pathlib import Path
 
 import structlog
 
-from agent.collector import (
+from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
     JSONValue,
 )
-from agent.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
-from agent.settings import setting
-from agent.state import StateStoreError
-from collectors.procfs import read_boot_id
+from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.settings import setting
+from agent.runtime.state import StateStoreError
+from collectors._procfs import read_boot_id
 
 log = structlog.get_logger(component="system")
 

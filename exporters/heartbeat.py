@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from agent import __version__
 
 if TYPE_CHECKING:
-    from agent.runtime import Runtime
+    from agent.runtime.core import Runtime
 
 
 def encode(payload: Mapping[str, Any]) -> bytes:

@@ -24,18 +24,18 @@ import aiomqtt
 import structlog
 import tenacity
 
-from agent.config import read_secret
-from agent.model import Event, MetricFamily, MetricType, Sample, Severity
-from agent.settings import ConfigError
-from agent.sink import SinkSpec
-from agent.state import OutboxEntry, StateStoreError
+from agent.contracts.model import Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.settings import ConfigError
+from agent.contracts.sink import SinkSpec
+from agent.program.config_file import read_secret
+from agent.runtime.state import OutboxEntry, StateStoreError
 from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
 from exporters.mqtt_client import CheckedClient, PublishRefused, classify, tls_context
 from exporters.mqtt_settings import MqttSettings
 from exporters.outbox import Outbox, OutboxLimits
 
 if TYPE_CHECKING:
-    from agent.runtime import Runtime
+    from agent.runtime.core import Runtime
 
 log = structlog.get_logger(component="mqtt")
 

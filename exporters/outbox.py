@@ -1,6 +1,6 @@
 """The durable outbox the MQTT sink drains: bounded, with every drop counted.
 
-Entries live in the state store's outbox table (agent/state.py), written before any delivery
+Entries live in the state store's outbox table (agent/runtime/state.py), written before any delivery
 is tried and deleted only after the broker acknowledged them. Events get there through
 `Runtime.emit`; heartbeats and metric snapshots through `Outbox.put`.
 
@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from agent.state import OutboxEntry, StateStore
+from agent.runtime.state import OutboxEntry, StateStore
 
 DROP_ORDER: tuple[tuple[str, int], ...] = (("metrics", 0), ("heartbeat", 1), ("event", 0))
 """(kind, newest entries of that kind kept) in the order entries are dropped when full."""

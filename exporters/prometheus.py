@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 
-from agent.model import MetricFamily, MetricType, Sample
-from agent.settings import ConfigError, setting
-from agent.sink import SinkSpec
+from agent.contracts.model import MetricFamily, MetricType, Sample
+from agent.contracts.settings import ConfigError, setting
+from agent.contracts.sink import SinkSpec
 from exporters.http import (
     CONTENT_TYPE,
     REQUEST_TIMEOUT,
@@ -41,7 +41,7 @@ from exporters.web_auth import (
 )
 
 if TYPE_CHECKING:
-    from agent.runtime import Runtime
+    from agent.runtime.core import Runtime
 
 log = structlog.get_logger(component="prometheus")
 

@@ -19,7 +19,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent import config  # noqa: E402
+from agent.program import config_file as config  # noqa: E402
 
 TARGET = ROOT / "configs" / "gpuwarden.toml.example"
 

@@ -1,4 +1,4 @@
-"""The benchmark child: the real `python -m collectors.bench_child`, on the CPU."""
+"""The benchmark child: the real `python -m collectors.benchmark.child`, on the CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from collectors.bench_child import (
+from collectors.benchmark.child import (
     EXIT_NO_DEVICE,
     EXIT_OUT_OF_MEMORY,
     EXIT_USAGE,
@@ -19,7 +19,7 @@ from collectors.bench_child import (
     PROFILES,
     classify_failure,
 )
-from collectors.bench_history import BenchmarkRecord
+from collectors.benchmark.history import BenchmarkRecord
 
 pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
 
@@ -41,7 +41,7 @@ GUIDE_FIELDS = (
 
 def run_child(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any], str]:
     completed = subprocess.run(
-        [sys.executable, "-m", "collectors.bench_child", *args],
+        [sys.executable, "-m", "collectors.benchmark.child", *args],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
@@ -125,7 +125,7 @@ class TestHealthyProducts:
 
         import torch
 
-        from collectors.bench_child import _plant_wrong_block, check_product
+        from collectors.benchmark.child import _plant_wrong_block, check_product
 
         spec = PROFILES[profile]
         torch.set_float32_matmul_precision(spec.matmul_precision)
@@ -149,7 +149,7 @@ class TestHealthyProducts:
 
         import torch
 
-        from collectors.bench_child import check_product
+        from collectors.benchmark.child import check_product
 
         x, y = torch.randn(128, 128), torch.randn(128, 128)
         out = torch.mm(x, y)

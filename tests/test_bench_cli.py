@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from collectors.bench_child import PLANT_WRONG_RESULT_ENV
+from collectors.benchmark.child import PLANT_WRONG_RESULT_ENV
 from tests.test_bench_history import GUIDE_LINE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def bench(
         f"iterations = 2\nwarmup = 1\nsamples = 2\nmin_window_seconds = 0.0\n" + config
     )
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", "bench", "--config", str(config_path), *args],
+        [sys.executable, "-m", "agent.program.cli", "bench", "--config", str(config_path), *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -11,17 +11,16 @@ import pynvml
 import pytest
 import structlog.testing
 
-from agent import config as config_module
-from agent.collector import CollectorDeps, SharedServices
-from agent.model import Event, Severity
-from agent.settings import ConfigError
-from collectors.bench_child import PLANT_WRONG_RESULT_ENV
-from collectors.bench_gpus import GpuBackendUnavailable, NvmlActivity
-from collectors.bench_history import HISTORY_FILE
-from collectors.bench_runner import ChildRunner
-from collectors.benchmark import BenchmarkCollector, BenchmarkSettings
-from collectors.nvml import NvmlBackend
-from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
+from agent.contracts.collector import CollectorDeps, SharedServices
+from agent.contracts.model import Event, Severity
+from agent.contracts.settings import ConfigError
+from agent.program import config_file as config_module
+from collectors._nvml import NvmlBackend
+from collectors.benchmark.child import PLANT_WRONG_RESULT_ENV
+from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings
+from collectors.benchmark.gpus import GpuBackendUnavailable, NvmlActivity
+from collectors.benchmark.history import HISTORY_FILE
+from collectors.benchmark.runner import ChildRunner
 from tests.support.bench import (
     RECORD_CHILD,
     FakeGpuActivity,
@@ -33,6 +32,7 @@ from tests.support.bench import (
     record,
     series,
 )
+from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 from tests.support.stores import FullDiskStore
 
 T0 = float(int(time.time()))  # the fake child stamps its records with the real clock

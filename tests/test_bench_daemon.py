@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import asyncio, json, sys
-from collectors.benchmark import BenchmarkCollector, BenchmarkSettings
+from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings
 from tests.support.bench import FakeGpuActivity, context, cpu_plan, deps, gpu
 
 async def main():

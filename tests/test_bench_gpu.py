@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from collectors.bench_child import PLANT_WRONG_RESULT_ENV
-from collectors.bench_gpus import GpuBackendUnavailable, GpuIdentity, NvmlActivity
-from collectors.bench_runner import ChildRunner
-from collectors.benchmark import BenchmarkCollector, BenchmarkSettings, Profile
-from collectors.nvml import NvmlBackend
+from collectors._nvml import NvmlBackend
+from collectors.benchmark.child import PLANT_WRONG_RESULT_ENV
+from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, Profile
+from collectors.benchmark.gpus import GpuBackendUnavailable, GpuIdentity, NvmlActivity
+from collectors.benchmark.runner import ChildRunner
 from tests.support.bench import context, deps, series
 
 pytestmark = pytest.mark.gpu

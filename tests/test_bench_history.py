@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.bench_history import (
+from collectors.benchmark.history import (
     BaselinePolicy,
     BenchmarkRecord,
     HistoryFile,

@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.bench_runner import STDOUT_LIMIT, ChildRunner, parse_child_output
+from collectors.benchmark.runner import STDOUT_LIMIT, ChildRunner, parse_child_output
 from tests.support.bench import RECORD_CHILD, fake_child
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.diagnose import probes
-from agent.diagnose.check import CheckOptions, check_state, run_check
-from agent.diagnose.findings import Finding, Status, exit_code
-from agent.model import Event, Severity
-from agent.state import StateStore
+from agent.contracts.model import Event, Severity
+from agent.program.diagnose import probes
+from agent.program.diagnose.check import CheckOptions, check_state, run_check
+from agent.program.diagnose.findings import Finding, Status, exit_code
+from agent.runtime.state import StateStore
 from tests.support.diag import GIB_KB, load, make_proc_tree, make_tls_files, write_config
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port

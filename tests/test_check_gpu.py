@@ -9,15 +9,14 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.collector import SharedServices
-from agent.diagnose.check import CheckOptions, run_check
-from agent.diagnose.collect_once import CollectorResult, OneShotCollectors
-from agent.diagnose.findings import Finding, Status
-from agent.diagnose.gpu_findings import index_ranges
-from agent.diagnose.host_findings import classify_disk, classify_processes
-from collectors.disk import DiskCollector, DiskSettings
-from collectors.nvml import CLOCK_EVENT_REASONS, NvmlBackend
-from collectors.nvml_fake import FakeGpu, FakeNvml
+from agent.contracts.collector import SharedServices
+from agent.program.diagnose.check import CheckOptions, run_check
+from agent.program.diagnose.collect_once import CollectorResult, OneShotCollectors
+from agent.program.diagnose.findings import Finding, Status
+from agent.program.diagnose.gpu_findings import index_ranges
+from agent.program.diagnose.host_findings import classify_disk, classify_processes
+from collectors._nvml import CLOCK_EVENT_REASONS, NvmlBackend
+from collectors.disk.collector import DiskCollector, DiskSettings
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.host import (
     GIB,
@@ -28,6 +27,7 @@ from tests.support.host import (
     pooled_caller,
     run_round,
 )
+from tests.support.nvml_fake import FakeGpu, FakeNvml
 
 OPTIONS = CheckOptions(torch=False, process_gap=0.05)
 H200_PROC = (

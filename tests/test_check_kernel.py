@@ -7,11 +7,11 @@ import json
 import tarfile
 from pathlib import Path
 
-from agent.diagnose.check import CheckOptions, run_check
-from agent.diagnose.diag import DiagOptions, build_bundle
-from agent.diagnose.findings import Status
-from agent.diagnose.kernel_findings import classify_kernel_log, scan_kernel_log
-from collectors.kernel_log import KernelLogSettings
+from agent.program.diagnose.check import CheckOptions, run_check
+from agent.program.diagnose.diag import DiagOptions, build_bundle
+from agent.program.diagnose.findings import Status
+from agent.program.diagnose.kernel_findings import classify_kernel_log, scan_kernel_log
+from collectors.kernel_log.collector import KernelLogSettings
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.kmsg import FIXTURES, FakeKmsg, capture_records, write_boot_id
 

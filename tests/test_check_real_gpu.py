@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from collectors.nvml import NvmlBackend, NvmlUnavailable
+from collectors._nvml import NvmlBackend, NvmlUnavailable
 from tests.support.diag import write_config
 
 pytestmark = [pytest.mark.gpu]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent import config
-from agent.collector import CollectorSettings
-from agent.settings import ConfigError
+from agent.contracts.collector import CollectorSettings
+from agent.contracts.settings import ConfigError
+from agent.program import config_file as config
 from tests.support.agent_proc import REPO
 
 BAD_FILES: list[tuple[str, str, str]] = [

@@ -14,17 +14,17 @@ from typing import IO, Any
 
 import pytest
 
-from agent.collector import SharedServices
-from agent.config import Config
-from agent.diagnose.bundle import MANIFEST, REDACTION_REPORT, Bundle, write_atomically
-from agent.diagnose.diag import DiagOptions, build_bundle, secret_files
-from agent.model import Event, Severity
-from agent.redact import Redactor
-from agent.state import StateStore
-from collectors.nvml import NvmlBackend
-from collectors.nvml_fake import FakeGpu, FakeNvml
+from agent.contracts.collector import SharedServices
+from agent.contracts.model import Event, Severity
+from agent.program.config_file import Config
+from agent.program.diagnose.bundle import MANIFEST, REDACTION_REPORT, Bundle, write_atomically
+from agent.program.diagnose.diag import DiagOptions, build_bundle, secret_files
+from agent.program.diagnose.redact import Redactor
+from agent.runtime.state import StateStore
+from collectors._nvml import NvmlBackend
 from tests.support.agent_proc import AgentProcess
 from tests.support.diag import load, make_proc_tree, write_config
+from tests.support.nvml_fake import FakeGpu, FakeNvml
 from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
 
 LEAKY_EVENT = f"upload failed for {planted()[0].value}: 403 from s3"

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.collector import MemoryKeyValueStore
-from agent.model import Severity
-from agent.settings import ConfigError, build
-from collectors.disk import DiskCollector, DiskSettings, select_mounts
-from collectors.disk_levels import Level, Limits
-from collectors.procfs import read_mountinfo
+from agent.contracts.collector import MemoryKeyValueStore
+from agent.contracts.model import Severity
+from agent.contracts.settings import ConfigError, build
+from collectors._procfs import read_mountinfo
+from collectors.disk.collector import DiskCollector, DiskSettings, select_mounts
+from collectors.disk.levels import Level, Limits
 from tests.support.host import (
     FIXTURES,
     GIB,

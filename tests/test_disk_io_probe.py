@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.settings import ConfigError, build
+from agent.contracts.settings import ConfigError, build
 from collectors.io_probe import (
     MIB,
     PROBE_PREFIX,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.procfs import ProcParseError, parse_mountinfo, parse_mountinfo_line, unescape
+from collectors._procfs import ProcParseError, parse_mountinfo, parse_mountinfo_line, unescape
 
 
 def kernel_escape(path: str) -> str:

@@ -10,14 +10,14 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.collector import MemoryKeyValueStore
-from agent.model import Severity
-from agent.state import StateStore, StateStoreError
-from collectors.gpu import GpuSettings
-from collectors.gpu_checks import FAST_COUNTERS, CounterTracker, counter_events
-from collectors.nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlError
-from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
+from agent.contracts.collector import MemoryKeyValueStore
+from agent.contracts.model import Severity
+from agent.runtime.state import StateStore, StateStoreError
+from collectors._nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlError
+from collectors.gpu.checks import FAST_COUNTERS, CounterTracker, counter_events
+from collectors.gpu.collector import GpuSettings
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
+from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 from tests.support.stores import FullDiskStore
 from tests.test_nvml import CountFails
 

@@ -7,13 +7,13 @@ from collections.abc import Mapping
 
 import pynvml
 
-from agent.model import Event, Severity
-from collectors.gpu import GpuSettings
-from collectors.gpu_events import WANTED_EVENTS, GpuEventThread
-from collectors.nvml import EVENT_XID, NvmlBackend
-from collectors.nvml_fake import FakeGpu, FakeNvml
-from collectors.xid import XidCorrelator, XidObservation, XidSource
+from agent.contracts.model import Event, Severity
+from collectors._nvml import EVENT_XID, NvmlBackend
+from collectors._xid import XidCorrelator, XidObservation, XidSource
+from collectors.gpu.collector import GpuSettings
+from collectors.gpu.events import WANTED_EVENTS, GpuEventThread
 from tests.support.nvml import GpuRig, fake_gpus, kinds
+from tests.support.nvml_fake import FakeGpu, FakeNvml
 
 LABELS = {"gpu": "0", "uuid": "GPU-x", "pci_bus_id": "0000:18:00.0", "model": "NVIDIA H200"}
 

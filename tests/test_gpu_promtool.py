@@ -11,12 +11,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
-from agent.model import Collection, MetricFamily, Sample
-from collectors.gpu import GpuSettings
-from collectors.gpu_metrics import FAMILIES
-from collectors.nvml_fake import FakeGpu, FakeNvml
+from agent.contracts.model import Collection, MetricFamily, Sample
+from collectors.gpu.collector import GpuSettings
+from collectors.gpu.metrics import FAMILIES
 from exporters.prometheus import render
 from tests.support.nvml import GpuRig
+from tests.support.nvml_fake import FakeGpu, FakeNvml
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 

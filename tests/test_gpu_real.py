@@ -17,13 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from agent.blocking import PooledCaller
-from agent.collector import CollectContext, CollectorDeps, MemoryKeyValueStore, SharedServices
-from agent.model import Collection, Event
-from collectors.gpu import GpuCollector, GpuSettings
-from collectors.gpu_events import GpuEventThread
-from collectors.nvml import EVENT_XID, NvmlBackend, NvmlUnavailable
-from collectors.xid import XidCorrelator, normalize_pci_bus_id
+from agent.contracts.collector import (
+    CollectContext,
+    CollectorDeps,
+    MemoryKeyValueStore,
+    SharedServices,
+)
+from agent.contracts.model import Collection, Event
+from agent.runtime.blocking import PooledCaller
+from collectors._nvml import EVENT_XID, NvmlBackend, NvmlUnavailable
+from collectors._xid import XidCorrelator, normalize_pci_bus_id
+from collectors.gpu.collector import GpuCollector, GpuSettings
+from collectors.gpu.events import GpuEventThread
 from tests.support.nvml import find, value
 
 pytestmark = [pytest.mark.gpu]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import config
+from agent.program import config_file as config
 
 ROOT = Path(__file__).resolve().parents[1]
 # scripts/ is not a package: load the generator by path.

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.blocking import PooledCaller
-from agent.collector import CollectContext, CollectorDeps, JSONValue, SharedServices
-from agent.model import Event, Sample, Severity
-from agent.state import StateStore, StateStoreError
-from collectors.kernel_log import SPEC, KernelLogCollector, KernelLogSettings
-from collectors.xid import XidCorrelator, XidObservation
+from agent.contracts.collector import CollectContext, CollectorDeps, JSONValue, SharedServices
+from agent.contracts.model import Event, Sample, Severity
+from agent.runtime.blocking import PooledCaller
+from agent.runtime.state import StateStore, StateStoreError
+from collectors._xid import XidCorrelator, XidObservation
+from collectors.kernel_log.collector import SPEC, KernelLogCollector, KernelLogSettings
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
 
 PCI = "0000:3b:00.0"
@@ -284,7 +284,7 @@ class TestKernelLogCollector:
 
     def test_registered(self) -> None:
         """The registry finds the collector; its interval is shorter than the Xid window."""
-        from agent import registry
+        from agent.program import registry
 
         assert registry.collector_spec("kernel_log") is SPEC
         assert SPEC.defaults().interval < 5.0  # shorter than the correlator's window

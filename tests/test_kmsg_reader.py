@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.collector import MemoryKeyValueStore
-from agent.state import StateStore
-from collectors.kmsg import (
+from agent.contracts.collector import MemoryKeyValueStore
+from agent.runtime.state import StateStore
+from collectors.kernel_log.kmsg import (
     KMSG_CURSOR_KEY,
     STATE_NAMESPACE,
     FileLogReader,
@@ -94,7 +94,7 @@ class TestReading:
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A backlog read over several rounds is all marked predates_agent; what follows is not."""
-        monkeypatch.setattr("collectors.kmsg.MAX_RECORDS_PER_READ", 100)
+        monkeypatch.setattr("collectors.kernel_log.kmsg.MAX_RECORDS_PER_READ", 100)
         device = h200_device()
         reader = reader_for(
             device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()

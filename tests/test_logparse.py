@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.logparse import (
+from collectors.kernel_log.parse import (
     LogRecord,
     MalformedLine,
     ParseStats,

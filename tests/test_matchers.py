@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.model import Severity
-from collectors.log_matchers import (
+from agent.contracts.model import Severity
+from collectors.kernel_log.matchers import (
     FallenOffBusMatcher,
     Finding,
     HostMatcher,
@@ -16,7 +16,7 @@ from collectors.log_matchers import (
     SxidMatcher,
     XidMatcher,
 )
-from collectors.logparse import LogRecord
+from collectors.kernel_log.parse import LogRecord
 
 
 def records(*messages: str, facility: int | None = None) -> list[LogRecord]:

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent import config, registry
-from agent.collector import CollectorDeps, MemoryKeyValueStore, SharedServices
-from agent.model import METRIC_PREFIX, MetricFamily, Sample
-from agent.runtime import Runtime
-from agent.state import StateStore
+from agent.contracts.collector import CollectorDeps, MemoryKeyValueStore, SharedServices
+from agent.contracts.model import METRIC_PREFIX, MetricFamily, Sample
+from agent.program import config_file as config
+from agent.program import registry
+from agent.runtime.core import Runtime
+from agent.runtime.state import StateStore
 from exporters.prometheus import render
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -85,7 +86,10 @@ class TestMetricContract:
 
     def test_sample_rejects_nan_and_wrong_labels(self) -> None:
         family = MetricFamily(
-            "gpuwarden_x_celsius", __import__("agent.model").model.MetricType.GAUGE, "x", ("gpu",)
+            "gpuwarden_x_celsius",
+            __import__("agent.contracts.model").contracts.model.MetricType.GAUGE,
+            "x",
+            ("gpu",),
         )
         with pytest.raises(ValueError, match="NaN"):
             family.sample(float("nan"), "0")

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.model import Event, Severity
-from agent.settings import ConfigError, build
+from agent.contracts.model import Event, Severity
+from agent.contracts.settings import ConfigError, build
 from exporters.mqtt_settings import MqttSettings, parse_url
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber, persistent_broker_lines

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from agent.model import Event, Severity
-from agent.state import StateStore, StateStoreError
+from agent.contracts.model import Event, Severity
+from agent.runtime.state import StateStore, StateStoreError
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber
 from tests.support.waiting import until

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.nvml import (
+from collectors._nvml import (
     CLOCK_EVENT_REASONS,
     GpuLost,
     NvmlBackend,
@@ -15,7 +15,7 @@ from collectors.nvml import (
     NvmlUnavailable,
     decode_clock_event_reasons,
 )
-from collectors.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
+from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
 
 
 def started(*gpus: FakeGpu) -> NvmlBackend:

@@ -8,8 +8,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.model import Event, Severity
-from agent.state import StateStore
+from agent.contracts.model import Event, Severity
+from agent.runtime.state import StateStore
 from exporters.outbox import Outbox, OutboxLimits
 from tests.support.mqtt import InProcessAgent
 from tests.support.ports import free_port

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.model import Severity
-from agent.settings import build
+from agent.contracts.model import Severity
+from agent.contracts.settings import build
+from collectors._procfs import read_all_stats
 from collectors.processes import ProcessesCollector, ProcessesSettings
-from collectors.procfs import read_all_stats
 from tests.support.host import (
     FIXTURES,
     ProcTree,

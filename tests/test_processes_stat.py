@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.procfs import ProcParseError, parse_stat
+from collectors._procfs import ProcParseError, parse_stat
 from tests.support.host import stat_line
 
 # comm is at most 15 bytes and may hold anything but NUL; "(", ")" and spaces are the traps.

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import redact as redact_module
-from agent.redact import Redactor, marker
+from agent.program.diagnose import redact as redact_module
+from agent.program.diagnose.redact import Redactor, marker
 from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
 
 REDACTOR = Redactor()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from agent.cli import COMMANDS
+from agent.program.cli import COMMANDS
 from exporters.prometheus import PrometheusSettings, PrometheusSink
 from tests.support.agent_proc import REPO, AgentProcess, http_get
 from tests.support.collectors import scripted_runtime

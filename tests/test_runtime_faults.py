@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent import config
-from agent.collector import CollectContext, CollectorSettings, CollectorSpec
-from agent.commands import run as run_command
-from agent.model import Collection, Event, MetricFamily, Severity
-from agent.runtime import Runtime
-from agent.state import StateStore
+from agent.contracts.collector import CollectContext, CollectorSettings, CollectorSpec
+from agent.contracts.model import Collection, Event, MetricFamily, Severity
+from agent.program import config_file as config
+from agent.program.commands import run as run_command
+from agent.runtime.core import Runtime
+from agent.runtime.state import StateStore
 from tests.support.agent_proc import REPO
 from tests.support.collectors import scripted_runtime
 
@@ -153,7 +153,7 @@ def runtime_with(collector: ManyHangs) -> Runtime:
 
 HANG_SCRIPT = """
 import asyncio
-from agent.commands import run as run_command
+from agent.program.commands import run as run_command
 from tests.test_runtime_faults import NeverReturns, runtime_with
 
 async def main() -> tuple[int, int]:

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.cli import main as cli_main
-from agent.commands.scan import exit_code, scan_lines
-from collectors.logparse import ParseStats
+from agent.program.cli import main as cli_main
+from agent.program.commands.scan import exit_code, scan_lines
+from collectors.kernel_log.parse import ParseStats
 from tests.support.kmsg import FIXTURES, H200_CAPTURE
 
 SHAPES = ("kmsg.txt", "dmesg.txt", "dmesg-T.txt", "dmesg-decode-iso.txt", "journalctl-k.txt")

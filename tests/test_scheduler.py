@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from agent.model import Severity
-from agent.runtime import Runtime
+from agent.contracts.model import Severity
+from agent.runtime.core import Runtime
 from tests.support.collectors import ScriptedCollector, scripted_runtime
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.model import Event, Severity
-from agent.state import DB_NAME, SCHEMA_VERSION, StateStore
+from agent.contracts.model import Event, Severity
+from agent.runtime.state import DB_NAME, SCHEMA_VERSION, StateStore
 
 
 def event(kind: str = "k", severity: Severity = Severity.WARNING) -> Event:
@@ -137,7 +137,7 @@ class TestRetention:
     def test_prune_history(self) -> None:
         import time as clock
 
-        from agent.runtime import EVENT_RETENTION
+        from agent.runtime.core import EVENT_RETENTION
         from tests.support.collectors import scripted_runtime
 
         runtime, _ = scripted_runtime({})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.collector import KeyValueStore, MemoryKeyValueStore
-from agent.model import Severity
-from agent.state import StateStore
+from agent.contracts.collector import KeyValueStore, MemoryKeyValueStore
+from agent.contracts.model import Severity
+from agent.runtime.state import StateStore
 from collectors.system import SystemCollector, SystemSettings
 from tests.support.host import FIXTURES, ProcTree, make_deps, pooled_caller, run_round, values
 from tests.support.stores import FullDiskStore

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import registry
+from agent.program import registry
 from tests.support.agent_proc import AgentProcess, http_get
 
 PROMTOOL = shutil.which("promtool")
@@ -30,7 +30,7 @@ def _every_family_once() -> str:
     """One sample of every family the host collectors declare, in the exposition format."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from agent.model import MetricFamily, Sample
+    from agent.contracts.model import MetricFamily, Sample
     from exporters.prometheus import render
     from tests.support.host import make_deps
 

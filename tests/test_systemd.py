@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.systemd import Notifier, Supervisor, run_watchdog, watchdog_interval
+from agent.runtime.systemd import Notifier, Supervisor, run_watchdog, watchdog_interval
 from tests.support.agent_proc import AgentProcess
 
 

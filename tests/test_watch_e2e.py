@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent import registry
+from agent.program import registry
 from tests.support.agent_proc import AgentProcess
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port

@@ -7,8 +7,8 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.model import Severity
-from agent.watch.fleet import SETTLE_SECONDS, AlertChange, Fleet, State
+from agent.contracts.model import Severity
+from agent.program.watch.fleet import SETTLE_SECONDS, AlertChange, Fleet, State
 
 P = "gpuwarden/v1"
 T0 = 1_700_000_000.0

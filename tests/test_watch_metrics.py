@@ -10,8 +10,8 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from agent.watch.fleet import SETTLE_SECONDS, Fleet
-from agent.watch.metrics import MetricsServer
+from agent.program.watch.fleet import SETTLE_SECONDS, Fleet
+from agent.program.watch.metrics import MetricsServer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 T0 = 1_700_000_000.0

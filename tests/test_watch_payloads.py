@@ -7,9 +7,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.config import NODE_ID
-from agent.watch import payloads
-from agent.watch.payloads import Heartbeat, Malformed, Status, Topic
+from agent.program.config_file import NODE_ID
+from agent.program.watch import payloads
+from agent.program.watch.payloads import Heartbeat, Malformed, Status, Topic
 
 PREFIX = "gpuwarden/v1"
 

@@ -15,11 +15,11 @@ from typing import cast
 import aiomqtt
 import pytest
 
-from agent.model import Severity
-from agent.settings import ConfigError
-from agent.watch.fleet import Alert, AlertChange
-from agent.watch.service import Watcher, load_inventory
-from agent.watch.settings import WatchSettings
+from agent.contracts.model import Severity
+from agent.contracts.settings import ConfigError
+from agent.program.watch.fleet import Alert, AlertChange
+from agent.program.watch.service import Watcher, load_inventory
+from agent.program.watch.settings import WatchSettings
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port, wait_for_port
 from tests.support.waiting import until

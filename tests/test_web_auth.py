@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import config as config_module
-from agent.runtime import Runtime
-from agent.state import StateStore
+from agent.program import config_file as config_module
+from agent.runtime.core import Runtime
+from agent.runtime.state import StateStore
 from exporters import http
 from exporters.prometheus import PrometheusSink
 from exporters.web_auth import (

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.model import Event, Severity
-from collectors.xid import (
+from agent.contracts.model import Event, Severity
+from collectors._xid import (
     XidCorrelator,
     XidObservation,
     XidSource,
     build_xid_event,
     normalize_pci_bus_id,
 )
-from collectors.xid_catalog import CATALOG_PATH, catalog_source, known_codes, lookup, lookup_sxid
+from collectors._xid_catalog import CATALOG_PATH, catalog_source, known_codes, lookup, lookup_sxid
 
 PCI = "0000:3b:00.0"
 IDENTITY = {

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.collector import (
+from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.model import Event
-from collectors.bench_gpus import GpuBackendUnavailable, GpuIdentity
-from collectors.bench_history import BenchmarkRecord, format_time_utc
+from agent.contracts.model import Event
+from collectors.benchmark.gpus import GpuBackendUnavailable, GpuIdentity
+from collectors.benchmark.history import BenchmarkRecord, format_time_utc
 
 
 def gpu(index: int, name: str = "NVIDIA H200") -> GpuIdentity:

@@ -8,16 +8,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agent import config
-from agent.collector import (
+from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
 )
-from agent.model import Collection, Event, MetricFamily, MetricType, Severity
-from agent.runtime import Runtime
-from agent.state import StateStore
+from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Severity
+from agent.program import config_file as config
+from agent.runtime.core import Runtime
+from agent.runtime.state import StateStore
 
 ROUNDS = MetricFamily(
     "gpuwarden_test_rounds", MetricType.GAUGE, "Rounds seen by a test collector", ("collector",)

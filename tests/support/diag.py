@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from agent import config as config_module
+from agent.program import config_file as config_module
 from tests.support.host import ProcTree
 from tests.support.ports import free_port
 

@@ -11,8 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from agent.blocking import PooledCaller
-from agent.collector import (
+from agent.contracts.collector import (
     BlockingCaller,
     CollectContext,
     Collector,
@@ -21,7 +20,8 @@ from agent.collector import (
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.model import Collection, Event, Sample
+from agent.contracts.model import Collection, Event, Sample
+from agent.runtime.blocking import PooledCaller
 
 GIB = 1024**3
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "proc"

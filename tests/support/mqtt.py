@@ -103,9 +103,9 @@ class InProcessAgent:
     runtime: Any = None
 
     async def start(self) -> Any:
-        from agent import config as config_module
-        from agent.runtime import Runtime
-        from agent.state import StateStore
+        from agent.program import config_file as config_module
+        from agent.runtime.core import Runtime
+        from agent.runtime.state import StateStore
 
         cfg = config_module.parse(
             {

@@ -7,19 +7,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.blocking import PooledCaller
-from agent.collector import (
+from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     KeyValueStore,
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.model import Collection, Event, Sample
-from collectors.gpu import GpuCollector, GpuSettings
-from collectors.nvml import NvmlBackend
-from collectors.nvml_fake import FakeGpu, FakeNvml
-from collectors.xid import XidCorrelator
+from agent.contracts.model import Collection, Event, Sample
+from agent.runtime.blocking import PooledCaller
+from collectors._nvml import NvmlBackend
+from collectors._xid import XidCorrelator
+from collectors.gpu.collector import GpuCollector, GpuSettings
+from tests.support.nvml_fake import FakeGpu, FakeNvml
 
 
 @dataclass

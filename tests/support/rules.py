@@ -19,11 +19,11 @@ METRIC = re.compile(r"\bgpuwarden_[a-z0-9_]+\b")
 # Modules that declare the families the rules and the dashboard use. Until every one of them
 # is on the branch, a name they would declare cannot be checked.
 DECLARING_MODULES = (
-    "collectors/gpu.py",
-    "collectors/kernel_log.py",
-    "collectors/disk.py",
+    "collectors/gpu/collector.py",
+    "collectors/kernel_log/collector.py",
+    "collectors/disk/collector.py",
     "collectors/processes.py",
-    "collectors/benchmark.py",
+    "collectors/benchmark/collector.py",
     "exporters/mqtt.py",
 )
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.collector import JSONValue, MemoryKeyValueStore
-from agent.state import StateStoreError
+from agent.contracts.collector import JSONValue, MemoryKeyValueStore
+from agent.runtime.state import StateStoreError
 
 FULL_DISK = "state store write failed: database or disk is full"
 """What agent.state raises when SQLite reports SQLITE_FULL."""

@@ -1,0 +1,203 @@
+"""The contract between the runtime and a collector.
+
+A collector is built once by its spec's factory from its settings and the runtime's services,
+declares its metric families, and is asked to `collect` on its own interval. Every blocking
+call (NVML, statvfs, /proc reads) goes through `ctx.call`, which runs it in the runtime's
+bounded thread pool with a timeout and refuses to start it again while an earlier call with the
+same key still hangs. The runtime, not the collector, reports collector health.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
+
+from agent.contracts.model import Collection, Event, MetricFamily
+from agent.contracts.settings import setting
+
+P = ParamSpec("P")
+T = TypeVar("T")
+C = TypeVar("C", bound="CollectorSettings")
+
+JSONValue = Any
+"""Anything `json.dumps` accepts."""
+
+
+class CallTimedOut(Exception):
+    """A blocking call did not return within its timeout. Its thread is now marked hung."""
+
+    def __init__(self, key: str, timeout: float) -> None:
+        super().__init__(f"{key}: no answer within {timeout:g} s")
+        self.key = key
+        self.timeout = timeout
+
+
+class CallStillHung(Exception):
+    """An earlier call with this key has not returned yet, so no new one was started."""
+
+    def __init__(self, key: str, hung_for: float) -> None:
+        super().__init__(f"{key}: an earlier call has hung for {hung_for:.0f} s; not retried")
+        self.key = key
+        self.hung_for = hung_for
+
+
+class BlockingCaller(Protocol):
+    async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `fn(*args)` off the event loop with the collector's call timeout.
+
+        `key` names the resource (`"statvfs:/mnt/data"`, `"nvml:gpu0"`): while a call with the
+        same key hangs, `CallStillHung` is raised at once instead of starting another thread.
+        """
+        ...
+
+
+class KeyValueStore(Protocol):
+    """Small durable values: last counter readings, log cursors, baselines."""
+
+    def get(self, namespace: str, key: str) -> JSONValue | None: ...
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None: ...
+
+    def items(self, namespace: str) -> dict[str, JSONValue]: ...
+
+    def delete(self, namespace: str, key: str) -> None: ...
+
+
+class MemoryKeyValueStore:
+    """A KeyValueStore in memory: the fallback when the state store is unusable, and for tests."""
+
+    def __init__(self) -> None:
+        self._data: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, namespace: str, key: str) -> JSONValue | None:
+        with self._lock:
+            raw = self._data.get((namespace, key))
+        return None if raw is None else json.loads(raw)
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        raw = json.dumps(value)
+        with self._lock:
+            self._data[(namespace, key)] = raw
+
+    def items(self, namespace: str) -> dict[str, JSONValue]:
+        with self._lock:
+            return {k: json.loads(v) for (ns, k), v in self._data.items() if ns == namespace}
+
+    def delete(self, namespace: str, key: str) -> None:
+        with self._lock:
+            self._data.pop((namespace, key), None)
+
+
+class SharedServices:
+    """Objects several components share, one per type: the NVML backend, the Xid correlator.
+
+    `get(SomeType, factory)` returns the existing instance or builds it with `factory()`.
+    """
+
+    def __init__(self) -> None:
+        self._objects: dict[type[Any], Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: type[T], factory: Callable[[], T]) -> T:
+        with self._lock:
+            obj = self._objects.get(kind)
+            if obj is None:
+                obj = factory()
+                self._objects[kind] = obj
+            if not isinstance(obj, kind):
+                raise TypeError(f"shared service for {kind.__name__} has type {type(obj)}")
+            return obj
+
+    def put(self, kind: type[T], obj: T) -> None:
+        with self._lock:
+            self._objects[kind] = obj
+
+    def find(self, kind: type[T]) -> T | None:
+        with self._lock:
+            obj = self._objects.get(kind)
+        return obj if isinstance(obj, kind) else None
+
+
+@dataclass(frozen=True)
+class CollectorDeps:
+    """What the runtime hands a collector factory."""
+
+    node_id: str
+    state_dir: Path
+    state: KeyValueStore
+    shared: SharedServices
+    emit: Callable[[Event], None]
+    """Emit an event outside a collection round (from a background thread too: thread-safe)."""
+
+
+@dataclass(frozen=True)
+class CollectContext:
+    """What the runtime hands one collection round."""
+
+    caller: BlockingCaller
+    now: float
+    """Wall-clock time of the round's start, seconds since the epoch (UTC)."""
+    round: int
+    """0 for the first round after start: one-time reads (static facts) key off it."""
+
+    async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self.caller.call(key, fn, *args, **kwargs)
+
+
+class Collector(Protocol):
+    name: str
+
+    def families(self) -> Sequence[MetricFamily]:
+        """Every metric family this collector may produce, declared before the first round."""
+        ...
+
+    async def collect(self, ctx: CollectContext) -> Collection:
+        """One round. Raise only for a failure of the whole collector; per-subject errors
+        (one GPU, one mount) are series and events of their own."""
+        ...
+
+    async def close(self) -> None:
+        """Stop background threads, release handles. Called once, at shutdown or reload."""
+        ...
+
+
+@dataclass(frozen=True)
+class CollectorSettings:
+    """Keys every `[collectors.<name>]` table has. Subclass to add a collector's own."""
+
+    enabled: bool = setting(True, help="run this collector")
+    interval: float = setting(
+        10.0, minimum=0.05, maximum=86400.0, help="seconds between collection rounds"
+    )
+    timeout: float = setting(
+        5.0, exclusive_minimum=0.0, maximum=3600.0, help="seconds one blocking call may take"
+    )
+
+    def replace(self: C, **changes: Any) -> C:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CollectorSpec(Generic[C]):
+    """What a collector module exports as `SPEC`: one registry line finds it."""
+
+    name: str
+    description: str
+    settings_type: type[C]
+    factory: Callable[[C, CollectorDeps], Collector]
+    default_settings: C | None = None
+    """Defaults that differ from the settings type's own (e.g. enabled=False, interval=...)."""
+
+    def defaults(self) -> C:
+        return self.default_settings or self.settings_type()
+
+    def make(self, settings: CollectorSettings, deps: CollectorDeps) -> Collector:
+        if not isinstance(settings, self.settings_type):
+            raise TypeError(f"{self.name}: settings of type {type(settings).__name__}")
+        return self.factory(settings, deps)

@@ -1,0 +1,65 @@
+"""The `gpuwarden` command line (ARCHITECTURE.md, command-line contract).
+
+Exit codes: 0 success; 1 a runtime failure, or warnings for `check`; 2 a usage or configuration
+error, failures found by `check`, or a command not implemented yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent import __version__
+
+# command -> (module under agent.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("run", "run the agent in the foreground (the systemd service runs this)"),
+    "check": ("check", "one-shot preflight of this host; exit code by the worst finding"),
+    "bench": ("bench", "run one matmul benchmark now and print the record"),
+    "scan": ("scan", "list the findings (Xid, I/O errors, ...) in a saved kernel log"),
+    "watch": ("watch", "the off-node watcher: alert when a node's heartbeat stops"),
+    "diag": ("diag", "write a redacted diagnostic bundle for a support ticket"),
+    "config": ("config_cmd", "validate or show the configuration"),
+}
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="configuration file (default: /etc/gpuwarden/gpuwarden.toml if it exists, "
+        "else the embedded defaults)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gpuwarden",
+        description="Health agent for GPU hosts: GPUs, kernel log, disks, processes and a "
+        "matmul benchmark, served to Prometheus and pushed over MQTT.",
+    )
+    parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(f"agent.program.commands.{module_name}")
+        command = sub.add_parser(name, help=help_text, description=module.__doc__)
+        add_config_argument(command)
+        module.add_arguments(command)
+        command.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    code: int = args._module.main(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Run one matmul benchmark now and print the record; or show or import the history.
+
+Without --device every GPU is tested, one after the other, busy or not (you asked). Each run is
+appended to the history in state_dir, like the daemon's. Exit codes: 0 every test ran and
+computed the right product; 1 a test could not run (or no GPU was found); 2 a usage or
+configuration error; 3 a GPU computed a wrong product (possible silent data corruption).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.contracts.collector import (
+    CollectContext,
+    CollectorDeps,
+    MemoryKeyValueStore,
+    SharedServices,
+)
+from agent.contracts.settings import ConfigError
+from agent.program import config_file as config_module
+from collectors._nvml import NvmlBackend
+from collectors.benchmark.child import PROFILES
+from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, RunResult
+from collectors.benchmark.gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, NvmlActivity
+from collectors.benchmark.history import BenchmarkRecord, HistoryFile, parse_lines
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRONG = 0, 1, 2, 3
+CPU = GpuIdentity(index=-1, uuid="cpu", name="cpu", pci_bus_id="")
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        metavar="N|cpu",
+        default=None,
+        help="one GPU by NVML index, or cpu (default: every GPU)",
+    )
+    parser.add_argument("--size", type=int, default=None, help="matrix side (default: config)")
+    parser.add_argument(
+        "--dtype",
+        "--profile",
+        dest="profile",
+        default=None,
+        choices=sorted({*PROFILES, *_DTYPE_ALIASES}),
+        help="fp32 (highest precision), tf32, bf16 or fp16 (default: config)",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per GPU tested")
+    parser.add_argument(
+        "--history",
+        action="store_true",
+        help="show each GPU's past runs and ratios instead of testing",
+    )
+    parser.add_argument(
+        "--import",
+        dest="import_file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="add the runs of a gpu_benchmark.jsonl (the field guide's script) to the history",
+    )
+    parser.add_argument(
+        "--gpu-uuid",
+        default=None,
+        help="with --import: the UUID of the GPU the file's runs were made on",
+    )
+
+
+class _ThreadCaller:
+    async def call(self, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_module.load(args.config)
+        settings = cfg.collector("benchmark")
+        assert isinstance(settings, BenchmarkSettings)
+        changes: dict[str, Any] = {}
+        if args.profile:
+            changes["profile"] = _DTYPE_ALIASES.get(args.profile, args.profile)
+            changes["size"] = 0 if args.size is None else args.size
+        elif args.size is not None:
+            changes["size"] = args.size
+        settings = settings.replace(**changes)
+    except ConfigError as exc:
+        print(f"gpuwarden bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    history = HistoryFile.in_state_dir(cfg.state_dir)
+    if args.history:
+        return show_history(history, as_json=args.json)
+    if args.import_file is not None:
+        return import_file(history, args.import_file, args.gpu_uuid)
+    return asyncio.run(_run(settings, cfg.node_id, cfg.state_dir, args.device, args.json))
+
+
+async def _run(
+    settings: BenchmarkSettings, node_id: str, state_dir: Path, device: str | None, as_json: bool
+) -> int:
+    activity: GpuActivity = NvmlActivity(NvmlBackend())
+    deps = CollectorDeps(
+        node_id=node_id,
+        state_dir=state_dir,
+        state=MemoryKeyValueStore(),
+        shared=SharedServices(),
+        emit=lambda event: None,
+    )
+    if device == "cpu":
+        collector = BenchmarkCollector(
+            settings,
+            deps,
+            activity=_CpuActivity(),
+            source="cli",
+            device_plan=lambda gpu: ("cpu", {}),
+        )
+        targets = all_gpus = [CPU]
+    else:
+        collector = BenchmarkCollector(settings, deps, activity=activity, source="cli")
+        try:
+            all_gpus = await asyncio.to_thread(activity.gpus)
+        except GpuBackendUnavailable as exc:
+            print(f"gpuwarden bench: no GPU to test ({exc}); try --device cpu", file=sys.stderr)
+            return EXIT_FAILED
+        if not all_gpus:
+            print("gpuwarden bench: NVML found no GPU; try --device cpu", file=sys.stderr)
+            return EXIT_FAILED
+        selected = _select(all_gpus, device)
+        if selected is None:
+            known = ", ".join(str(g.index) for g in all_gpus) or "none"
+            print(f"gpuwarden bench: no GPU {device!r} (GPUs here: {known})", file=sys.stderr)
+            return EXIT_USAGE
+        targets = selected
+    ctx = CollectContext(caller=_ThreadCaller(), now=time.time(), round=0)
+    await asyncio.to_thread(collector.history.refresh)
+    code = EXIT_OK
+    for gpu in targets:
+        result = await collector.benchmark(ctx, gpu, all_gpus)
+        print(json.dumps(_result_json(result)) if as_json else _result_text(result), flush=True)
+        if result.record is None:
+            code = max(code, EXIT_FAILED)
+        elif result.record.correct is False:
+            code = EXIT_WRONG
+    return code
+
+
+def _select(gpus: list[GpuIdentity], device: str | None) -> list[GpuIdentity] | None:
+    if device is None:
+        return gpus
+    chosen = [g for g in gpus if str(g.index) == device.strip() or g.uuid == device.strip()]
+    return chosen or None
+
+
+class _CpuActivity:
+    def gpus(self) -> list[GpuIdentity]:
+        return [CPU]
+
+    def compute_process_count(self, index: int) -> int | None:
+        return None
+
+    def utilization_percent(self, index: int) -> float | None:
+        return None
+
+    def driver_version(self) -> str | None:
+        return None
+
+
+def _result_json(result: RunResult) -> dict[str, Any]:
+    if result.record is not None:
+        return {**result.record.to_dict(), "events": [e.to_dict() for e in result.events]}
+    outcome = result.outcome
+    return {
+        "gpu_index": None if result.gpu is CPU else result.gpu.index,
+        "gpu_uuid": result.gpu.uuid,
+        "gpu_name": result.gpu.name,
+        "error": outcome.failure,
+        "message": outcome.message,
+        "exit_code": outcome.exit_code,
+        "stderr_tail": outcome.stderr_tail[-2000:],
+    }
+
+
+def _where(gpu: GpuIdentity) -> str:
+    return "cpu" if gpu is CPU else f"GPU {gpu.index} {gpu.name} {gpu.uuid}"
+
+
+def _result_text(result: RunResult) -> str:
+    record, outcome = result.record, result.outcome
+    if record is None:
+        text = f"{_where(result.gpu)}: FAILED ({outcome.failure}) {outcome.message}"
+        tail = outcome.stderr_tail.strip().splitlines()[-5:]
+        return text + "".join(f"\n  stderr: {line}" for line in tail)
+    if record.correct is False:
+        verdict = f"WRONG RESULT (max error {record.max_error}, tolerance {record.tolerance:g})"
+    else:
+        verdict = f"correct (max error {record.max_error:.2g}, tolerance {record.tolerance:g})"
+    lines = [
+        f"{_where(result.gpu)}: {record.estimated_tflops:.2f} TFLOP/s",
+        f"  {record.profile} ({record.dtype}, matmul precision {record.matmul_precision}), "
+        f"size {record.size}, {record.iterations} iterations per window, median window "
+        f"{record.median_seconds:.3f} s of {len(record.sample_seconds)}, "
+        f"torch {record.torch} (CUDA {record.torch_cuda})",
+        f"  result {verdict}",
+        f"  baseline ratio {_ratio(record.baseline_ratio)}, peer ratio {_ratio(record.peer_ratio)}",
+    ]
+    lines += [f"  {e.severity.label.upper()}: {e.message}" for e in result.events]
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def show_history(history: HistoryFile, *, as_json: bool) -> int:
+    records = history.refresh()
+    if as_json:
+        for record in records:
+            print(record.to_json())
+        return EXIT_OK
+    if not records:
+        print(f"no benchmark history in {history.path}")
+        return EXIT_OK
+    by_gpu: dict[str, list[BenchmarkRecord]] = {}
+    for record in records:
+        by_gpu.setdefault(record.gpu_uuid or f"(no uuid) index {record.gpu_index}", []).append(
+            record
+        )
+    for uuid, runs in by_gpu.items():
+        print(f"{uuid}  {runs[-1].gpu_name}  index {runs[-1].gpu_index}")
+        print(
+            f"  {'time (UTC)':<20} {'source':<6} {'profile':<7} {'size':>5} {'window':<9} "
+            f"{'TFLOP/s':>9} {'baseline':>8} {'peers':>6}  correct"
+        )
+        for r in runs:
+            correct = {True: "yes", False: "WRONG", None: "-"}[r.correct]
+            print(
+                f"  {r.time_utc:<20} {r.source:<6} {r.profile:<7} {r.size:>5} "
+                f"{r.duration_class:<9} {r.estimated_tflops:>9.2f} "
+                f"{_ratio(r.baseline_ratio):>8} {_ratio(r.peer_ratio):>6}  {correct}"
+            )
+    if history.bad_lines:
+        print(f"({len(history.bad_lines)} unreadable line(s) in {history.path} skipped)")
+    return EXIT_OK
+
+
+def import_file(history: HistoryFile, path: Path, gpu_uuid: str | None) -> int:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        print(f"gpuwarden bench: cannot read {path}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    loaded = parse_lines(lines)
+    existing = {_identity(r) for r in history.refresh()}
+    added = 0
+    for parsed in loaded.records:
+        record = parsed.with_changes(source="import", gpu_uuid=parsed.gpu_uuid or gpu_uuid or "")
+        if _identity(record) in existing:
+            continue
+        history.append(record)
+        existing.add(_identity(record))
+        added += 1
+    print(
+        f"imported {added} run(s) from {path} into {history.path}"
+        f" ({len(loaded.records) - added} already there)"
+    )
+    for number, reason in loaded.bad_lines:
+        print(f"  line {number} skipped: {reason}", file=sys.stderr)
+    if any(not r.gpu_uuid for r in loaded.records) and not gpu_uuid:
+        print(
+            "  note: runs without a GPU UUID are kept but never used as a baseline; pass "
+            "--gpu-uuid (nvidia-smi -L shows it) to attach a file's runs to its GPU",
+            file=sys.stderr,
+        )
+    return EXIT_OK if not loaded.bad_lines else EXIT_FAILED
+
+
+def _identity(record: BenchmarkRecord) -> Sequence[object]:
+    return (record.time_utc, record.gpu_index, record.median_seconds)

@@ -1,0 +1,122 @@
+"""One-shot preflight of this host: GPUs, driver, torch, kernel log, disks, memory, processes,
+the state dir and the network endpoints the agent uses.
+
+Read-only unless --io-test or --bench is given. Exit code 0 when every line is OK (or N/A or
+SKIP), 1 when the worst line is a WARN, 2 when a line FAILs or the configuration is invalid.
+A host without GPUs fails the driver line unless --expect-gpus 0 says it has none on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import TextIO
+
+from agent.contracts.settings import ConfigError
+from agent.program import config_file as config_module
+from agent.program.diagnose.check import CheckOptions, CheckReport, run_check
+from agent.program.diagnose.findings import Status
+
+COLOURS = {
+    Status.OK: "32",
+    Status.WARN: "33",
+    Status.FAIL: "31;1",
+    Status.NA: "2",
+    Status.SKIP: "2",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--io-test",
+        type=Path,
+        metavar="DIR",
+        default=None,
+        help="also write and fsync 64 MiB in DIR and time it",
+    )
+    parser.add_argument(
+        "--bench", action="store_true", help="also run one matmul benchmark per GPU"
+    )
+    parser.add_argument(
+        "--expect-gpus",
+        type=int,
+        metavar="N",
+        default=None,
+        help="GPUs this host should have (default: at least one; 0: none, GPU lines N/A)",
+    )
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        metavar="PATH",
+        help="interpreter whose torch is checked (default: this one)",
+    )
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch child process")
+
+
+def use_colour(stream: TextIO) -> bool:
+    return stream.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+
+
+def render_table(report: CheckReport, colour: bool, width: int = 100) -> str:
+    lines = [f"gpuwarden check on {report.node_id}", ""]
+    name_width = min(max((len(f.name) for f in report.findings), default=10), 38)
+    for finding in report.findings:
+        status = f"{finding.status.value:<4}"
+        if colour:
+            status = f"\x1b[{COLOURS[finding.status]}m{status}\x1b[0m"
+        name = (
+            finding.name
+            if len(finding.name) <= name_width
+            else finding.name[: name_width - 1] + "…"
+        )
+        indent = " " * (4 + 2 + name_width + 2)
+        body = textwrap.wrap(finding.detail, max(width - len(indent), 30)) or [""]
+        lines.append(f"{status}  {name:<{name_width}}  {body[0]}")
+        lines.extend(indent + more for more in body[1:])
+        if finding.action and finding.status in (Status.WARN, Status.FAIL):
+            for i, part in enumerate(
+                textwrap.wrap(finding.action, max(width - len(indent) - 3, 30))
+            ):
+                lines.append(indent + ("-> " if i == 0 else "   ") + part)
+    counts = report.counts()
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    verdict = {0: "all good", 1: "warnings", 2: "failures"}[report.exit_code]
+    lines += ["", f"{verdict}: {summary} (exit code {report.exit_code})"]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_module.load(args.config)
+    except ConfigError as exc:
+        print(f"gpuwarden: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.expect_gpus is not None and args.expect_gpus < 0:
+        print("gpuwarden check: --expect-gpus must be 0 or more", file=sys.stderr)
+        return 2
+    options = CheckOptions(
+        io_test_dir=args.io_test,
+        bench=args.bench,
+        expect_gpus=args.expect_gpus,
+        python=args.python,
+        torch=not args.no_torch,
+    )
+    report = asyncio.run(run_check(cfg, options))
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        width = min(os.get_terminal_size().columns, 120) if sys.stdout.isatty() else 100
+        print(render_table(report, use_colour(sys.stdout), width))
+    if report.hung_calls:
+        # A call stuck in the driver or on a dead mount keeps its thread, and Python joins
+        # worker threads at exit: leave without waiting, the findings are already printed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(report.exit_code)
+    return report.exit_code

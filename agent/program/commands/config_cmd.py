@@ -1,0 +1,49 @@
+"""Validate the configuration (`config check`) or print the effective one (`config show`).
+
+Exit code 0 when the configuration is valid, 2 with a message naming the file, the key and
+what was expected when it is not. Nothing is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from agent.contracts.settings import ConfigError, to_table
+from agent.program import config_file as config_module
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "action",
+        choices=("check", "show"),
+        help="check: validate only; show: print the effective settings",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def effective(cfg: config_module.Config) -> dict[str, object]:
+    """The effective configuration, secrets masked."""
+    data: dict[str, object] = to_table(cfg.core)
+    data["node_id"] = cfg.node_id
+    for name, section in cfg.sections.items():
+        data[name] = to_table(section)
+    data["collectors"] = {name: to_table(s) for name, s in cfg.collectors.items()}
+    return data
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_module.load(args.config)
+    except ConfigError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "file": exc.file, "key": exc.key, "error": exc.message}))
+        print(f"gpuwarden: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.action == "show" or args.json:
+        payload = {"ok": True, "source": cfg.source, "config": effective(cfg)}
+        print(json.dumps(payload, indent=None if args.json else 2, default=str))
+    else:
+        print(f"configuration ok: {cfg.source}")
+    return 0

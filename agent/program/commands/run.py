@@ -1,0 +1,149 @@
+"""Run the agent in the foreground until SIGTERM or SIGINT; SIGHUP reloads the configuration.
+
+Exit code 0 after a clean stop, 1 if the agent could not start (a port taken, say), 2 for a
+configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import structlog
+
+from agent.contracts.settings import ConfigError
+from agent.program import config_file as config_module
+from agent.runtime import logs
+from agent.runtime.core import Runtime
+from agent.runtime.state import StateStore
+from agent.runtime.systemd import Notifier, run_watchdog, watchdog_interval
+
+log = structlog.get_logger(component="run")
+
+FIRST_ROUND_WAIT = 30.0
+"""READY=1 waits for the first round of every collector, but not forever."""
+STOP_BUDGET = 4.0
+"""SIGTERM to exit: well inside systemd's and the contract's 5 seconds."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="auto: JSON lines unless stdout is a terminal",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_module.load(args.config)
+    except ConfigError as exc:
+        print(f"gpuwarden: configuration error: {exc}", file=sys.stderr)
+        return 2
+    json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
+    logs.configure(cfg.core.log_level, json=json_logs)
+    code, hung = asyncio.run(serve(cfg, args.config))
+    if hung:
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> None:
+    """Exit without joining worker threads. A thread stuck in a driver or on a dead mount
+    cannot be stopped, and the interpreter would wait for it at exit (concurrent.futures joins
+    its workers) until systemd's SIGKILL. Called after the state store is closed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]:
+    """Run until SIGTERM/SIGINT. Returns the exit code and the number of calls still hung."""
+    loop = asyncio.get_running_loop()
+    log.info("starting", config=cfg.source, node=cfg.node_id, state_dir=str(cfg.state_dir))
+    store = await asyncio.to_thread(StateStore.open, cfg.state_dir)
+    runtime = Runtime(cfg, store)
+    notifier = Notifier()
+    stop = asyncio.Event()
+    reloads: asyncio.Queue[None] = asyncio.Queue()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reloads.put_nowait, None)
+    try:
+        await runtime.start()
+    except OSError as exc:
+        log.error("cannot start", error=str(exc))
+        await runtime.stop()
+        store.close()
+        return 1, runtime.hung_calls()
+    helpers = [asyncio.create_task(_reload_loop(runtime, path, reloads))]
+    if await _first_round_or_stop(runtime, stop):
+        notifier.ready(runtime.health().summary())
+        log.info("ready", collectors=sorted(runtime.collectors), sinks=sorted(runtime.sinks))
+    interval = watchdog_interval()
+    helpers.append(
+        asyncio.create_task(
+            run_watchdog(
+                notifier, runtime.supervisor, interval or 10.0, lambda: runtime.health().summary()
+            )
+            if interval
+            else _status_loop(notifier, runtime)
+        )
+    )
+    await stop.wait()
+    began = time.monotonic()
+    log.info("stopping: signal received")
+    notifier.stopping()
+    for task in helpers:
+        task.cancel()
+    try:
+        await asyncio.wait_for(runtime.stop(), STOP_BUDGET)
+    except TimeoutError:
+        log.warning("some tasks did not stop in time; exiting anyway")
+    store.close()
+    notifier.close()
+    hung = runtime.hung_calls()
+    log.info("stopped", seconds=round(time.monotonic() - began, 3), hung_calls=hung)
+    return 0, hung
+
+
+async def _first_round_or_stop(runtime: Runtime, stop: asyncio.Event) -> bool:
+    """Wait for every collector's first round (READY=1 follows it), a stop signal, or
+    FIRST_ROUND_WAIT. False when asked to stop meanwhile."""
+    waiters = [asyncio.create_task(runtime.first_round.wait()), asyncio.create_task(stop.wait())]
+    await asyncio.wait(waiters, timeout=FIRST_ROUND_WAIT, return_when=asyncio.FIRST_COMPLETED)
+    for task in waiters:
+        task.cancel()
+    if stop.is_set():
+        return False
+    if not runtime.first_round.is_set():
+        log.warning("first collection round still running; reporting ready anyway")
+    return True
+
+
+async def _status_loop(notifier: Notifier, runtime: Runtime) -> None:
+    while True:
+        notifier.status(runtime.health().summary())
+        await asyncio.sleep(10.0)
+
+
+async def _reload_loop(runtime: Runtime, path: Path | None, reloads: asyncio.Queue[None]) -> None:
+    while True:
+        await reloads.get()
+        try:
+            new = await asyncio.to_thread(config_module.load, path)
+        except ConfigError as exc:
+            log.error("reload refused; keeping the old configuration", error=str(exc))
+            continue
+        try:
+            changes = await runtime.reload(new)
+        except Exception:  # a collector that fails to build must not end reloading for good
+            log.exception("reload failed part way; later SIGHUPs are still honoured")
+            continue
+        log.info("configuration reloaded", source=new.source, changes=changes or ["none"])

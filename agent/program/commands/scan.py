@@ -1,0 +1,127 @@
+"""List the findings in a saved kernel log: Xids, SXids, GPUs fallen off the bus, disk, file
+system and NVMe errors, OOM kills and hung tasks, each with its meaning and what to do.
+
+FILE may be raw /dev/kmsg records, `dmesg`, `dmesg -T`, `dmesg --decode --time-format iso` or
+`journalctl -k` output (shapes may be mixed; `-` reads standard input). Lines that are not
+findings print nothing; malformed lines are counted and skipped. Lines that say they were
+written from user space (facility >= 1) are not trusted as findings and are counted instead.
+
+Exit codes: 0 no findings; 1 findings, none worse than warning; 2 a critical (or fatal)
+finding, or the file could not be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from agent.contracts.model import Severity
+from collectors.kernel_log.matchers import Finding, MatcherSet
+from collectors.kernel_log.parse import ParseStats, parse_lines
+
+EXIT_CLEAN = 0
+EXIT_WARNINGS = 1
+EXIT_CRITICAL = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("file", metavar="FILE", help="saved kernel log ('-' for standard input)")
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per finding, one per line"
+    )
+
+
+def scan_lines(
+    lines: Iterable[str], stats: ParseStats | None = None, matchers: MatcherSet | None = None
+) -> list[Finding]:
+    """Every finding in saved log lines, in line order."""
+    matchers = matchers if matchers is not None else MatcherSet()
+    return list(matchers.scan(parse_lines(lines, stats)))
+
+
+def exit_code(findings: Sequence[Finding]) -> int:
+    if not findings:
+        return EXIT_CLEAN
+    worst = max(f.severity for f in findings)
+    return EXIT_CRITICAL if worst >= Severity.CRITICAL else EXIT_WARNINGS
+
+
+def _where(finding: Finding) -> str:
+    parts = [finding.pci_bus_id, finding.device]
+    if finding.process or finding.pid is not None:
+        parts.append(f"{finding.process or '?'}[{finding.pid if finding.pid is not None else '?'}]")
+    return " ".join(p for p in parts if p) or "-"
+
+
+def _what(finding: Finding) -> str:
+    if finding.kind in ("xid", "sxid"):
+        return f"{finding.kind} {finding.code}"
+    return finding.kind
+
+
+def print_table(findings: Sequence[Finding], out: TextIO) -> None:
+    rows = [(str(f.line), f.severity.label, _what(f), _where(f)) for f in findings]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows))
+        for i, h in enumerate(("LINE", "SEVERITY", "KIND", "WHERE"))
+    ]
+    header = ("LINE", "SEVERITY", "KIND", "WHERE")
+    indent = " " * (sum(widths) + 2 * len(widths))
+
+    def fmt(cells: Sequence[str]) -> str:
+        first = cells[0].rjust(widths[0])
+        rest = [c.ljust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join([first, *rest])
+
+    print(fmt(header) + "  MEANING / ACTION", file=out)
+    for finding, row in zip(findings, rows, strict=True):
+        meaning = f"{finding.name}: {finding.meaning}" if finding.name else finding.meaning
+        print(f"{fmt(row)}  {meaning}", file=out)
+        print(f"{indent}action: {finding.action}", file=out)
+
+
+def _summary(findings: Sequence[Finding], stats: ParseStats, matchers: MatcherSet) -> str:
+    text = f"{len(findings)} finding(s) in {stats.lines} line(s)"
+    notes = []
+    if stats.malformed:
+        first = stats.malformed_examples[0][0]
+        notes.append(f"{stats.malformed} malformed line(s) skipped, first at line {first}")
+    ignored = sum(matchers.ignored.values())
+    if ignored:
+        notes.append(f"{ignored} finding(s) from user-space lines ignored (facility >= 1)")
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _open(name: str) -> TextIO:
+    if name == "-":
+        return sys.stdin
+    return Path(name).open(encoding="utf-8", errors="replace")
+
+
+def main(args: argparse.Namespace) -> int:
+    stats, matchers = ParseStats(), MatcherSet()
+    try:
+        handle = _open(args.file)
+        with handle:
+            findings = scan_lines(handle, stats, matchers)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        print(f"gpuwarden scan: cannot read {args.file}: {reason}", file=sys.stderr)
+        return EXIT_CRITICAL
+    try:
+        if args.json:
+            for finding in findings:
+                print(json.dumps(finding.to_dict(), sort_keys=True))
+        elif findings:
+            print_table(findings, sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `gpuwarden scan ... | head`: the reader left; the code still counts
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(_summary(findings, stats, matchers), file=sys.stderr)
+    return exit_code(findings)

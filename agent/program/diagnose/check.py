@@ -1,0 +1,372 @@
+"""`gpuwarden check`: the start-of-instance checklist, one finding per line.
+
+Read-only by default: the read-only collectors (system, gpu, disk, processes) run their own
+code for one round on in-memory state, the kernel log is read with a private cursor, the state
+store is opened read-only, nothing is written. `--io-test DIR` (the io_probe collector's 64 MiB
+write) and `--bench` (one benchmark run) are the opt-in tests that do change something.
+
+GPUs expected: `--expect-gpus N` if given; else none when `[collectors.gpu] enabled = false`;
+else `[collectors.gpu] expected_gpus` when set; else at least one. Where GPUs are expected, a
+missing NVIDIA driver or fewer GPUs is a FAIL with the action to take; where none are, the GPU
+lines are a single N/A.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from agent.contracts.collector import CallStillHung, CallTimedOut, SharedServices
+from agent.program.config_file import Config
+from agent.program.diagnose import probes
+from agent.program.diagnose.bench_findings import check_bench
+from agent.program.diagnose.collect_once import CollectorResult, OneShotCollectors
+from agent.program.diagnose.findings import Finding, Status, exit_code
+from agent.program.diagnose.gpu_findings import classify_gpus
+from agent.program.diagnose.host_findings import classify_disk, classify_processes
+from agent.program.diagnose.kernel_findings import (
+    KernelLogScan,
+    classify_kernel_log,
+    scan_kernel_log,
+)
+from agent.program.diagnose.nvml_versions import read_nvml_versions
+from agent.program.diagnose.state_reader import read_state
+from collectors import io_probe, system
+from collectors._nvml import NvmlBackend
+from collectors.gpu.collector import GpuSettings
+from collectors.io_probe import IoProbeSettings
+from collectors.kernel_log.kmsg import KmsgIO
+from exporters.mqtt_settings import MqttSettings
+from exporters.prometheus import PrometheusSettings, parse_listen
+
+NVIDIA_PROC_VERSION = Path("/proc/driver/nvidia/version")
+
+# Memory thresholds: MemAvailable under 10% of RAM leaves little room for data loaders and
+# pinned buffers; under 5% the OOM killer is close. A heuristic, not a vendor figure.
+MEMORY_WARN_FRACTION = 0.10
+MEMORY_FAIL_FRACTION = 0.05
+OUTBOX_WARN_DEPTH = 1000
+"""Undelivered outbox entries: beyond this the MQTT path has been down for a while."""
+PROCESS_GAP_SECONDS = 2.0
+"""Two looks at the process table this far apart: a process in D state in both is stuck for
+at least that long (a D sleep for one disk read lasts milliseconds)."""
+IO_TEST_TIMEOUT = 120.0
+KERNEL_LOG_TIMEOUT = 30.0
+"""Reading a full ring buffer (a few MiB) takes well under a second."""
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    io_test_dir: Path | None = None
+    bench: bool = False
+    expect_gpus: int | None = None
+    """From the command line; None: decided by the configuration (module docstring)."""
+    python: str = sys.executable
+    """The interpreter whose torch is checked (a training venv, say)."""
+    torch: bool = True
+    nvidia_proc_version: Path = NVIDIA_PROC_VERSION
+    process_gap: float = PROCESS_GAP_SECONDS
+    kmsg_io: KmsgIO | None = None
+    """A stand-in for /dev/kmsg (tests); None: the configured kernel log."""
+
+
+@dataclass
+class CheckReport:
+    node_id: str
+    findings: list[Finding] = field(default_factory=list)
+    collectors: dict[str, CollectorResult] = field(default_factory=dict)
+    torch_probe: dict[str, Any] | None = None
+    nvidia_versions: dict[str, str] = field(default_factory=dict)
+    kernel_log: KernelLogScan | None = None
+    hung_calls: list[str] = field(default_factory=list)
+    """Blocking calls that did not return: their threads would hold the process at exit."""
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.findings)
+
+    def counts(self) -> dict[str, int]:
+        out = {s.value: 0 for s in Status}
+        for finding in self.findings:
+            out[finding.status.value] += 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node_id,
+            "exit_code": self.exit_code,
+            "counts": self.counts(),
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def expected_gpus(config: Config, options: CheckOptions) -> int | None:
+    """0: none expected; N: exactly N; None: at least one."""
+    if options.expect_gpus is not None:
+        return options.expect_gpus
+    gpu = config.collectors.get("gpu")
+    if gpu is None or not gpu.enabled:
+        return 0
+    if isinstance(gpu, GpuSettings) and gpu.expected_gpus:
+        return gpu.expected_gpus
+    return None
+
+
+def classify_system(result: CollectorResult) -> list[Finding]:
+    if result.error:
+        return [
+            Finding("host", "memory", Status.WARN, f"cannot read /proc/meminfo: {result.error}")
+        ]
+    total = result.values(system.MEMORY_TOTAL.name)
+    available = result.values(system.MEMORY_AVAILABLE.name)
+    if not total or not available or total[0].value <= 0:
+        return [Finding("host", "memory", Status.NA, "MemAvailable not reported by this kernel")]
+    fraction = available[0].value / total[0].value
+    detail = f"{available[0].value / 2**30:.1f} GiB available of {total[0].value / 2**30:.1f} GiB ({fraction:.0%})"
+    if fraction < MEMORY_FAIL_FRACTION:
+        return [
+            Finding(
+                "host",
+                "memory",
+                Status.FAIL,
+                detail,
+                "find the processes holding memory (ps aux --sort=-rss | head)",
+            )
+        ]
+    if fraction < MEMORY_WARN_FRACTION:
+        return [
+            Finding(
+                "host",
+                "memory",
+                Status.WARN,
+                detail,
+                "little headroom for data loaders; check for leftover processes",
+            )
+        ]
+    return [Finding("host", "memory", Status.OK, detail)]
+
+
+def kernel_module(path: Path) -> str | None:
+    """The NVIDIA kernel module's own /proc file: present exactly when it is loaded."""
+    try:
+        first = path.read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    return " ".join(first.split(":", 1)[-1].split())
+
+
+def check_state(config: Config) -> list[Finding]:
+    findings = [probes.check_state_dir(config.state_dir)]
+    snapshot = read_state(config.state_dir, event_limit=0)
+    if not snapshot.available:
+        status = Status.NA if "has not run" in snapshot.reason else Status.WARN
+        findings.append(
+            Finding(
+                "state",
+                "state store",
+                status,
+                snapshot.reason,
+                "" if status is Status.NA else "run gpuwarden diag and send the bundle",
+            )
+        )
+        return findings
+    depth = sum(snapshot.outbox_depth.values())
+    detail = f"schema {snapshot.schema_version}, outbox depth {depth}"
+    if snapshot.outbox_oldest_age_seconds is not None:
+        detail += f", oldest entry {snapshot.outbox_oldest_age_seconds:.0f} s old"
+    status = Status.WARN if depth > OUTBOX_WARN_DEPTH else Status.OK
+    findings.append(
+        Finding(
+            "state",
+            "state store",
+            status,
+            detail,
+            "the MQTT sink has not delivered for a while: check the broker line"
+            if status is Status.WARN
+            else "",
+        )
+    )
+    return findings
+
+
+async def check_network(config: Config) -> list[Finding]:
+    jobs: list[Awaitable[Finding]] = []
+    prometheus = config.sections.get("prometheus")
+    if isinstance(prometheus, PrometheusSettings) and prometheus.enabled:
+        host, port = parse_listen(prometheus.listen)
+        jobs.append(
+            probes.check_prometheus_listen(host, port, prometheus.tls_cert_file is not None)
+        )
+    mqtt = config.sections.get("mqtt")
+    mqtt_on = isinstance(mqtt, MqttSettings) and mqtt.enabled
+    if isinstance(mqtt, MqttSettings) and mqtt_on:
+        address = mqtt.address
+        files = probes.TlsFiles(mqtt.ca_file, mqtt.cert_file, mqtt.key_file)
+        jobs.append(
+            probes.check_broker(probes.Endpoint(address.host, address.port, address.tls), files)
+        )
+    findings = list(await asyncio.gather(*jobs))
+    if not mqtt_on:
+        findings.append(
+            Finding(
+                "network", "MQTT broker", Status.SKIP, "MQTT is not enabled in the configuration"
+            )
+        )
+    return findings
+
+
+async def probe_torch(options: CheckOptions) -> dict[str, Any] | None:
+    """The torch child's answer; None when not asked for."""
+    if not options.torch:
+        return None
+    if options.python == sys.executable:
+        try:
+            metadata.version("torch")  # metadata only: a missing torch needs no child
+        except metadata.PackageNotFoundError:
+            return {"missing": "torch"}
+    return await probes.run_torch_probe(options.python)
+
+
+def torch_line(
+    probe: dict[str, Any] | None,
+    gpus_expected: bool,
+    options: CheckOptions,
+    versions: dict[str, str],
+) -> Finding:
+    if probe is None:
+        return Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
+    return probes.classify_torch(
+        probe, gpus_expected, options.python, versions.get("cuda_driver_version")
+    )
+
+
+async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Finding]:
+    if directory is None:
+        return [Finding("io", "write probe", Status.SKIP, "not asked for (--io-test DIR)")]
+    settings = IoProbeSettings(
+        enabled=True, directories=(str(directory.resolve()),), timeout=IO_TEST_TIMEOUT
+    )
+    result = await runner.run("io_probe", settings)
+    name = f"write probe {directory}"
+    if result.error:
+        return [Finding("io", name, Status.WARN, result.error, "check the file system behind it")]
+    if result.events:
+        return [Finding("io", name, Status.WARN, e.message, e.action) for e in result.events]
+    throughput = result.values(io_probe.THROUGHPUT.name)
+    latency = result.values(io_probe.SYNC_LATENCY.name)
+    if not throughput:
+        return [Finding("io", name, Status.WARN, "the probe gave no measurement")]
+    detail = f"{settings.size_mib} MiB written and fdatasynced at {throughput[0].value / 2**20:.0f} MiB/s"
+    if latency:
+        detail += f"; one 4 KiB write + fdatasync took {latency[0].value * 1000:.1f} ms"
+    return [Finding("io", name, Status.OK, detail)]
+
+
+async def run_collectors(
+    runner: OneShotCollectors, config: Config, expected: int | None, options: CheckOptions
+) -> dict[str, CollectorResult]:
+    jobs: dict[str, Awaitable[CollectorResult]] = {
+        "system": runner.run("system"),
+        "disk": runner.run("disk"),
+        "processes": runner.run("processes", rounds=2, gap=options.process_gap),
+    }
+    if expected != 0:
+        gpu = config.collectors.get("gpu")
+        settings = gpu if isinstance(gpu, GpuSettings) else GpuSettings()
+        # No event thread in a one-shot round: it would only be started to be stopped.
+        jobs["gpu"] = runner.run("gpu", dataclasses.replace(settings, event_thread=False))
+    results = await asyncio.gather(*jobs.values())
+    return dict(zip(jobs, results, strict=True))
+
+
+def gpu_lines(
+    results: dict[str, CollectorResult],
+    expected: int | None,
+    options: CheckOptions,
+    versions: dict[str, str],
+) -> list[Finding]:
+    if expected == 0:
+        return [
+            Finding(
+                "gpu",
+                "GPUs",
+                Status.NA,
+                "none expected on this host (--expect-gpus 0, or [collectors.gpu] enabled = false)",
+            )
+        ]
+    return classify_gpus(
+        results["gpu"], expected, kernel_module(options.nvidia_proc_version), versions
+    )
+
+
+async def nvidia_versions(runner: OneShotCollectors) -> dict[str, str]:
+    """After the gpu round: the shared backend is started if the driver answered."""
+    backend = runner.shared.find(NvmlBackend)
+    if backend is None or not backend.up:
+        return {}
+    try:
+        return await runner.call("nvml:versions", read_nvml_versions, backend)
+    except (CallTimedOut, CallStillHung):
+        return {}
+
+
+async def run_check(
+    config: Config, options: CheckOptions, shared: SharedServices | None = None
+) -> CheckReport:
+    """`shared`: the services collectors share (tests put a fake NVML backend there)."""
+    report = CheckReport(config.node_id)
+    expected = expected_gpus(config, options)
+    torch_task = asyncio.create_task(probe_torch(options))
+    network_task = asyncio.create_task(check_network(config))
+    kernel_task = asyncio.create_task(
+        asyncio.wait_for(
+            asyncio.to_thread(
+                scan_kernel_log, config.collectors.get("kernel_log"), options.kmsg_io
+            ),
+            KERNEL_LOG_TIMEOUT,
+        )
+    )
+    runner = OneShotCollectors(
+        config.node_id, dict(config.collectors), shared=shared or SharedServices()
+    )
+    async with runner:
+        results = await run_collectors(runner, config, expected, options)
+        report.nvidia_versions = await nvidia_versions(runner)
+        io_findings = await check_io(runner, options.io_test_dir)
+        bench_findings = (
+            await check_bench(runner, config)
+            if options.bench
+            else [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")]
+        )
+        report.hung_calls = runner.hung_calls()
+    report.collectors = results
+    report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
+    report.torch_probe = await torch_task
+    report.findings.append(
+        torch_line(report.torch_probe, expected != 0, options, report.nvidia_versions)
+    )
+    try:
+        report.kernel_log = await kernel_task
+    except TimeoutError:
+        report.kernel_log = KernelLogScan(
+            "kernel log", error=f"not read within {KERNEL_LOG_TIMEOUT:g} s"
+        )
+    report.findings.extend(classify_kernel_log(report.kernel_log))
+    host: list[tuple[str, Callable[[CollectorResult], list[Finding]]]] = [
+        ("system", classify_system),
+        ("disk", classify_disk),
+        ("processes", lambda r: classify_processes(r, options.process_gap)),
+    ]
+    for name, classify in host:
+        report.findings.extend(classify(results[name]))
+    report.findings.extend(check_state(config))
+    report.findings.extend(await network_task)
+    report.findings.extend(io_findings)
+    report.findings.extend(bench_findings)
+    return report

@@ -1,0 +1,169 @@
+"""The kernel log of the current boot, for `check` (its findings, judged) and `diag` (the
+findings and the raw NVIDIA and I/O lines).
+
+The reading and the matching are the kernel_log collector's own plain parts: `KmsgReader` (or
+`FileLogReader` for a file of saved lines) on an in-memory cursor, so the whole ring buffer of
+this boot is read once and the daemon's cursor is never moved, and `MatcherSet` for the
+findings (user-space lines written into /dev/kmsg are not trusted, as in the daemon).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.contracts.collector import CollectorSettings, MemoryKeyValueStore
+from agent.program.diagnose.findings import Finding, Status
+from collectors.kernel_log.collector import KernelLogSettings
+from collectors.kernel_log.kmsg import (
+    FileLogReader,
+    KernelLogError,
+    KmsgIO,
+    KmsgReader,
+    LogReader,
+    is_character_device,
+)
+from collectors.kernel_log.matchers import Finding as LogFinding
+from collectors.kernel_log.matchers import MatcherSet
+from collectors.kernel_log.parse import LogRecord
+
+AREA = "kernel"
+# Raw lines worth a support engineer's eyes even when no matcher calls them a finding: the
+# NVIDIA driver's, NVSwitch's and the storage stack's.
+RAW_LINE = re.compile(
+    r"NVRM|nvidia|nvswitch|NVLink|\bXid\b|\bSXid\b|GPU has fallen|I/O error|EXT4-fs|XFS \(|"
+    r"\bnvme\d|blk_update_request|Out of memory|Killed process|blocked for more than|"
+    r"\bmce:|Machine Check|PCIe Bus Error|AER:",
+    re.IGNORECASE,
+)
+MAX_RAW_LINES = 20_000
+
+
+@dataclass
+class KernelLogScan:
+    source: str
+    records: list[LogRecord] = field(default_factory=list)
+    findings: list[LogFinding] = field(default_factory=list)
+    ignored: dict[str, int] = field(default_factory=dict)
+    lost: int = 0
+    error: str = ""
+
+    def raw_lines(self) -> list[str]:
+        """The matching records as `[seconds.micro] message` lines (at most MAX_RAW_LINES,
+        the latest kept)."""
+        finding_lines = {id(f.record) for f in self.findings}
+        lines = [
+            format_record(r)
+            for r in self.records
+            if id(r) in finding_lines or RAW_LINE.search(r.message)
+        ]
+        return lines[-MAX_RAW_LINES:]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "records_read": len(self.records),
+            "records_lost": self.lost,
+            "error": self.error,
+            "ignored_user_space_findings": self.ignored,
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def format_record(record: LogRecord) -> str:
+    # A line written into /dev/kmsg from user space says so: it is not the driver's word.
+    message = (
+        record.message
+        if record.from_kernel
+        else (f"{record.message}  <written from user space, facility {record.facility}>")
+    )
+    if record.monotonic_usec is not None:
+        return f"[{record.monotonic_usec // 1_000_000:>6}.{record.monotonic_usec % 1_000_000:06d}] {message}"
+    if record.timestamp:
+        return f"[{record.timestamp}] {message}"
+    return message
+
+
+def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None) -> KernelLogScan:
+    """Read the configured kernel log once (this boot's ring buffer, or the saved file).
+    `io`: a stand-in for /dev/kmsg (tests), as the collector takes one."""
+    chosen = settings if isinstance(settings, KernelLogSettings) else KernelLogSettings()
+    path = chosen.path
+    scan = KernelLogScan(str(path))
+    store = MemoryKeyValueStore()  # a fresh cursor: from the start of the buffer, never saved
+    try:
+        reader: LogReader = (
+            KmsgReader(path, chosen.boot_id_path, store, io=io)
+            if io is not None or is_character_device(path)
+            else FileLogReader(path, store)
+        )
+        try:
+            while True:
+                batch = reader.read()
+                scan.lost += batch.lost
+                if not batch.records:
+                    break
+                scan.records.extend(batch.records)
+        finally:
+            reader.close()
+    except (KernelLogError, OSError) as exc:
+        scan.error = str(exc)
+        return scan
+    matchers = MatcherSet()
+    scan.findings = list(matchers.scan(scan.records))
+    scan.ignored = dict(matchers.ignored)
+    return scan
+
+
+def _group_key(finding: LogFinding) -> tuple[str, int | None, str]:
+    return (finding.kind, finding.code, finding.pci_bus_id or finding.device or finding.process)
+
+
+def classify_kernel_log(scan: KernelLogScan) -> list[Finding]:
+    if scan.error:
+        return [
+            Finding(
+                AREA,
+                "kernel log",
+                Status.WARN,
+                f"cannot read it: {scan.error}",
+                "run check as root (or with CAP_SYSLOG) to see Xids and I/O errors",
+            )
+        ]
+    groups: dict[tuple[str, int | None, str], list[LogFinding]] = {}
+    for finding in scan.findings:
+        groups.setdefault(_group_key(finding), []).append(finding)
+    if not groups:
+        note = ""
+        if scan.ignored:
+            note = f"; {sum(scan.ignored.values())} look-alike line(s) from user space ignored"
+        return [
+            Finding(
+                AREA,
+                "kernel log",
+                Status.OK,
+                f"no Xid, lost GPU, I/O, file-system or OOM findings in {len(scan.records)} "
+                f"records of {scan.source}{note}",
+            )
+        ]
+    return [_group_line(key, found) for key, found in groups.items()]
+
+
+def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -> Finding:
+    kind, code, where = key
+    first = found[0]
+    worst = max(f.severity for f in found)
+    what = (
+        f"Xid {code}"
+        if kind == "xid"
+        else f"SXid {code}"
+        if kind == "sxid"
+        else kind.replace("_", " ")
+    )
+    name = f"{what} {where}".strip()
+    times = f" ({len(found)} times)" if len(found) > 1 else ""
+    label = f"{first.name}: " if first.name else ""
+    detail = f"{label}{first.meaning}{times}. First: {format_record(first.record)[:200]}"
+    return Finding(AREA, name, Status.from_severity(worst), detail, first.action)

@@ -1,0 +1,120 @@
+"""The `[watch]` table: where the watcher listens and how quickly silence becomes an alert."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from agent.contracts.settings import ConfigError, setting
+from exporters.prometheus import parse_listen
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    url: str = setting(
+        "mqtt://127.0.0.1:1883", help="broker, mqtt://host:port or mqtts://host:port"
+    )
+    topic_prefix: str = setting("gpuwarden/v1", help="the agents' topic prefix")
+    username: str = setting("", help="broker user name; empty: anonymous")
+    password_file: Path | None = setting(
+        None, help="file holding the broker password (chmod 600); unset: no password"
+    )
+    ca_file: Path | None = setting(None, help="CA bundle for mqtts://; unset: the system store")
+    client_id: str = setting("", help="MQTT client id; empty: gpuwarden-watch-<host name>")
+    keepalive: int = setting(30, minimum=5, maximum=3600, help="MQTT keepalive, seconds (never 0)")
+    inventory_file: Path | None = setting(
+        None, help="nodes that must exist, one id a line, # comments; unset: only nodes seen"
+    )
+    stale_after_intervals: float = setting(
+        3.0,
+        minimum=1.5,
+        maximum=100.0,
+        help="a node is stale when its heartbeat is older than this many of its own intervals",
+    )
+    default_interval: float = setting(
+        15.0,
+        exclusive_minimum=0.0,
+        maximum=86400.0,
+        help="heartbeat interval assumed for a node until its first heartbeat says its own",
+    )
+    quiet_window: float = setting(
+        30.0,
+        minimum=0.0,
+        maximum=3600.0,
+        help="all nodes silent within this many seconds of each other: one fleet alert",
+    )
+    quiet_min_nodes: int = setting(
+        2,
+        minimum=2,
+        maximum=1_000_000,
+        help="the fleet alert needs at least this many nodes; fewer get node alerts",
+    )
+    broker_grace: float = setting(
+        10.0,
+        minimum=0.0,
+        maximum=3600.0,
+        help="seconds without the broker before the broker alert is raised",
+    )
+    alerts_topic: str = setting(
+        "", help="where alerts are published; empty: <prefix>/_watch/alerts"
+    )
+    listen: str = setting("127.0.0.1:9446", help="host:port of the watcher's /metrics; empty: off")
+    evaluate_interval: float = setting(
+        1.0, minimum=0.05, maximum=60.0, help="seconds between evaluations of every node"
+    )
+    max_payload_bytes: int = setting(
+        65536,
+        minimum=256,
+        maximum=16 * 1024 * 1024,
+        help="larger status or heartbeat payloads are counted as malformed and skipped",
+    )
+    heartbeat_qos: int = setting(
+        0,
+        minimum=0,
+        maximum=1,
+        help="subscription QoS for heartbeats (a lost one is replaced by the next); status is 1",
+    )
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            raise ConfigError(
+                "url", f"expected mqtt://host:port or mqtts://host:port, got {self.url!r}"
+            )
+        try:
+            _ = parts.port
+        except ValueError:
+            raise ConfigError("url", f"bad port in {self.url!r}") from None
+        prefix = self.topic_prefix
+        if (
+            not prefix
+            or prefix.startswith("/")
+            or prefix.endswith("/")
+            or any(c in prefix for c in "+#")
+        ):
+            raise ConfigError(
+                "topic_prefix",
+                f"expected levels like gpuwarden/v1 (no +, #, outer /), got {prefix!r}",
+            )
+        if self.alerts_topic and any(c in self.alerts_topic for c in "+#"):
+            raise ConfigError("alerts_topic", "a topic to publish on cannot contain + or #")
+        if self.listen:
+            parse_listen(self.listen, "listen")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        parts = urlsplit(self.url)
+        return parts.port or (8883 if parts.scheme == "mqtts" else 1883)
+
+    @property
+    def tls(self) -> bool:
+        return urlsplit(self.url).scheme == "mqtts"
+
+    @property
+    def effective_alerts_topic(self) -> str:
+        return self.alerts_topic or f"{self.topic_prefix}/_watch/alerts"

@@ -1,0 +1,89 @@
+"""Blocking calls off the event loop: a bounded thread pool, a timeout per call, no pile-up.
+
+A call that times out leaves its thread running (Python cannot kill a thread stuck in a driver
+or in statvfs on a dead NFS server). Its key is marked hung: further calls with that key fail at
+once with `CallStillHung` until the old call returns, so one stuck resource holds one thread,
+never one more per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+from agent.contracts.collector import CallStillHung, CallTimedOut
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+HangListener = Callable[[str, float], None]
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Hand a late result to the loop, unless the loop is gone (the agent stopped while the
+    call hung): then there is nobody left to tell."""
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _retrieve(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
+class PooledCaller:
+    """A `BlockingCaller` for one collector, on a thread pool shared by all of them."""
+
+    def __init__(
+        self,
+        executor: concurrent.futures.Executor,
+        timeout: float,
+        on_hang: HangListener | None = None,
+        on_recover: HangListener | None = None,
+    ) -> None:
+        self._executor = executor
+        self.timeout = timeout
+        self._hung: dict[str, float] = {}
+        self._on_hang = on_hang
+        self._on_recover = on_recover
+
+    @property
+    def hung(self) -> dict[str, float]:
+        """Keys of calls still running past their timeout -> monotonic time they started."""
+        return dict(self._hung)
+
+    async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        started = self._hung.get(key)
+        if started is not None:
+            raise CallStillHung(key, time.monotonic() - started)
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        future = self._executor.submit(fn, *args, **kwargs)
+        waiter = asyncio.wrap_future(future)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), self.timeout)
+        except BaseException as exc:
+            # Timed out, or the round was cancelled (a stop, a reload): the thread finishes
+            # later, and what it raises then must not be logged as "Future exception was
+            # never retrieved".
+            waiter.add_done_callback(_retrieve)
+            if not isinstance(exc, TimeoutError):
+                raise
+            self._hung[key] = started
+            future.add_done_callback(
+                lambda done: _call_soon(loop, self._recovered, key, started, done)
+            )
+            if self._on_hang is not None:
+                self._on_hang(key, self.timeout)
+            raise CallTimedOut(key, self.timeout) from None
+
+    def _recovered(self, key: str, started: float, done: concurrent.futures.Future[Any]) -> None:
+        if self._hung.get(key) == started:
+            del self._hung[key]
+        done.exception()  # retrieve it, so a late failure is not logged as never retrieved
+        if self._on_recover is not None:
+            self._on_recover(key, time.monotonic() - started)

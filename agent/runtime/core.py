@@ -1,0 +1,565 @@
+"""The runtime: schedules collectors, keeps the snapshot, stores and fans out events, knows health.
+
+Each collector runs in its own task on its own interval. A collector that raises or hangs
+changes its own status series and nothing else. The snapshot is replaced per collector after
+each round; a scrape renders the last snapshot and never waits on hardware. Events are stored
+(and queued in the outbox) before anyone is told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from agent.contracts.collector import (
+    CallStillHung,
+    CallTimedOut,
+    CollectContext,
+    Collector,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+    SharedServices,
+)
+from agent.contracts.heartbeat import HeartbeatSettings
+from agent.contracts.model import Event, MetricFamily, Sample, Severity
+from agent.contracts.sink import EventListener, Sink
+from agent.program import registry
+from agent.program.config_file import Config
+from agent.runtime.blocking import PooledCaller
+from agent.runtime.metrics import RuntimeMetrics
+from agent.runtime.state import StateStore, StateStoreError
+from agent.runtime.systemd import Supervisor
+
+log = structlog.get_logger(component="runtime")
+
+THREAD_POOL_SIZE = 8
+"""Threads per collector. Bounded: each hung resource holds at most one thread. Each collector
+has its own pool, so GPUs hung in NVML cannot queue the disk or kernel-log reads behind them
+(and make those look hung too)."""
+
+
+async def _bounded(closing: Awaitable[None], seconds: float, kind: str, name: str) -> None:
+    """Await a stop or close for at most `seconds`; a failure is logged, never raised."""
+    try:
+        await asyncio.wait_for(closing, seconds)
+    except Exception as exc:
+        log.warning(f"{kind} did not stop cleanly", name=name, error=repr(exc))
+
+
+async def cancel_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Cancel until done: on Python 3.11 `wait_for` can swallow a cancellation that races
+    with its inner future finishing, and the task would run on."""
+    pending = [task for task in tasks if not task.done()]
+    while pending:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.5)
+        pending = [task for task in pending if not task.done()]
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "task ended with an error", task=task.get_name(), error=repr(task.exception())
+            )
+
+
+EVENT_RETENTION = 30 * 86400.0
+"""Seconds of event history kept in the state store (diag bundles and `recent_events`)."""
+
+
+@dataclass
+class CollectorStatus:
+    name: str
+    settings: CollectorSettings
+    collector: Collector
+    caller: PooledCaller
+    executor: concurrent.futures.ThreadPoolExecutor
+    samples: Sequence[Sample] = ()
+    success: bool | None = None
+    last_success: float | None = None
+    last_attempt: float | None = None
+    duration: float = 0.0
+    runs: int = 0
+    rounds_done: int = 0
+    failures: int = 0
+    last_error: str = ""
+    started: float = field(default_factory=time.time)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    problems: tuple[str, ...]
+
+    def summary(self) -> str:
+        return "ok" if self.ok else "degraded: " + "; ".join(self.problems)
+
+
+@dataclass(frozen=True)
+class StaleItem:
+    kind: str  # collector | sink
+    name: str
+    seconds: float
+    reason: str
+
+    def problem(self) -> str:
+        if self.kind == "collector":
+            return f"collector {self.name} stale for {self.seconds:.0f} s ({self.reason})"
+        return f"sink {self.name} has not delivered for {self.seconds:.0f} s ({self.reason})"
+
+
+@dataclass
+class SinkLedger:
+    """Per sink: when it last confirmed a delivery, and how often it failed."""
+
+    last_delivery: float | None = None
+    failures: int = 0
+    last_failure: str = ""
+    up: bool = False
+
+
+class Runtime:
+    def __init__(
+        self,
+        config: Config,
+        store: StateStore,
+        specs: Mapping[str, CollectorSpec[Any]] | None = None,
+    ) -> None:
+        """`specs` overrides the registry's collectors (tests run their own)."""
+        self.config = config
+        self._specs = dict(specs or {})
+        self.store = store
+        self.node_id = config.node_id
+        self.shared = SharedServices()
+        self.supervisor = Supervisor()
+        self.started = time.time()
+        self.collectors: dict[str, CollectorStatus] = {}
+        self.sinks: dict[str, Sink] = {}
+        self.ledger: dict[str, SinkLedger] = {}
+        self.events_by_key: Counter[tuple[str, str, str]] = Counter()
+        self.recent_events: deque[Event] = deque(maxlen=200)
+        self.outbox_enabled = False
+        self.first_round = asyncio.Event()
+        self.metrics = RuntimeMetrics(self)
+        self._listeners: list[EventListener] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._pending_events: list[Event] = []
+        self._batch: list[Event] = []
+        self._sink_tasks: dict[str, asyncio.Task[None]] = {}
+        self._monitor_task: asyncio.Task[None] | None = None
+        self.stale: dict[tuple[str, str], StaleItem] = {}
+        """What the health monitor last found stale: (collector|sink, name) -> item."""
+        for problem in store.problems:
+            self._pending_events.append(
+                Event(
+                    source="state",
+                    kind=problem.kind,
+                    severity=Severity.CRITICAL,
+                    message=problem.message,
+                    action=problem.action,
+                    subject=str(config.state_dir),
+                )
+            )
+
+    # -- events -----------------------------------------------------------------------------
+
+    def subscribe(self, listener: EventListener) -> None:
+        self._listeners.append(listener)
+
+    def emit(self, event: Event) -> None:
+        """Record an event. Thread-safe: background threads may call it."""
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self._emit_now, event)
+        elif loop is None:
+            self._pending_events.append(event)
+        else:
+            self._emit_now(event)
+
+    def _emit_now(self, event: Event) -> None:
+        """On the loop: queue the event; the batch is stored at the next turn of the loop,
+        in one transaction, before any listener or log line hears of it."""
+        if not event.node:
+            event = dataclasses.replace(event, node=self.node_id)
+        self._batch.append(event)
+        if len(self._batch) == 1 and self._loop is not None:
+            self._loop.call_soon(self.flush_events)
+
+    def flush_events(self) -> None:
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        try:
+            self.store.record_events(batch, outbox=self.outbox_enabled)
+        except StateStoreError as exc:
+            log.error("events not stored", count=len(batch), error=str(exc))
+        for event in batch:
+            self._announce(event)
+
+    def _announce(self, event: Event) -> None:
+        self.events_by_key[(event.source, event.kind, event.severity.label)] += 1
+        self.recent_events.append(event)
+        logger = log.bind(source=event.source)
+        level = (
+            "info"
+            if event.severity is Severity.INFO
+            else ("warning" if event.severity is Severity.WARNING else "error")
+        )
+        getattr(logger, level)(
+            event.message,
+            kind=event.kind,
+            severity=event.severity.label,
+            subject=event.subject,
+            action=event.action,
+            event_id=event.id,
+        )
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not lose the event for the others
+                log.exception("event listener failed", listener=repr(listener))
+
+    # -- collectors -------------------------------------------------------------------------
+
+    def _deps(self) -> CollectorDeps:
+        return CollectorDeps(
+            node_id=self.node_id,
+            state_dir=self.config.state_dir,
+            state=self.store,
+            shared=self.shared,
+            emit=self.emit,
+        )
+
+    def _add_collector(self, name: str, settings: CollectorSettings) -> None:
+        spec = self._specs.get(name) or registry.collector_spec(name)
+        collector = spec.make(settings, self._deps())
+        executor = concurrent.futures.ThreadPoolExecutor(
+            THREAD_POOL_SIZE, thread_name_prefix=f"gpuwarden-{name}"
+        )
+        caller = PooledCaller(
+            executor,
+            settings.timeout,
+            on_hang=lambda key, timeout: self.emit(
+                Event(
+                    source=name,
+                    kind="call_hung",
+                    severity=Severity.WARNING,
+                    subject=key,
+                    message=f"{name}: call {key} did not return within {timeout:g} s; "
+                    "it is not retried until it returns",
+                    action="look for a hung driver, device or network mount behind " + key,
+                )
+            ),
+            on_recover=lambda key, took: self.emit(
+                Event(
+                    source=name,
+                    kind="call_recovered",
+                    severity=Severity.INFO,
+                    subject=key,
+                    message=f"{name}: call {key} returned after {took:.1f} s",
+                )
+            ),
+        )
+        status = CollectorStatus(name, settings, collector, caller, executor)
+        self.collectors[name] = status
+        self.supervisor.register(
+            f"collector:{name}", max(settings.interval, settings.timeout) * 3 + 5
+        )
+
+    async def _collector_loop(self, status: CollectorStatus) -> None:
+        loop = asyncio.get_running_loop()
+        interval = status.settings.interval
+        next_at = loop.time()
+        logger = log.bind(collector=status.name)
+        round_number = 0
+        while True:
+            await self._run_round(status, round_number, logger)
+            round_number += 1
+            status.rounds_done += 1
+            self.supervisor.beat(f"collector:{status.name}")
+            if round_number == 1:
+                self._maybe_first_round_done()
+            next_at += interval
+            now = loop.time()
+            if next_at < now:  # a slow round: skip the missed slots, don't burst to catch up
+                next_at = now + interval - ((now - next_at) % interval)
+            await asyncio.sleep(next_at - now)
+
+    async def _run_round(
+        self, status: CollectorStatus, round_number: int, logger: structlog.stdlib.BoundLogger
+    ) -> None:
+        ctx = CollectContext(caller=status.caller, now=time.time(), round=round_number)
+        started = time.monotonic()
+        status.last_attempt = ctx.now
+        status.runs += 1
+        # A generous bound for a round; each blocking call has its own, shorter timeout.
+        round_limit = max(status.settings.interval, status.settings.timeout) * 4
+        error = ""
+        try:
+            result = await asyncio.wait_for(status.collector.collect(ctx), round_limit)
+        except (CallTimedOut, CallStillHung) as exc:
+            error = str(exc)
+        except TimeoutError:
+            error = f"round did not finish within {round_limit:g} s"
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            if error != status.last_error:
+                logger.exception("collector failed")
+        else:
+            status.samples = tuple(result.samples)
+            status.success = True
+            status.last_success = time.time()
+            status.last_error = ""
+            for event in result.events:
+                self.emit(event)
+        status.duration = time.monotonic() - started
+        if error:
+            if error != status.last_error:
+                logger.warning("collector round failed", error=error)
+            status.samples = ()
+            status.success = False
+            status.failures += 1
+            status.last_error = error
+
+    def _maybe_first_round_done(self) -> None:
+        if all(s.rounds_done > 0 for s in self.collectors.values()):
+            self.first_round.set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        # Sinks are made first: one may turn the outbox on (MQTT), and every event from here
+        # on, the store's startup problems included, must reach it.
+        for name in registry.SINKS:
+            spec = registry.sink_spec(name)
+            sink_settings = self.config.sections[name]
+            if spec.enabled(sink_settings):
+                self.sinks[name] = spec.factory(sink_settings, self)
+                self.ledger[name] = SinkLedger()
+        for event in self._pending_events:
+            self._emit_now(event)
+        self._pending_events.clear()
+        self.flush_events()  # startup problems are stored before start() returns
+        for name, settings in self.config.collectors.items():
+            if settings.enabled:
+                self._add_collector(name, settings)
+        for sink in self.sinks.values():
+            await sink.start()
+        if not self.collectors:
+            self.first_round.set()
+        for status in self.collectors.values():
+            status.task = asyncio.create_task(self._collector_loop(status), name=status.name)
+        for name, sink in self.sinks.items():
+            self.supervisor.register(f"sink:{name}", None)
+            task = asyncio.create_task(sink.run(), name=f"sink:{name}")
+            task.add_done_callback(functools.partial(self._sink_ended, name))
+            self._sink_tasks[name] = task
+        self._monitor_task = asyncio.create_task(self._health_monitor(), name="health-monitor")
+
+    def _sink_ended(self, name: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("sink stopped with an error", sink=name, error=repr(exc))
+            self.record_failure(name, f"sink task ended: {exc!r}")
+
+    async def stop(self) -> None:
+        monitor = [self._monitor_task] if self._monitor_task is not None else []
+        await cancel_tasks(
+            [s.task for s in self.collectors.values() if s.task is not None] + monitor
+        )
+        # Sinks say goodbye (MQTT offline) and collectors close side by side, each bounded,
+        # so the whole stop stays inside systemd's and the contract's 5 seconds.
+        await asyncio.gather(
+            *(_bounded(sink.stop(), 2.0, "sink", sink.name) for sink in self.sinks.values())
+        )
+        await cancel_tasks(list(self._sink_tasks.values()))
+        await asyncio.gather(
+            *(
+                _bounded(status.collector.close(), 1.5, "collector", name)
+                for name, status in self.collectors.items()
+            )
+        )
+        self.flush_events()
+        for status in self.collectors.values():
+            status.executor.shutdown(wait=False, cancel_futures=True)
+
+    def hung_calls(self) -> int:
+        """Blocking calls still running past their timeout, in every collector."""
+        return sum(len(status.caller.hung) for status in self.collectors.values())
+
+    async def reload(self, config: Config) -> list[str]:
+        """Apply a new configuration to collectors; returns what changed. Core settings
+        (node_id, state_dir) and sink settings need a restart and are reported, not applied."""
+        changes: list[str] = []
+        if config.core != self.config.core or dict(config.sections) != dict(self.config.sections):
+            changes.append("core or sink settings changed: they take effect after a restart")
+        for name, settings in config.collectors.items():
+            old = self.config.collectors.get(name)
+            if old == settings:
+                continue
+            current = self.collectors.pop(name, None)
+            if current is not None:
+                self.supervisor.unregister(f"collector:{name}")
+                if current.task is not None:
+                    await cancel_tasks([current.task])
+                await _bounded(current.collector.close(), 2.0, "collector", name)
+                current.executor.shutdown(wait=False, cancel_futures=True)
+            if settings.enabled:
+                self._add_collector(name, settings)
+                status = self.collectors[name]
+                status.task = asyncio.create_task(self._collector_loop(status), name=name)
+            changes.append(f"collector {name} {'restarted' if settings.enabled else 'stopped'}")
+        self.config = config
+        return changes
+
+    # -- ledger and health ------------------------------------------------------------------
+
+    def record_delivery(self, sink: str, when: float | None = None) -> None:
+        entry = self.ledger.setdefault(sink, SinkLedger())
+        entry.last_delivery = time.time() if when is None else when
+        entry.up = True
+        self.supervisor.beat(f"sink:{sink}")
+
+    def record_failure(self, sink: str, reason: str) -> None:
+        entry = self.ledger.setdefault(sink, SinkLedger())
+        entry.failures += 1
+        entry.last_failure = reason
+        entry.up = False
+
+    def stale_items(self, now: float | None = None) -> list[StaleItem]:
+        """Collectors with no success and sinks with no confirmed delivery for
+        `stale_after_intervals` of their intervals."""
+        now = time.time() if now is None else now
+        rounds = self.heartbeat_settings.stale_after_intervals
+        items: list[StaleItem] = []
+        for status in self.collectors.values():
+            limit = status.settings.interval * rounds + status.settings.timeout
+            since = status.last_success or status.started
+            if now - since > limit:
+                items.append(
+                    StaleItem(
+                        "collector",
+                        status.name,
+                        now - since,
+                        status.last_error or "no successful round",
+                    )
+                )
+        for name, sink in self.sinks.items():
+            if sink.expected_interval is None:
+                continue
+            entry = self.ledger.get(name, SinkLedger())
+            since = entry.last_delivery or self.started
+            if now - since > sink.expected_interval * rounds:
+                items.append(
+                    StaleItem(
+                        "sink", name, now - since, entry.last_failure or "no confirmed delivery"
+                    )
+                )
+        return items
+
+    def health(self, now: float | None = None) -> Health:
+        problems = [item.problem() for item in self.stale_items(now)]
+        for sink in self.sinks.values():
+            problems.extend(sink.problems())
+        failure = self.store.last_write_failure
+        if failure is not None and (time.time() if now is None else now) - failure[0] < 300:
+            problems.append(
+                f"state store cannot write ({failure[1]}): is the disk of "
+                f"{self.config.state_dir} full?"
+            )
+        if any(p.kind == "state_store_unwritable" for p in self.store.problems):
+            problems.append("state store is in memory (state dir unusable)")
+        return Health(not problems, tuple(problems))
+
+    async def _health_monitor(self) -> None:
+        """Turn stale collectors and sinks into events, once per transition each way; keep
+        the event history to its retention."""
+        pruned_at = 0.0
+        while True:
+            interval = self.heartbeat_settings.interval
+            await asyncio.sleep(min(max(interval / 2, 0.2), 5.0))
+            self.check_stale()
+            if time.monotonic() - pruned_at >= 3600:
+                pruned_at = time.monotonic()
+                self.prune_history()
+
+    def prune_history(self, now: float | None = None) -> int:
+        """Delete events older than EVENT_RETENTION from the history (not from the outbox,
+        whose own bounds apply). Returns how many went."""
+        cutoff = (time.time() if now is None else now) - EVENT_RETENTION
+        try:
+            return self.store.prune_events(cutoff)
+        except StateStoreError as exc:
+            log.warning("event history not pruned", error=str(exc))
+            return 0
+
+    def check_stale(self, now: float | None = None) -> None:
+        current = {(item.kind, item.name): item for item in self.stale_items(now)}
+        for key, item in current.items():
+            if key not in self.stale:
+                self.emit(
+                    Event(
+                        source="runtime",
+                        kind=f"{item.kind}_stale",
+                        severity=Severity.WARNING,
+                        subject=item.name,
+                        message=item.problem(),
+                        action=(
+                            f"read the agent's log for collector {item.name}"
+                            if item.kind == "collector"
+                            else f"check the {item.name} sink's delivery path"
+                        ),
+                        attributes={"seconds": round(item.seconds, 1), "reason": item.reason},
+                    )
+                )
+        for key, item in self.stale.items():
+            if key not in current:
+                self.emit(
+                    Event(
+                        source="runtime",
+                        kind=f"{item.kind}_recovered",
+                        severity=Severity.INFO,
+                        subject=item.name,
+                        message=f"{item.kind} {item.name} is delivering again",
+                    )
+                )
+        self.stale = current
+
+    @property
+    def heartbeat_settings(self) -> HeartbeatSettings:
+        return self.config.section("heartbeat", HeartbeatSettings)
+
+    # -- snapshot ---------------------------------------------------------------------------
+
+    def families(self) -> list[MetricFamily]:
+        out = list(self.metrics.families())
+        for status in self.collectors.values():
+            out.extend(status.collector.families())
+        for sink in self.sinks.values():
+            out.extend(sink.families())
+        return out
+
+    def samples(self) -> list[Sample]:
+        """The last snapshot of every collector, the sinks' and the runtime's own series."""
+        out = list(self.metrics.samples())
+        for status in self.collectors.values():
+            out.extend(status.samples)
+        for sink in self.sinks.values():
+            out.extend(sink.samples())
+        return out

@@ -1,0 +1,163 @@
+"""The runtime's own series: build info, collector health, events, state store, sink ledger."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from agent import __version__
+from agent.contracts.model import MetricFamily, MetricType, Sample
+
+if TYPE_CHECKING:
+    from agent.runtime.core import Runtime
+
+G, C = MetricType.GAUGE, MetricType.COUNTER
+
+BUILD_INFO = MetricFamily(
+    "gpuwarden_build_info", G, "gpuwarden version and Python, always 1", ("version", "python")
+)
+NODE_INFO = MetricFamily(
+    "gpuwarden_node_info", G, "The node id this agent reports as, always 1", ("node",)
+)
+START_TIME = MetricFamily(
+    "gpuwarden_start_time_seconds",
+    G,
+    "When the agent started, seconds since the epoch",
+    unit="seconds",
+)
+COLLECTOR_SUCCESS = MetricFamily(
+    "gpuwarden_collector_success",
+    G,
+    "1 if the collector's last round succeeded, else 0",
+    ("collector",),
+)
+COLLECTOR_DURATION = MetricFamily(
+    "gpuwarden_collector_duration_seconds",
+    G,
+    "Wall time of the collector's last round",
+    ("collector",),
+    "seconds",
+)
+COLLECTOR_LAST_SUCCESS = MetricFamily(
+    "gpuwarden_collector_last_success_timestamp_seconds",
+    G,
+    "When the collector last succeeded, seconds since the epoch",
+    ("collector",),
+    "seconds",
+)
+COLLECTOR_INTERVAL = MetricFamily(
+    "gpuwarden_collector_interval_seconds",
+    G,
+    "The collector's configured interval",
+    ("collector",),
+    "seconds",
+)
+COLLECTOR_RUNS = MetricFamily(
+    "gpuwarden_collector_runs_total", C, "Collection rounds started", ("collector",)
+)
+COLLECTOR_FAILURES = MetricFamily(
+    "gpuwarden_collector_failures_total", C, "Collection rounds that failed", ("collector",)
+)
+COLLECTOR_HUNG = MetricFamily(
+    "gpuwarden_collector_hung_calls",
+    G,
+    "Blocking calls of the collector still running past their timeout",
+    ("collector",),
+)
+EVENTS = MetricFamily(
+    "gpuwarden_events_total",
+    C,
+    "Events raised since the agent started",
+    ("source", "kind", "severity"),
+)
+HEALTH = MetricFamily(
+    "gpuwarden_health_ok", G, "1 while collection and delivery are fresh (see /healthz), else 0"
+)
+STATE_DURABLE = MetricFamily(
+    "gpuwarden_state_store_durable",
+    G,
+    "1 if the state store is on disk, 0 if it fell back to memory",
+)
+STATE_WRITE_FAILURES = MetricFamily(
+    "gpuwarden_state_store_write_failures_total", C, "Failed writes to the state store"
+)
+SINK_UP = MetricFamily(
+    "gpuwarden_sink_up", G, "1 if the sink's last delivery attempt succeeded", ("sink",)
+)
+SINK_LAST_DELIVERY = MetricFamily(
+    "gpuwarden_sink_last_delivery_timestamp_seconds",
+    G,
+    "When the sink last confirmed a delivery (MQTT PUBACK, a scrape served)",
+    ("sink",),
+    "seconds",
+)
+SINK_FAILURES = MetricFamily(
+    "gpuwarden_sink_failures_total", C, "Delivery failures of the sink", ("sink",)
+)
+STALE = MetricFamily(
+    "gpuwarden_stale",
+    G,
+    "1 while a collector has not succeeded, or a sink not delivered, for the stale limit",
+    ("kind", "name"),
+)
+
+
+class RuntimeMetrics:
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def families(self) -> tuple[MetricFamily, ...]:
+        return (
+            BUILD_INFO,
+            NODE_INFO,
+            START_TIME,
+            COLLECTOR_SUCCESS,
+            COLLECTOR_DURATION,
+            COLLECTOR_LAST_SUCCESS,
+            COLLECTOR_INTERVAL,
+            COLLECTOR_RUNS,
+            COLLECTOR_FAILURES,
+            COLLECTOR_HUNG,
+            EVENTS,
+            HEALTH,
+            STATE_DURABLE,
+            STATE_WRITE_FAILURES,
+            SINK_UP,
+            SINK_LAST_DELIVERY,
+            SINK_FAILURES,
+            STALE,
+        )
+
+    def samples(self) -> Iterator[Sample]:
+        rt = self._runtime
+        yield BUILD_INFO.sample(1, __version__, platform.python_version())
+        yield NODE_INFO.sample(1, rt.node_id)
+        yield START_TIME.sample(rt.started)
+        for name, status in rt.collectors.items():
+            yield COLLECTOR_INTERVAL.sample(status.settings.interval, name)
+            yield COLLECTOR_RUNS.sample(status.runs, name)
+            yield COLLECTOR_FAILURES.sample(status.failures, name)
+            yield COLLECTOR_HUNG.sample(len(status.caller.hung), name)
+            if status.success is not None:
+                yield COLLECTOR_SUCCESS.sample(1 if status.success else 0, name)
+                yield COLLECTOR_DURATION.sample(status.duration, name)
+            if status.last_success is not None:
+                yield COLLECTOR_LAST_SUCCESS.sample(status.last_success, name)
+        for (source, kind, severity), count in sorted(rt.events_by_key.items()):
+            yield EVENTS.sample(count, source, kind, severity)
+        yield HEALTH.sample(1 if rt.health(time.time()).ok else 0)
+        yield STATE_DURABLE.sample(1 if rt.store.durable else 0)
+        yield STATE_WRITE_FAILURES.sample(rt.store.write_failures)
+        for sink, entry in rt.ledger.items():
+            yield SINK_UP.sample(1 if entry.up else 0, sink)
+            yield SINK_FAILURES.sample(entry.failures, sink)
+            if entry.last_delivery is not None:
+                yield SINK_LAST_DELIVERY.sample(entry.last_delivery, sink)
+        stale = rt.stale
+        for name in rt.collectors:
+            yield STALE.sample(1 if ("collector", name) in stale else 0, "collector", name)
+        for name, sink_obj in rt.sinks.items():
+            if sink_obj.expected_interval is not None:
+                yield STALE.sample(1 if ("sink", name) in stale else 0, "sink", name)

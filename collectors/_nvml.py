@@ -1,0 +1,664 @@
+"""NVML behind one small interface: typed readings, and every NVML error mapped in one place.
+
+`NvmlBackend` wraps a pynvml-shaped library: the real `pynvml` module (from nvidia-ml-py) or
+`collectors.nvml_fake.FakeNvml`. Every NVML call goes through `_Funnel.get`, which turns the
+error codes into the three outcomes the agent knows (ARCHITECTURE.md, "value, absent or
+error") plus two states of a whole GPU or of the whole library:
+
+- not supported / not found / no data -> absent (`None`), never 0;
+- GPU lost (or needing a reset) -> `GpuLost`, raised for the whole GPU;
+- library or driver missing / not initialised -> `NvmlUnavailable`, raised for the whole backend,
+  which then marks itself down so that `start()` can be retried (a driver can be reloaded);
+- anything else -> the field is absent and its error is recorded in the reading's `errors`.
+
+One backend per process, shared through `deps.shared.get(NvmlBackend, NvmlBackend)` so that
+the gpu collector, the benchmark's idle gate and the event thread share one `nvmlInit`. NVML
+itself is thread-safe; the lock here only guards init and shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import pynvml
+
+from collectors._xid import normalize_pci_bus_id
+
+T = TypeVar("T")
+
+ABSENT_CODES: Final = frozenset(
+    {
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,  # an older driver without this entry point
+        pynvml.NVML_ERROR_NOT_FOUND,
+        pynvml.NVML_ERROR_NO_DATA,
+        pynvml.NVML_ERROR_DEPRECATED,
+    }
+)
+LOST_CODES: Final = frozenset(
+    {
+        pynvml.NVML_ERROR_GPU_IS_LOST,
+        pynvml.NVML_ERROR_RESET_REQUIRED,
+        pynvml.NVML_ERROR_GPU_NOT_FOUND,
+    }
+)
+UNAVAILABLE_CODES: Final = frozenset(
+    {
+        pynvml.NVML_ERROR_UNINITIALIZED,
+        pynvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+        pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    }
+)
+
+# Bits of nvmlDeviceGetCurrentClocksEventReasons (nvml.h, "Clocks Event Reasons"): the reason
+# names are the metric's label values.
+CLOCK_EVENT_REASONS: Final[Mapping[str, int]] = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+EVENT_XID: Final = int(pynvml.nvmlEventTypeXidCriticalError)
+EVENT_SINGLE_BIT_ECC: Final = int(pynvml.nvmlEventTypeSingleBitEccError)
+EVENT_DOUBLE_BIT_ECC: Final = int(pynvml.nvmlEventTypeDoubleBitEccError)
+
+# NVML counts NVLinks 0..NVML_NVLINK_MAX_LINKS-1; a GPU without NVLink answers not supported
+# on link 0 (the lent H200 does), so the loop stops at the first absent link.
+_NVLINK_ERROR_COUNTERS: Final = {
+    "replay": pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+    "recovery": pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+    "crc_flit": pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+    "crc_data": pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
+}
+
+
+class NvmlError(Exception):
+    """Base of the errors this module raises."""
+
+
+class NvmlUnavailable(NvmlError):
+    """The NVML library or the NVIDIA driver is missing, or NVML is not initialised."""
+
+    def __init__(self, reason: str, code: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.code = code
+
+
+class GpuLost(NvmlError):
+    """The GPU stopped answering NVML (fallen off the bus, needs a reset)."""
+
+    def __init__(self, index: int, reason: str, code: int | None = None) -> None:
+        super().__init__(f"GPU {index}: {reason}")
+        self.index = index
+        self.reason = reason
+        self.code = code
+
+
+def error_code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def decode_clock_event_reasons(mask: int) -> dict[str, bool]:
+    """A reasons bit mask -> {reason: active} for every known reason."""
+    return {name: bool(mask & bit) for name, bit in CLOCK_EVENT_REASONS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    """Linux form, `0000:3b:00.0` (normalize_pci_bus_id), as the kernel log and sysfs write it."""
+
+    def labels(self) -> dict[str, str]:
+        """The GPU_LABELS of every per-GPU series."""
+        return {
+            "gpu": str(self.index),
+            "uuid": self.uuid,
+            "pci_bus_id": self.pci_bus_id,
+            "model": self.name,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GpuStatic:
+    """Facts that change only with a driver, a firmware or an admin command: read rarely."""
+
+    identity: GpuIdentity
+    driver_version: str | None = None
+    serial: str | None = None
+    vbios_version: str | None = None
+    persistence_mode: bool | None = None
+    mig_mode: bool | None = None
+    ecc_mode: bool | None = None
+    compute_capability: str | None = None
+    temperature_slowdown_celsius: float | None = None
+    temperature_shutdown_celsius: float | None = None
+    temperature_gpu_max_celsius: float | None = None
+    temperature_memory_max_celsius: float | None = None
+    sm_clock_max_hertz: float | None = None
+    memory_clock_max_hertz: float | None = None
+    pcie_generation_max: int | None = None
+    pcie_width_max: int | None = None
+    supported_event_types: int | None = None
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """Fast readings (a few µs each on an H200, FIELD-NOTES.md): every round."""
+
+    temperature_gpu_celsius: float | None = None
+    temperature_memory_celsius: float | None = None
+    power_draw_watts: float | None = None
+    power_limit_watts: float | None = None
+    sm_clock_hertz: float | None = None
+    memory_clock_hertz: float | None = None
+    clock_event_reasons: int | None = None
+    utilization_gpu_ratio: float | None = None
+    utilization_memory_ratio: float | None = None
+    memory_total_bytes: float | None = None
+    memory_used_bytes: float | None = None
+    memory_reserved_bytes: float | None = None
+    pcie_generation: int | None = None
+    pcie_width: int | None = None
+    compute_processes: int | None = None
+    energy_joules: float | None = None
+    """Only when asked for (about 3.3 ms per call on the H200): since the driver loaded."""
+    ecc_corrected_volatile: int | None = None
+    ecc_uncorrected_volatile: int | None = None
+    ecc_corrected_aggregate: int | None = None
+    ecc_uncorrected_aggregate: int | None = None
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class NvLinkReading:
+    link: int
+    up: bool
+    errors: Mapping[str, int] = field(default_factory=dict)
+    """Counter name (replay, recovery, crc_flit, crc_data) -> count; unsupported ones left out."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSlowReading:
+    """Costly readings (PCIe replays about 400 µs, retired pages about 120 µs): a slower interval."""
+
+    pcie_replays: int | None = None
+    retired_pages_single_bit: int | None = None
+    retired_pages_double_bit: int | None = None
+    retired_pages_pending: bool | None = None
+    nvlinks: tuple[NvLinkReading, ...] = ()
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRound:
+    """What one per-GPU call returns: static and slow parts only when asked for."""
+
+    index: int
+    reading: GpuReading
+    static: GpuStatic | None = None
+    slow: GpuSlowReading | None = None
+    energy_read: bool = False
+    """True when the energy counter was asked for (its value may still be absent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlEventRecord:
+    pci_bus_id: str
+    event_type: int
+    data: int
+    """For an Xid event, the Xid code."""
+
+
+class _Funnel:
+    """The one place NVML errors are mapped. One funnel per GPU read collects field errors."""
+
+    def __init__(self, index: int | None = None) -> None:
+        self.index = index
+        self.errors: dict[str, str] = {}
+
+    def get(self, name: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
+        try:
+            return fn(*args, **kwargs)
+        except pynvml.NVMLError as exc:
+            code = error_code(exc)
+            if code in ABSENT_CODES:
+                return None
+            if code in LOST_CODES:
+                raise GpuLost(
+                    self.index if self.index is not None else -1, str(exc), code
+                ) from None
+            if code in UNAVAILABLE_CODES:
+                raise NvmlUnavailable(str(exc), code) from None
+            self.errors[name] = str(exc)
+            return None
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else float(value) * factor
+
+
+def _milli(value: float | None) -> float | None:
+    """mW -> W, mJ -> J (a division keeps 78820 mW at 78.82 W, not 78.82000000000001)."""
+    return None if value is None else float(value) / 1000.0
+
+
+class NvmlBackend:
+    """NVML for the whole process. Methods taking an index raise `GpuLost` or `NvmlUnavailable`.
+
+    `lib` is the pynvml module or a `FakeNvml`; it is typed loosely because pynvml ships no types.
+    """
+
+    def __init__(self, lib: Any = None) -> None:
+        self.lib: Any = pynvml if lib is None else lib
+        self._lock = threading.Lock()
+        self._started = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        return self._started
+
+    def start(self) -> None:
+        """nvmlInit, once; raises NvmlUnavailable (retry later: the driver may be loaded then)."""
+        with self._lock:
+            if self._started:
+                return
+            try:
+                self.lib.nvmlInit()
+            except pynvml.NVMLError as exc:
+                raise NvmlUnavailable(str(exc), error_code(exc)) from None
+            except OSError as exc:  # a broken libnvidia-ml.so that the loader rejects
+                raise NvmlUnavailable(f"NVML library failed to load: {exc}") from None
+            self._started = True
+
+    def stop(self) -> None:
+        with self._lock:
+            if not self._started:
+                return
+            self._started = False
+            with contextlib.suppress(pynvml.NVMLError):  # the driver went away: nothing to release
+                self.lib.nvmlShutdown()
+
+    def _guard(self, fn: Callable[[], T]) -> T:
+        """Run `fn`; on NvmlUnavailable mark the backend down so the next start() re-inits."""
+        if not self._started:
+            raise NvmlUnavailable("NVML is not initialised")
+        try:
+            return fn()
+        except NvmlUnavailable:
+            self.stop()
+            raise
+
+    def ensure_started(self) -> None:
+        """For users other than the gpu collector (the benchmark): start if not up."""
+        self.start()
+
+    # -- system -------------------------------------------------------------------------------
+
+    def device_count(self) -> int:
+        def read() -> int:
+            funnel = _Funnel()
+            count = funnel.get("device_count", self.lib.nvmlDeviceGetCount)
+            if count is None:
+                # Never 0: a failed count read as "no GPUs" raised a false gpu_count_dropped and
+                # dropped every GPU's state. The collector's round fails instead.
+                raise NvmlError(
+                    "nvmlDeviceGetCount failed: " + funnel.errors.get("device_count", "no answer")
+                )
+            return int(count)
+
+        return self._guard(read)
+
+    def driver_version(self) -> str | None:
+        def read() -> str | None:
+            value = _Funnel().get("driver_version", self.lib.nvmlSystemGetDriverVersion)
+            return None if value is None else _text(value)
+
+        return self._guard(read)
+
+    def _handle(self, index: int, funnel: _Funnel) -> Any:
+        handle = funnel.get("handle", self.lib.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            raise GpuLost(index, funnel.errors.get("handle", "no handle for this index"))
+        return handle
+
+    def identity(self, index: int) -> GpuIdentity:
+        return self._guard(lambda: self._identity(index, _Funnel(index)))
+
+    def _identity(self, index: int, funnel: _Funnel, handle: Any = None) -> GpuIdentity:
+        if handle is None:
+            handle = self._handle(index, funnel)
+        uuid = funnel.get("uuid", self.lib.nvmlDeviceGetUUID, handle)
+        name = funnel.get("name", self.lib.nvmlDeviceGetName, handle)
+        pci = funnel.get("pci_info", self.lib.nvmlDeviceGetPciInfo, handle)
+        pci_bus_id = ""
+        if pci is not None:
+            try:
+                pci_bus_id = normalize_pci_bus_id(_text(pci.busId))
+            except ValueError:
+                funnel.errors["pci_info"] = f"unexpected PCI bus id {pci.busId!r}"
+        return GpuIdentity(
+            index,
+            "" if uuid is None else _text(uuid),
+            "" if name is None else _text(name),
+            pci_bus_id,
+        )
+
+    def gpus(self) -> list[GpuIdentity]:
+        """Every visible GPU (index, uuid, name, pci_bus_id); a lost one is left out."""
+        out: list[GpuIdentity] = []
+        for index in range(self.device_count()):
+            try:
+                out.append(self.identity(index))
+            except GpuLost:
+                continue
+        return out
+
+    # -- per GPU ------------------------------------------------------------------------------
+
+    def compute_process_count(self, index: int) -> int | None:
+        def read() -> int | None:
+            funnel = _Funnel(index)
+            procs = funnel.get(
+                "compute_processes",
+                self.lib.nvmlDeviceGetComputeRunningProcesses,
+                self._handle(index, funnel),
+            )
+            return None if procs is None else len(procs)
+
+        return self._guard(read)
+
+    def utilization(self, index: int) -> tuple[float, float] | None:
+        """(gpu, memory) busy ratios 0..1 over NVML's last sample period, or None."""
+
+        def read() -> tuple[float, float] | None:
+            funnel = _Funnel(index)
+            rates = funnel.get(
+                "utilization", self.lib.nvmlDeviceGetUtilizationRates, self._handle(index, funnel)
+            )
+            return None if rates is None else (rates.gpu / 100.0, rates.memory / 100.0)
+
+        return self._guard(read)
+
+    def read_gpu(
+        self, index: int, static: bool = False, slow: bool = False, energy: bool = False
+    ) -> GpuRound:
+        """One GPU's round in one call (the unit the collector times out and marks hung)."""
+
+        def read() -> GpuRound:
+            funnel = _Funnel(index)
+            handle = self._handle(index, funnel)
+            return GpuRound(
+                index=index,
+                reading=self._reading(handle, _Funnel(index), energy),
+                static=self._static(index, handle, _Funnel(index)) if static else None,
+                slow=self._slow(handle, _Funnel(index)) if slow else None,
+                energy_read=energy,
+            )
+
+        return self._guard(read)
+
+    def _static(self, index: int, h: Any, f: _Funnel) -> GpuStatic:
+        lib = self.lib
+        identity = self._identity(index, f, h)
+        driver = f.get("driver_version", lib.nvmlSystemGetDriverVersion)
+        serial = f.get("serial", lib.nvmlDeviceGetSerial, h)
+        vbios = f.get("vbios_version", lib.nvmlDeviceGetVbiosVersion, h)
+        persistence = f.get("persistence_mode", lib.nvmlDeviceGetPersistenceMode, h)
+        mig = f.get("mig_mode", lib.nvmlDeviceGetMigMode, h)
+        ecc = f.get("ecc_mode", lib.nvmlDeviceGetEccMode, h)
+        capability = f.get("compute_capability", lib.nvmlDeviceGetCudaComputeCapability, h)
+        thresholds = {
+            name: f.get(
+                f"temperature_threshold_{name}", lib.nvmlDeviceGetTemperatureThreshold, h, kind
+            )
+            for name, kind in (
+                ("slowdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+                ("shutdown", pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+                ("gpu_max", pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX),
+                ("mem_max", pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
+            )
+        }
+        sm_max = f.get("sm_clock_max", lib.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_SM)
+        mem_max = f.get("memory_clock_max", lib.nvmlDeviceGetMaxClockInfo, h, pynvml.NVML_CLOCK_MEM)
+        return GpuStatic(
+            identity=identity,
+            driver_version=None if driver is None else _text(driver),
+            serial=None if serial is None else _text(serial),
+            vbios_version=None if vbios is None else _text(vbios),
+            persistence_mode=None if persistence is None else bool(persistence),
+            mig_mode=None if mig is None else bool(mig[0]),  # [current, pending]
+            ecc_mode=None if ecc is None else bool(ecc[0]),  # [current, pending]
+            compute_capability=None if capability is None else f"{capability[0]}.{capability[1]}",
+            temperature_slowdown_celsius=_scaled(thresholds["slowdown"], 1.0),
+            temperature_shutdown_celsius=_scaled(thresholds["shutdown"], 1.0),
+            temperature_gpu_max_celsius=_scaled(thresholds["gpu_max"], 1.0),
+            temperature_memory_max_celsius=_scaled(thresholds["mem_max"], 1.0),
+            sm_clock_max_hertz=_scaled(sm_max, 1e6),  # NVML clocks are MHz
+            memory_clock_max_hertz=_scaled(mem_max, 1e6),
+            pcie_generation_max=f.get(
+                "pcie_generation_max", lib.nvmlDeviceGetMaxPcieLinkGeneration, h
+            ),
+            pcie_width_max=f.get("pcie_width_max", lib.nvmlDeviceGetMaxPcieLinkWidth, h),
+            supported_event_types=f.get(
+                "supported_event_types", lib.nvmlDeviceGetSupportedEventTypes, h
+            ),
+            errors=f.errors,
+        )
+
+    def _memory_temperature(self, h: Any, f: _Funnel) -> float | None:
+        # Only the field-values API exposes the HBM temperature (NVML_FI_DEV_MEMORY_TEMP).
+        values = f.get(
+            "temperature_memory",
+            self.lib.nvmlDeviceGetFieldValues,
+            h,
+            [pynvml.NVML_FI_DEV_MEMORY_TEMP],
+        )
+        if values is None:
+            return None
+        entry = values[0]
+        code = int(entry.nvmlReturn)
+        if code != pynvml.NVML_SUCCESS:
+
+            def failed() -> None:
+                raise pynvml.NVMLError(code)
+
+            return f.get("temperature_memory", failed)
+        return float(entry.value.uiVal)
+
+    def _clock_event_reasons(self, h: Any, f: _Funnel) -> int | None:
+        reasons = f.get("clock_event_reasons", self.lib.nvmlDeviceGetCurrentClocksEventReasons, h)
+        if reasons is None:  # drivers before 535 only have the older name of the same call
+            reasons = f.get(
+                "clock_event_reasons", self.lib.nvmlDeviceGetCurrentClocksThrottleReasons, h
+            )
+        return None if reasons is None else int(reasons)
+
+    def _memory(self, h: Any, f: _Funnel) -> Any:
+        memory = f.get("memory", self.lib.nvmlDeviceGetMemoryInfo, h, version=pynvml.nvmlMemory_v2)
+        if memory is None:  # v2 (with `reserved`) needs driver 510 or later
+            memory = f.get("memory", self.lib.nvmlDeviceGetMemoryInfo, h)
+        return memory
+
+    def _reading(self, h: Any, f: _Funnel, energy: bool = False) -> GpuReading:
+        lib = self.lib
+        # NVML energy is mJ since the driver loaded.
+        energy_joules = (
+            _milli(f.get("energy", lib.nvmlDeviceGetTotalEnergyConsumption, h)) if energy else None
+        )
+        utilization = f.get("utilization", lib.nvmlDeviceGetUtilizationRates, h)
+        memory = self._memory(h, f)
+        procs = f.get("compute_processes", lib.nvmlDeviceGetComputeRunningProcesses, h)
+        ecc = {
+            (kind, counter): f.get(
+                f"ecc_{kind}_{counter}", lib.nvmlDeviceGetTotalEccErrors, h, kind_code, counter_code
+            )
+            for kind, kind_code in (
+                ("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+            )
+            for counter, counter_code in (
+                ("volatile", pynvml.NVML_VOLATILE_ECC),
+                ("aggregate", pynvml.NVML_AGGREGATE_ECC),
+            )
+        }
+        remap = f.get("remapped_rows", lib.nvmlDeviceGetRemappedRows, h)
+        return GpuReading(
+            temperature_gpu_celsius=_scaled(
+                f.get(
+                    "temperature_gpu", lib.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU
+                ),
+                1.0,
+            ),
+            temperature_memory_celsius=self._memory_temperature(h, f),
+            power_draw_watts=_milli(f.get("power_draw", lib.nvmlDeviceGetPowerUsage, h)),
+            power_limit_watts=_milli(f.get("power_limit", lib.nvmlDeviceGetEnforcedPowerLimit, h)),
+            sm_clock_hertz=_scaled(
+                f.get("sm_clock", lib.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM), 1e6
+            ),
+            memory_clock_hertz=_scaled(
+                f.get("memory_clock", lib.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_MEM), 1e6
+            ),
+            clock_event_reasons=self._clock_event_reasons(h, f),
+            utilization_gpu_ratio=None if utilization is None else utilization.gpu / 100.0,
+            utilization_memory_ratio=None if utilization is None else utilization.memory / 100.0,
+            memory_total_bytes=None if memory is None else float(memory.total),
+            memory_used_bytes=None if memory is None else float(memory.used),
+            memory_reserved_bytes=_scaled(getattr(memory, "reserved", None), 1.0),
+            pcie_generation=f.get("pcie_generation", lib.nvmlDeviceGetCurrPcieLinkGeneration, h),
+            pcie_width=f.get("pcie_width", lib.nvmlDeviceGetCurrPcieLinkWidth, h),
+            compute_processes=None if procs is None else len(procs),
+            energy_joules=energy_joules,
+            ecc_corrected_volatile=ecc["corrected", "volatile"],
+            ecc_uncorrected_volatile=ecc["uncorrected", "volatile"],
+            ecc_corrected_aggregate=ecc["corrected", "aggregate"],
+            ecc_uncorrected_aggregate=ecc["uncorrected", "aggregate"],
+            remapped_rows_correctable=None if remap is None else int(remap[0]),
+            remapped_rows_uncorrectable=None if remap is None else int(remap[1]),
+            remap_pending=None if remap is None else bool(remap[2]),
+            remap_failure=None if remap is None else bool(remap[3]),
+            errors=f.errors,
+        )
+
+    def _slow(self, h: Any, f: _Funnel) -> GpuSlowReading:
+        lib = self.lib
+        single = f.get(
+            "retired_pages_single_bit",
+            lib.nvmlDeviceGetRetiredPages,
+            h,
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        )
+        double = f.get(
+            "retired_pages_double_bit",
+            lib.nvmlDeviceGetRetiredPages,
+            h,
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+        )
+        pending = f.get("retired_pages_pending", lib.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        return GpuSlowReading(
+            pcie_replays=f.get("pcie_replays", lib.nvmlDeviceGetPcieReplayCounter, h),
+            retired_pages_single_bit=None if single is None else len(single),
+            retired_pages_double_bit=None if double is None else len(double),
+            retired_pages_pending=None if pending is None else bool(pending),
+            nvlinks=self._nvlinks(h, f),
+            errors=f.errors,
+        )
+
+    def _nvlinks(self, h: Any, f: _Funnel) -> tuple[NvLinkReading, ...]:
+        links: list[NvLinkReading] = []
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            state = self._nvlink_state(h, link, f)
+            if state is None:
+                break
+            counts: dict[str, int] = {}
+            for name, counter in _NVLINK_ERROR_COUNTERS.items():
+                value = f.get(
+                    f"nvlink{link}_{name}",
+                    self.lib.nvmlDeviceGetNvLinkErrorCounter,
+                    h,
+                    link,
+                    counter,
+                )
+                if value is not None:
+                    counts[name] = int(value)
+            links.append(NvLinkReading(link, bool(state), counts))
+        return tuple(links)
+
+    def _nvlink_state(self, h: Any, link: int, f: _Funnel) -> int | None:
+        try:
+            return int(self.lib.nvmlDeviceGetNvLinkState(h, link))
+        except pynvml.NVMLError as exc:
+            if error_code(exc) == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+                return None  # past the last link of this GPU
+            return f.get(f"nvlink{link}_state", _reraise, exc)
+
+    # -- events (used by the event thread) ------------------------------------------------------
+
+    def event_set_create(self) -> Any:
+        return self._guard(lambda: _Funnel().get("event_set", self.lib.nvmlEventSetCreate))
+
+    def register_events(self, index: int, mask: int, event_set: Any) -> bool:
+        """Register `mask` for a GPU; False when the GPU supports none of it."""
+
+        def register() -> bool:
+            funnel = _Funnel(index)
+            handle = self._handle(index, funnel)
+            done = funnel.get(
+                "register_events", self.lib.nvmlDeviceRegisterEvents, handle, mask, event_set
+            )
+            return "register_events" not in funnel.errors and done is None and mask != 0
+
+        return self._guard(register)
+
+    def wait_event(self, event_set: Any, timeout_ms: int) -> NvmlEventRecord | None:
+        """The next event, or None when none came within the timeout."""
+        try:
+            data = self.lib.nvmlEventSetWait_v2(event_set, timeout_ms)
+        except pynvml.NVMLError as exc:
+            if error_code(exc) == pynvml.NVML_ERROR_TIMEOUT:
+                return None
+            _Funnel().get("event_wait", _reraise, exc)
+            raise NvmlError(f"waiting for NVML events failed: {exc}") from None
+        funnel = _Funnel()
+        pci = funnel.get("pci_info", self.lib.nvmlDeviceGetPciInfo, data.device)
+        pci_bus_id = ""
+        if pci is not None:
+            try:
+                pci_bus_id = normalize_pci_bus_id(_text(pci.busId))
+            except ValueError:
+                pci_bus_id = ""
+        return NvmlEventRecord(pci_bus_id, int(data.eventType), int(data.eventData))
+
+    def event_set_free(self, event_set: Any) -> None:
+        with contextlib.suppress(pynvml.NVMLError):  # the driver went away: nothing to release
+            self.lib.nvmlEventSetFree(event_set)
+
+
+def _reraise(exc: BaseException) -> Any:
+    raise exc

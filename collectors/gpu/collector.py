@@ -1,0 +1,527 @@
+"""The gpu collector: NVML telemetry, memory and link errors, GPU count, and the NVML event thread.
+
+One `ctx.call` per GPU per round, under the key `nvml:gpu<index>`: a GPU whose driver call hangs
+is reported unresponsive and not called again until that call returns, while the other GPUs
+keep reporting. Static facts are read at start, every `static_refresh_interval` and when the
+GPU set changes; costly reads (PCIe replays, retired pages, NVLink) every `slow_interval`, and
+the energy counter (about 3.3 ms per call on the H200) every `energy_interval`. No NVIDIA driver is a normal outcome for this collector, not a failure: it
+reports `gpuwarden_nvml_up 0` and one event, and tries `nvmlInit` again every
+`nvml_retry_interval`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from agent.contracts.collector import (
+    CallStillHung,
+    CallTimedOut,
+    CollectContext,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+)
+from agent.contracts.model import Collection, Event, MetricFamily, Sample, Severity
+from agent.contracts.settings import setting
+from collectors._nvml import (
+    GpuLost,
+    GpuRound,
+    GpuSlowReading,
+    GpuStatic,
+    NvmlBackend,
+    NvmlUnavailable,
+)
+from collectors._procfs import read_boot_id
+from collectors._xid import XidCorrelator
+from collectors.gpu import metrics as m
+from collectors.gpu.checks import (
+    FAST_COUNTERS,
+    SLOW_COUNTERS,
+    SOURCE,
+    ConditionTracker,
+    CounterTracker,
+    condition_events,
+    condition_inputs,
+    counter_events,
+    where,
+)
+from collectors.gpu.events import GpuEventThread
+
+STATE_NAMESPACE: Final = "gpu"
+HOST_SUBJECT: Final = "host"
+
+
+@dataclass(frozen=True)
+class GpuSettings(CollectorSettings):
+    expected_gpus: int = setting(
+        0,
+        minimum=0,
+        maximum=256,
+        help="GPUs this host should have; fewer visible is a critical event (0: no expectation)",
+    )
+    slow_interval: float = setting(
+        60.0,
+        minimum=1.0,
+        maximum=86400.0,
+        help="seconds between costly reads: PCIe replays, retired pages, NVLink",
+    )
+    energy_interval: float = setting(
+        300.0,
+        minimum=1.0,
+        maximum=86400.0,
+        help="seconds between reads of the energy counter (about 3.3 ms per call on an H200)",
+    )
+    static_refresh_interval: float = setting(
+        600.0,
+        minimum=10.0,
+        maximum=86400.0,
+        help="seconds between re-reads of static facts (names, serials, VBIOS, thresholds, modes)",
+    )
+    nvml_retry_interval: float = setting(
+        60.0,
+        minimum=1.0,
+        maximum=86400.0,
+        help="seconds between nvmlInit attempts while NVML or the driver is missing",
+    )
+    event_thread: bool = setting(
+        True, help="run the NVML event thread (Xid and ECC events as they happen)"
+    )
+    event_wait_ms: int = setting(
+        1000,
+        minimum=10,
+        maximum=10000,
+        help="milliseconds the event thread waits per nvmlEventSetWait (its stop latency)",
+    )
+
+
+@dataclass
+class _Gpu:
+    """What the collector remembers of one GPU index between rounds."""
+
+    static: GpuStatic | None = None
+    static_at: float = 0.0
+    slow: GpuSlowReading | None = None
+    slow_at: float = 0.0
+    energy_joules: float | None = None
+    energy_at: float | None = None
+    error: str | None = None
+    # Samples of the static and slow readings, built once per reading rather than every
+    # round: they are most of a steady round's Python cost (measured on the H200).
+    static_samples: tuple[Sample, ...] | None = None
+    slow_samples: tuple[Sample, ...] | None = None
+
+    def cached_static_samples(
+        self, labels: dict[str, str], static: GpuStatic
+    ) -> tuple[Sample, ...]:
+        if self.static_samples is None:
+            self.static_samples = tuple(m.static_samples(labels, static))
+        return self.static_samples
+
+    def cached_slow_samples(
+        self, labels: dict[str, str], slow: GpuSlowReading
+    ) -> tuple[Sample, ...]:
+        if self.slow_samples is None:
+            self.slow_samples = tuple(m.slow_samples(labels, slow))
+        return self.slow_samples
+
+    def labels(self, index: int) -> dict[str, str]:
+        if self.static is not None:
+            return self.static.identity.labels()
+        return {"gpu": str(index), "uuid": "", "pci_bus_id": "", "model": ""}
+
+
+@dataclass
+class _Round:
+    samples: list[Sample] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+
+class GpuCollector:
+    name = "gpu"
+
+    def __init__(
+        self, settings: GpuSettings, deps: CollectorDeps, backend: NvmlBackend | None = None
+    ) -> None:
+        self.settings = settings
+        self.deps = deps
+        self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
+        self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
+        self.counters = CounterTracker(deps.state, _boot_id())
+        self.conditions = ConditionTracker(deps.state)
+        self.gpus: dict[int, _Gpu] = {}
+        self.count: int | None = None
+        self.count_read_at = 0.0
+        self.nvml_down_reason: str | None = None
+        self.next_init_at = 0.0
+        self.events_thread: GpuEventThread | None = None
+        self.events_started_at = float("-inf")
+        self.events_down_reason: str | None = None
+        """Why the event thread died, while it is reported dead (one event per outage)."""
+        self._start_count_checked = False
+
+    def families(self) -> Sequence[MetricFamily]:
+        return m.FAMILIES
+
+    # -- NVML availability ----------------------------------------------------------------------
+
+    async def _ensure_nvml(self, ctx: CollectContext, out: _Round) -> bool:
+        if self.backend.up:
+            return True
+        if ctx.now < self.next_init_at:
+            return False
+        self.next_init_at = ctx.now + self.settings.nvml_retry_interval
+        try:
+            await ctx.call("nvml:init", self.backend.start)
+        except NvmlUnavailable as exc:
+            self._nvml_down(exc.reason, out)
+            return False
+        except (CallTimedOut, CallStillHung) as exc:
+            self._nvml_down(f"nvmlInit did not return ({exc})", out)
+            return False
+        if self.nvml_down_reason is not None:
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="nvml_available",
+                    severity=Severity.INFO,
+                    subject=HOST_SUBJECT,
+                    message="NVML answers again: GPU monitoring resumed",
+                )
+            )
+        self.nvml_down_reason = None
+        return True
+
+    def _nvml_down(self, reason: str, out: _Round) -> None:
+        self._stop_event_thread()
+        self.backend.stop()
+        if self.nvml_down_reason is None:  # one finding per outage, not one per retry
+            expected = self.settings.expected_gpus
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="nvml_unavailable",
+                    severity=Severity.CRITICAL if expected else Severity.WARNING,
+                    subject=HOST_SUBJECT,
+                    message=f"NVML is not available ({reason}): no NVIDIA driver is loaded or "
+                    "libnvidia-ml.so.1 is missing, so no GPU is monitored"
+                    + (f" although {expected} are expected" if expected else ""),
+                    action="on a GPU host: check that the NVIDIA driver is installed and loaded "
+                    "(`lsmod | grep nvidia`, NVRM lines in the kernel log); gpuwarden retries "
+                    f"every {self.settings.nvml_retry_interval:g} s. On a host without "
+                    "NVIDIA GPUs: set [collectors.gpu] enabled = false",
+                    attributes={"reason": reason},
+                )
+            )
+        self.nvml_down_reason = reason
+        self.gpus.clear()
+        self.count = None
+
+    # -- the round ------------------------------------------------------------------------------
+
+    async def collect(self, ctx: CollectContext) -> Collection:
+        out = _Round()
+        try:
+            if await self._ensure_nvml(ctx, out):
+                await self._collect_gpus(ctx, out)
+        except NvmlUnavailable as exc:
+            self._nvml_down(exc.reason, out)
+            out.samples = []
+        out.samples.append(m.NVML_UP.sample(1 if self.backend.up else 0))
+        if self.settings.expected_gpus:
+            out.samples.append(m.GPU_EXPECTED.sample(self.settings.expected_gpus))
+        thread = self.events_thread
+        if self.backend.up and self.settings.event_thread:
+            out.samples.append(
+                m.GPU_EVENT_THREAD_UP.sample(1 if thread is not None and thread.running else 0)
+            )
+        out.events.extend(self.correlator.drain(ctx.now))
+        return Collection(samples=out.samples, events=out.events)
+
+    async def _collect_gpus(self, ctx: CollectContext, out: _Round) -> None:
+        # The count is read on the slow interval, not every round: each blocking call is a
+        # thread hand-off that costs more than the NVML call (measured on the H200). A GPU that
+        # falls off the bus shows at once anyway: its own read answers "lost".
+        count = self.count
+        if count is None or ctx.now - self.count_read_at >= self.settings.slow_interval:
+            count = await ctx.call("nvml:system", self.backend.device_count)
+            self.count_read_at = ctx.now
+        changed = count != self.count
+        if changed:
+            self._count_changed(count, out)
+        out.samples.append(m.GPU_COUNT.sample(count))
+        results = await asyncio.gather(
+            *(self._read_gpu(ctx, index, changed) for index in range(count))
+        )
+        for index, result in enumerate(results):
+            self._handle_gpu(ctx, index, result, out)
+        if changed:
+            self._restart_event_thread(ctx.now)
+        elif self.settings.event_thread and any(g.static is not None for g in self.gpus.values()):
+            self._check_event_thread(ctx.now, out)
+
+    async def _read_gpu(self, ctx: CollectContext, index: int, changed: bool) -> GpuRound | str:
+        """The GPU's round, or the name of its error state: 'lost' or 'unresponsive'."""
+        gpu = self.gpus.setdefault(index, _Gpu())
+        static = (
+            changed
+            or gpu.static is None
+            or gpu.error is not None
+            or ctx.now - gpu.static_at >= self.settings.static_refresh_interval
+        )
+        slow = gpu.slow is None or ctx.now - gpu.slow_at >= self.settings.slow_interval
+        energy = gpu.energy_at is None or ctx.now - gpu.energy_at >= self.settings.energy_interval
+        try:
+            return await ctx.call(
+                f"nvml:gpu{index}", self.backend.read_gpu, index, static, slow, energy
+            )
+        except GpuLost:
+            return "lost"
+        except (CallTimedOut, CallStillHung):
+            return "unresponsive"
+
+    def _handle_gpu(
+        self, ctx: CollectContext, index: int, result: GpuRound | str, out: _Round
+    ) -> None:
+        gpu = self.gpus[index]
+        if isinstance(result, str):
+            labels = gpu.labels(index)
+            if gpu.error != result:
+                out.events.append(self._gpu_error_event(labels, result))
+            gpu.error = result
+            out.samples.extend(m.state_samples(labels, result))
+            return
+        if result.static is not None:
+            gpu.static, gpu.static_at, gpu.static_samples = result.static, ctx.now, None
+            gpu.slow_samples = None  # labels come from the static identity
+            identity = result.static.identity
+            if identity.pci_bus_id:
+                self.correlator.set_identity(identity.pci_bus_id, identity.labels())
+        if result.slow is not None:
+            gpu.slow, gpu.slow_at, gpu.slow_samples = result.slow, ctx.now, None
+        if result.energy_read:
+            gpu.energy_joules, gpu.energy_at = result.reading.energy_joules, ctx.now
+        labels = gpu.labels(index)
+        if gpu.error is not None:
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="gpu_recovered",
+                    severity=Severity.INFO,
+                    subject=labels["uuid"],
+                    attributes=dict(labels),
+                    message=f"{where(labels)} answers NVML again (was {gpu.error})",
+                )
+            )
+            gpu.error = None
+        out.samples.extend(m.state_samples(labels, None))
+        out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules))
+        errors = dict(result.reading.errors)
+        if gpu.static is not None:
+            out.samples.extend(gpu.cached_static_samples(labels, gpu.static))
+            errors.update(gpu.static.errors)
+        if gpu.slow is not None:
+            out.samples.extend(gpu.cached_slow_samples(labels, gpu.slow))
+            errors.update(gpu.slow.errors)
+        out.samples.extend(m.error_samples(labels, errors))
+        if not labels["uuid"]:
+            return  # without a UUID there is no stable key for counters and conditions
+        out.events.extend(counter_events(self.counters, labels, result.reading, FAST_COUNTERS))
+        if result.slow is not None:
+            out.events.extend(counter_events(self.counters, labels, result.slow, SLOW_COUNTERS))
+        inputs = condition_inputs(gpu.static, result.reading, gpu.slow)
+        out.events.extend(
+            condition_events(
+                self.conditions,
+                labels,
+                inputs,
+                {"pcie_link_degraded": _link_detail(gpu.static, result)},
+            )
+        )
+
+    def _gpu_error_event(self, labels: Mapping[str, str], state: str) -> Event:
+        if state == "lost":
+            return Event(
+                source=SOURCE,
+                kind="gpu_lost",
+                severity=Severity.CRITICAL,
+                subject=labels["uuid"] or labels["gpu"],
+                attributes=dict(labels),
+                message=f"{where(labels)} is lost: NVML says the GPU has fallen off the bus or "
+                "needs a reset",
+                action="drain the node; look for Xid 79 in the kernel log; reboot the host. "
+                "If it returns after a reboot, have the GPU and its slot inspected",
+            )
+        return Event(
+            source=SOURCE,
+            kind="gpu_unresponsive",
+            severity=Severity.CRITICAL,
+            subject=labels["uuid"] or labels["gpu"],
+            attributes=dict(labels),
+            message=f"{where(labels)} does not answer NVML within "
+            f"{self.settings.timeout:g} s; it is not asked again until the call returns",
+            action="look for Xid errors and NVRM messages in the kernel log; drain the node and "
+            "reset the GPU or reboot if it stays unresponsive",
+        )
+
+    def _count_changed(self, count: int, out: _Round) -> None:
+        previous = self.count
+        expected = self.settings.expected_gpus
+        if not self._start_count_checked:
+            # The highest count ever seen, not the last one: storing the current count made a
+            # lost GPU silent from the second restart on. Only expected_gpus lowers it (a GPU
+            # removed on purpose); while it is set, gpus_missing reports a shortfall instead.
+            stored = self.deps.state.get(STATE_NAMESPACE, "count_at_start")
+            highest = stored if isinstance(stored, int) else None
+            self.deps.state.put(
+                STATE_NAMESPACE, "count_at_start", expected or max(count, highest or 0)
+            )
+            self._start_count_checked = True  # after the put: a failed put checks again
+            if not expected and highest is not None and count < highest:
+                out.events.append(
+                    Event(
+                        source=SOURCE,
+                        kind="gpu_count_dropped",
+                        severity=Severity.CRITICAL,
+                        subject=HOST_SUBJECT,
+                        attributes={"visible": count, "before": highest},
+                        message=f"{count} GPUs visible, {highest} at an earlier start of the agent",
+                        action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                        "missing from lspci; reboot; if still missing, inspect the hardware; "
+                        "if it was removed on purpose, set [collectors.gpu] expected_gpus",
+                    )
+                )
+        self.count = count
+        for index in [i for i in self.gpus if i >= count]:
+            del self.gpus[index]
+        if previous is not None and count < previous:
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="gpu_count_dropped",
+                    severity=Severity.CRITICAL,
+                    subject=HOST_SUBJECT,
+                    attributes={"visible": count, "before": previous},
+                    message=f"{count} GPUs visible, {previous} a round ago",
+                    action="look for Xid 79 / 'fallen off the bus' in the kernel log; drain and reboot",
+                )
+            )
+        if expected:
+            started = self.conditions.update(HOST_SUBJECT, "gpus_missing", count < expected)
+            if started is not None:
+                out.events.append(
+                    Event(
+                        source=SOURCE,
+                        kind="gpus_missing" if started else "gpus_missing_cleared",
+                        severity=Severity.CRITICAL if started else Severity.INFO,
+                        subject=HOST_SUBJECT,
+                        attributes={"visible": count, "expected": expected},
+                        message=f"{count} GPUs visible, {expected} expected"
+                        if started
+                        else f"all {expected} expected GPUs are visible again",
+                        action="look for Xid 79 / 'fallen off the bus' in the kernel log and for GPUs "
+                        "missing from lspci; reboot; if still missing, inspect the hardware"
+                        if started
+                        else "",
+                    )
+                )
+
+    # -- the event thread ---------------------------------------------------------------------
+
+    def _identities(self) -> dict[str, dict[str, str]]:
+        return {
+            g.static.identity.pci_bus_id: g.static.identity.labels()
+            for g in list(self.gpus.values())
+            if g.static is not None
+        }
+
+    def _check_event_thread(self, now: float, out: _Round) -> None:
+        """Start the thread if there is none; restart it if it died (NVML error, registration
+        failure, a bug in a handler), at most once per nvml_retry_interval so that a thread
+        that dies at once is not restarted every round."""
+        thread = self.events_thread
+        if thread is not None and thread.running:
+            if thread.registered:
+                self.events_down_reason = None  # registered and waiting: healthy again
+            return
+        if thread is not None and self.events_down_reason is None:
+            reason = thread.error or "the thread ended"
+            self.events_down_reason = reason
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="nvml_event_thread_stopped",
+                    severity=Severity.WARNING,
+                    subject=HOST_SUBJECT,
+                    attributes={"reason": reason},
+                    message=f"the NVML event thread stopped ({reason}): Xid and ECC events are "
+                    "not seen as they happen until it runs again",
+                    action=f"gpuwarden restarts it every {self.settings.nvml_retry_interval:g} s; "
+                    "if it keeps stopping, check the agent's log and the kernel log",
+                )
+            )
+        if thread is None or now - self.events_started_at >= self.settings.nvml_retry_interval:
+            self._restart_event_thread(now)
+
+    def _restart_event_thread(self, now: float) -> None:
+        self._stop_event_thread()
+        if not self.settings.event_thread:
+            return
+        gpus = [
+            (i, g.static.supported_event_types)
+            for i, g in self.gpus.items()
+            if g.static is not None and g.error is None
+        ]
+        if not gpus:
+            return
+        thread = GpuEventThread(
+            self.backend,
+            self.correlator,
+            self.deps.emit,
+            gpus,
+            self._identities,
+            wait_ms=self.settings.event_wait_ms,
+        )
+        thread.start()
+        self.events_thread = thread
+        self.events_started_at = now
+
+    def _stop_event_thread(self) -> None:
+        thread, self.events_thread = self.events_thread, None
+        if thread is not None:
+            thread.request_stop()  # it ends within one wait; never join on the event loop
+
+    async def close(self) -> None:
+        thread, self.events_thread = self.events_thread, None
+        if thread is not None:
+            await asyncio.to_thread(thread.stop)
+
+
+def _boot_id() -> str | None:
+    """This boot's id, which tells volatile counters (restarted at 0 by a reboot) apart from
+    the last boot's; None where /proc does not have it."""
+    try:
+        return read_boot_id(Path("/proc"))
+    except OSError:
+        return None
+
+
+def _link_detail(static: GpuStatic | None, result: GpuRound) -> str:
+    r = result.reading
+    if static is None:
+        return ""
+    return (
+        f" (generation {r.pcie_generation} of {static.pcie_generation_max}, "
+        f"width x{r.pcie_width} of x{static.pcie_width_max})"
+    )
+
+
+SPEC = CollectorSpec(
+    name="gpu",
+    description="NVIDIA GPUs through NVML: telemetry, ECC, row remapping, PCIe, NVLink, Xid events",
+    settings_type=GpuSettings,
+    factory=GpuCollector,
+)

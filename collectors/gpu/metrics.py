@@ -1,0 +1,296 @@
+"""The gpu collector's metric families, and readings turned into samples (absent -> no sample)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from agent.contracts.model import GPU_LABELS, MetricFamily, MetricType, Sample
+from collectors._nvml import (
+    GpuReading,
+    GpuSlowReading,
+    GpuStatic,
+    decode_clock_event_reasons,
+)
+
+G = MetricType.GAUGE
+C = MetricType.COUNTER
+L = GPU_LABELS
+
+NVML_UP = MetricFamily(
+    "gpuwarden_nvml_up", G, "1 when the NVML library and the NVIDIA driver answer, 0 when not"
+)
+GPU_COUNT = MetricFamily("gpuwarden_gpus_visible", G, "GPUs visible to NVML")
+GPU_EXPECTED = MetricFamily(
+    "gpuwarden_gpus_expected", G, "GPUs this host should have (setting expected_gpus)"
+)
+GPU_EVENT_THREAD_UP = MetricFamily(
+    "gpuwarden_gpu_event_thread_up", G, "1 while the NVML event thread (Xid, ECC events) runs"
+)
+INFO = MetricFamily(
+    "gpuwarden_gpu_info",
+    G,
+    "Static facts of a GPU, always 1",
+    (
+        *L,
+        "driver_version",
+        "vbios_version",
+        "serial",
+        "persistence_mode",
+        "mig_mode",
+        "ecc_mode",
+        "compute_capability",
+    ),
+)
+UP = MetricFamily(
+    "gpuwarden_gpu_up", G, "1 when the GPU answered NVML this round, 0 when lost or unresponsive", L
+)
+ERROR = MetricFamily(
+    "gpuwarden_gpu_error",
+    G,
+    "1 while the GPU is in this error state (lost, unresponsive, error)",
+    (*L, "reason"),
+)
+FIELD_ERROR = MetricFamily(
+    "gpuwarden_gpu_field_error",
+    G,
+    "1 while reading this NVML field fails with an unexpected error",
+    (*L, "field"),
+)
+TEMPERATURE = MetricFamily(
+    "gpuwarden_gpu_temperature_celsius",
+    G,
+    "Temperature of the GPU die or its memory",
+    (*L, "sensor"),
+    "celsius",
+)
+TEMPERATURE_THRESHOLD = MetricFamily(
+    "gpuwarden_gpu_temperature_threshold_celsius",
+    G,
+    "NVML temperature thresholds: slowdown, shutdown, gpu_max, memory_max",
+    (*L, "threshold"),
+    "celsius",
+)
+POWER = MetricFamily("gpuwarden_gpu_power_watts", G, "Power draw", L, "watts")
+POWER_LIMIT = MetricFamily("gpuwarden_gpu_power_limit_watts", G, "Enforced power limit", L, "watts")
+ENERGY = MetricFamily(
+    "gpuwarden_gpu_energy_joules_total",
+    C,
+    "Energy used since the driver loaded (read every energy_interval)",
+    L,
+    "joules",
+)
+CLOCK = MetricFamily("gpuwarden_gpu_clock_hertz", G, "Current clock", (*L, "clock"), "hertz")
+CLOCK_MAX = MetricFamily(
+    "gpuwarden_gpu_clock_max_hertz", G, "Maximum clock", (*L, "clock"), "hertz"
+)
+CLOCK_EVENT = MetricFamily(
+    "gpuwarden_gpu_clock_event_active",
+    G,
+    "1 while this clock event (throttle) reason holds the clocks down, else 0",
+    (*L, "reason"),
+)
+UTILIZATION = MetricFamily(
+    "gpuwarden_gpu_utilization_ratio",
+    G,
+    "Busy share of the last sample period, 0 to 1",
+    (*L, "resource"),
+    "ratio",
+)
+MEMORY_TOTAL = MetricFamily(
+    "gpuwarden_gpu_memory_total_bytes", G, "GPU memory (framebuffer) size", L, "bytes"
+)
+MEMORY_USED = MetricFamily("gpuwarden_gpu_memory_used_bytes", G, "GPU memory in use", L, "bytes")
+MEMORY_RESERVED = MetricFamily(
+    "gpuwarden_gpu_memory_reserved_bytes",
+    G,
+    "GPU memory reserved by the driver and firmware",
+    L,
+    "bytes",
+)
+PCIE_GENERATION = MetricFamily(
+    "gpuwarden_gpu_pcie_link_generation", G, "PCIe link generation, current and max", (*L, "which")
+)
+PCIE_WIDTH = MetricFamily(
+    "gpuwarden_gpu_pcie_link_width_lanes",
+    G,
+    "PCIe link width in lanes, current and max",
+    (*L, "which"),
+)
+PROCESSES = MetricFamily(
+    "gpuwarden_gpu_compute_processes", G, "Compute processes running on the GPU", L
+)
+ECC = MetricFamily(
+    "gpuwarden_gpu_ecc_errors_total",
+    C,
+    "ECC errors; volatile since the driver loaded, aggregate over the GPU's life",
+    (*L, "type", "counter"),
+)
+REMAPPED_ROWS = MetricFamily(
+    "gpuwarden_gpu_remapped_rows_total",
+    C,
+    "Memory rows remapped, by the error that caused it",
+    (*L, "cause"),
+)
+REMAP_PENDING = MetricFamily(
+    "gpuwarden_gpu_row_remap_pending", G, "1 when a row remap waits for a GPU reset", L
+)
+REMAP_FAILURE = MetricFamily(
+    "gpuwarden_gpu_row_remap_failure", G, "1 when a row remap failed (the GPU needs service)", L
+)
+RETIRED_PAGES = MetricFamily(
+    "gpuwarden_gpu_retired_pages_total",
+    C,
+    "Memory pages retired (GPUs before Hopper)",
+    (*L, "cause"),
+)
+RETIRED_PENDING = MetricFamily(
+    "gpuwarden_gpu_retired_pages_pending", G, "1 when a page retirement waits for a GPU reset", L
+)
+PCIE_REPLAYS = MetricFamily(
+    "gpuwarden_gpu_pcie_replays_total", C, "PCIe replays (link-level retransmissions)", L
+)
+NVLINK_UP = MetricFamily("gpuwarden_gpu_nvlink_up", G, "1 when the NVLink is active", (*L, "link"))
+NVLINK_ERRORS = MetricFamily(
+    "gpuwarden_gpu_nvlink_errors_total", C, "NVLink data-link errors by type", (*L, "link", "type")
+)
+
+FAMILIES: Final[Sequence[MetricFamily]] = (
+    NVML_UP,
+    GPU_COUNT,
+    GPU_EXPECTED,
+    GPU_EVENT_THREAD_UP,
+    INFO,
+    UP,
+    ERROR,
+    FIELD_ERROR,
+    TEMPERATURE,
+    TEMPERATURE_THRESHOLD,
+    POWER,
+    POWER_LIMIT,
+    ENERGY,
+    CLOCK,
+    CLOCK_MAX,
+    CLOCK_EVENT,
+    UTILIZATION,
+    MEMORY_TOTAL,
+    MEMORY_USED,
+    MEMORY_RESERVED,
+    PCIE_GENERATION,
+    PCIE_WIDTH,
+    PROCESSES,
+    ECC,
+    REMAPPED_ROWS,
+    REMAP_PENDING,
+    REMAP_FAILURE,
+    RETIRED_PAGES,
+    RETIRED_PENDING,
+    PCIE_REPLAYS,
+    NVLINK_UP,
+    NVLINK_ERRORS,
+)
+
+
+def _flag(value: bool | None) -> str:
+    return "" if value is None else ("enabled" if value else "disabled")
+
+
+class _Out:
+    """Samples of one GPU: `add` leaves absent values out."""
+
+    def __init__(self, labels: Mapping[str, str]) -> None:
+        self.base = tuple(labels[name] for name in GPU_LABELS)
+        self.samples: list[Sample] = []
+
+    def add(self, family: MetricFamily, value: float | bool | None, *extra: str) -> None:
+        if value is not None:
+            self.samples.append(Sample(family, (*self.base, *extra), float(value)))
+
+
+def static_samples(labels: Mapping[str, str], static: GpuStatic) -> list[Sample]:
+    out = _Out(labels)
+    out.add(
+        INFO,
+        1,
+        static.driver_version or "",
+        static.vbios_version or "",
+        static.serial or "",
+        _flag(static.persistence_mode),
+        _flag(static.mig_mode),
+        _flag(static.ecc_mode),
+        static.compute_capability or "",
+    )
+    for name, value in (
+        ("slowdown", static.temperature_slowdown_celsius),
+        ("shutdown", static.temperature_shutdown_celsius),
+        ("gpu_max", static.temperature_gpu_max_celsius),
+        ("memory_max", static.temperature_memory_max_celsius),
+    ):
+        out.add(TEMPERATURE_THRESHOLD, value, name)
+    out.add(CLOCK_MAX, static.sm_clock_max_hertz, "sm")
+    out.add(CLOCK_MAX, static.memory_clock_max_hertz, "memory")
+    out.add(PCIE_GENERATION, static.pcie_generation_max, "max")
+    out.add(PCIE_WIDTH, static.pcie_width_max, "max")
+    return out.samples
+
+
+def reading_samples(
+    labels: Mapping[str, str], r: GpuReading, energy_joules: float | None = None
+) -> list[Sample]:
+    """`energy_joules`: the last energy reading (it is read on its own, slower interval)."""
+    out = _Out(labels)
+    out.add(ENERGY, energy_joules)
+    out.add(TEMPERATURE, r.temperature_gpu_celsius, "gpu")
+    out.add(TEMPERATURE, r.temperature_memory_celsius, "memory")
+    out.add(POWER, r.power_draw_watts)
+    out.add(POWER_LIMIT, r.power_limit_watts)
+    out.add(CLOCK, r.sm_clock_hertz, "sm")
+    out.add(CLOCK, r.memory_clock_hertz, "memory")
+    if r.clock_event_reasons is not None:
+        for reason, active in decode_clock_event_reasons(r.clock_event_reasons).items():
+            out.add(CLOCK_EVENT, active, reason)
+    out.add(UTILIZATION, r.utilization_gpu_ratio, "gpu")
+    out.add(UTILIZATION, r.utilization_memory_ratio, "memory")
+    out.add(MEMORY_TOTAL, r.memory_total_bytes)
+    out.add(MEMORY_USED, r.memory_used_bytes)
+    out.add(MEMORY_RESERVED, r.memory_reserved_bytes)
+    out.add(PCIE_GENERATION, r.pcie_generation, "current")
+    out.add(PCIE_WIDTH, r.pcie_width, "current")
+    out.add(PROCESSES, r.compute_processes)
+    out.add(ECC, r.ecc_corrected_volatile, "corrected", "volatile")
+    out.add(ECC, r.ecc_uncorrected_volatile, "uncorrected", "volatile")
+    out.add(ECC, r.ecc_corrected_aggregate, "corrected", "aggregate")
+    out.add(ECC, r.ecc_uncorrected_aggregate, "uncorrected", "aggregate")
+    out.add(REMAPPED_ROWS, r.remapped_rows_correctable, "correctable")
+    out.add(REMAPPED_ROWS, r.remapped_rows_uncorrectable, "uncorrectable")
+    out.add(REMAP_PENDING, r.remap_pending)
+    out.add(REMAP_FAILURE, r.remap_failure)
+    return out.samples
+
+
+def slow_samples(labels: Mapping[str, str], s: GpuSlowReading) -> list[Sample]:
+    out = _Out(labels)
+    out.add(PCIE_REPLAYS, s.pcie_replays)
+    out.add(RETIRED_PAGES, s.retired_pages_single_bit, "single_bit")
+    out.add(RETIRED_PAGES, s.retired_pages_double_bit, "double_bit")
+    out.add(RETIRED_PENDING, s.retired_pages_pending)
+    for link in s.nvlinks:
+        out.add(NVLINK_UP, link.up, str(link.link))
+        for name, count in link.errors.items():
+            out.add(NVLINK_ERRORS, count, str(link.link), name)
+    return out.samples
+
+
+def error_samples(labels: Mapping[str, str], errors: Mapping[str, str]) -> list[Sample]:
+    out = _Out(labels)
+    for name in sorted(errors):
+        out.add(FIELD_ERROR, 1, name)
+    return out.samples
+
+
+def state_samples(labels: Mapping[str, str], error_reason: str | None) -> list[Sample]:
+    out = _Out(labels)
+    out.add(UP, error_reason is None)
+    if error_reason is not None:
+        out.add(ERROR, 1, error_reason)
+    return out.samples

@@ -1,0 +1,353 @@
+"""kernel_log: Xids, SXids, lost GPUs, disk and file-system errors, OOM kills and hung tasks from
+the kernel log (/dev/kmsg live, or a file of saved lines), read without replay across restarts.
+
+Xids go to the shared `XidCorrelator`, which pairs them with the NVML side's Xid events and
+turns each pair into one event; everything else becomes an event here. A storm of the same
+host finding (thousands of I/O errors on one disk) raises one event per `repeat_holdoff`; the
+counters count every line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from agent.contracts.collector import (
+    CallStillHung,
+    CallTimedOut,
+    CollectContext,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+)
+from agent.contracts.model import (
+    GPU_LABELS,
+    AttributeValue,
+    Collection,
+    Event,
+    MetricFamily,
+    MetricType,
+    Sample,
+)
+from agent.contracts.settings import setting
+from agent.runtime.state import StateStoreError
+from collectors._xid import XidCorrelator, XidObservation, gpu_description
+from collectors.kernel_log.kmsg import (
+    FileLogReader,
+    KmsgIO,
+    KmsgReader,
+    LogReader,
+    ReadBatch,
+    is_character_device,
+)
+from collectors.kernel_log.matchers import GPU_KINDS, KINDS, Finding, MatcherSet
+
+log = structlog.get_logger(component="kernel_log")
+
+C = MetricType.COUNTER
+
+XID_ERRORS = MetricFamily(
+    "gpuwarden_xid_errors_total",
+    C,
+    "Xid errors per GPU and code since the agent started (kernel log and NVML correlated: one "
+    "Xid seen by both counts once); GPU labels empty when NVML does not know the GPU",
+    (*GPU_LABELS, "xid"),
+)
+SXID_ERRORS = MetricFamily(
+    "gpuwarden_sxid_errors_total",
+    C,
+    "NVSwitch SXid errors per switch and code seen in the kernel log since the agent started",
+    ("pci_bus_id", "device", "sxid"),
+)
+FINDINGS = MetricFamily(
+    "gpuwarden_kernel_log_findings_total",
+    C,
+    "Kernel-log lines that are findings, by kind, since the agent started",
+    ("kind",),
+)
+RECORDS = MetricFamily(
+    "gpuwarden_kernel_log_records_total", C, "Kernel-log records read since the agent started"
+)
+MALFORMED = MetricFamily(
+    "gpuwarden_kernel_log_malformed_records_total",
+    C,
+    "Kernel-log records or lines that could not be parsed, skipped",
+)
+IGNORED = MetricFamily(
+    "gpuwarden_kernel_log_ignored_records_total",
+    C,
+    "Records that looked like a finding of this kind but were written from user space "
+    "(facility >= 1), so not trusted",
+    ("kind",),
+)
+LOST = MetricFamily(
+    "gpuwarden_kernel_log_lost_records_total",
+    C,
+    "Records overwritten in the kernel ring buffer before the agent read them",
+)
+OVERRUNS = MetricFamily(
+    "gpuwarden_kernel_log_overruns_total",
+    C,
+    "Times /dev/kmsg answered EPIPE: the reader fell behind the ring buffer",
+)
+SKIPPED = MetricFamily(
+    "gpuwarden_kernel_log_replay_skipped_records_total",
+    C,
+    "Records of this boot already processed before a restart, skipped instead of replayed",
+)
+SUPPRESSED = MetricFamily(
+    "gpuwarden_kernel_log_suppressed_events_total",
+    C,
+    "Findings that raised no event because the same kind and subject raised one within "
+    "repeat_holdoff",
+    ("kind",),
+)
+
+
+@dataclass(frozen=True)
+class KernelLogSettings(CollectorSettings):
+    path: Path = setting(
+        Path("/dev/kmsg"), help="/dev/kmsg, or a file of saved kernel-log lines (read like tail -f)"
+    )
+    boot_id_path: Path = setting(
+        Path("/proc/sys/kernel/random/boot_id"),
+        help="the kernel's boot id; with the last sequence number "
+        "read it keeps a restart from replaying old records",
+    )
+    repeat_holdoff: float = setting(
+        300.0,
+        minimum=0.0,
+        maximum=86400.0,
+        help="seconds in which repeats of a non-Xid finding (same kind and device, process "
+        "or GPU) raise no new event; they are counted",
+    )
+
+
+@dataclass
+class _Holdoff:
+    last: float
+    suppressed: int = 0
+
+
+@dataclass
+class _ProcessLog:
+    """Shared by the kernel_log collectors of one process (the runtime's SharedServices)."""
+
+    backlog_read: bool = False
+
+
+class KernelLogCollector:
+    name = "kernel_log"
+
+    def __init__(
+        self, settings: KernelLogSettings, deps: CollectorDeps, io: KmsgIO | None = None
+    ) -> None:
+        self.settings = settings
+        self.deps = deps
+        self.io = io
+        self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
+        self.matchers = MatcherSet()
+        self.reader: LogReader | None = None
+        self.findings: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
+        self.sxids: Counter[tuple[str, str, int]] = Counter()
+        self.totals: Counter[str] = Counter()
+        self.suppressed: Counter[str] = Counter()
+        self._holdoff: dict[tuple[str, str], _Holdoff] = {}
+        self._commit_failing = False
+
+    def families(self) -> Sequence[MetricFamily]:
+        return (
+            XID_ERRORS,
+            SXID_ERRORS,
+            FINDINGS,
+            RECORDS,
+            MALFORMED,
+            IGNORED,
+            LOST,
+            OVERRUNS,
+            SKIPPED,
+            SUPPRESSED,
+        )
+
+    def _open_reader(self) -> LogReader:
+        path = self.settings.path
+        # Only the process's first reader reads a backlog that predates the agent: a reader
+        # made again by a configuration reload picks up records the agent was running for.
+        process = self.deps.shared.get(_ProcessLog, _ProcessLog)
+        backlog, process.backlog_read = not process.backlog_read, True
+        if is_character_device(path) or self.io is not None:
+            return KmsgReader(
+                path, self.settings.boot_id_path, self.deps.state, io=self.io, backlog=backlog
+            )
+        return FileLogReader(path, self.deps.state, backlog=backlog)
+
+    async def collect(self, ctx: CollectContext) -> Collection:
+        if self.reader is None:
+            self.reader = await ctx.call("kernel_log:open", self._open_reader)
+        reader = self.reader
+        batch = await ctx.call("kernel_log:read", reader.read)
+        self._prune_holdoff(ctx.now)
+        events = self._process(batch, reader)
+        await self._commit(ctx, reader, batch)
+        events.extend(self.correlator.drain(ctx.now))
+        return Collection(samples=self._samples(), events=events)
+
+    async def _commit(self, ctx: CollectContext, reader: LogReader, batch: ReadBatch) -> None:
+        """Save the cursor past `batch`. A failure must not fail the round: the reader has
+        already moved past these records in memory, so the round's findings would be lost for
+        good. The next commit saves the newer cursor (the state store counts failed writes)."""
+        try:
+            await ctx.call("kernel_log:commit", reader.commit, batch)
+        except (StateStoreError, CallTimedOut, CallStillHung) as exc:
+            if not self._commit_failing:
+                log.warning(
+                    "kernel-log cursor not saved; a restart now may replay records", error=str(exc)
+                )
+            self._commit_failing = True
+        else:
+            if self._commit_failing:
+                log.info("kernel-log cursor saved again")
+            self._commit_failing = False
+
+    def _process(self, batch: ReadBatch, reader: LogReader) -> list[Event]:
+        for name, value in (
+            ("records", len(batch.records)),
+            ("malformed", batch.malformed),
+            ("lost", batch.lost),
+            ("overruns", batch.overruns),
+            ("skipped", batch.skipped),
+        ):
+            self.totals[name] += value
+        events: list[Event] = []
+        for record in batch.records:
+            for finding in self.matchers.feed(record):
+                event = self._handle(finding, reader.record_time(record), batch.predates_agent)
+                if event is not None:
+                    events.append(event)
+        return events
+
+    def _handle(self, finding: Finding, when: float, predates: bool) -> Event | None:
+        self.findings[finding.kind] += 1
+        if finding.kind == "xid" and finding.code is not None:
+            self.correlator.observe(
+                XidObservation(
+                    source="kmsg",
+                    pci_bus_id=finding.pci_bus_id,
+                    code=finding.code,
+                    time=when,
+                    text=finding.record.message,
+                    predates_agent=predates,
+                )
+            )
+            return None
+        if finding.kind == "sxid" and finding.code is not None:
+            self.sxids[(finding.pci_bus_id, finding.device, finding.code)] += 1
+        return self._event(finding, when, predates)
+
+    def _event(self, finding: Finding, when: float, predates: bool) -> Event | None:
+        identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
+        subject = identity.get("uuid") or finding.subject
+        key = (finding.kind, subject)
+        held = self._holdoff.get(key)
+        if held is not None and when - held.last < self.settings.repeat_holdoff:
+            held.suppressed += 1
+            self.suppressed[finding.kind] += 1
+            return None
+        repeats = held.suppressed if held is not None else 0
+        self._holdoff[key] = _Holdoff(when)
+        attributes: dict[str, AttributeValue] = dict(finding.to_dict())
+        for name in ("kind", "severity", "meaning", "action"):
+            attributes.pop(name, None)
+        attributes.update(
+            {
+                "predates_agent": predates,
+                "repeats_since_last_event": repeats,
+                **{k: v for k, v in identity.items() if k in ("gpu", "uuid", "model")},
+            }
+        )
+        return Event(
+            source=self.name,
+            kind=finding.kind,
+            severity=finding.severity,
+            message=_message(finding, identity, predates),
+            subject=subject,
+            action=finding.action,
+            attributes=attributes,
+            time=when,
+        )
+
+    def _samples(self) -> list[Sample]:
+        samples = [
+            RECORDS.sample(self.totals["records"]),
+            MALFORMED.sample(self.totals["malformed"]),
+            LOST.sample(self.totals["lost"]),
+            OVERRUNS.sample(self.totals["overruns"]),
+            SKIPPED.sample(self.totals["skipped"]),
+        ]
+        samples += [FINDINGS.sample(n, kind) for kind, n in sorted(self.findings.items())]
+        samples += [IGNORED.sample(self.matchers.ignored[kind], kind) for kind in KINDS]
+        samples += [
+            SUPPRESSED.sample(self.suppressed[kind], kind) for kind in KINDS if kind not in ("xid",)
+        ]
+        identities = self.correlator.identities()
+        for (pci, code), count in sorted(self.correlator.counts.items()):
+            labels = identities.get(pci, {})
+            samples.append(
+                XID_ERRORS.sample(
+                    count,
+                    labels.get("gpu", ""),
+                    labels.get("uuid", ""),
+                    labels.get("pci_bus_id", pci),
+                    labels.get("model", ""),
+                    str(code),
+                )
+            )
+        for (pci, device, code), count in sorted(self.sxids.items()):
+            samples.append(SXID_ERRORS.sample(count, pci, device, str(code)))
+        return samples
+
+    async def close(self) -> None:
+        """Release the descriptor and hand on Xids still waiting for a twin: the cursor is
+        already past them, so they would be lost with the process."""
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+        for event in self.correlator.drain(math.inf):
+            self.deps.emit(event)
+
+    def _prune_holdoff(self, now: float) -> None:
+        horizon = now - self.settings.repeat_holdoff
+        for key in [k for k, held in self._holdoff.items() if held.last < horizon]:
+            del self._holdoff[key]
+
+
+def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:
+    when = " (logged before the agent started)" if predates else ""
+    line = finding.record.message.strip()
+    if len(line) > 240:
+        line = line[:237] + "..."
+    if finding.kind in GPU_KINDS:
+        where = (
+            gpu_description(finding.pci_bus_id, identity)
+            if finding.kind != "sxid"
+            else f"{finding.device} ({finding.pci_bus_id or 'unknown PCI address'})"
+        )
+        name = f"{finding.name}: " if finding.name else ""
+        return f"{where}{when}: {name}{finding.meaning}. Kernel log: {line}"
+    meaning = finding.meaning[:1].upper() + finding.meaning[1:]
+    return f"{meaning}{when}. Kernel log: {line}"
+
+
+SPEC = CollectorSpec(
+    name="kernel_log",
+    description="Xids, SXids, lost GPUs, I/O, file-system and NVMe errors, OOM kills, hung "
+    "tasks from /dev/kmsg or a saved log",
+    settings_type=KernelLogSettings,
+    factory=KernelLogCollector,
+    default_settings=KernelLogSettings(interval=2.0),
+)

@@ -1,0 +1,304 @@
+"""Reading the kernel log: /dev/kmsg live, or a file of saved lines, from where we left off.
+
+/dev/kmsg semantics (Documentation/ABI/testing/dev-kmsg, and measured on the H200, see
+FIELD-NOTES.md): each read() returns exactly one record and needs a buffer large enough for it
+(8 KiB is the kernel's limit for one record; a short buffer fails with EINVAL); EAGAIN on a
+non-blocking descriptor means no more records; EPIPE means records were overwritten in the ring
+buffer before we read them (the next read continues with the oldest one left). A fresh
+descriptor starts at the oldest record still in the buffer, so a restart would replay old Xids:
+the reader keeps a cursor (boot id + last sequence number processed) in the state store and
+skips what it already handled on this boot. All methods here block: call them via ctx.call.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Protocol
+
+from agent.contracts.collector import KeyValueStore
+from collectors.kernel_log.parse import (
+    LogRecord,
+    MalformedLine,
+    ParseStats,
+    parse_kmsg_record,
+    parse_lines,
+)
+
+READ_SIZE: Final = 8192
+"""The kernel's largest record (CONSOLE_EXT_LOG_MAX); a smaller buffer can fail with EINVAL."""
+STATE_NAMESPACE: Final = "kernel_log"
+KMSG_CURSOR_KEY: Final = "kmsg_cursor"
+FILE_CURSOR_KEY: Final = "file_cursor"
+MAX_RECORDS_PER_READ: Final = 50_000
+"""Bounds one round's work; the ring buffer rarely holds more (a few MiB of short records)."""
+
+
+class KernelLogError(Exception):
+    """The kernel log cannot be read as configured; the message says why and what to do."""
+
+
+class KmsgIO(Protocol):
+    """The three system calls the reader makes: real ones, or a test double with the same
+    semantics (one record per read, EINVAL on a short buffer, EAGAIN at the end, EPIPE)."""
+
+    def open(self, path: str) -> int: ...
+
+    def read(self, fd: int, size: int) -> bytes: ...
+
+    def close(self, fd: int) -> None: ...
+
+
+class OsKmsgIO:
+    def open(self, path: str) -> int:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def read(self, fd: int, size: int) -> bytes:
+        return os.read(fd, size)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+
+@dataclass
+class ReadBatch:
+    """What one read round produced. `predates_agent`: the records were already in the log
+    when this agent process started reading it (the first batch)."""
+
+    records: list[LogRecord] = field(default_factory=list)
+    predates_agent: bool = False
+    malformed: int = 0
+    lost: int = 0
+    """Records overwritten before they were read (sequence gaps after EPIPE or a restart)."""
+    overruns: int = 0
+    """EPIPE answers: the reader fell behind the ring buffer."""
+    skipped: int = 0
+    """Records already processed before a restart on this boot, skipped."""
+    cursor: dict[str, object] | None = None
+    """The cursor to persist once the batch is processed (see `commit`)."""
+
+
+def read_boot_id(path: Path) -> str:
+    try:
+        boot_id = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KernelLogError(
+            f"cannot read the boot id from {path}: {exc}; without it a restart cannot tell "
+            "old kernel-log records from new ones (set boot_id_path)"
+        ) from exc
+    if not boot_id:
+        raise KernelLogError(f"{path} is empty; expected the kernel's boot id")
+    return boot_id
+
+
+class KmsgReader:
+    """/dev/kmsg (or any character device with its semantics), read without replay."""
+
+    def __init__(
+        self,
+        path: Path,
+        boot_id_path: Path,
+        state: KeyValueStore,
+        *,
+        io: KmsgIO | None = None,
+        read_size: int = READ_SIZE,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        backlog: bool = True,
+    ) -> None:
+        """`backlog`: the first records read predate the agent (False for a reader made
+        again by a configuration reload in the same process)."""
+        self.path = path
+        self.boot_id_path = boot_id_path
+        self.state = state
+        self.io = io or OsKmsgIO()
+        self.read_size = read_size
+        self._clock, self._monotonic = clock, monotonic
+        self._fd: int | None = None
+        self._boot_id = ""
+        self._last_seq = -1
+        self._committed: dict[str, object] | None = None
+        self._first_batch = backlog
+
+    def _open(self) -> int:
+        self._boot_id = read_boot_id(self.boot_id_path)
+        saved = self.state.get(STATE_NAMESPACE, KMSG_CURSOR_KEY)
+        if isinstance(saved, dict) and saved.get("boot_id") == self._boot_id:
+            self._last_seq = int(saved.get("seq", -1))
+        else:
+            self._last_seq = -1  # a new boot: everything in the buffer is new to us
+        self._committed = {"boot_id": self._boot_id, "seq": self._last_seq}
+        try:
+            return self.io.open(str(self.path))
+        except OSError as exc:
+            raise KernelLogError(
+                f"cannot open {self.path}: {exc.strerror or exc}; the agent needs read access "
+                "to /dev/kmsg (root or CAP_SYSLOG, and no ProtectKernelLogs=)"
+            ) from exc
+
+    def _read_one(self, fd: int) -> bytes | None:
+        """One record's bytes; None at the end (EAGAIN); b"" after an overrun (EPIPE)."""
+        while True:
+            try:
+                return self.io.read(fd, self.read_size)
+            except InterruptedError:
+                continue
+            except BlockingIOError:
+                return None
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    return b""
+                if exc.errno == errno.EINVAL:
+                    raise KernelLogError(
+                        f"{self.path}: a record did not fit a {self.read_size}-byte read "
+                        "(EINVAL); /dev/kmsg needs one read of up to 8 KiB per record"
+                    ) from exc
+                raise KernelLogError(f"reading {self.path}: {exc.strerror or exc}") from exc
+
+    def read(self) -> ReadBatch:
+        """Every record written since the last call (or since the cursor, at start)."""
+        if self._fd is None:
+            self._fd = self._open()
+        fd = self._fd  # close() may run meanwhile (a stop); this read keeps its descriptor
+        batch = ReadBatch(predates_agent=self._first_batch)
+        expected = self._last_seq + 1 if self._last_seq >= 0 else None
+        while len(batch.records) < MAX_RECORDS_PER_READ:
+            data = self._read_one(fd)
+            if data is None:
+                # The backlog ends at the first EAGAIN, which may be several rounds in when
+                # the ring held more than one round's worth.
+                self._first_batch = False
+                break
+            if not data:
+                batch.overruns += 1
+                continue
+            try:
+                record = parse_kmsg_record(data)
+            except MalformedLine:
+                batch.malformed += 1
+                continue
+            seq = record.seq if record.seq is not None else -1
+            if seq <= self._last_seq:
+                batch.skipped += 1
+                continue
+            if expected is not None and seq > expected:
+                batch.lost += seq - expected
+            expected = seq + 1
+            self._last_seq = seq
+            batch.records.append(record)
+        batch.cursor = {"boot_id": self._boot_id, "seq": self._last_seq}
+        return batch
+
+    def record_time(self, record: LogRecord) -> float:
+        """Wall-clock time of a record: boot time plus the kernel's stamp (seconds since boot)."""
+        now = self._clock()
+        if record.monotonic_usec is None:
+            return now
+        boot = now - self._monotonic()
+        return min(now, boot + record.monotonic_usec / 1e6)
+
+    def commit(self, batch: ReadBatch) -> None:
+        """Persist the cursor once the batch's findings are handed on (events, correlator).
+
+        Compared with the last cursor saved, not with "the batch has records": after a failed
+        commit (a full disk) the next one saves the cursor even if no record came since."""
+        if batch.cursor is not None and batch.cursor != self._committed:
+            self.state.put(STATE_NAMESPACE, KMSG_CURSOR_KEY, batch.cursor)
+            self._committed = batch.cursor
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            self.io.close(fd)
+
+
+class FileLogReader:
+    """A file of saved lines, read like `tail -f`: new complete lines since the last offset.
+
+    The cursor (inode, offset, line number) persists, so a restart does not replay the file; a
+    file replaced (new inode) or truncated is read again from its start.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        state: KeyValueStore,
+        clock: Callable[[], float] = time.time,
+        backlog: bool = True,
+    ) -> None:
+        self.path = path
+        self.state = state
+        self._clock = clock
+        self._cursor: dict[str, int] | None = None
+        self._committed: dict[str, object] | None = None
+        self._first_batch = backlog
+
+    def _load(self) -> dict[str, int]:
+        saved = self.state.get(STATE_NAMESPACE, FILE_CURSOR_KEY)
+        if isinstance(saved, dict) and saved.get("path") == str(self.path):
+            return {k: int(saved[k]) for k in ("inode", "offset", "line")}
+        return {"inode": -1, "offset": 0, "line": 0}
+
+    def read(self) -> ReadBatch:
+        cursor = self._cursor if self._cursor is not None else self._load()
+        try:
+            with self.path.open("rb") as handle:
+                info = os.fstat(handle.fileno())
+                if info.st_ino != cursor["inode"] or info.st_size < cursor["offset"]:
+                    cursor = {"inode": info.st_ino, "offset": 0, "line": 0}
+                handle.seek(cursor["offset"])
+                data = handle.read()
+        except OSError as exc:
+            raise KernelLogError(
+                f"cannot read the kernel log file {self.path}: {exc.strerror or exc}"
+            ) from exc
+        complete = data[: data.rfind(b"\n") + 1]  # a half-written last line waits
+        lines = complete.decode("utf-8", errors="replace").splitlines()
+        stats = ParseStats()
+        records = list(parse_lines(lines, stats, first_line=cursor["line"] + 1))
+        self._cursor = {
+            "inode": cursor["inode"],
+            "offset": cursor["offset"] + len(complete),
+            "line": cursor["line"] + len(lines),
+        }
+        batch = ReadBatch(
+            records=records,
+            predates_agent=self._first_batch,
+            malformed=stats.malformed,
+            cursor={"path": str(self.path), **self._cursor},
+        )
+        self._first_batch = False
+        return batch
+
+    def record_time(self, record: LogRecord) -> float:
+        return self._clock()  # saved lines' stamps are relative or local-time text: unreliable
+
+    def commit(self, batch: ReadBatch) -> None:
+        if batch.cursor is not None and batch.cursor != self._committed:
+            self.state.put(STATE_NAMESPACE, FILE_CURSOR_KEY, batch.cursor)
+            self._committed = batch.cursor
+
+    def close(self) -> None:
+        return None
+
+
+class LogReader(Protocol):
+    def read(self) -> ReadBatch: ...
+
+    def record_time(self, record: LogRecord) -> float: ...
+
+    def commit(self, batch: ReadBatch) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def is_character_device(path: Path) -> bool:
+    try:
+        return stat.S_ISCHR(path.stat().st_mode)
+    except OSError:
+        return False

@@ -1,0 +1,407 @@
+"""A scriptable stand-in for the pynvml module, for tests and for hosts without a GPU.
+
+`FakeNvml` answers the subset of pynvml that `collectors.nvml.NvmlBackend` calls, with real
+`pynvml.NVMLError` exceptions, so the backend's one error mapping is exercised unchanged. Script
+it through its `FakeGpu`s (mutable on purpose: a test changes a value between rounds):
+
+- any number of GPUs: `FakeNvml([FakeGpu.h200(0), FakeGpu.h200(1)])`;
+- a field not supported: `gpu.unsupported.add("nvmlDeviceGetRetiredPages")`, or a value of None;
+- any other NVML error on one call: `gpu.failures["nvmlDeviceGetPowerUsage"] = NVML_ERROR_UNKNOWN`;
+- a GPU lost: `gpu.lost = True` (every call on it raises NVML_ERROR_GPU_IS_LOST);
+- a call that hangs: `gpu.hang = threading.Event()` (calls block until it is set);
+- counters that increase: change `gpu.ecc`, `gpu.remapped_rows`, `gpu.pcie_replays`, ...;
+- the driver missing: `FakeNvml(init_error=NVML_ERROR_DRIVER_NOT_LOADED)`, changeable later;
+- events: `fake.push_event(gpu, nvmlEventTypeXidCriticalError, 79)`.
+
+The handles it gives out are the `FakeGpu` objects themselves.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+from collectors._nvml import CLOCK_EVENT_REASONS
+
+_ECC_KEYS = tuple(
+    (kind, counter)
+    for kind in (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)
+    for counter in (pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC)
+)
+
+
+def _fail(code: int) -> None:
+    raise pynvml.NVMLError(code)
+
+
+@dataclass
+class FakeUtilization:
+    gpu: int
+    memory: int
+
+
+@dataclass
+class FakeMemory:
+    total: int
+    used: int
+    reserved: int
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used - self.reserved
+
+
+@dataclass
+class FakePciInfo:
+    busId: str
+
+
+@dataclass
+class FakeFieldValueUnion:
+    uiVal: int
+
+
+@dataclass
+class FakeFieldValue:
+    nvmlReturn: int
+    value: FakeFieldValueUnion
+
+
+@dataclass
+class FakeEventData:
+    device: FakeGpu
+    eventType: int
+    eventData: int
+
+
+@dataclass(eq=False)
+class FakeGpu:
+    """One fake GPU. Units are NVML's own (mW, mJ, MHz, %), as the real library answers."""
+
+    uuid: str
+    pci_bus_id: str = "00000000:3B:00.0"
+    name: str = "NVIDIA H200"
+    serial: str | None = "1654024029978"
+    vbios_version: str | None = "96.00.A5.00.1A"
+    persistence_mode: int | None = 1
+    mig_mode: tuple[int, int] | None = (0, 0)
+    ecc_mode: tuple[int, int] | None = (1, 1)
+    compute_capability: tuple[int, int] | None = (9, 0)
+    thresholds: dict[int, int] = field(
+        default_factory=lambda: {
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN: 92,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 89,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX: 87,
+            pynvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX: 95,
+        }
+    )
+    temperature: int | None = 33
+    memory_temperature: int | None = 35
+    power_mw: int | None = 78_820
+    power_limit_mw: int | None = 700_000
+    energy_mj: int | None = 1_000_000
+    clocks_mhz: dict[int, int] = field(
+        default_factory=lambda: {pynvml.NVML_CLOCK_SM: 345, pynvml.NVML_CLOCK_MEM: 3201}
+    )
+    max_clocks_mhz: dict[int, int] = field(
+        default_factory=lambda: {pynvml.NVML_CLOCK_SM: 1980, pynvml.NVML_CLOCK_MEM: 3201}
+    )
+    clock_event_reasons: int | None = CLOCK_EVENT_REASONS["gpu_idle"]
+    utilization: FakeUtilization | None = field(default_factory=lambda: FakeUtilization(0, 0))
+    memory: FakeMemory | None = field(
+        default_factory=lambda: FakeMemory(143771 * 2**20, 0, 616 * 2**20)
+    )
+    pcie_generation: tuple[int, int] | None = (5, 5)
+    """(current, max)"""
+    pcie_width: tuple[int, int] | None = (16, 16)
+    """(current, max)"""
+    processes: int | None = 0
+    ecc: dict[tuple[int, int], int] = field(default_factory=lambda: dict.fromkeys(_ECC_KEYS, 0))
+    remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)
+    """(correctable, uncorrectable, pending, failure), as nvmlDeviceGetRemappedRows answers."""
+    retired_pages: dict[int, list[int]] | None = None
+    """cause -> page addresses; None: not supported (Hopper uses row remapping)."""
+    retired_pending: int | None = None
+    pcie_replays: int | None = 0
+    nvlink_states: list[int] | None = None
+    nvlink_errors: dict[tuple[int, int], int] = field(default_factory=dict)
+    supported_events: int | None = 0xFF9F  # what the lent H200 answered (FIELD-NOTES.md)
+    unsupported: set[str] = field(default_factory=set)
+    """pynvml function names that answer NVML_ERROR_NOT_SUPPORTED."""
+    failures: dict[str, int] = field(default_factory=dict)
+    """pynvml function name -> NVML error code it raises."""
+    lost: bool = False
+    hang: threading.Event | None = None
+    """While set to an unset Event, every call on this GPU blocks until the Event is set."""
+    calls: Counter[str] = field(default_factory=Counter)
+    """pynvml function name -> calls made on this GPU (hung and failed ones included)."""
+    registered_events: int = 0
+
+    @classmethod
+    def h200(cls, index: int, **changes: Any) -> FakeGpu:
+        """A GPU shaped like the lent H200, with a distinct UUID and PCI address per index."""
+        values: dict[str, Any] = {
+            "uuid": f"GPU-0502fb4c-14ff-1753-75b7-804bfa7d45{index:02x}",
+            "pci_bus_id": f"00000000:{0x18 + index * 0x10:02X}:00.0",
+        }
+        values.update(changes)
+        return cls(**values)
+
+
+class FakeNvml:
+    """The pynvml functions the backend uses, answered from `FakeGpu`s."""
+
+    def __init__(
+        self,
+        gpus: list[FakeGpu] | None = None,
+        driver_version: str = "580.159.04",
+        init_error: int | None = None,
+    ) -> None:
+        self.gpus: list[FakeGpu] = list(gpus or [])
+        self.driver_version = driver_version
+        self.init_error = init_error
+        """An NVML error code nvmlInit raises (DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND...), or None."""
+        self.initialised = 0
+        self.init_calls = 0
+        self.events: queue.Queue[FakeEventData] = queue.Queue()
+        self.event_sets_open = 0
+
+    # -- scripting ----------------------------------------------------------------------------
+
+    def push_event(self, gpu: FakeGpu, event_type: int, data: int = 0) -> None:
+        """Queue an event; it is delivered only if `gpu` registered for its type."""
+        self.events.put(FakeEventData(gpu, event_type, data))
+
+    def _enter(self, gpu: FakeGpu, name: str) -> None:
+        if not self.initialised:
+            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        gpu.calls[name] += 1
+        if gpu.hang is not None:
+            gpu.hang.wait()
+        if gpu.lost:
+            _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if name in gpu.unsupported:
+            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if name in gpu.failures:
+            _fail(gpu.failures[name])
+
+    @staticmethod
+    def _value(value: Any) -> Any:
+        if value is None:
+            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return value
+
+    # -- library ------------------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.init_error is not None:
+            _fail(self.init_error)
+        self.initialised += 1
+
+    def nvmlShutdown(self) -> None:
+        if not self.initialised:
+            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        self.initialised -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        if not self.initialised:
+            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        return self.driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        if not self.initialised:
+            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        if not self.initialised:
+            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not 0 <= index < len(self.gpus):
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self.gpus[index]
+        self._enter(gpu, "nvmlDeviceGetHandleByIndex")
+        return gpu
+
+    # -- identity and static facts -------------------------------------------------------------
+
+    def nvmlDeviceGetUUID(self, gpu: FakeGpu) -> str:
+        self._enter(gpu, "nvmlDeviceGetUUID")
+        return gpu.uuid
+
+    def nvmlDeviceGetName(self, gpu: FakeGpu) -> str:
+        self._enter(gpu, "nvmlDeviceGetName")
+        return gpu.name
+
+    def nvmlDeviceGetPciInfo(self, gpu: FakeGpu) -> FakePciInfo:
+        self._enter(gpu, "nvmlDeviceGetPciInfo")
+        return FakePciInfo(gpu.pci_bus_id)
+
+    def nvmlDeviceGetSerial(self, gpu: FakeGpu) -> str:
+        self._enter(gpu, "nvmlDeviceGetSerial")
+        return str(self._value(gpu.serial))
+
+    def nvmlDeviceGetVbiosVersion(self, gpu: FakeGpu) -> str:
+        self._enter(gpu, "nvmlDeviceGetVbiosVersion")
+        return str(self._value(gpu.vbios_version))
+
+    def nvmlDeviceGetPersistenceMode(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetPersistenceMode")
+        return int(self._value(gpu.persistence_mode))
+
+    def nvmlDeviceGetMigMode(self, gpu: FakeGpu) -> list[int]:
+        self._enter(gpu, "nvmlDeviceGetMigMode")
+        return list(self._value(gpu.mig_mode))
+
+    def nvmlDeviceGetEccMode(self, gpu: FakeGpu) -> list[int]:
+        self._enter(gpu, "nvmlDeviceGetEccMode")
+        return list(self._value(gpu.ecc_mode))
+
+    def nvmlDeviceGetCudaComputeCapability(self, gpu: FakeGpu) -> tuple[int, int]:
+        self._enter(gpu, "nvmlDeviceGetCudaComputeCapability")
+        return tuple(self._value(gpu.compute_capability))
+
+    def nvmlDeviceGetTemperatureThreshold(self, gpu: FakeGpu, kind: int) -> int:
+        self._enter(gpu, "nvmlDeviceGetTemperatureThreshold")
+        return int(self._value(gpu.thresholds.get(kind)))
+
+    def nvmlDeviceGetMaxClockInfo(self, gpu: FakeGpu, clock: int) -> int:
+        self._enter(gpu, "nvmlDeviceGetMaxClockInfo")
+        return int(self._value(gpu.max_clocks_mhz.get(clock)))
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetMaxPcieLinkGeneration")
+        return int(self._value(gpu.pcie_generation)[1])
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetMaxPcieLinkWidth")
+        return int(self._value(gpu.pcie_width)[1])
+
+    def nvmlDeviceGetSupportedEventTypes(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetSupportedEventTypes")
+        return int(self._value(gpu.supported_events))
+
+    # -- fast readings -------------------------------------------------------------------------
+
+    def nvmlDeviceGetTemperature(self, gpu: FakeGpu, sensor: int) -> int:
+        self._enter(gpu, "nvmlDeviceGetTemperature")
+        return int(self._value(gpu.temperature))
+
+    def nvmlDeviceGetFieldValues(self, gpu: FakeGpu, ids: list[int]) -> list[FakeFieldValue]:
+        self._enter(gpu, "nvmlDeviceGetFieldValues")
+        out = []
+        for field_id in ids:
+            value = gpu.memory_temperature if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP else None
+            code = pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            out.append(FakeFieldValue(code, FakeFieldValueUnion(value or 0)))
+        return out
+
+    def nvmlDeviceGetPowerUsage(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetPowerUsage")
+        return int(self._value(gpu.power_mw))
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetEnforcedPowerLimit")
+        return int(self._value(gpu.power_limit_mw))
+
+    def nvmlDeviceGetClockInfo(self, gpu: FakeGpu, clock: int) -> int:
+        self._enter(gpu, "nvmlDeviceGetClockInfo")
+        return int(self._value(gpu.clocks_mhz.get(clock)))
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetCurrentClocksEventReasons")
+        return int(self._value(gpu.clock_event_reasons))
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetCurrentClocksThrottleReasons")
+        return int(self._value(gpu.clock_event_reasons))
+
+    def nvmlDeviceGetUtilizationRates(self, gpu: FakeGpu) -> FakeUtilization:
+        self._enter(gpu, "nvmlDeviceGetUtilizationRates")
+        return FakeUtilization(**vars(self._value(gpu.utilization)))
+
+    def nvmlDeviceGetMemoryInfo(self, gpu: FakeGpu, version: int | None = None) -> FakeMemory:
+        self._enter(gpu, "nvmlDeviceGetMemoryInfo")
+        return FakeMemory(**vars(self._value(gpu.memory)))
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetCurrPcieLinkGeneration")
+        return int(self._value(gpu.pcie_generation)[0])
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetCurrPcieLinkWidth")
+        return int(self._value(gpu.pcie_width)[0])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, gpu: FakeGpu) -> list[int]:
+        self._enter(gpu, "nvmlDeviceGetComputeRunningProcesses")
+        return list(range(self._value(gpu.processes)))
+
+    def nvmlDeviceGetTotalEccErrors(self, gpu: FakeGpu, kind: int, counter: int) -> int:
+        self._enter(gpu, "nvmlDeviceGetTotalEccErrors")
+        return int(self._value(gpu.ecc.get((kind, counter))))
+
+    def nvmlDeviceGetRemappedRows(self, gpu: FakeGpu) -> tuple[int, int, int, int]:
+        self._enter(gpu, "nvmlDeviceGetRemappedRows")
+        return tuple(self._value(gpu.remapped_rows))
+
+    # -- slow readings -------------------------------------------------------------------------
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetTotalEnergyConsumption")
+        return int(self._value(gpu.energy_mj))
+
+    def nvmlDeviceGetPcieReplayCounter(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetPcieReplayCounter")
+        return int(self._value(gpu.pcie_replays))
+
+    def nvmlDeviceGetRetiredPages(self, gpu: FakeGpu, cause: int) -> list[int]:
+        self._enter(gpu, "nvmlDeviceGetRetiredPages")
+        return list(self._value(self._value(gpu.retired_pages).get(cause)))
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, gpu: FakeGpu) -> int:
+        self._enter(gpu, "nvmlDeviceGetRetiredPagesPendingStatus")
+        return int(self._value(gpu.retired_pending))
+
+    def nvmlDeviceGetNvLinkState(self, gpu: FakeGpu, link: int) -> int:
+        self._enter(gpu, "nvmlDeviceGetNvLinkState")
+        states = self._value(gpu.nvlink_states)
+        if link >= len(states):
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(states[link])
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, gpu: FakeGpu, link: int, counter: int) -> int:
+        self._enter(gpu, "nvmlDeviceGetNvLinkErrorCounter")
+        return int(self._value(gpu.nvlink_errors.get((link, counter))))
+
+    # -- events --------------------------------------------------------------------------------
+
+    def nvmlEventSetCreate(self) -> object:
+        if not self.initialised:
+            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        self.event_sets_open += 1
+        return object()
+
+    def nvmlEventSetFree(self, event_set: object) -> None:
+        self.event_sets_open -= 1
+
+    def nvmlDeviceRegisterEvents(self, gpu: FakeGpu, mask: int, event_set: object) -> None:
+        self._enter(gpu, "nvmlDeviceRegisterEvents")
+        supported = self._value(gpu.supported_events)
+        if mask & ~supported:
+            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        gpu.registered_events |= mask
+
+    def nvmlEventSetWait_v2(self, event_set: object, timeout_ms: int) -> FakeEventData:
+        while True:
+            try:
+                event = self.events.get(timeout=timeout_ms / 1000.0)
+            except queue.Empty:
+                _fail(pynvml.NVML_ERROR_TIMEOUT)
+                raise  # unreachable: _fail raises
+            if event.device.registered_events & event.eventType:
+                return event
