@@ -26,6 +26,7 @@ from typing import Any, Final, TypeVar
 
 import pynvml
 
+from agent.contracts.errors import GpuwardenError
 from collectors._xid import normalize_pci_bus_id
 
 T = TypeVar("T")
@@ -83,7 +84,7 @@ _NVLINK_ERROR_COUNTERS: Final = {
 }
 
 
-class NvmlError(Exception):
+class NvmlError(GpuwardenError):
     """Base of the errors this module raises."""
 
 

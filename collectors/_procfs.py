@@ -12,8 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.contracts.errors import GpuwardenError
 
-class ProcParseError(ValueError):
+
+class ProcParseError(GpuwardenError, ValueError):
     """A /proc file did not have the shape the kernel documents (proc(5))."""
 
 

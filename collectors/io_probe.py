@@ -19,13 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.contracts.collector import (
-    CallStillHung,
-    CallTimedOut,
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
 )
+from agent.contracts.errors import CallStillHung, CallTimedOut, GpuwardenError
 from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
 from agent.contracts.settings import setting
 
@@ -34,7 +33,7 @@ CHUNK_BYTES = MIB
 PROBE_PREFIX = ".gpuwarden-io-probe-"
 
 
-class ProbeError(Exception):
+class ProbeError(GpuwardenError):
     """The probe did not produce a measurement."""
 
 

@@ -22,9 +22,9 @@ from agent.contracts.collector import (
     CollectorSpec,
     JSONValue,
 )
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
 from agent.contracts.settings import setting
-from agent.runtime.state import StateStoreError
 from collectors._procfs import read_boot_id
 
 log = structlog.get_logger(component="system")

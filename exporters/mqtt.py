@@ -24,11 +24,11 @@ import aiomqtt
 import structlog
 import tenacity
 
+from agent.contracts.errors import ConfigError, StateStoreError
 from agent.contracts.model import Event, MetricFamily, MetricType, Sample, Severity
-from agent.contracts.settings import ConfigError
 from agent.contracts.sink import SinkSpec
 from agent.program.config_file import read_secret
-from agent.runtime.state import OutboxEntry, StateStoreError
+from agent.runtime.state import OutboxEntry
 from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
 from exporters.mqtt_client import CheckedClient, PublishRefused, classify, tls_context
 from exporters.mqtt_settings import MqttSettings

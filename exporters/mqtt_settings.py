@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from agent.contracts.settings import ConfigError, setting
+from agent.contracts.errors import ConfigError
+from agent.contracts.settings import setting
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 _TOPIC_LEVEL = re.compile(r"^[^#+/\x00]+$")

@@ -22,8 +22,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 
+from agent.contracts.errors import ConfigError
 from agent.contracts.model import MetricFamily, MetricType, Sample
-from agent.contracts.settings import ConfigError, setting
+from agent.contracts.settings import setting
 from agent.contracts.sink import SinkSpec
 from exporters.http import (
     CONTENT_TYPE,

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import bcrypt
 
+from agent.contracts.errors import GpuwardenError
+
 BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
 CACHE_SIZE = 64
 DEFAULT_COST = 12
@@ -46,7 +48,7 @@ def dummy_hash(users: dict[str, bytes]) -> bytes:
     return bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(cost))
 
 
-class UsersFileError(ValueError):
+class UsersFileError(GpuwardenError, ValueError):
     """The basic-auth users file is malformed; the message names the line."""
 
 

@@ -12,8 +12,8 @@ import pytest
 import structlog.testing
 
 from agent.contracts.collector import CollectorDeps, SharedServices
+from agent.contracts.errors import ConfigError
 from agent.contracts.model import Event, Severity
-from agent.contracts.settings import ConfigError
 from agent.program import config_file as config_module
 from collectors._nvml import NvmlBackend
 from collectors.benchmark.child import PLANT_WRONG_RESULT_ENV

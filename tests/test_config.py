@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.contracts.collector import CollectorSettings
-from agent.contracts.settings import ConfigError
+from agent.contracts.errors import ConfigError
 from agent.program import config_file as config
 from tests.support.agent_proc import REPO
 

@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.contracts.collector import MemoryKeyValueStore
+from agent.contracts.errors import ConfigError
 from agent.contracts.model import Severity
-from agent.contracts.settings import ConfigError, build
+from agent.contracts.settings import build
 from collectors._procfs import read_mountinfo
 from collectors.disk.collector import DiskCollector, DiskSettings, select_mounts
 from collectors.disk.levels import Level, Limits

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.contracts.settings import ConfigError, build
+from agent.contracts.errors import ConfigError
+from agent.contracts.settings import build
 from collectors.io_probe import (
     MIB,
     PROBE_PREFIX,

@@ -11,8 +11,9 @@ import pynvml
 import pytest
 
 from agent.contracts.collector import MemoryKeyValueStore
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Severity
-from agent.runtime.state import StateStore, StateStoreError
+from agent.runtime.state import StateStore
 from collectors._nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlError
 from collectors.gpu.checks import FAST_COUNTERS, CounterTracker, counter_events
 from collectors.gpu.collector import GpuSettings

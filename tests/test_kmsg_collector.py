@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from agent.contracts.collector import CollectContext, CollectorDeps, JSONValue, SharedServices
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Sample, Severity
 from agent.runtime.blocking import PooledCaller
-from agent.runtime.state import StateStore, StateStoreError
+from agent.runtime.state import StateStore
 from collectors._xid import XidCorrelator, XidObservation
 from collectors.kernel_log.collector import SPEC, KernelLogCollector, KernelLogSettings
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id

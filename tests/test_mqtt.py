@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.contracts.errors import ConfigError
 from agent.contracts.model import Event, Severity
-from agent.contracts.settings import ConfigError, build
+from agent.contracts.settings import build
 from exporters.mqtt_settings import MqttSettings, parse_url
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber, persistent_broker_lines

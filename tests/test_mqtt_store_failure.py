@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
-from agent.runtime.state import StateStore, StateStoreError
+from agent.runtime.state import StateStore
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber
 from tests.support.waiting import until

@@ -15,8 +15,8 @@ from typing import cast
 import aiomqtt
 import pytest
 
+from agent.contracts.errors import ConfigError
 from agent.contracts.model import Severity
-from agent.contracts.settings import ConfigError
 from agent.program.watch.fleet import Alert, AlertChange
 from agent.program.watch.service import Watcher, load_inventory
 from agent.program.watch.settings import WatchSettings

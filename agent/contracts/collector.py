@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
+from agent.contracts.errors import CallStillHung, CallTimedOut  # noqa: F401 (re-exported)
 from agent.contracts.model import Collection, Event, MetricFamily
 from agent.contracts.settings import setting
 
@@ -26,24 +27,6 @@ C = TypeVar("C", bound="CollectorSettings")
 
 JSONValue = Any
 """Anything `json.dumps` accepts."""
-
-
-class CallTimedOut(Exception):
-    """A blocking call did not return within its timeout. Its thread is now marked hung."""
-
-    def __init__(self, key: str, timeout: float) -> None:
-        super().__init__(f"{key}: no answer within {timeout:g} s")
-        self.key = key
-        self.timeout = timeout
-
-
-class CallStillHung(Exception):
-    """An earlier call with this key has not returned yet, so no new one was started."""
-
-    def __init__(self, key: str, hung_for: float) -> None:
-        super().__init__(f"{key}: an earlier call has hung for {hung_for:.0f} s; not retried")
-        self.key = key
-        self.hung_for = hung_for
 
 
 class BlockingCaller(Protocol):

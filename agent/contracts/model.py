@@ -17,16 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from agent.contracts.errors import ModelError
+
 METRIC_PREFIX: Final = "gpuwarden_"
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 AttributeValue = str | int | float | bool | None
-
-
-class ModelError(ValueError):
-    """A metric family, sample or event was built with values that break the model's rules."""
 
 
 class Severity(enum.IntEnum):

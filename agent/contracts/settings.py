@@ -20,25 +20,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
+from agent.contracts.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(Exception):
-    """A configuration value is wrong. `str()` gives `file: key: message`."""
-
-    def __init__(self, key: str, message: str, file: str = "") -> None:
-        self.key = key
-        self.message = message
-        self.file = file
-        super().__init__(self.__str__())
-
-    def with_file(self, file: str) -> ConfigError:
-        return ConfigError(self.key, self.message, file)
-
-    def __str__(self) -> str:
-        where = f"{self.file}: " if self.file else ""
-        key = f"{self.key}: " if self.key else ""
-        return f"{where}{key}{self.message}"
 
 
 def setting(

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from agent.contracts.collector import CollectorSettings
-from agent.contracts.settings import ConfigError, build, setting, to_table
+from agent.contracts.errors import ConfigError
+from agent.contracts.settings import build, setting, to_table
 from agent.program import registry
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from agent.contracts.collector import CallStillHung, CallTimedOut
+from agent.contracts.errors import CallStillHung, CallTimedOut
 
 P = ParamSpec("P")
 T = TypeVar("T")

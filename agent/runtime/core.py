@@ -22,8 +22,6 @@ from typing import Any
 import structlog
 
 from agent.contracts.collector import (
-    CallStillHung,
-    CallTimedOut,
     CollectContext,
     Collector,
     CollectorDeps,
@@ -31,6 +29,7 @@ from agent.contracts.collector import (
     CollectorSpec,
     SharedServices,
 )
+from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import Event, MetricFamily, Sample, Severity
 from agent.contracts.sink import EventListener, Sink
@@ -38,7 +37,7 @@ from agent.program import registry
 from agent.program.config_file import Config
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
-from agent.runtime.state import StateStore, StateStoreError
+from agent.runtime.state import StateStore
 from agent.runtime.systemd import Supervisor
 
 log = structlog.get_logger(component="runtime")

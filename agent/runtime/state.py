@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 
 from agent.contracts.collector import JSONValue
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 
 log = structlog.get_logger(component="state")
@@ -67,10 +68,6 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
-
-
-class StateStoreError(Exception):
-    """The state store could not do what was asked; the caller degrades, never crashes."""
 
 
 @dataclass(frozen=True, slots=True)

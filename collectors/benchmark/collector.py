@@ -23,8 +23,6 @@ from typing import Any, Final, Literal
 import structlog
 
 from agent.contracts.collector import (
-    CallStillHung,
-    CallTimedOut,
     CollectContext,
     CollectorDeps,
     CollectorSettings,
@@ -32,9 +30,9 @@ from agent.contracts.collector import (
     JSONValue,
     KeyValueStore,
 )
+from agent.contracts.errors import CallStillHung, CallTimedOut, ConfigError, StateStoreError
 from agent.contracts.model import GPU_LABELS, Collection, Event, MetricFamily, MetricType, Sample
-from agent.contracts.settings import ConfigError, setting
-from agent.runtime.state import StateStoreError
+from agent.contracts.settings import setting
 from collectors._nvml import NvmlBackend
 from collectors.benchmark import events as bench_events
 from collectors.benchmark.child import PROFILES, Request, child_arguments

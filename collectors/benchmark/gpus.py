@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from agent.contracts.errors import GpuwardenError
 from collectors._nvml import GpuIdentity, GpuLost, NvmlBackend, NvmlError, NvmlUnavailable
 
 __all__ = ["GpuActivity", "GpuBackendUnavailable", "GpuIdentity", "NvmlActivity"]
 
 
-class GpuBackendUnavailable(Exception):
+class GpuBackendUnavailable(GpuwardenError):
     """No GPU backend on this host (no driver, no NVML library): the benchmark has nothing to do."""
 
 

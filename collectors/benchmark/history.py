@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
+from agent.contracts.errors import GpuwardenError
+
 HISTORY_FILE: Final = "benchmark-history.jsonl"
 
 _PROFILE_BY_TYPE: Final = {
@@ -36,7 +38,7 @@ _PROFILE_BY_TYPE: Final = {
 }
 
 
-class RecordError(ValueError):
+class RecordError(GpuwardenError, ValueError):
     """A line or object is not a benchmark record; the message says which field and why."""
 
 

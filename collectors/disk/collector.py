@@ -22,14 +22,13 @@ from pathlib import Path
 import structlog
 
 from agent.contracts.collector import (
-    CallStillHung,
-    CallTimedOut,
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
     KeyValueStore,
 )
+from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
 from agent.contracts.model import (
     AttributeValue,
     Collection,
@@ -40,7 +39,6 @@ from agent.contracts.model import (
     Severity,
 )
 from agent.contracts.settings import setting
-from agent.runtime.state import StateStoreError
 from collectors._procfs import MountInfo, read_mountinfo
 from collectors.disk.levels import Level, Limits, used_percent
 

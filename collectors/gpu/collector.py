@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Final
 
 from agent.contracts.collector import (
-    CallStillHung,
-    CallTimedOut,
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
 )
+from agent.contracts.errors import CallStillHung, CallTimedOut
 from agent.contracts.model import Collection, Event, MetricFamily, Sample, Severity
 from agent.contracts.settings import setting
 from collectors._nvml import (

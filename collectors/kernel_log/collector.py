@@ -18,13 +18,12 @@ from pathlib import Path
 import structlog
 
 from agent.contracts.collector import (
-    CallStillHung,
-    CallTimedOut,
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
 )
+from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
 from agent.contracts.model import (
     GPU_LABELS,
     AttributeValue,
@@ -35,7 +34,6 @@ from agent.contracts.model import (
     Sample,
 )
 from agent.contracts.settings import setting
-from agent.runtime.state import StateStoreError
 from collectors._xid import XidCorrelator, XidObservation, gpu_description
 from collectors.kernel_log.kmsg import (
     FileLogReader,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Final, Protocol
 
 from agent.contracts.collector import KeyValueStore
+from agent.contracts.errors import GpuwardenError
 from collectors.kernel_log.parse import (
     LogRecord,
     MalformedLine,
@@ -39,7 +40,7 @@ MAX_RECORDS_PER_READ: Final = 50_000
 """Bounds one round's work; the ring buffer rarely holds more (a few MiB of short records)."""
 
 
-class KernelLogError(Exception):
+class KernelLogError(GpuwardenError):
     """The kernel log cannot be read as configured; the message says why and what to do."""
 
 

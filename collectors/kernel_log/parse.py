@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from agent.contracts.errors import GpuwardenError
+
 # syslog(3) facility names as `dmesg --decode` prints them, in facility-number order.
 FACILITIES: Final = (
     "kern",
@@ -86,7 +88,7 @@ class LogRecord:
         return self.facility is None or self.facility == KERNEL_FACILITY
 
 
-class MalformedLine(ValueError):
+class MalformedLine(GpuwardenError, ValueError):
     """A line that starts like a structured kernel-log shape but does not follow it."""
 
 

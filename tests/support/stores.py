@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.contracts.collector import JSONValue, MemoryKeyValueStore
-from agent.runtime.state import StateStoreError
+from agent.contracts.errors import StateStoreError
 
 FULL_DISK = "state store write failed: database or disk is full"
 """What agent.state raises when SQLite reports SQLITE_FULL."""

@@ -23,7 +23,7 @@ from agent.contracts.collector import (
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.contracts.settings import ConfigError
+from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from collectors._nvml import NvmlBackend
 from collectors.benchmark.child import PROFILES

@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import TextIO
 
-from agent.contracts.settings import ConfigError
+from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program.diagnose.check import CheckOptions, CheckReport, run_check
 from agent.program.diagnose.findings import Status

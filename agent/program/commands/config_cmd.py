@@ -10,7 +10,8 @@ import argparse
 import json
 import sys
 
-from agent.contracts.settings import ConfigError, to_table
+from agent.contracts.errors import ConfigError
+from agent.contracts.settings import to_table
 from agent.program import config_file as config_module
 
 

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from agent.contracts.settings import ConfigError
+from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program.diagnose.diag import DiagOptions, build_bundle
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from agent.contracts.settings import ConfigError
+from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.runtime import logs
 from agent.runtime.core import Runtime

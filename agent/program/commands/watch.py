@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from agent.contracts.settings import ConfigError
+from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program.watch.service import Watcher, load_inventory
 from agent.program.watch.settings import WatchSettings

@@ -22,7 +22,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from agent.contracts.collector import CallStillHung, CallTimedOut, SharedServices
+from agent.contracts.collector import SharedServices
+from agent.contracts.errors import CallStillHung, CallTimedOut
 from agent.program.config_file import Config
 from agent.program.diagnose import probes
 from agent.program.diagnose.bench_findings import check_bench

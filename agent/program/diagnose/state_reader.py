@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.runtime.state import DB_NAME, StateStore, StateStoreError
+from agent.contracts.errors import StateStoreError
+from agent.runtime.state import DB_NAME, StateStore
 
 
 @dataclass

@@ -31,8 +31,8 @@ from tenacity import (
 )
 
 from agent import __version__
+from agent.contracts.errors import ConfigError
 from agent.contracts.model import Severity
-from agent.contracts.settings import ConfigError
 from agent.program.config_file import NODE_ID, read_secret
 from agent.program.watch.fleet import AlertChange, Fleet
 from agent.program.watch.metrics import MetricsServer

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from agent.contracts.settings import ConfigError, setting
+from agent.contracts.errors import ConfigError
+from agent.contracts.settings import setting
 from exporters.prometheus import parse_listen
 
 
