@@ -46,6 +46,7 @@ check: lint typecheck unit
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck:
 	$(VENV)/bin/mypy

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from agent.program import registry
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import paho.mqtt.client as paho
@@ -101,7 +103,7 @@ async def through_outbox(port: int, count: int, state_dir: Path, *, backlog: boo
         for event in events:
             store.record_event(event, outbox=True)
         started = time.perf_counter()
-    runtime = Runtime(cfg, store)
+    runtime = Runtime(cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS)
     await runtime.start()
     sink = runtime.sinks["mqtt"]
     while not getattr(sink, "connected", False):
@@ -133,7 +135,12 @@ async def emit_only(count: int, state_dir: Path) -> float:
             "collectors": {"system": {"enabled": False}},
         }
     )
-    runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+    runtime = Runtime(
+        cfg,
+        StateStore.open(cfg.state_dir),
+        collectors=registry.COLLECTORS,
+        sinks=registry.SINKS,
+    )
     runtime.outbox_enabled = True
     await runtime.start()
     events = [sample_event(i) for i in range(count)]

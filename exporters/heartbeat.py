@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agent import __version__
-
-if TYPE_CHECKING:
-    from agent.runtime.core import Runtime
+from agent.contracts.sink import SinkContext
 
 
 def encode(payload: Mapping[str, Any]) -> bytes:
@@ -42,7 +40,7 @@ def _age(now: float, then: float | None) -> float | None:
 
 
 def heartbeat_payload(
-    runtime: Runtime,
+    runtime: SinkContext,
     *,
     seq: int,
     bdseq: int,
@@ -87,7 +85,7 @@ def heartbeat_payload(
     )
 
 
-def metrics_payload(runtime: Runtime, now: float) -> bytes:
+def metrics_payload(runtime: SinkContext, now: float) -> bytes:
     """The current samples, compactly: one entry per family, label names once.
 
     {"ts": ..., "node": ..., "metrics": {name: {"labels": [...], "series": [[v1, ..., value]]}}}

@@ -12,6 +12,8 @@ import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
 
+from agent.contracts.errors import ConfigError
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_REQUEST_BYTES = 8192
 REQUEST_TIMEOUT = 5.0
@@ -102,3 +104,16 @@ class OneShotServer:
             pass
         finally:
             writer.close()
+
+
+def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:
+    """'host:port' or '[v6]:port' -> (host, port)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit() or not host:
+        raise ConfigError(key, f"expected host:port (like 127.0.0.1:9445), got {value!r}")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ConfigError(key, f"port must be 1-65535, got {port}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port

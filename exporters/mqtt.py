@@ -18,24 +18,19 @@ import ssl
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import aiomqtt
 import structlog
 import tenacity
 
+from agent.contracts.config import read_secret
 from agent.contracts.errors import ConfigError, StateStoreError
 from agent.contracts.model import Event, MetricFamily, MetricType, Sample, Severity
-from agent.contracts.sink import SinkSpec
-from agent.program.config_file import read_secret
-from agent.runtime.state import OutboxEntry
+from agent.contracts.sink import OutboxEntry, SinkContext, SinkSpec
 from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
 from exporters.mqtt_client import CheckedClient, PublishRefused, classify, tls_context
 from exporters.mqtt_settings import MqttSettings
 from exporters.outbox import Outbox, OutboxLimits
-
-if TYPE_CHECKING:
-    from agent.runtime.core import Runtime
 
 log = structlog.get_logger(component="mqtt")
 
@@ -119,7 +114,7 @@ def _retrieve_disconnect_error(client: CheckedClient) -> None:
 
 
 class MqttSink:
-    def __init__(self, settings: MqttSettings, runtime: Runtime) -> None:
+    def __init__(self, settings: MqttSettings, runtime: SinkContext) -> None:
         self.name = "mqtt"
         self.settings = settings
         self.runtime = runtime
@@ -131,7 +126,7 @@ class MqttSink:
                 settings.outbox_max_entries, settings.outbox_max_bytes, settings.outbox_max_age
             ),
         )
-        runtime.outbox_enabled = True
+        runtime.enable_outbox()
         runtime.subscribe(lambda _event: self._wake.set())
         self.bdseq = 0
         self.heartbeat_seq = 0
@@ -391,7 +386,7 @@ class MqttSink:
         last_progress = time.monotonic()
         client.on_progress = self._wake.set
         while True:
-            self.runtime.supervisor.beat(f"sink:{self.name}")
+            self.runtime.beat(f"sink:{self.name}")
             self._maybe_enforce()
             if len(inflight) < window:
                 for entry in self.outbox.peek(window - len(inflight), after_seq=last_seq):

@@ -2,7 +2,7 @@
 
 Entries live in the state store's outbox table (agent/runtime/state.py), written before any delivery
 is tried and deleted only after the broker acknowledged them. Events get there through
-`Runtime.emit`; heartbeats and metric snapshots through `Outbox.put`.
+`SinkContext.emit`; heartbeats and metric snapshots through `Outbox.put`.
 
 Bounds (entries, payload bytes, age) are enforced by `enforce()`. Over a size bound, the
 cheapest entries go first: metric snapshots (the next one replaces them), then heartbeats other
@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from agent.runtime.state import OutboxEntry, StateStore
+from agent.contracts.sink import OutboxEntry, OutboxStore
 
 DROP_ORDER: tuple[tuple[str, int], ...] = (("metrics", 0), ("heartbeat", 1), ("event", 0))
 """(kind, newest entries of that kind kept) in the order entries are dropped when full."""
@@ -31,7 +31,7 @@ class OutboxLimits:
 
 
 class Outbox:
-    def __init__(self, store: StateStore, limits: OutboxLimits) -> None:
+    def __init__(self, store: OutboxStore, limits: OutboxLimits) -> None:
         self.store = store
         self.limits = limits
         self.dropped: Counter[str] = Counter()

@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,12 +24,13 @@ from prometheus_client.process_collector import ProcessCollector
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.contracts.settings import setting
-from agent.contracts.sink import SinkSpec
+from agent.contracts.sink import SinkContext, SinkSpec
 from exporters.http import (
     CONTENT_TYPE,
     REQUEST_TIMEOUT,
     Answer,
     OneShotServer,
+    parse_listen,
     request_line,
 )
 from exporters.web_auth import (
@@ -41,25 +41,9 @@ from exporters.web_auth import (
     server_tls_context,
 )
 
-if TYPE_CHECKING:
-    from agent.runtime.core import Runtime
-
 log = structlog.get_logger(component="prometheus")
 
 """Seconds a client has to send its request, and to take the response."""
-
-
-def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:
-    """'host:port' or '[v6]:port' -> (host, port)."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not port_text.isdigit() or not host:
-        raise ConfigError(key, f"expected host:port (like 127.0.0.1:9445), got {value!r}")
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise ConfigError(key, f"port must be 1-65535, got {port}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, port
 
 
 @dataclass(frozen=True)
@@ -108,7 +92,7 @@ def render(families: Iterable[MetricFamily], samples: Iterable[Sample]) -> list[
 
 
 class _SnapshotCollector:
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: SinkContext) -> None:
         self._runtime = runtime
 
     def collect(self) -> Iterable[Metric]:
@@ -121,7 +105,7 @@ class _SnapshotCollector:
 class PrometheusSink:
     expected_interval: float | None = None
 
-    def __init__(self, settings: PrometheusSettings, runtime: Runtime) -> None:
+    def __init__(self, settings: PrometheusSettings, runtime: SinkContext) -> None:
         self.name = "prometheus"
         self.settings = settings
         self.runtime = runtime

@@ -15,8 +15,8 @@ from typing import IO, Any
 import pytest
 
 from agent.contracts.collector import SharedServices
+from agent.contracts.config import Config
 from agent.contracts.model import Event, Severity
-from agent.program.config_file import Config
 from agent.program.diagnose.bundle import MANIFEST, REDACTION_REPORT, Bundle, write_atomically
 from agent.program.diagnose.diag import DiagOptions, build_bundle, secret_files
 from agent.program.diagnose.redact import Redactor

@@ -30,14 +30,17 @@ def all_families(tmp_path: Path) -> list[MetricFamily]:
         emit=lambda event: None,
     )
     families: list[MetricFamily] = []
-    for name in registry.COLLECTORS:
-        spec = registry.collector_spec(name)
+    for spec in registry.COLLECTORS.values():
         families += spec.make(spec.defaults(), deps).families()
-    runtime = Runtime(config.parse({}), StateStore.in_memory())
+    runtime = Runtime(
+        config.parse({}),
+        StateStore.in_memory(),
+        collectors=registry.COLLECTORS,
+        sinks=registry.SINKS,
+    )
     families += runtime.metrics.families()
-    for name in registry.SINKS:
-        spec = registry.sink_spec(name)
-        families += spec.factory(spec.settings_type(), runtime).families()
+    for sink_spec in registry.SINKS.values():
+        families += sink_spec.factory(sink_spec.settings_type(), runtime).families()
     return families
 
 

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.program.config_file import NODE_ID
+from agent.contracts.config import NODE_ID
 from agent.program.watch import payloads
 from agent.program.watch.payloads import Heartbeat, Malformed, Status, Topic
 

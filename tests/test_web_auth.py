@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.program import config_file as config_module
+from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 from exporters import http
@@ -171,7 +172,12 @@ class TestEndpoint:
                 },
             }
         )
-        runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+        runtime = Runtime(
+            cfg,
+            StateStore.open(cfg.state_dir),
+            collectors=registry.COLLECTORS,
+            sinks=registry.SINKS,
+        )
         await runtime.start()
         context = ssl.create_default_context(cafile=str(authority.cert))
 
@@ -220,7 +226,12 @@ class TestEndpoint:
                 },
             }
         )
-        runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+        runtime = Runtime(
+            cfg,
+            StateStore.open(cfg.state_dir),
+            collectors=registry.COLLECTORS,
+            sinks=registry.SINKS,
+        )
         with pytest.raises(OSError, match="users:1"):
             await runtime.start()
         await runtime.stop()
@@ -236,7 +247,12 @@ async def endpoint(tmp_path: Path) -> AsyncIterator[PrometheusSink]:
             "prometheus": {"listen": f"127.0.0.1:{free_port()}"},
         }
     )
-    runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+    runtime = Runtime(
+        cfg,
+        StateStore.open(cfg.state_dir),
+        collectors=registry.COLLECTORS,
+        sinks=registry.SINKS,
+    )
     await runtime.start()
     sink = runtime.sinks["prometheus"]
     assert isinstance(sink, PrometheusSink)

@@ -1,22 +1,133 @@
 """The contract between the runtime and a sink (an exporter: Prometheus, MQTT).
 
-A sink knows its protocol and nothing of GPUs. It reads the runtime's snapshot, is told of new
-events through the outbox (durable) or `subscribe`, records each confirmed delivery in the
-ledger, and runs as one supervised task.
+A sink knows its protocol and nothing of GPUs. It sees the runtime only as a `SinkContext`:
+it reads the snapshot, is told of new events through the outbox (durable) or `subscribe`,
+records each confirmed delivery in the ledger, and runs as one supervised task.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
+from agent.contracts.collector import CollectorSettings, KeyValueStore
+from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import Event, MetricFamily, Sample
 
-if TYPE_CHECKING:
-    from agent.runtime.core import Runtime
-
 S = TypeVar("S")
+
+EventListener = Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    problems: tuple[str, ...]
+
+    def summary(self) -> str:
+        return "ok" if self.ok else "degraded: " + "; ".join(self.problems)
+
+
+@dataclass
+class SinkLedger:
+    """Per sink: when it last confirmed a delivery, and how often it failed."""
+
+    last_delivery: float | None = None
+    failures: int = 0
+    last_failure: str = ""
+    up: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    seq: int
+    kind: str
+    key: str
+    created: float
+    payload: bytes
+
+
+class CollectorView(Protocol):
+    """What a sink may read of one collector's state (the heartbeat reports it)."""
+
+    @property
+    def settings(self) -> CollectorSettings: ...
+
+    @property
+    def success(self) -> bool | None: ...
+
+    @property
+    def last_success(self) -> float | None: ...
+
+
+class OutboxStore(KeyValueStore, Protocol):
+    """The durable outbox: entries written before delivery, deleted after confirmation."""
+
+    def outbox_put(
+        self, kind: str, key: str, payload: bytes, created: float | None = None
+    ) -> int: ...
+
+    def outbox_peek(self, limit: int = 100, after_seq: int = 0) -> list[OutboxEntry]: ...
+
+    def outbox_ack(self, seqs: Sequence[int]) -> None: ...
+
+    def outbox_depth(self) -> dict[str, int]: ...
+
+    def outbox_usage(self) -> tuple[int, int]: ...
+
+    def outbox_oldest(
+        self, kind: str, limit: int, skip_newest: int = 0
+    ) -> list[tuple[int, int]]: ...
+
+    def outbox_expire(self, created_before: float) -> dict[str, int]: ...
+
+
+class SinkContext(Protocol):
+    """All a sink may see of the runtime. The runtime implements it; tests may fake it."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def heartbeat_settings(self) -> HeartbeatSettings: ...
+
+    @property
+    def store(self) -> OutboxStore: ...
+
+    @property
+    def first_round(self) -> asyncio.Event:
+        """Set once every collector finished its first round."""
+        ...
+
+    @property
+    def collectors(self) -> Mapping[str, CollectorView]: ...
+
+    @property
+    def ledger(self) -> Mapping[str, SinkLedger]: ...
+
+    def health(self, now: float | None = None) -> Health: ...
+
+    def families(self) -> list[MetricFamily]: ...
+
+    def samples(self) -> list[Sample]: ...
+
+    def enable_outbox(self) -> None:
+        """From now on every event is also queued in the outbox (a durable sink drains it)."""
+        ...
+
+    def subscribe(self, listener: EventListener) -> None: ...
+
+    def emit(self, event: Event) -> None: ...
+
+    def record_delivery(self, sink: str, when: float | None = None) -> None: ...
+
+    def record_failure(self, sink: str, reason: str) -> None: ...
+
+    def beat(self, name: str) -> None:
+        """Tell the watchdog's supervisor that the task `name` made progress."""
+        ...
 
 
 class Sink(Protocol):
@@ -42,7 +153,7 @@ class Sink(Protocol):
         ...
 
     async def run(self) -> None:
-        """The sink's long-running work, until cancelled. Call `runtime.supervisor.beat`."""
+        """The sink's long-running work, until cancelled. Call `context.beat`."""
         ...
 
     async def stop(self) -> None:
@@ -55,8 +166,5 @@ class SinkSpec(Generic[S]):
     name: str
     description: str
     settings_type: type[S]
-    factory: Callable[[S, Runtime], Sink]
+    factory: Callable[[S, SinkContext], Sink]
     enabled: Callable[[S], bool] = lambda settings: bool(getattr(settings, "enabled", True))
-
-
-EventListener = Callable[[Event], None]

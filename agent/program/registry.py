@@ -1,55 +1,71 @@
-"""Where the runtime finds collectors, sinks and settings sections: one line each.
+"""What the agent is made of: every collector, sink and settings section, one line each.
 
-A collector module exports `SPEC` (a `CollectorSpec`); a sink module exports `SPEC` (a
-`SinkSpec`); a settings section is a frozen dataclass. Entries are import paths, so a command
-that needs one component does not import the others.
+Plain imports: a command that needs the whole agent (`run`, `check`, `diag`, `config`) imports
+this module; a command that needs one piece (`scan`, `bench`, `watch`) imports that piece and
+never this module, so the watcher loads neither NVML nor a collector. A new collector is one
+module exporting `SPEC` and one line below (docs/ARCHITECTURE.md, "Adding a collector").
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Mapping
 from typing import Any, Final
 
-COLLECTORS: Final[dict[str, str]] = {
-    # name in [collectors.<name>] -> module exporting SPEC
-    "system": "collectors.system",
-    "gpu": "collectors.gpu.collector",
-    "disk": "collectors.disk.collector",
-    "processes": "collectors.processes",
-    "io_probe": "collectors.io_probe",
-    "kernel_log": "collectors.kernel_log.collector",
-    "benchmark": "collectors.benchmark.collector",
+from agent.contracts.collector import CollectorSpec
+from agent.contracts.config import TOP_LEVEL_TABLES
+from agent.contracts.heartbeat import HeartbeatSettings
+from agent.contracts.sink import SinkSpec
+from agent.program.config_loader import Schema
+from agent.program.watch.settings import WatchSettings
+from collectors import io_probe, processes, system
+from collectors.benchmark import collector as benchmark
+from collectors.disk import collector as disk
+from collectors.gpu import collector as gpu
+from collectors.kernel_log import collector as kernel_log
+from exporters import mqtt, prometheus
+
+COLLECTORS: Final[Mapping[str, CollectorSpec[Any]]] = {
+    spec.name: spec
+    for spec in (
+        system.SPEC,
+        gpu.SPEC,
+        disk.SPEC,
+        processes.SPEC,
+        io_probe.SPEC,
+        kernel_log.SPEC,
+        benchmark.SPEC,
+    )
 }
 
-SINKS: Final[dict[str, str]] = {
-    # name of the top-level table -> module exporting SPEC
-    "prometheus": "exporters.prometheus",
-    "mqtt": "exporters.mqtt",
+SINKS: Final[Mapping[str, SinkSpec[Any]]] = {
+    spec.name: spec for spec in (prometheus.SPEC, mqtt.SPEC)
 }
 
-SECTIONS: Final[dict[str, str]] = {
-    # top-level tables that are not sinks -> "module:SettingsClass"
-    "heartbeat": "agent.contracts.heartbeat:HeartbeatSettings",
-    "watch": "agent.program.watch.settings:WatchSettings",
+SECTIONS: Final[Mapping[str, type[Any]]] = {
+    # top-level tables that are not sinks
+    "heartbeat": HeartbeatSettings,
+    "watch": WatchSettings,
 }
 
+SCHEMA: Final = Schema(
+    sections={**{name: spec.settings_type for name, spec in SINKS.items()}, **SECTIONS},
+    collectors=COLLECTORS,
+)
+"""The whole agent's configuration: agent/program/config_file.py judges a file against it."""
 
-def _import(path: str, default_attr: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, attr or default_attr)
+assert set(SCHEMA.sections) | {"collectors"} == set(TOP_LEVEL_TABLES), (
+    "agent.contracts.config.TOP_LEVEL_TABLES must name every section of the registry"
+)
 
 
-def collector_spec(name: str) -> Any:
+def collector_spec(name: str) -> CollectorSpec[Any]:
     """The `CollectorSpec` for a registered collector name."""
-    return _import(COLLECTORS[name], "SPEC")
+    return COLLECTORS[name]
 
 
-def sink_spec(name: str) -> Any:
-    return _import(SINKS[name], "SPEC")
+def sink_spec(name: str) -> SinkSpec[Any]:
+    return SINKS[name]
 
 
-def section_type(name: str) -> Any:
-    if name in SINKS:
-        return sink_spec(name).settings_type
-    return _import(SECTIONS[name], "")
+def section_type(name: str) -> type[Any]:
+    return SCHEMA.sections[name]

@@ -29,12 +29,11 @@ from agent.contracts.collector import (
     CollectorSpec,
     SharedServices,
 )
+from agent.contracts.config import Config
 from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import Event, MetricFamily, Sample, Severity
-from agent.contracts.sink import EventListener, Sink
-from agent.program import registry
-from agent.program.config_file import Config
+from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
 from agent.runtime.state import StateStore
@@ -97,15 +96,6 @@ class CollectorStatus:
 
 
 @dataclass(frozen=True)
-class Health:
-    ok: bool
-    problems: tuple[str, ...]
-
-    def summary(self) -> str:
-        return "ok" if self.ok else "degraded: " + "; ".join(self.problems)
-
-
-@dataclass(frozen=True)
 class StaleItem:
     kind: str  # collector | sink
     name: str
@@ -118,26 +108,20 @@ class StaleItem:
         return f"sink {self.name} has not delivered for {self.seconds:.0f} s ({self.reason})"
 
 
-@dataclass
-class SinkLedger:
-    """Per sink: when it last confirmed a delivery, and how often it failed."""
-
-    last_delivery: float | None = None
-    failures: int = 0
-    last_failure: str = ""
-    up: bool = False
-
-
 class Runtime:
     def __init__(
         self,
         config: Config,
         store: StateStore,
-        specs: Mapping[str, CollectorSpec[Any]] | None = None,
+        *,
+        collectors: Mapping[str, CollectorSpec[Any]],
+        sinks: Mapping[str, SinkSpec[Any]],
     ) -> None:
-        """`specs` overrides the registry's collectors (tests run their own)."""
+        """`collectors` and `sinks`: every component that may run, by name (the program's
+        registry; tests hand in their own). Which of them run is the configuration's say."""
         self.config = config
-        self._specs = dict(specs or {})
+        self._specs = dict(collectors)
+        self._sink_specs = dict(sinks)
         self.store = store
         self.node_id = config.node_id
         self.shared = SharedServices()
@@ -149,6 +133,7 @@ class Runtime:
         self.events_by_key: Counter[tuple[str, str, str]] = Counter()
         self.recent_events: deque[Event] = deque(maxlen=200)
         self.outbox_enabled = False
+        """Events are queued in the outbox too: a durable sink asked for it (enable_outbox)."""
         self.first_round = asyncio.Event()
         self.metrics = RuntimeMetrics(self)
         self._listeners: list[EventListener] = []
@@ -173,6 +158,12 @@ class Runtime:
             )
 
     # -- events -----------------------------------------------------------------------------
+
+    def enable_outbox(self) -> None:
+        self.outbox_enabled = True
+
+    def beat(self, name: str) -> None:
+        self.supervisor.beat(name)
 
     def subscribe(self, listener: EventListener) -> None:
         self._listeners.append(listener)
@@ -242,7 +233,7 @@ class Runtime:
         )
 
     def _add_collector(self, name: str, settings: CollectorSettings) -> None:
-        spec = self._specs.get(name) or registry.collector_spec(name)
+        spec = self._specs[name]
         collector = spec.make(settings, self._deps())
         executor = concurrent.futures.ThreadPoolExecutor(
             THREAD_POOL_SIZE, thread_name_prefix=f"gpuwarden-{name}"
@@ -343,8 +334,7 @@ class Runtime:
         self._loop_thread = threading.get_ident()
         # Sinks are made first: one may turn the outbox on (MQTT), and every event from here
         # on, the store's startup problems included, must reach it.
-        for name in registry.SINKS:
-            spec = registry.sink_spec(name)
+        for name, spec in self._sink_specs.items():
             sink_settings = self.config.sections[name]
             if spec.enabled(sink_settings):
                 self.sinks[name] = spec.factory(sink_settings, self)

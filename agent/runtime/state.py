@@ -27,6 +27,7 @@ import structlog
 from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
+from agent.contracts.sink import OutboxEntry
 
 log = structlog.get_logger(component="state")
 
@@ -68,15 +69,6 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxEntry:
-    seq: int
-    kind: str
-    key: str
-    created: float
-    payload: bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from agent.contracts.collector import (
 )
 from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Severity
 from agent.program import config_file as config
+from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 
@@ -91,5 +92,5 @@ def scripted_runtime(
     cfg = config.parse({"prometheus": {"enabled": False}, **(core or {})})
     settings = CollectorSettings(interval=interval, timeout=timeout)
     cfg = dataclasses.replace(cfg, collectors=dict.fromkeys(modes, settings))
-    runtime = Runtime(cfg, store or StateStore.in_memory(), specs=specs)
+    runtime = Runtime(cfg, store or StateStore.in_memory(), collectors=specs, sinks=registry.SINKS)
     return runtime, made

@@ -12,6 +12,8 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 
+from agent.program import registry
+
 
 @dataclass(frozen=True)
 class Received:
@@ -123,7 +125,12 @@ class InProcessAgent:
                 **self.extra,
             }
         )
-        self.runtime = Runtime(cfg, StateStore.open(cfg.state_dir))
+        self.runtime = Runtime(
+            cfg,
+            StateStore.open(cfg.state_dir),
+            collectors=registry.COLLECTORS,
+            sinks=registry.SINKS,
+        )
         await self.runtime.start()
         return self.runtime
 

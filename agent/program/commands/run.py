@@ -18,6 +18,7 @@ import structlog
 
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
+from agent.program import registry
 from agent.runtime import logs
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
@@ -68,7 +69,7 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     loop = asyncio.get_running_loop()
     log.info("starting", config=cfg.source, node=cfg.node_id, state_dir=str(cfg.state_dir))
     store = await asyncio.to_thread(StateStore.open, cfg.state_dir)
-    runtime = Runtime(cfg, store)
+    runtime = Runtime(cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS)
     notifier = Notifier()
     stop = asyncio.Event()
     reloads: asyncio.Queue[None] = asyncio.Queue()

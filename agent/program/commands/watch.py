@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from agent.contracts.errors import ConfigError
-from agent.program import config_file as config_module
+from agent.program import config_loader
 from agent.program.watch.service import Watcher, load_inventory
 from agent.program.watch.settings import WatchSettings
 from agent.runtime import logs
@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> WatchSettings:
-    cfg = config_module.load(args.config)
+    # Only [watch] and the core keys are judged: the watcher never imports the collectors.
+    cfg = config_loader.load(args.config, config_loader.Schema(sections={"watch": WatchSettings}))
     settings = cfg.section("watch", WatchSettings)
     overrides: dict[str, Any] = {}
     if args.url is not None:

@@ -12,8 +12,8 @@ import shutil
 import time
 
 from agent.contracts.collector import CollectContext
+from agent.contracts.config import Config
 from agent.contracts.model import Severity
-from agent.program.config_file import Config
 from agent.program.diagnose.collect_once import OneShotCollectors
 from agent.program.diagnose.findings import Finding, Status
 from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, RunResult

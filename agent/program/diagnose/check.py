@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.contracts.collector import SharedServices
+from agent.contracts.config import Config
 from agent.contracts.errors import CallStillHung, CallTimedOut
-from agent.program.config_file import Config
 from agent.program.diagnose import probes
 from agent.program.diagnose.bench_findings import check_bench
 from agent.program.diagnose.collect_once import CollectorResult, OneShotCollectors
@@ -43,8 +43,9 @@ from collectors._nvml import NvmlBackend
 from collectors.gpu.collector import GpuSettings
 from collectors.io_probe import IoProbeSettings
 from collectors.kernel_log.kmsg import KmsgIO
+from exporters.http import parse_listen
 from exporters.mqtt_settings import MqttSettings
-from exporters.prometheus import PrometheusSettings, parse_listen
+from exporters.prometheus import PrometheusSettings
 
 NVIDIA_PROC_VERSION = Path("/proc/driver/nvidia/version")
 

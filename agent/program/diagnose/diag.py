@@ -25,9 +25,10 @@ from typing import Any
 
 from agent import __version__
 from agent.contracts.collector import SharedServices
+from agent.contracts.config import Config
 from agent.contracts.settings import to_table
 from agent.program.commands.config_cmd import effective
-from agent.program.config_file import EMBEDDED, Config
+from agent.program.config_file import EMBEDDED
 from agent.program.diagnose import probes
 from agent.program.diagnose.bundle import Bundle, utc_stamp, write_atomically
 from agent.program.diagnose.check import (
@@ -39,7 +40,8 @@ from agent.program.diagnose.check import (
 from agent.program.diagnose.redact import Redactor
 from agent.program.diagnose.state_reader import read_state
 from agent.runtime.state import DB_NAME
-from exporters.prometheus import PrometheusSettings, parse_listen
+from exporters.http import parse_listen
+from exporters.prometheus import PrometheusSettings
 
 BUNDLE_FORMAT = 1
 PACKAGES = (

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from agent.program.config_file import NODE_ID
+from agent.contracts.config import NODE_ID
 
 # NODE_ID (agent.config): the ids an agent accepts for itself are the ids the watcher accepts;
 # `_`-led levels (like `_watch`) are the watcher's own namespace.

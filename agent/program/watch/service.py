@@ -31,14 +31,14 @@ from tenacity import (
 )
 
 from agent import __version__
+from agent.contracts.config import NODE_ID, read_secret
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import Severity
-from agent.program.config_file import NODE_ID, read_secret
 from agent.program.watch.fleet import AlertChange, Fleet
 from agent.program.watch.metrics import MetricsServer
 from agent.program.watch.settings import WatchSettings
 from agent.runtime.systemd import Notifier, Supervisor, run_watchdog, watchdog_interval
-from exporters.prometheus import parse_listen
+from exporters.http import parse_listen
 
 log = structlog.get_logger(component="watch")
 

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from agent.contracts.errors import ConfigError
 from agent.contracts.settings import setting
-from exporters.prometheus import parse_listen
+from exporters.http import parse_listen
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,98 @@
+"""Reading gpuwarden.toml into typed, frozen settings, judged against a `Schema`.
+
+This module knows no component: a schema says which settings type each table has.
+agent/program/config_file.py judges against the whole agent (the registry); the watcher
+judges `[watch]` alone, so it never imports a collector.
+
+With no file the embedded defaults apply, so `gpuwarden run` works on a bare host. Every error
+names the file, the key and what was expected, and the command line turns it into exit code 2.
+Secrets are read only from files named by `*_file` keys, and a secret file that other users can
+read is refused.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.contracts.collector import CollectorSettings, CollectorSpec
+from agent.contracts.config import EMBEDDED, TOP_LEVEL_TABLES, Config, CoreSettings
+from agent.contracts.errors import ConfigError
+from agent.contracts.settings import build, to_table
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpuwarden/gpuwarden.toml")
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The tables a command judges: settings type per top-level table, and the collectors.
+
+    Tables of TOP_LEVEL_TABLES that a schema leaves out must still be tables, but are not
+    judged (the watcher does not know the collectors' settings, and must not import them)."""
+
+    sections: Mapping[str, type[Any]]
+    collectors: Mapping[str, CollectorSpec[Any]] = field(default_factory=dict)
+
+
+def parse(data: Mapping[str, Any], source: str, schema: Schema) -> Config:
+    """Validate parsed TOML data against `schema`. Raises ConfigError (with the file name)
+    on any problem."""
+    try:
+        return _parse(data, source, schema)
+    except ConfigError as exc:
+        raise exc.with_file(source) from None
+
+
+def _parse(data: Mapping[str, Any], source: str, schema: Schema) -> Config:
+    core_keys = {"node_id", "state_dir", "log_level"}
+    unknown = sorted(set(data) - core_keys - set(TOP_LEVEL_TABLES))
+    if unknown:
+        valid = ", ".join(sorted(core_keys | set(TOP_LEVEL_TABLES)))
+        raise ConfigError(unknown[0], f"unknown key (a typo?); valid top-level keys: {valid}")
+    core = build(CoreSettings, {k: v for k, v in data.items() if k in core_keys})
+    for name in TOP_LEVEL_TABLES:
+        if not isinstance(data.get(name, {}), dict):
+            raise ConfigError(name, "expected a table")
+
+    sections: dict[str, Any] = {}
+    for name, settings_type in sorted(schema.sections.items()):
+        sections[name] = build(settings_type, data.get(name, {}), name)
+
+    collector_tables = data.get("collectors", {})
+    collectors: dict[str, CollectorSettings] = {}
+    if schema.collectors:
+        unknown = sorted(set(collector_tables) - set(schema.collectors))
+        if unknown:
+            valid = ", ".join(sorted(schema.collectors))
+            raise ConfigError(f"collectors.{unknown[0]}", f"unknown collector; known: {valid}")
+    for name, spec in schema.collectors.items():
+        table = collector_tables.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"collectors.{name}", "expected a table")
+        defaults = spec.defaults()
+        merged = {**to_table(defaults, mask_secrets=False), **table}
+        collectors[name] = build(spec.settings_type, merged, f"collectors.{name}")
+    return Config(core=core, sections=sections, collectors=collectors, source=source)
+
+
+def load(path: Path | None, schema: Schema) -> Config:
+    """Load `path`, or the system file if it exists, or the embedded defaults, and judge it
+    against `schema`."""
+    if path is None:
+        if not DEFAULT_CONFIG_PATH.exists():
+            return parse({}, EMBEDDED, schema)
+        path = DEFAULT_CONFIG_PATH
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read the configuration: {exc.strerror}", str(path)) from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"not UTF-8 text: {exc}", str(path)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"TOML syntax error: {exc}", str(path)) from None
+    return parse(data, str(path), schema)
