@@ -3,7 +3,7 @@
 Prints a table of medians over N runs: wall time and CPU time (this process for the round, the
 child for nvidia-smi). With a driver present the real GPUs are measured; without one the fake
 NVML with 8 GPUs gives the collector's own CPU cost per round (the fake answers in about a
-microsecond, a real call in 2-8 µs: FIELD-NOTES.md), and nvidia-smi is reported absent.
+microsecond, a real call in 2-8 µs: docs/MEASUREMENTS.md), and nvidia-smi is reported absent.
 
 Goal on the H200: a steady round costs at most 1/50 of the nvidia-smi call.
 

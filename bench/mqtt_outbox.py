@@ -2,7 +2,7 @@
 paho-mqtt QoS 1 publish loop to the same broker in the same run; and the state database's
 disk bytes per queued event.
 
-    /work/venv/bin/python bench/mqtt_outbox.py [--events 5000] [--rounds 3]
+    .venv/bin/python bench/mqtt_outbox.py [--events 5000] [--rounds 3]
 
 The broker is started here on a free loopback port. The outbox path is the agent's own:
 `Runtime.emit` stores each event (history + outbox row, one transaction), the MQTT sink drains

@@ -2,7 +2,7 @@
 
 `NvmlBackend` wraps a pynvml-shaped library: the real `pynvml` module (from nvidia-ml-py) or
 `collectors.nvml_fake.FakeNvml`. Every NVML call goes through `_Funnel.get`, which turns the
-error codes into the three outcomes the agent knows (ARCHITECTURE.md, "value, absent or
+error codes into the three outcomes the agent knows (docs/ARCHITECTURE.md, "value, absent or
 error") plus two states of a whole GPU or of the whole library:
 
 - not supported / not found / no data -> absent (`None`), never 0;
@@ -161,7 +161,7 @@ class GpuStatic:
 
 @dataclass(frozen=True, slots=True)
 class GpuReading:
-    """Fast readings (a few µs each on an H200, FIELD-NOTES.md): every round."""
+    """Fast readings (a few µs each on an H200, docs/MEASUREMENTS.md): every round."""
 
     temperature_gpu_celsius: float | None = None
     temperature_memory_celsius: float | None = None

@@ -1,7 +1,7 @@
 """What an Xid (and an NVSwitch SXid) code means, and what to do about it: data, not code.
 
 The table lives in _xid_catalog.json beside this module, with its source: NVIDIA's Xid catalog
-(docs.nvidia.com/deploy/xid-errors) as summarised in FIELD-NOTES.md. Sources disagree at the
+(docs.nvidia.com/deploy/xid-errors) as summarised in docs/MEASUREMENTS.md. Sources disagree at the
 edges, so the table is data a site can review; the choices made are noted in it. An unknown
 code is reported as unknown, never dropped.
 """

@@ -1,5 +1,5 @@
 """The MQTT sink: status with birth and Will, heartbeat, events and metrics, through a durable
-outbox (ARCHITECTURE.md, MQTT topics contract).
+outbox (docs/ARCHITECTURE.md, MQTT topics contract).
 
 One connection loop: connect (MQTT v5, explicit keepalive, TLS that always checks the host
 name), publish the retained `online` birth, then drain the outbox in order with a window of

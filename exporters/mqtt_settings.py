@@ -1,7 +1,7 @@
 """Settings of the MQTT sink ([mqtt] table) and the broker URL they name.
 
 The embedded default is `enabled = false`: with no broker on 127.0.0.1:1883, `make run` would
-otherwise log a connection failure forever. A host configuration turns it on (ARCHITECTURE.md's
+otherwise log a connection failure forever. A host configuration turns it on (docs/ARCHITECTURE.md's
 example does). TLS always verifies the broker's certificate and host name; there is no switch
 to turn that off.
 """

@@ -66,7 +66,7 @@ class TestCatalog:
             assert info.fault in ("application", "node", "either")
 
     def test_field_notes_codes_are_present(self) -> None:
-        """The codes operators act on (FIELD-NOTES.md) are all in the catalog."""
+        """The codes operators act on (docs/MEASUREMENTS.md) are all in the catalog."""
         for code in (
             13,
             31,

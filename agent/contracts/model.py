@@ -202,4 +202,4 @@ class Collection:
 
 
 GPU_LABELS: Final = ("gpu", "uuid", "pci_bus_id", "model")
-"""Every per-GPU series carries at least these labels (ARCHITECTURE.md, metrics contract)."""
+"""Every per-GPU series carries at least these labels (docs/ARCHITECTURE.md, metrics contract)."""

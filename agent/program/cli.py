@@ -1,4 +1,4 @@
-"""The `gpuwarden` command line (ARCHITECTURE.md, command-line contract).
+"""The `gpuwarden` command line (docs/ARCHITECTURE.md, command-line contract).
 
 Exit codes: 0 success; 1 a runtime failure, or warnings for `check`; 2 a usage or configuration
 error, failures found by `check`, or a command not implemented yet.

@@ -3,9 +3,9 @@
 Run as `python -m collectors.benchmark.child --device 0 --profile fp32 --size 2048`. This is the only
 gpuwarden module that imports torch, and it does so inside `main()`: the daemon imports this
 module for `PROFILES` and the argument builder, never torch. A CUDA context costs about 800 MB of
-GPU memory until its process exits (FIELD-NOTES.md), so it lives only in this short-lived child.
+GPU memory until its process exits (docs/MEASUREMENTS.md), so it lives only in this short-lived child.
 
-The test follows the field guide's script (/work/shared/field-guide-ru.txt) and keeps its record
+The test follows the field guide's script (docs/MEASUREMENTS.md, "The benchmark record") and keeps its record
 fields: random inputs, warm-up, `samples` timed windows of `iterations` products each, the
 median window, 2·n³·iterations / median as TFLOP/s. Two additions: a minimum window (short bursts
 read faster than sustained work, so `iterations` grows until one window lasts `min_window_seconds`)

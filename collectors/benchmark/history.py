@@ -7,7 +7,7 @@ timed window and the correctness result. The history is `benchmark-history.jsonl
 one record a line; a `gpu_benchmark.jsonl` written by the field guide's script parses as well.
 
 Only comparable runs are compared: same GPU UUID, profile, size, precision and duration class
-(the requested minimum window: FIELD-NOTES.md, short bursts read faster than sustained work). A
+(the requested minimum window: docs/MEASUREMENTS.md, short bursts read faster than sustained work). A
 driver or torch change starts a new baseline segment. The baseline is the median of the last N
 good runs of the segment: correct, and not themselves slow against the baseline of their time,
 so a GPU that degrades does not drag its own baseline down.

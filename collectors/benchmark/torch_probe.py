@@ -2,7 +2,7 @@
 
 `gpuwarden check` runs this file (by path, with the interpreter it is asked to judge), so the
 agent never imports torch: the import alone takes about 500 MB of host memory and a CUDA context
-about 800 MB of GPU memory (FIELD-NOTES.md). Prints one JSON object on stdout. Only the standard
+about 800 MB of GPU memory (docs/MEASUREMENTS.md). Prints one JSON object on stdout. Only the standard
 library is imported at the top, so any Python that has torch can run it.
 """
 

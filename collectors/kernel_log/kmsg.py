@@ -1,7 +1,7 @@
 """Reading the kernel log: /dev/kmsg live, or a file of saved lines, from where we left off.
 
 /dev/kmsg semantics (Documentation/ABI/testing/dev-kmsg, and measured on the H200, see
-FIELD-NOTES.md): each read() returns exactly one record and needs a buffer large enough for it
+docs/MEASUREMENTS.md): each read() returns exactly one record and needs a buffer large enough for it
 (8 KiB is the kernel's limit for one record; a short buffer fails with EINVAL); EAGAIN on a
 non-blocking descriptor means no more records; EPIPE means records were overwritten in the ring
 buffer before we read them (the next read continues with the oldest one left). A fresh

@@ -130,7 +130,7 @@ class FakeGpu:
     pcie_replays: int | None = 0
     nvlink_states: list[int] | None = None
     nvlink_errors: dict[tuple[int, int], int] = field(default_factory=dict)
-    supported_events: int | None = 0xFF9F  # what the lent H200 answered (FIELD-NOTES.md)
+    supported_events: int | None = 0xFF9F  # what the lent H200 answered (docs/MEASUREMENTS.md)
     unsupported: set[str] = field(default_factory=set)
     """pynvml function names that answer NVML_ERROR_NOT_SUPPORTED."""
     failures: dict[str, int] = field(default_factory=dict)

@@ -60,7 +60,7 @@ INCLUDE_LIMIT_BYTES = 64 * 2**20
 """Per --include file: the last 64 MiB of a training log holds the failure."""
 STATE_FILE_LIMIT_BYTES = 16 * 2**20
 NVIDIA_SMI_TIMEOUT = 30.0
-"""nvidia-smi -q takes about 130 ms on a healthy H200 (FIELD-NOTES.md); it hangs with the GPU."""
+"""nvidia-smi -q takes about 130 ms on a healthy H200 (docs/MEASUREMENTS.md); it hangs with the GPU."""
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,7 @@ def _check_bindable(name: str, host: str, port: int) -> Finding:
 # -- torch --------------------------------------------------------------------------------------
 
 TORCH_TIMEOUT = 90.0
-"""torch import plus CUDA initialisation took 5.5-8 s on the H200 (FIELD-NOTES.md); a cold page
+"""torch import plus CUDA initialisation took 5.5-8 s on the H200 (docs/MEASUREMENTS.md); a cold page
 cache on network storage can take much longer."""
 
 

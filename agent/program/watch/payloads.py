@@ -147,7 +147,7 @@ def parse_heartbeat(payload: bytes, limit: int = 65536) -> Heartbeat | Malformed
     interval = _float(data, "interval_s", MAX_INTERVAL)
     if interval is None:
         return Malformed("bad_field", "interval_s is not a number in (0, 86400]")
-    # "health": "ok" or a list of problems (ARCHITECTURE.md); a bool or an object with "ok"
+    # "health": "ok" or a list of problems (docs/ARCHITECTURE.md); a bool or an object with "ok"
     # is tolerated so that the watcher does not depend on one spelling.
     health = data.get("health")
     health_ok: bool | None = None
