@@ -22,7 +22,6 @@ from typing import Any
 import structlog
 
 from agent.contracts.collector import (
-    CollectContext,
     Collector,
     CollectorDeps,
     CollectorSettings,
@@ -30,21 +29,17 @@ from agent.contracts.collector import (
     SharedServices,
 )
 from agent.contracts.config import Config
-from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
+from agent.contracts.errors import StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import Event, MetricFamily, Sample, Severity
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
+from agent.runtime.rounds import Failure, collector_pool, run_round
 from agent.runtime.state import StateStore
 from agent.runtime.systemd import Supervisor
 
 log = structlog.get_logger(component="runtime")
-
-THREAD_POOL_SIZE = 8
-"""Threads per collector. Bounded: each hung resource holds at most one thread. Each collector
-has its own pool, so GPUs hung in NVML cannot queue the disk or kernel-log reads behind them
-(and make those look hung too)."""
 
 
 async def _bounded(closing: Awaitable[None], seconds: float, kind: str, name: str) -> None:
@@ -235,33 +230,7 @@ class Runtime:
     def _add_collector(self, name: str, settings: CollectorSettings) -> None:
         spec = self._specs[name]
         collector = spec.make(settings, self._deps())
-        executor = concurrent.futures.ThreadPoolExecutor(
-            THREAD_POOL_SIZE, thread_name_prefix=f"gpuwarden-{name}"
-        )
-        caller = PooledCaller(
-            executor,
-            settings.timeout,
-            on_hang=lambda key, timeout: self.emit(
-                Event(
-                    source=name,
-                    kind="call_hung",
-                    severity=Severity.WARNING,
-                    subject=key,
-                    message=f"{name}: call {key} did not return within {timeout:g} s; "
-                    "it is not retried until it returns",
-                    action="look for a hung driver, device or network mount behind " + key,
-                )
-            ),
-            on_recover=lambda key, took: self.emit(
-                Event(
-                    source=name,
-                    kind="call_recovered",
-                    severity=Severity.INFO,
-                    subject=key,
-                    message=f"{name}: call {key} returned after {took:.1f} s",
-                )
-            ),
-        )
+        caller, executor = collector_pool(name, settings.timeout, self.emit)
         status = CollectorStatus(name, settings, collector, caller, executor)
         self.collectors[name] = status
         self.supervisor.register(
@@ -290,38 +259,31 @@ class Runtime:
     async def _run_round(
         self, status: CollectorStatus, round_number: int, logger: structlog.stdlib.BoundLogger
     ) -> None:
-        ctx = CollectContext(caller=status.caller, now=time.time(), round=round_number)
-        started = time.monotonic()
-        status.last_attempt = ctx.now
+        """One round through the shared round policy (agent/runtime/rounds.py); what it gave
+        goes into the collector's status and the snapshot."""
+        now = time.time()
+        status.last_attempt = now  # before the round: a scrape during a long round sees it
         status.runs += 1
-        # A generous bound for a round; each blocking call has its own, shorter timeout.
-        round_limit = max(status.settings.interval, status.settings.timeout) * 4
-        error = ""
-        try:
-            result = await asyncio.wait_for(status.collector.collect(ctx), round_limit)
-        except (CallTimedOut, CallStillHung) as exc:
-            error = str(exc)
-        except TimeoutError:
-            error = f"round did not finish within {round_limit:g} s"
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            if error != status.last_error:
-                logger.exception("collector failed")
-        else:
-            status.samples = tuple(result.samples)
+        outcome = await run_round(
+            status.collector, status.caller, status.settings, round_number, now=now
+        )
+        status.duration = outcome.seconds
+        if outcome.ok:
+            status.samples = outcome.samples
             status.success = True
             status.last_success = time.time()
             status.last_error = ""
-            for event in result.events:
+            for event in outcome.events:
                 self.emit(event)
-        status.duration = time.monotonic() - started
-        if error:
-            if error != status.last_error:
-                logger.warning("collector round failed", error=error)
-            status.samples = ()
-            status.success = False
-            status.failures += 1
-            status.last_error = error
+            return
+        if outcome.error != status.last_error:  # a failure that repeats is logged once
+            if outcome.failure is Failure.RAISED:
+                logger.exception("collector failed", exc_info=outcome.exception)
+            logger.warning("collector round failed", error=outcome.error)
+        status.samples = ()
+        status.success = False
+        status.failures += 1
+        status.last_error = outcome.error
 
     def _maybe_first_round_done(self) -> None:
         if all(s.rounds_done > 0 for s in self.collectors.values()):

@@ -34,7 +34,7 @@ async def check_bench(runner: OneShotCollectors, config: Config) -> list[Finding
     built, _ = runner.build("benchmark", settings)
     assert isinstance(built, BenchmarkCollector)
     collector = built
-    caller = runner.caller(settings.timeout)
+    caller = runner.caller("benchmark", settings.timeout)
     try:
         gpus = await caller.call("benchmark:gpus", collector.activity.gpus)
     except GpuBackendUnavailable as exc:

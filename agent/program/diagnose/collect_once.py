@@ -2,35 +2,38 @@
 
 `check` and `diag` never re-implement what a collector reads: they build the collector from its
 registered SPEC with in-memory state (nothing in the real state store is touched, so the
-daemon's counters and cursors stay as they are), a throw-away state dir, and the same bounded
-`PooledCaller` the runtime uses, and run one `collect`.
+daemon's counters and cursors stay as they are) and a throw-away state dir, and run its round
+through the daemon's own round policy (agent/runtime/rounds.py): the same per-collector pool of
+blocking-call threads, the same round bound (four times the longer of interval and call
+timeout), the same error text for a call that timed out, a call still hung, an overrun or an
+exception. A collector therefore reads the same under `check` as in the daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 from agent.contracts.collector import (
-    CollectContext,
     Collector,
     CollectorDeps,
     CollectorSettings,
+    CollectorSpec,
     MemoryKeyValueStore,
     SharedServices,
 )
 from agent.contracts.model import Event, Sample
 from agent.program import registry
 from agent.runtime.blocking import PooledCaller
+from agent.runtime.rounds import CollectorPool, collector_pool, run_round
 
 T = TypeVar("T")
 
@@ -72,12 +75,13 @@ class OneShotCollectors:
     shared: SharedServices = field(default_factory=SharedServices)
     results: dict[str, CollectorResult] = field(default_factory=dict)
     extra_emitted: list[Event] = field(default_factory=list)
+    specs: Mapping[str, CollectorSpec[Any]] = field(default_factory=dict)
+    """Overrides the registry's collectors (tests run their own)."""
 
     def __post_init__(self) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="check-call")
         self._scratch = tempfile.TemporaryDirectory(prefix="gpuwarden-check-")
         self._lock = threading.Lock()
-        self._callers: list[PooledCaller] = []
+        self._pools: dict[tuple[str, float], CollectorPool] = {}
 
     async def __aenter__(self) -> OneShotCollectors:
         return self
@@ -86,27 +90,32 @@ class OneShotCollectors:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         # A hung call keeps its thread; do not wait for it (the process is about to exit).
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown()
         self._scratch.cleanup()
 
-    async def call(self, key: str, fn: Callable[..., T], *args: Any, timeout: float = 5.0) -> T:
-        """A blocking call of check's own on the same bounded pool."""
-        caller = PooledCaller(self._executor, timeout)
-        self._callers.append(caller)
-        return await caller.call(key, fn, *args)
+    def _pool(self, name: str, timeout: float) -> CollectorPool:
+        """One pool per collector (and call timeout), kept for the runner's life: a call that
+        hangs in one run is not started again by the next, as in the daemon."""
+        pool = self._pools.get((name, timeout))
+        if pool is None:
+            pool = self._pools[(name, timeout)] = collector_pool(name, timeout, self._emit)
+        return pool
 
-    def caller(self, timeout: float) -> PooledCaller:
-        """A caller on the same bounded pool, for code that drives a collector itself."""
-        caller = PooledCaller(self._executor, timeout)
-        self._callers.append(caller)
-        return caller
+    async def call(self, key: str, fn: Callable[..., T], *args: Any, timeout: float = 5.0) -> T:
+        """A blocking call of check's own, on a pool of its own."""
+        return await self.caller("check", timeout).call(key, fn, *args)
+
+    def caller(self, name: str, timeout: float) -> PooledCaller:
+        """Collector `name`'s caller, for code that drives a collector itself."""
+        return self._pool(name, timeout).caller
 
     @property
     def scratch_dir(self) -> Path:
         return Path(self._scratch.name)
 
     def hung_calls(self) -> list[str]:
-        return sorted(key for caller in self._callers for key in caller.hung)
+        return sorted(key for pool in self._pools.values() for key in pool.caller.hung)
 
     def _emit(self, event: Event) -> None:
         with self._lock:
@@ -115,7 +124,7 @@ class OneShotCollectors:
     def build(
         self, name: str, settings: CollectorSettings | None = None
     ) -> tuple[Collector, CollectorSettings]:
-        spec = registry.collector_spec(name)
+        spec = self.specs.get(name) or registry.collector_spec(name)
         chosen = settings or self.collector_settings.get(name) or spec.defaults()
         deps = CollectorDeps(
             node_id=self.node_id,
@@ -143,8 +152,7 @@ class OneShotCollectors:
             collector, chosen = self.build(name, settings)
         except Exception as exc:  # a collector that cannot even be built is a finding
             return self._keep(name, CollectorResult(name, error=f"{type(exc).__name__}: {exc}"))
-        caller = PooledCaller(self._executor, chosen.timeout)
-        self._callers.append(caller)
+        caller = self.caller(name, chosen.timeout)
         samples: tuple[Sample, ...] = ()
         events: list[Event] = []
         error = ""
@@ -152,8 +160,9 @@ class OneShotCollectors:
             for number in range(rounds):
                 if number:
                     await asyncio.sleep(gap)
-                samples, new_events, error = await self._round(collector, caller, chosen, number)
-                events.extend(new_events)
+                outcome = await run_round(collector, caller, chosen, number)
+                samples, error = outcome.samples, outcome.error
+                events.extend(outcome.events)
                 if error:
                     break
         finally:
@@ -164,21 +173,6 @@ class OneShotCollectors:
             name, () if error else samples, tuple(events), error, time.monotonic() - started
         )
         return self._keep(name, result) if settings is None else result
-
-    async def _round(
-        self, collector: Collector, caller: PooledCaller, settings: CollectorSettings, number: int
-    ) -> tuple[tuple[Sample, ...], list[Event], str]:
-        ctx = CollectContext(caller=caller, now=time.time(), round=number)
-        # The runtime's own bound for a round (agent/runtime/core.py), shortened: check must finish
-        # in seconds, and every blocking call has its own timeout anyway.
-        limit = max(settings.timeout * 2, 5.0)
-        try:
-            collection = await asyncio.wait_for(collector.collect(ctx), limit)
-        except TimeoutError:
-            return (), [], f"no result within {limit:g} s"
-        except Exception as exc:
-            return (), [], f"{type(exc).__name__}: {exc}"
-        return tuple(collection.samples), list(collection.events), ""
 
     def _keep(self, name: str, result: CollectorResult) -> CollectorResult:
         self.results[name] = result
