@@ -243,3 +243,20 @@ class TestBlockingCalls:
         settings = CollectorSettings(interval=60.0, timeout=0.3)
         seen = await path({"stuck": stuck, "healthy": NeedsOneCall("healthy", "ok")}, settings)
         assert (seen["healthy"].error, seen["healthy"].samples) == ("", 1)
+
+    async def test_queued_calls_let_go_quietly(
+        self, path: RoundPath, released: list[Misbehaving]
+    ) -> None:
+        """Ten hung calls on eight threads: two wait in the queue and are cancelled when the
+        pool is let go (a stop, a reload, check's exit). That is no error of the loop's."""
+        loop = asyncio.get_running_loop()
+        errors: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        try:
+            stuck = HangsEverywhere("stuck", "hang")
+            released.append(stuck)
+            await path({"stuck": stuck}, CollectorSettings(interval=60.0, timeout=0.2))
+            await asyncio.sleep(0.2)  # the loop's turn for what the cancellations scheduled
+        finally:
+            loop.set_exception_handler(None)
+        assert [context.get("message") for context in errors] == []

@@ -84,6 +84,10 @@ class PooledCaller:
     def _recovered(self, key: str, started: float, done: concurrent.futures.Future[Any]) -> None:
         if self._hung.get(key) == started:
             del self._hung[key]
+        if done.cancelled():
+            # Still queued when its pool was let go (a stop, a reload): it never ran, so
+            # nothing returned, and `exception()` would raise in the loop's callback.
+            return
         done.exception()  # retrieve it, so a late failure is not logged as never retrieved
         if self._on_recover is not None:
             self._on_recover(key, time.monotonic() - started)
