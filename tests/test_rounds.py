@@ -36,7 +36,8 @@ KEY = "test:block"
 class Misbehaving:
     """A collector whose rounds go wrong in one way each:
 
-    ok: one sample; raise: an exception of its own; call_timeout: a blocking call that does not
+    ok: one sample; raise: an exception of its own; own_timeout: a TimeoutError of its own
+    (a socket timeout), not the round's; call_timeout: a blocking call that does not
     return; still_hung: the same call asked again while the first one hangs; overrun: a round
     that awaits past any bound without a blocking call (a stuck await, not a stuck thread)."""
 
@@ -54,6 +55,8 @@ class Misbehaving:
     async def collect(self, ctx: CollectContext) -> Collection:
         if self.mode == "raise":
             raise RuntimeError("scripted failure")
+        if self.mode == "own_timeout":  # a socket or wait_for of the collector's own, at once
+            raise TimeoutError("socket read timed out")
         if self.mode == "call_timeout":
             await ctx.call(KEY, self._block)
         if self.mode == "still_hung":
@@ -191,6 +194,8 @@ class TestFailureClasses:
         [
             ("ok", re.escape("")),
             ("raise", re.escape("RuntimeError: scripted failure")),
+            # Not the round bound: the round raised it long before.
+            ("own_timeout", re.escape("TimeoutError: socket read timed out")),
             ("call_timeout", re.escape(str(CallTimedOut(KEY, ONE_ROUND.timeout)))),
             # How long it has hung is measured: any whole number of seconds.
             ("still_hung", re.escape(str(CallStillHung(KEY, 0))).replace("0", r"\d+")),

@@ -152,13 +152,19 @@ async def run_round(
             started=ctx.now,
         )
 
+    # asyncio.timeout, not wait_for: only it tells the bound's TimeoutError from one the
+    # collector raised itself (a socket timeout), which is an exception like any other.
+    bound = asyncio.timeout(limit)
     try:
-        result = await asyncio.wait_for(collector.collect(ctx), limit)
+        async with bound:
+            result = await collector.collect(ctx)
     except CallTimedOut as exc:
         return failed(Failure.CALL_TIMED_OUT, str(exc), exc)
     except CallStillHung as exc:
         return failed(Failure.CALL_STILL_HUNG, str(exc), exc)
     except TimeoutError as exc:
+        if not bound.expired():
+            return failed(Failure.RAISED, f"{type(exc).__name__}: {exc}", exc)
         return failed(Failure.ROUND_LIMIT, f"round did not finish within {limit:g} s", exc)
     except Exception as exc:
         return failed(Failure.RAISED, f"{type(exc).__name__}: {exc}", exc)
