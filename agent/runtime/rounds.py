@@ -7,12 +7,12 @@ error text whether the daemon runs it or `check` does:
 
 - the round bound is `round_limit(settings)`: four times the longer of the collector's interval
   and its call timeout. Generous on purpose: every blocking call has its own, shorter timeout,
-  and the bound catches only a round stuck in an await of its own. `check` therefore takes as
-  long as the daemon would allow to call a collector's round stuck (40 s on the defaults);
-  before this module it cut rounds at max(2 x timeout, 5 s);
-- a call that timed out or is still hung is its exception's own text ("nvml:gpu0: no answer
-  within 5 s"), an overrun is "round did not finish within N s", anything else raised is
-  "Type: message";
+  and the bound catches only a round stuck in an await of its own. `check` therefore waits as
+  long as the daemon before it calls a round stuck (40 s for interval 10 and timeout 5; the
+  disk collector's 30 s interval gives 120 s), where it used to cut at max(2 x timeout, 5 s);
+- a call that timed out or is still hung reads as its exception's own text ("nvml:gpu0: no
+  answer within 5 s"), an overrun as "round did not finish within N s", anything else the
+  round raised (a TimeoutError of its own included) as "Type: message";
 - each collector has its own pool of THREAD_POOL_SIZE threads, and a call that hangs is an
   event (`call_hung`, then `call_recovered` when it returns).
 
