@@ -25,6 +25,7 @@ from agent.contracts.collector import (
 )
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
+from agent.runtime.rounds import collector_pool
 from collectors._nvml import NvmlBackend
 from collectors.benchmark.child import PROFILES
 from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, RunResult
@@ -71,11 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --import: the UUID of the GPU the file's runs were made on",
     )
-
-
-class _ThreadCaller:
-    async def call(self, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -137,16 +133,22 @@ async def _run(
             print(f"gpuwarden bench: no GPU {device!r} (GPUs here: {known})", file=sys.stderr)
             return EXIT_USAGE
         targets = selected
-    ctx = CollectContext(caller=_ThreadCaller(), now=time.time(), round=0)
-    await asyncio.to_thread(collector.history.refresh)
-    code = EXIT_OK
-    for gpu in targets:
-        result = await collector.benchmark(ctx, gpu, all_gpus)
-        print(json.dumps(_result_json(result)) if as_json else _result_text(result), flush=True)
-        if result.record is None:
-            code = max(code, EXIT_FAILED)
-        elif result.record.correct is False:
-            code = EXIT_WRONG
+    # The daemon's pool policy: each NVML or history call bounded by the collector's timeout
+    # (the child process has its own, child_timeout), a hung one not called again.
+    pool = collector_pool("benchmark", settings.timeout, lambda _event: None)
+    ctx = CollectContext(caller=pool.caller, now=time.time(), round=0)
+    try:
+        await asyncio.to_thread(collector.history.refresh)
+        code = EXIT_OK
+        for gpu in targets:
+            result = await collector.benchmark(ctx, gpu, all_gpus)
+            print(json.dumps(_result_json(result)) if as_json else _result_text(result), flush=True)
+            if result.record is None:
+                code = max(code, EXIT_FAILED)
+            elif result.record.correct is False:
+                code = EXIT_WRONG
+    finally:
+        pool.shutdown()
     return code
 
 
