@@ -16,7 +16,7 @@ from agent.contracts.errors import ConfigError
 from agent.contracts.model import Event, Severity
 from agent.contracts.settings import build
 from exporters.mqtt_settings import MqttSettings, parse_url
-from tests.support.mosquitto import Broker
+from tests.support.mosquitto import Broker, password_broker, secret_file
 from tests.support.mqtt import InProcessAgent, Subscriber, persistent_broker_lines
 from tests.support.tls import Authority
 from tests.support.waiting import until
@@ -142,25 +142,16 @@ class TestAccess:
     """Password access, ACLs and the agent's report when the broker says no."""
 
     def password_broker(self, tmp_path: Path, acl: bool = False) -> Broker:
-        workdir = tmp_path / "broker-auth"
-        workdir.mkdir()
-        passwords = workdir / "passwd"
-        passwords.write_text("")
-        for user, password in (("node-a", "right"), ("watcher", "w")):
-            subprocess.run(["mosquitto_passwd", "-b", str(passwords), user, password], check=True)
-        lines = [f"password_file {passwords}", "user root"]
-        if acl:
-            (workdir / "acl").write_text(
-                "pattern write gpuwarden/v1/%u/#\nuser watcher\ntopic read gpuwarden/v1/#\n"
-            )
-            lines.append(f"acl_file {workdir / 'acl'}")
-        return Broker(workdir, allow_anonymous=False, extra_config=lines).start()
+        return password_broker(
+            tmp_path / "broker-auth",
+            {"node-a": "right", "watcher": "w"},
+            "pattern write gpuwarden/v1/%u/#\nuser watcher\ntopic read gpuwarden/v1/#\n"
+            if acl
+            else "",
+        )
 
     def password_file(self, tmp_path: Path, text: str) -> Path:
-        path = tmp_path / "mqtt-password"
-        path.write_text(text + "\n")
-        path.chmod(0o600)
-        return path
+        return secret_file(tmp_path / "mqtt-password", text)
 
     async def test_right_password_delivers(
         self, tmp_path: Path, agent: Callable[..., InProcessAgent]

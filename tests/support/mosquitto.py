@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,3 +70,27 @@ class Broker:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+def password_broker(workdir: Path, users: Mapping[str, str], acl: str = "") -> Broker:
+    """A started broker that lets in only `users` (name -> password), made with
+    mosquitto_passwd; `acl` is the text of an acl_file (empty: every user may do anything)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    passwords = workdir / "passwd"
+    passwords.write_text("")
+    for user, password in users.items():
+        subprocess.run(["mosquitto_passwd", "-b", str(passwords), user, password], check=True)
+    # Started as root, mosquitto switches to its own user and then cannot read the test's
+    # private temporary folder: `user root` keeps it.
+    lines = [f"password_file {passwords}", "user root"]
+    if acl:
+        (workdir / "acl").write_text(acl)
+        lines.append(f"acl_file {workdir / 'acl'}")
+    return Broker(workdir, allow_anonymous=False, extra_config=lines).start()
+
+
+def secret_file(path: Path, text: str) -> Path:
+    """A password file as the agent and the watcher accept it: the text, mode 600."""
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return path
