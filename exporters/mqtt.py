@@ -1,11 +1,11 @@
 """The MQTT sink: status with birth and Will, heartbeat, events and metrics, through a durable
 outbox (docs/ARCHITECTURE.md, MQTT topics contract).
 
-One connection loop: connect (MQTT v5, explicit keepalive, TLS that always checks the host
-name), publish the retained `online` birth, then drain the outbox in order with a window of
-QoS 1 publishes in flight, deleting entries only after their PUBACK. Any failure ends the
-connection; the loop waits (exponential backoff with jitter) and connects again with the next
-birth number. Each kind of failure is logged and raised as an event once per transition, not
+One connection loop, on the stack it shares with the watcher (exporters/mqtt_client.py):
+connect (MQTT v5, explicit keepalive, TLS that always checks the host name), publish the
+retained `online` birth, then drain the outbox in order with a window of QoS 1 publishes in
+flight, deleting entries only after their successful PUBACK. Any failure ends the connection;
+the loop waits (the shared backoff) and connects again with the next birth number. Each kind of failure is logged and raised as an event once per transition, not
 per retry. A clean stop publishes `offline` itself: a broker sends the Will only when a client
 vanishes, never after a clean DISCONNECT.
 """
@@ -14,21 +14,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 import time
 from collections import Counter
 from collections.abc import Sequence
 
 import aiomqtt
 import structlog
-import tenacity
 
-from agent.contracts.config import read_secret
 from agent.contracts.errors import ConfigError, StateStoreError
 from agent.contracts.model import Event, MetricFamily, MetricType, Sample, Severity
 from agent.contracts.sink import OutboxEntry, SinkContext, SinkSpec
 from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
-from exporters.mqtt_client import CheckedClient, PublishRefused, classify, tls_context
+from exporters.mqtt_client import (
+    FAILURE_TEXT,
+    Backoff,
+    Credentials,
+    FailureTracker,
+    Publisher,
+    PublishRefused,
+    classify,
+    connection,
+    load_credentials,
+    new_client,
+    reconnect_forever,
+)
 from exporters.mqtt_settings import MqttSettings
 from exporters.outbox import Outbox, OutboxLimits
 
@@ -72,46 +81,6 @@ DISCONNECTED_ENFORCE_EVERY = 5.0
 DROPS_QUIET_AFTER = 60.0
 """Seconds without a drop after which dropping counts as over (one info event)."""
 
-FAILURE_TEXT = {
-    "refused": "the broker refused the connection",
-    "bad_credentials": "the broker rejected the user name or password",
-    "not_authorized": "the broker did not authorise this client (mosquitto 2 says so for a "
-    "wrong user name or password too)",
-    "tls_failed": "the TLS handshake with the broker failed",
-    "unreachable": "cannot reach the broker",
-    "connection_lost": "the connection to the broker was lost",
-    "publish_refused": "the broker refused a publish",
-}
-
-
-class Backoff:
-    """tenacity's exponential backoff with jitter, outside a retry decorator."""
-
-    def __init__(self, minimum: float, maximum: float) -> None:
-        self._wait = tenacity.wait_exponential_jitter(
-            multiplier=minimum, max=maximum, jitter=minimum, min=minimum
-        )
-        self._retrying = tenacity.AsyncRetrying(wait=self._wait)
-        self.attempt = 0
-
-    def next_delay(self) -> float:
-        self.attempt += 1
-        state = tenacity.RetryCallState(self._retrying, None, (), {})
-        state.attempt_number = self.attempt
-        return float(self._wait(state))
-
-    def reset(self) -> None:
-        self.attempt = 0
-
-
-def _retrieve_disconnect_error(client: CheckedClient) -> None:
-    """aiomqtt keeps the reason of a lost connection in a future that nobody awaits once the
-    session is over; reading it keeps asyncio from logging 'exception was never retrieved'
-    (the failure itself has been reported already)."""
-    done = client._disconnected
-    if done.done() and not done.cancelled():
-        done.exception()
-
 
 class MqttSink:
     def __init__(self, settings: MqttSettings, runtime: SinkContext) -> None:
@@ -132,17 +101,16 @@ class MqttSink:
         self.heartbeat_seq = 0
         self.connected = False
         self.published: Counter[str] = Counter()
-        self.connect_failures: Counter[str] = Counter()
-        self.failure_kind: str | None = None
-        self._password: str | None = None
-        self._tls: ssl.SSLContext | None = None
-        self._client: CheckedClient | None = None
+        self.failures = FailureTracker()
+        self.connect_failures = self.failures.counts
+        self._credentials = Credentials(None, None)
+        self._publisher: Publisher | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_enforce = 0.0
         self._last_drop: float | None = None
-        self._backoff = Backoff(settings.reconnect_min, settings.reconnect_max)
-        self._produce_backoff = Backoff(settings.reconnect_min, settings.reconnect_max)
+        self.backoff = Backoff.of(settings)
+        self._produce_backoff = Backoff.of(settings)
         self._store_failing: set[str] = set()
         """Tasks ("connection", "produce") whose last state store access failed."""
 
@@ -153,26 +121,11 @@ class MqttSink:
 
     async def start(self) -> None:
         """Read the password and load the TLS files now: a mistake there stops the agent
-        with a message, instead of a retry loop that can never succeed."""
-        settings = self.settings
+        (exit code 1) with a message, instead of a retry loop that can never succeed."""
         try:
-            if settings.password_file is not None:
-                self._password = read_secret(settings.password_file, "mqtt.password_file")
-            if settings.key_file is not None:
-                read_secret(settings.key_file, "mqtt.key_file")  # refuses a readable key
+            self._credentials = load_credentials(self.settings, "mqtt")
         except ConfigError as exc:
             raise OSError(f"mqtt: {exc}") from None
-        if settings.address.tls:
-            try:
-                self._tls = tls_context(
-                    None if settings.ca_file is None else str(settings.ca_file),
-                    None if settings.cert_file is None else str(settings.cert_file),
-                    None if settings.key_file is None else str(settings.key_file),
-                )
-            except (OSError, ssl.SSLError) as exc:
-                raise OSError(
-                    f"mqtt: cannot load the TLS files (ca_file, cert_file, key_file): {exc}"
-                ) from None
 
     async def run(self) -> None:
         self._tasks = [
@@ -187,11 +140,11 @@ class MqttSink:
 
     async def stop(self) -> None:
         """Say `offline` (retained, QoS 1) while still connected, then disconnect."""
-        client = self._client
-        if client is not None and self.connected:
+        publisher = self._publisher
+        if publisher is not None and self.connected:
             payload = status_payload("offline", self.bdseq, time.time(), reason="shutdown")
             try:
-                await client.publish_acked(self.topic("status"), payload, 1, True, timeout=2.0)
+                await publisher.publish_acked(self.topic("status"), payload, 1, True, timeout=2.0)
                 log.info("published offline", bdseq=self.bdseq)
             except aiomqtt.MqttError as exc:
                 log.warning("could not publish offline before stopping", error=str(exc))
@@ -268,65 +221,61 @@ class MqttSink:
             log.error("cannot persist the birth number", error=str(exc))
         return self.bdseq
 
-    def _client_for(self, bdseq: int) -> CheckedClient:
-        settings = self.settings
-        address = settings.address
+    def _client_for(self, bdseq: int) -> aiomqtt.Client:
         will = aiomqtt.Will(
             self.topic("status"), status_payload("offline", bdseq, time.time()), qos=1, retain=True
         )
-        client = CheckedClient(
-            address.host,
-            address.port,
-            username=settings.username or None,
-            password=self._password,
-            identifier=settings.client_id or f"gpuwarden-{self.runtime.node_id}",
-            protocol=aiomqtt.ProtocolVersion.V5,
+        return new_client(
+            self.settings,
+            self._credentials,
+            default_identifier=f"gpuwarden-{self.runtime.node_id}",
             will=will,
-            keepalive=settings.keepalive,
-            timeout=settings.connect_timeout,
-            tls_context=self._tls,
-            max_inflight_messages=settings.publish_window,
+            max_inflight=self.settings.publish_window,
         )
-        # aiomqtt warns above this many awaited publishes; a full window is the design here.
-        client.pending_calls_threshold = settings.publish_window + 10
-        return client
 
     async def _connection_loop(self) -> None:
-        while True:
-            client: CheckedClient | None = None
-            try:
-                bdseq = self._next_bdseq()
-                client = self._client_for(bdseq)
-                async with client:
-                    self._client = client
-                    await client.publish_acked(
-                        self.topic("status"), status_payload("online", bdseq, time.time()), 1, True
-                    )
-                    self._on_connected(bdseq)
-                    await self._drain(client)
-            except aiomqtt.MqttError as exc:
-                self._on_failure(exc)
-            except StateStoreError as exc:
-                # The outbox could not be read or acknowledged (locked db, full disk): end this
-                # connection and retry after the same backoff, instead of ending the sink for
-                # good. Entries stay in the outbox until acknowledged, so nothing is lost.
-                self._on_store_failure("connection", exc)
-            finally:
-                self._client = None
-                self.connected = False
-                if client is not None:
-                    _retrieve_disconnect_error(client)
-            delay = self._backoff.next_delay()
-            log.debug("reconnecting", in_seconds=round(delay, 2))
-            await asyncio.sleep(delay)
+        await reconnect_forever(self._session, self.backoff, self._on_session_failure)
+
+    async def _session(self) -> None:
+        """One connection: birth, then drain the outbox until something fails (it raises)."""
+        bdseq = self._next_bdseq()
+        client = self._client_for(bdseq)
+        publisher = Publisher(client)
+        try:
+            async with connection(client) as lost:
+                self._publisher = publisher
+                await publisher.publish_acked(
+                    self.topic("status"),
+                    status_payload("online", bdseq, time.time()),
+                    1,
+                    True,
+                    timeout=self.settings.connect_timeout,
+                )
+                self._on_connected(bdseq)
+                await self._drain(publisher, lost)
+        finally:
+            self._publisher = None
+            self.connected = False
+
+    def _on_session_failure(self, exc: Exception) -> None:
+        if isinstance(exc, aiomqtt.MqttError):
+            self._on_failure(exc)
+        elif isinstance(exc, StateStoreError):
+            # The outbox could not be read or acknowledged (locked db, full disk): retry after
+            # the same backoff instead of ending the sink for good. Entries stay in the outbox
+            # until acknowledged, so nothing is lost.
+            self._on_store_failure("connection", exc)
+        else:
+            self.runtime.record_failure(self.name, f"error: {exc!r}")
+            log.error("mqtt: the connection failed unexpectedly; reconnecting", exc_info=exc)
 
     def _on_connected(self, bdseq: int) -> None:
         self.connected = True
-        self._backoff.reset()
+        self.backoff.reset()
         self._on_store_ok("connection")
         self.runtime.record_delivery(self.name)
         log.info("connected to the broker", url=self.settings.url, bdseq=bdseq)
-        if self.failure_kind is not None:
+        if self.failures.recovered():
             self.runtime.emit(
                 Event(
                     source="mqtt",
@@ -337,16 +286,13 @@ class MqttSink:
                     "the outbox is being delivered",
                 )
             )
-        self.failure_kind = None
 
     def _on_failure(self, exc: aiomqtt.MqttError) -> None:
-        kind, action = classify(exc)
-        self.connect_failures[kind] += 1
+        kind, action = classify(exc, "mqtt")
         self.runtime.record_failure(self.name, f"{kind}: {exc}")
-        if kind == self.failure_kind:
+        if not self.failures.failed(kind):
             log.debug("mqtt still failing", reason=kind, error=str(exc))
             return
-        self.failure_kind = kind
         message = f"mqtt: {FAILURE_TEXT[kind]} at {self.settings.url}: {exc}"
         log.error(message, reason=kind, action=action)
         self.runtime.emit(
@@ -377,29 +323,32 @@ class MqttSink:
 
     # -- draining the outbox ----------------------------------------------------------------
 
-    async def _drain(self, client: CheckedClient) -> None:
+    async def _drain(self, publisher: Publisher, lost: asyncio.Task[None]) -> None:
         """Keep up to publish_window entries in flight, in outbox order; delete each batch of
         acknowledged entries in one statement. Returns only by raising (connection over)."""
         window = self.settings.publish_window
         inflight: dict[int, OutboxEntry] = {}
         last_seq = 0
         last_progress = time.monotonic()
-        client.on_progress = self._wake.set
+        publisher.on_progress = self._wake.set
+        lost.add_done_callback(lambda _task: self._wake.set())
         while True:
             self.runtime.beat(f"sink:{self.name}")
             self._maybe_enforce()
             if len(inflight) < window:
                 for entry in self.outbox.peek(window - len(inflight), after_seq=last_seq):
-                    self._publish(client, entry)
+                    self._publish(publisher, entry)
                     inflight[entry.seq] = entry
                     last_seq = entry.seq
-            if client.completed:
-                done, client.completed = client.completed, []
+            if publisher.completed:
+                done, publisher.completed = publisher.completed, []
                 self._settle(done, inflight)
                 last_progress = time.monotonic()
                 continue
-            if client.lost:
-                raise aiomqtt.MqttError("the connection to the broker was lost")
+            if lost.done():
+                raise aiomqtt.MqttError("the connection to the broker was lost") from (
+                    None if lost.cancelled() else lost.exception()
+                )
             waited = time.monotonic() - last_progress
             if inflight and waited > self.settings.connect_timeout:
                 raise aiomqtt.MqttError(
@@ -429,10 +378,10 @@ class MqttSink:
         if refused is not None:
             raise refused
 
-    def _publish(self, client: CheckedClient, entry: OutboxEntry) -> None:
+    def _publish(self, publisher: Publisher, entry: OutboxEntry) -> None:
         leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)
         qos = self.settings.metrics_qos if entry.kind == "metrics" else 1
-        client.publish_tracked(
+        publisher.publish_tracked(
             entry.seq, self.topic(leaf), entry.payload, qos, entry.kind == "heartbeat"
         )
 

@@ -1,31 +1,63 @@
-"""The aiomqtt client the sink uses, plus what aiomqtt leaves out: PUBACK reason codes.
+"""The MQTT connection stack of the agent's sink and of the watcher: one way to log in, connect,
+publish with PUBACK confirmation, notice a lost connection, name a failure and wait before the
+next attempt.
 
-aiomqtt 2.x's `publish()` returns after the PUBACK but drops its reason code. Under MQTT v5 a
-broker refuses a publish it may not accept (mosquitto 2: an ACL denial) with a PUBACK whose
-reason code is 0x87 "Not authorized"; under MQTT 3.1.1 it acknowledges and silently drops it.
-So the sink speaks v5 and reads the code: `publish_acked()` raises `PublishRefused` for a
-reason code >= 0x80. It reuses aiomqtt's own pending-call plumbing (private in aiomqtt 2.x,
-which pyproject pins below 3).
+Both speak MQTT v5. Under v5 a broker refuses a publish it may not accept (mosquitto 2: an ACL
+denial) with a PUBACK whose reason code is 0x87 "Not authorized"; under 3.1.1 it acknowledges
+the publish and drops it without a word.
 
-`classify()` names the ways a connection fails, for one log line and one event per transition.
+Why `Publisher` is an adapter, and what it relies on. aiomqtt 2.5's `Client.publish(qos=1)`
+does wait for the PUBACK (its paho `on_publish` handler sets an Event per message id), but it
+drops the reason code and returns neither the code nor the message id; paho's `MQTTMessageInfo`
+holds no reason code either. The code reaches only paho's `on_publish` callback. So Publisher
+takes the paho client of an aiomqtt.Client through `Client._client` (the one private name used
+here: aiomqtt has no public accessor), puts its own handler in front of aiomqtt's through
+paho's public `on_publish` property (aiomqtt's handler still runs, so `Client.publish()` keeps
+working), and publishes through paho's public `publish()`, which returns the message id.
+tests/test_mqtt_connection.py (TestPubackAdapter) pins that behaviour of aiomqtt against a real
+mosquitto: when aiomqtt starts reporting refusals itself, that test fails and this can go.
+
+A lost connection is seen through aiomqtt's public API: its message iterator raises MqttError
+when the connection ends (`connection()`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
-from collections.abc import Callable
-from typing import Any
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn, cast
 
 import aiomqtt
 import paho.mqtt.client as paho
+import tenacity
 from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt.client import CallbackOnPublish_v2
+from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
+
+from agent.contracts.config import read_secret
+from agent.contracts.errors import ConfigError
+from exporters.mqtt_settings import BrokerSettings
 
 # MQTT v5 reason codes (OASIS MQTT 5.0, section 2.4) and the v3.1.1 CONNACK return codes that
 # paho maps onto them.
 BAD_CREDENTIALS = {0x86, 0x8C}  # bad user name or password, bad authentication method
 NOT_AUTHORIZED = {0x87}
+
+FAILURE_TEXT = {
+    "refused": "the broker refused the connection",
+    "bad_credentials": "the broker rejected the user name or password",
+    "not_authorized": "the broker did not authorise this client (mosquitto 2 says so for a "
+    "wrong user name or password too)",
+    "tls_failed": "the TLS handshake with the broker failed",
+    "unreachable": "cannot reach the broker",
+    "connection_lost": "the connection to the broker was lost",
+    "publish_refused": "the broker refused a publish",
+}
 
 
 class PublishRefused(aiomqtt.MqttError):
@@ -37,68 +69,38 @@ class PublishRefused(aiomqtt.MqttError):
         super().__init__(f"broker refused publish to {topic}: {reason} (0x{reason.value:02x})")
 
 
-class CheckedClient(aiomqtt.Client):
-    """An aiomqtt.Client whose publishes report the PUBACK reason code.
+# -- logging in and connecting -----------------------------------------------------------------
 
-    Two ways to publish: `publish_acked()` awaits one message (status), and
-    `publish_tracked()` sends without waiting and reports `(token, error or None)` in
-    `completed` when the broker answers, calling `on_progress`: the outbox drain keeps a
-    window of these in flight without a task or a timer per message.
-    """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._puback_reasons: dict[int, ReasonCode] = {}
-        self._tracked: dict[int, tuple[int, str]] = {}
-        self.completed: list[tuple[int, PublishRefused | None]] = []
-        self.lost = False
-        self.on_progress: Callable[[], None] = lambda: None
+@dataclass(frozen=True)
+class Credentials:
+    """What the broker settings name, read from disk once at start."""
 
-    def _on_publish(
-        self, client: paho.Client, userdata: Any, mid: int, reason_code: ReasonCode, properties: Any
-    ) -> None:
-        tracked = self._tracked.pop(mid, None)
-        if tracked is not None:
-            self._complete(tracked[0], tracked[1], reason_code)
-            return
-        self._puback_reasons[mid] = reason_code
-        super()._on_publish(client, userdata, mid, reason_code, properties)
+    password: str | None
+    tls: ssl.SSLContext | None
 
-    def _on_disconnect(self, *args: Any, **kwargs: Any) -> None:
-        super()._on_disconnect(*args, **kwargs)
-        self.lost = True
-        self.on_progress()
 
-    def _complete(self, token: int, topic: str, reason: ReasonCode | None) -> None:
-        error = PublishRefused(topic, reason) if reason is not None and reason.is_failure else None
-        self.completed.append((token, error))
-        self.on_progress()
-
-    def publish_tracked(
-        self, token: int, topic: str, payload: bytes, qos: int, retain: bool
-    ) -> None:
-        info = self._client.publish(topic, payload, qos, retain)
-        if info.rc != paho.MQTT_ERR_SUCCESS:
-            raise aiomqtt.MqttCodeError(info.rc, f"could not publish to {topic}")
-        if info.is_published():  # QoS 0 written at once: on_publish has already run
-            self._complete(token, topic, self._puback_reasons.pop(info.mid, None))
-        else:
-            self._tracked[info.mid] = (token, topic)
-
-    async def publish_acked(
-        self, topic: str, payload: bytes, qos: int, retain: bool, timeout: float | None = None
-    ) -> None:
-        """Publish; return once the broker accepted it (QoS 1: a successful PUBACK)."""
-        info = self._client.publish(topic, payload, qos, retain)
-        if info.rc != paho.MQTT_ERR_SUCCESS:
-            raise aiomqtt.MqttCodeError(info.rc, f"could not publish to {topic}")
-        if not info.is_published():
-            confirmation = asyncio.Event()
-            with self._pending_call(info.mid, confirmation, self._pending_publishes):
-                await self._wait_for(confirmation.wait(), timeout=timeout)
-        reason = self._puback_reasons.pop(info.mid, None)
-        if reason is not None and reason.is_failure:
-            raise PublishRefused(topic, reason)
+def load_credentials(settings: BrokerSettings, section: str) -> Credentials:
+    """Read the password and load the TLS files now: a mistake there stops the program with
+    the key named, instead of a retry loop that can never succeed. Raises ConfigError."""
+    password = None
+    if settings.password_file is not None:
+        password = read_secret(settings.password_file, f"{section}.password_file")
+    if settings.key_file is not None:
+        read_secret(settings.key_file, f"{section}.key_file")  # refuses a key others can read
+    if not settings.address.tls:
+        return Credentials(password, None)
+    try:
+        context = tls_context(
+            None if settings.ca_file is None else str(settings.ca_file),
+            None if settings.cert_file is None else str(settings.cert_file),
+            None if settings.key_file is None else str(settings.key_file),
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"{section}.ca_file", f"cannot load the TLS files (ca_file, cert_file, key_file): {exc}"
+        ) from None
+    return Credentials(password, context)
 
 
 def tls_context(ca_file: str | None, cert_file: str | None, key_file: str | None) -> ssl.SSLContext:
@@ -111,31 +113,179 @@ def tls_context(ca_file: str | None, cert_file: str | None, key_file: str | None
     return context
 
 
-def classify(exc: BaseException) -> tuple[str, str]:
-    """(kind, what to do) for a connection or delivery failure.
+def new_client(
+    settings: BrokerSettings,
+    credentials: Credentials,
+    *,
+    default_identifier: str,
+    will: aiomqtt.Will | None,
+    queue_type: type[asyncio.Queue[aiomqtt.Message]] | None = None,
+    max_inflight: int | None = None,
+) -> aiomqtt.Client:
+    """An aiomqtt client for one connection: v5, the explicit keepalive, TLS that checks the
+    host name, `client_id` or the caller's default."""
+    address = settings.address
+    return aiomqtt.Client(
+        address.host,
+        address.port,
+        username=settings.username or None,
+        password=credentials.password,
+        identifier=settings.client_id or default_identifier,
+        protocol=aiomqtt.ProtocolVersion.V5,
+        will=will,
+        keepalive=settings.keepalive,
+        timeout=settings.connect_timeout,
+        tls_context=credentials.tls,
+        queue_type=queue_type,
+        max_inflight_messages=max_inflight,
+    )
+
+
+@contextlib.asynccontextmanager
+async def connection(client: aiomqtt.Client) -> AsyncIterator[asyncio.Task[None]]:
+    """Connect; yield a task that ends, raising MqttError, when the connection is lost.
+
+    The task reads `client.messages`, aiomqtt's public view of the connection: the caller
+    handles messages through `queue_type` (the watcher) or subscribes to nothing (the sink).
+    """
+    lost: asyncio.Task[None] | None = None
+    try:
+        async with client:
+            lost = asyncio.create_task(_until_lost(client), name="mqtt:until-lost")
+            yield lost
+    finally:
+        if lost is not None:
+            await _settle(lost)
+
+
+async def _until_lost(client: aiomqtt.Client) -> None:
+    async for _ in client.messages:
+        pass
+
+
+async def _settle(lost: asyncio.Task[None]) -> None:
+    """Once `async with client` has left, aiomqtt has marked the connection over and `lost`
+    ends within a few loop turns. Reading its outcome also reads aiomqtt's disconnection
+    reason, which asyncio would otherwise log as 'Future exception was never retrieved'."""
+    try:
+        if not lost.done():
+            await asyncio.wait({lost}, timeout=1.0)
+    finally:
+        if not lost.done():
+            lost.cancel()
+        elif not lost.cancelled():
+            lost.exception()
+
+
+# -- publishing with PUBACK reason codes (see the module's docstring) --------------------------
+
+
+class Publisher:
+    """Publishes through one aiomqtt.Client and reads each PUBACK's reason code.
+
+    `publish_acked()` awaits one message (a status); `publish_tracked()` sends without waiting
+    and reports `(token, error or None)` in `completed` when the broker answers, calling
+    `on_progress`: the outbox drain keeps a window of these in flight without a task or a
+    timer per message.
+    """
+
+    def __init__(self, client: aiomqtt.Client) -> None:
+        self._paho: paho.Client = client._client  # the one private name: module docstring
+        self._answers: dict[int, Callable[[ReasonCode], None]] = {}
+        self.completed: list[tuple[int, PublishRefused | None]] = []
+        self.on_progress: Callable[[], None] = lambda: None
+        # aiomqtt creates its paho client with callback API version 2, whose on_publish takes
+        # the reason code and the properties too.
+        aiomqtt_handler = cast("CallbackOnPublish_v2 | None", self._paho.on_publish)
+
+        def on_publish(
+            client: paho.Client,
+            userdata: Any,
+            mid: int,
+            reason_code: ReasonCode,
+            properties: Properties,
+        ) -> None:
+            answer = self._answers.pop(mid, None)
+            if answer is not None:
+                answer(reason_code)
+            if aiomqtt_handler is not None:
+                aiomqtt_handler(client, userdata, mid, reason_code, properties)
+
+        self._paho.on_publish = on_publish
+
+    def _send(self, topic: str, payload: bytes, qos: int, retain: bool) -> paho.MQTTMessageInfo:
+        info = self._paho.publish(topic, payload, qos, retain)
+        if info.rc != paho.MQTT_ERR_SUCCESS:
+            raise aiomqtt.MqttCodeError(info.rc, f"could not publish to {topic}")
+        return info
+
+    def publish_tracked(
+        self, token: int, topic: str, payload: bytes, qos: int, retain: bool
+    ) -> None:
+        info = self._send(topic, payload, qos, retain)
+        if info.is_published():  # QoS 0, written at once: there is no PUBACK to read
+            self._complete(token, topic, None)
+        else:
+            self._answers[info.mid] = lambda reason: self._complete(token, topic, reason)
+
+    def _complete(self, token: int, topic: str, reason: ReasonCode | None) -> None:
+        error = PublishRefused(topic, reason) if reason is not None and reason.is_failure else None
+        self.completed.append((token, error))
+        self.on_progress()
+
+    async def publish_acked(
+        self, topic: str, payload: bytes, qos: int, retain: bool, timeout: float
+    ) -> None:
+        """Publish; return once the broker accepted it (QoS 1: a successful PUBACK)."""
+        info = self._send(topic, payload, qos, retain)
+        if info.is_published():
+            return
+        answered: asyncio.Future[ReasonCode] = asyncio.get_running_loop().create_future()
+        self._answers[info.mid] = lambda reason: (
+            None if answered.done() else answered.set_result(reason)
+        )
+        try:
+            reason = await asyncio.wait_for(answered, timeout)
+        except TimeoutError:
+            raise aiomqtt.MqttError(f"no PUBACK for {topic} within {timeout:g} s") from None
+        finally:
+            self._answers.pop(info.mid, None)
+        if reason.is_failure:
+            raise PublishRefused(topic, reason)
+
+
+# -- naming failures and waiting between attempts ----------------------------------------------
+
+
+def classify(exc: BaseException, section: str = "mqtt") -> tuple[str, str]:
+    """(kind, what to do) for a connection or delivery failure; `section` is the table whose
+    keys the advice names.
 
     Kinds: refused, bad_credentials, not_authorized, tls_failed, unreachable, connection_lost,
     publish_refused.
     """
     if isinstance(exc, PublishRefused):
         return "publish_refused", (
-            "the broker's ACL does not let this node publish there; allow "
-            "'pattern write <prefix>/%u/#' for the node's user"
+            f"the broker's ACL does not let [{section}] username publish to {exc.topic}; for "
+            "nodes allow 'pattern write <prefix>/%u/#', for the watcher write on "
+            "<prefix>/_watch/#"
         )
     if isinstance(exc, MqttConnectError):
         code = getattr(exc.rc, "value", exc.rc)
         if code in BAD_CREDENTIALS:
-            return "bad_credentials", "check [mqtt] username and the password in password_file"
+            return "bad_credentials", (
+                f"check [{section}] username and the password in password_file"
+            )
         if code in NOT_AUTHORIZED:
             return "not_authorized", (
-                "check [mqtt] username and the password in password_file, and that the broker "
-                "lets this user connect"
+                f"check [{section}] username and the password in password_file, and that the "
+                "broker lets this user connect"
             )
         return "refused", "the broker refused the connection; read the broker's log"
     text = str(exc).lower()
     if any(mark in text for mark in ("certificate", "ssl", "tls", "hostname mismatch")):
         return "tls_failed", (
-            "check ca_file, that the broker's certificate names the host in [mqtt] url, "
+            f"check [{section}] ca_file, that the broker's certificate names the host in url, "
             "and cert_file/key_file"
         )
     if any(
@@ -148,5 +298,74 @@ def classify(exc: BaseException) -> tuple[str, str]:
             "temporary failure in name resolution",
         )
     ):
-        return "unreachable", "is the broker running and reachable at [mqtt] url?"
+        return "unreachable", f"is the broker running and reachable at [{section}] url?"
     return "connection_lost", "the broker went away or stopped answering; it is retried"
+
+
+class FailureTracker:
+    """The way the connection last failed: a log line (and event) per change, not per retry,
+    and a count per attempt."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.counts: Counter[str] = Counter()
+
+    def failed(self, kind: str) -> bool:
+        """Count one failure; True when it differs from the last one (report it)."""
+        self.counts[kind] += 1
+        changed = kind != self.kind
+        self.kind = kind
+        return changed
+
+    def recovered(self) -> bool:
+        """Connected again; True when it had been failing (report that it is over)."""
+        was_failing = self.kind is not None
+        self.kind = None
+        return was_failing
+
+
+class Backoff:
+    """The one reconnect policy: tenacity's exponential backoff with jitter, outside a retry
+    decorator. Delay n lies in [minimum * 2^(n-1), that + minimum], at most `maximum`."""
+
+    def __init__(self, minimum: float, maximum: float) -> None:
+        self.minimum = minimum
+        self.maximum = maximum
+        self._wait = tenacity.wait_exponential_jitter(
+            multiplier=minimum, max=maximum, jitter=minimum, min=minimum
+        )
+        self._retrying = tenacity.AsyncRetrying(wait=self._wait)
+        self.attempt = 0
+
+    @classmethod
+    def of(cls, settings: BrokerSettings) -> Backoff:
+        return cls(settings.reconnect_min, settings.reconnect_max)
+
+    def next_delay(self) -> float:
+        self.attempt += 1
+        state = tenacity.RetryCallState(self._retrying, None, (), {})
+        state.attempt_number = self.attempt
+        return float(self._wait(state))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def reconnect_forever(
+    session: Callable[[], Awaitable[None]],
+    backoff: Backoff,
+    on_failure: Callable[[Exception], None],
+) -> NoReturn:
+    """Run `session` (one connection) again and again, `backoff` apart; the session resets
+    the backoff once it is connected, so a long outage waits longer between attempts while a
+    connection that drops after working is retried soon.
+
+    Any exception, not only MqttError, costs a reconnection: a bug in a session must not end
+    the MQTT side for good (and the backoff keeps a lasting one from spinning).
+    """
+    while True:
+        try:
+            await session()
+        except Exception as exc:  # see the docstring
+            on_failure(exc)
+        await asyncio.sleep(backoff.next_delay())

@@ -56,7 +56,10 @@ def toml_value(value: Any) -> str | None:
 def table_lines(obj: Any, skip: frozenset[str] = frozenset()) -> list[str]:
     lines: list[str] = []
     hints = typing.get_type_hints(type(obj))
-    for spec in dataclasses.fields(obj):
+    # `enabled` first: a table's switch is what a reader looks for, wherever a base class
+    # (BrokerSettings under [mqtt]) put it in the field order.
+    specs = sorted(dataclasses.fields(obj), key=lambda spec: spec.name != "enabled")
+    for spec in specs:
         if not spec.init or spec.name in skip:
             continue
         value = getattr(obj, spec.name)

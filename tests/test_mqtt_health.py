@@ -11,8 +11,7 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
-from exporters.mqtt import Backoff
-from exporters.mqtt_client import PublishRefused, classify
+from exporters.mqtt_client import Backoff, PublishRefused, classify
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber, persistent_broker_lines
 from tests.support.waiting import until

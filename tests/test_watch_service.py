@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
 
-import aiomqtt
 import pytest
 
 from agent.contracts.errors import ConfigError
@@ -20,6 +19,7 @@ from agent.contracts.model import Severity
 from agent.program.watch.fleet import Alert, AlertChange
 from agent.program.watch.service import Watcher, load_inventory
 from agent.program.watch.settings import WatchSettings
+from exporters.mqtt_client import Publisher
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port, wait_for_port
 from tests.support.waiting import until
@@ -295,13 +295,15 @@ class TestCommand:
         assert "watch.url" in done.stderr
 
 
-class SlowClient:
-    """A client whose publish waits for its PUBACK: other tasks run meanwhile."""
+class SlowPublisher:
+    """A publisher whose publish waits for its PUBACK: other tasks run meanwhile."""
 
     def __init__(self) -> None:
         self.sent: list[str] = []
 
-    async def publish(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False) -> None:
+    async def publish_acked(
+        self, topic: str, payload: bytes, qos: int, retain: bool, timeout: float
+    ) -> None:
         for _ in range(3):
             await asyncio.sleep(0)
         self.sent.append(json.loads(payload)["node"])
@@ -317,11 +319,11 @@ class TestFlush:
     async def test_concurrent_flushes_publish_each_alert_once(self) -> None:
         watcher = Watcher(WatchSettings(listen=""))
         watcher.pending.extend(dead_alert(f"n{i}") for i in range(4))
-        client = SlowClient()
-        watcher.client = cast(aiomqtt.Client, client)
+        publisher = SlowPublisher()
+        watcher.publisher = cast(Publisher, publisher)
         results = await asyncio.gather(watcher.flush(), watcher.flush(), return_exceptions=True)
         assert list(results) == [None, None]
-        assert client.sent == ["n0", "n1", "n2", "n3"]
+        assert publisher.sent == ["n0", "n1", "n2", "n3"]
         assert not watcher.pending
 
 

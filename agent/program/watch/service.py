@@ -1,10 +1,10 @@
 """The watcher's MQTT side: subscribe to every node, feed the state machine, publish alerts.
 
-Reconnects forever: a loop around `async with client:` catching `aiomqtt.MqttError`, with
-exponential backoff and jitter (tenacity) while the broker refuses, and an immediate first
-retry after a connection that had worked. Alert changes are logged at once and published on
-the alerts topic (QoS 1) when connected; those raised while the broker is away wait in a
-bounded queue.
+It runs on the connection stack it shares with the agent's sink (exporters/mqtt_client.py):
+the same login, TLS, MQTT v5 with PUBACK codes read, failure names, and one
+reconnect loop with one backoff (reset once connected). Alert changes are logged at once and
+published on the alerts topic (QoS 1) when connected; those raised while the broker is away,
+or refused by it, wait in a bounded queue.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import ssl
 import time
 from collections import deque
 from collections.abc import Callable
@@ -21,17 +20,9 @@ from pathlib import Path
 
 import aiomqtt
 import structlog
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_never,
-    wait_exponential,
-    wait_random,
-)
 
 from agent import __version__
-from agent.contracts.config import NODE_ID, read_secret
+from agent.contracts.config import NODE_ID
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import Severity
 from agent.program.watch.fleet import AlertChange, Fleet
@@ -39,11 +30,22 @@ from agent.program.watch.metrics import MetricsServer
 from agent.program.watch.settings import WatchSettings
 from agent.runtime.systemd import Notifier, Supervisor, run_watchdog, watchdog_interval
 from exporters.http import parse_listen
+from exporters.mqtt_client import (
+    FAILURE_TEXT,
+    Backoff,
+    FailureTracker,
+    Publisher,
+    PublishRefused,
+    classify,
+    connection,
+    load_credentials,
+    new_client,
+    reconnect_forever,
+)
 
 log = structlog.get_logger(component="watch")
 
 MAX_PENDING_ALERTS = 10_000
-RECONNECT_MAX_SECONDS = 30.0
 STOP_SECONDS = 4.0
 """SIGTERM to exit, inside systemd's TimeoutStopSec=10s."""
 
@@ -116,40 +118,31 @@ class Watcher:
         self.fleet = fleet_from(settings, inventory or [], clock())
         self.pending: deque[AlertChange] = deque(maxlen=MAX_PENDING_ALERTS)
         self._flushing = asyncio.Lock()
-        self.client: aiomqtt.Client | None = None
+        self.publisher: Publisher | None = None
+        """Set while connected: how alerts and the watcher's status go out."""
         self.supervisor = Supervisor()
         self.metrics: MetricsServer | None = None
-        self._password = (
-            read_secret(settings.password_file, "watch.password_file")
-            if settings.password_file
-            else None
-        )
+        self.credentials = load_credentials(settings, "watch")  # ConfigError: exit code 2
+        self.backoff = Backoff.of(settings)
+        self.failures = FailureTracker()
+        self.connect_failures = self.failures.counts
+        self._refusing = False
+        """The broker refused the last publish (an ACL without write on <prefix>/_watch/#)."""
 
     @property
     def status_topic(self) -> str:
-        return f"{self.settings.topic_prefix}/_watch/status"
+        return self.settings.status_topic
 
     def _status(self, state: str) -> bytes:
         return json.dumps({"state": state, "ts": self.clock(), "version": __version__}).encode()
 
     def _client(self) -> aiomqtt.Client:
-        s = self.settings
-        tls = (
-            ssl.create_default_context(cafile=str(s.ca_file) if s.ca_file else None)
-            if s.tls
-            else None
-        )
-        return aiomqtt.Client(
-            s.host,
-            s.port,
-            username=s.username or None,
-            password=self._password,
-            identifier=s.client_id or f"gpuwarden-watch-{socket.gethostname()}",
-            keepalive=s.keepalive,
-            tls_context=tls,
-            timeout=10.0,
-            queue_type=direct_queue(self.handle),
+        return new_client(
+            self.settings,
+            self.credentials,
+            default_identifier=f"gpuwarden-watch-{socket.gethostname()}",
             will=aiomqtt.Will(self.status_topic, self._status("offline"), qos=1, retain=True),
+            queue_type=direct_queue(self.handle),
         )
 
     # -- tasks ------------------------------------------------------------------------------
@@ -175,13 +168,10 @@ class Watcher:
             await stop.wait()
         finally:
             notifier.stopping()
-            if self.client is not None:
-                with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
-                    await asyncio.wait_for(
-                        self.client.publish(
-                            self.status_topic, self._status("stopped"), qos=1, retain=True
-                        ),
-                        2.0,
+            if self.publisher is not None:
+                with contextlib.suppress(aiomqtt.MqttError):
+                    await self._publish(
+                        self.publisher, self.status_topic, self._status("stopped"), True, 2.0
                     )
             for task in tasks:
                 task.cancel()
@@ -198,63 +188,74 @@ class Watcher:
         return f"{broker}; {len(views)} nodes; {len(self.fleet.active)} alerts active"
 
     async def mqtt_forever(self) -> None:
-        while True:
-            # Any exception, not only MqttError: a bug in a session must cost a reconnection
-            # (with backoff, so a lasting one does not spin), not the watcher's MQTT side.
-            retrying = AsyncRetrying(
-                retry=retry_if_exception_type(Exception),
-                wait=wait_exponential(multiplier=0.5, max=RECONNECT_MAX_SECONDS)
-                + wait_random(0, 0.5),
-                stop=stop_never,
-                before_sleep=self._connect_failed,
-                reraise=True,
-            )
-            async for attempt in retrying:
-                with attempt:
-                    await self.session()
+        await reconnect_forever(self.session, self.backoff, self._session_failed)
 
-    def _connect_failed(self, state: RetryCallState) -> None:
+    def _session_failed(self, error: Exception) -> None:
         self.fleet.broker_disconnected(self.clock())
-        error = state.outcome.exception() if state.outcome else None
-        if error is not None and not isinstance(error, aiomqtt.MqttError):
-            log.error(
-                "MQTT session failed; reconnecting",
-                error=repr(error),
-                exc_info=error,
-                attempt=state.attempt_number,
-            )
+        if not isinstance(error, aiomqtt.MqttError):
+            self.failures.failed("error")
+            log.error("MQTT session failed; reconnecting", error=repr(error), exc_info=error)
+            return
+        kind, action = classify(error, "watch")
+        if not self.failures.failed(kind):
+            log.debug("broker still failing", reason=kind, error=str(error))
             return
         log.warning(
-            "cannot reach the broker; retrying",
+            f"{FAILURE_TEXT[kind]}; retrying",
             url=self.settings.url,
+            reason=kind,
+            action=action,
             error=str(error),
-            attempt=state.attempt_number,
         )
 
     async def session(self) -> None:
-        """One connection. Raises MqttError if it could not connect; returns when it is lost."""
+        """One connection. Raises MqttError when it could not connect or was lost."""
         s = self.settings
         client = self._client()
-        async with client:
-            self.client = client
-            self.fleet.broker_connected(self.clock())
-            log.info("connected to the broker", url=s.url)
-            try:
-                await client.publish(self.status_topic, self._status("online"), qos=1, retain=True)
+        publisher = Publisher(client)
+        try:
+            async with connection(client) as lost:
+                self.fleet.broker_connected(self.clock())
+                await self._publish(publisher, self.status_topic, self._status("online"), True)
                 await client.subscribe(
                     [
                         (f"{s.topic_prefix}/+/status", 1),
                         (f"{s.topic_prefix}/+/heartbeat", s.heartbeat_qos),
-                    ]
+                    ],
+                    timeout=s.connect_timeout,
                 )
+                self.backoff.reset()
+                again = " again" if self.failures.recovered() else ""
+                log.info(f"connected to the broker{again}", url=s.url)
+                self.publisher = publisher
                 await self.flush()
-                async for _ in client.messages:  # handled in direct_queue; ends on disconnect
-                    pass
-            except aiomqtt.MqttError as exc:
-                log.warning("broker connection lost", error=str(exc))
-            finally:
-                self.client = None
-                self.fleet.broker_disconnected(self.clock())
+                await lost  # messages are handled in direct_queue; this raises on the loss
+        finally:
+            self.publisher = None
+            self.fleet.broker_disconnected(self.clock())
+
+    async def _publish(
+        self,
+        publisher: Publisher,
+        topic: str,
+        payload: bytes,
+        retain: bool,
+        timeout: float | None = None,
+    ) -> bool:
+        """QoS 1 with its PUBACK; False when the broker refused it (logged once, not per
+        retry: the watcher goes on watching). MqttError when the connection fails."""
+        try:
+            await publisher.publish_acked(
+                topic, payload, 1, retain, timeout or self.settings.connect_timeout
+            )
+        except PublishRefused as exc:
+            if not self._refusing:
+                kind, action = classify(exc, "watch")
+                log.error(FAILURE_TEXT[kind], reason=kind, action=action, error=str(exc))
+            self._refusing = True
+            return False
+        self._refusing = False
+        return True
 
     def handle(self, message: aiomqtt.Message) -> None:
         try:
@@ -270,7 +271,7 @@ class Watcher:
             try:
                 self.evaluate_once()
                 self.supervisor.beat("evaluate")
-                if self.client is not None and self.pending:
+                if self.publisher is not None and self.pending:
                     await self.flush()
             except Exception:  # a bug here must not end evaluation: no beat, the watchdog sees it
                 log.exception("evaluation failed")
@@ -299,16 +300,17 @@ class Watcher:
         # publishes the head and pops it after the PUBACK: two at once would publish it twice
         # and pop one too many, so one at a time.
         async with self._flushing:
-            while (client := self.client) is not None and self.pending:
+            while (publisher := self.publisher) is not None and self.pending:
                 change = self.pending[0]
+                payload = json.dumps(change.to_dict()).encode()
                 try:
-                    await client.publish(
-                        self.settings.effective_alerts_topic,
-                        json.dumps(change.to_dict()).encode(),
-                        qos=1,
+                    delivered = await self._publish(
+                        publisher, self.settings.effective_alerts_topic, payload, False
                     )
                 except aiomqtt.MqttError:
                     return  # the session notices the loss and reconnects; the queue keeps it
+                if not delivered:
+                    return  # refused: kept for the next flush, after the ACL is fixed
                 # A full queue drops its head on append, maybe this one while it was in flight.
                 if self.pending and self.pending[0] is change:
                     self.pending.popleft()

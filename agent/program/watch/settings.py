@@ -1,29 +1,19 @@
-"""The `[watch]` table: where the watcher listens and how quickly silence becomes an alert."""
+"""The `[watch]` table: the broker keys shared with [mqtt] (exporters/mqtt_settings.py), where
+the watcher listens, and how quickly silence becomes an alert."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from agent.contracts.errors import ConfigError
 from agent.contracts.settings import setting
 from exporters.http import parse_listen
+from exporters.mqtt_settings import BrokerSettings
 
 
 @dataclass(frozen=True)
-class WatchSettings:
-    url: str = setting(
-        "mqtt://127.0.0.1:1883", help="broker, mqtt://host:port or mqtts://host:port"
-    )
-    topic_prefix: str = setting("gpuwarden/v1", help="the agents' topic prefix")
-    username: str = setting("", help="broker user name; empty: anonymous")
-    password_file: Path | None = setting(
-        None, help="file holding the broker password (chmod 600); unset: no password"
-    )
-    ca_file: Path | None = setting(None, help="CA bundle for mqtts://; unset: the system store")
-    client_id: str = setting("", help="MQTT client id; empty: gpuwarden-watch-<host name>")
-    keepalive: int = setting(30, minimum=5, maximum=3600, help="MQTT keepalive, seconds (never 0)")
+class WatchSettings(BrokerSettings):
     inventory_file: Path | None = setting(
         None, help="nodes that must exist, one id a line, # comments; unset: only nodes seen"
     )
@@ -78,43 +68,15 @@ class WatchSettings:
     )
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-            raise ConfigError(
-                "url", f"expected mqtt://host:port or mqtts://host:port, got {self.url!r}"
-            )
-        try:
-            _ = parts.port
-        except ValueError:
-            raise ConfigError("url", f"bad port in {self.url!r}") from None
-        prefix = self.topic_prefix
-        if (
-            not prefix
-            or prefix.startswith("/")
-            or prefix.endswith("/")
-            or any(c in prefix for c in "+#")
-        ):
-            raise ConfigError(
-                "topic_prefix",
-                f"expected levels like gpuwarden/v1 (no +, #, outer /), got {prefix!r}",
-            )
+        super().__post_init__()
         if self.alerts_topic and any(c in self.alerts_topic for c in "+#"):
             raise ConfigError("alerts_topic", "a topic to publish on cannot contain + or #")
         if self.listen:
             parse_listen(self.listen, "listen")
 
     @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or "127.0.0.1"
-
-    @property
-    def port(self) -> int:
-        parts = urlsplit(self.url)
-        return parts.port or (8883 if parts.scheme == "mqtts" else 1883)
-
-    @property
-    def tls(self) -> bool:
-        return urlsplit(self.url).scheme == "mqtts"
+    def status_topic(self) -> str:
+        return f"{self.topic_prefix}/_watch/status"
 
     @property
     def effective_alerts_topic(self) -> str:
