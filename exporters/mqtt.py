@@ -265,9 +265,10 @@ class MqttSink:
             # the same backoff instead of ending the sink for good. Entries stay in the outbox
             # until acknowledged, so nothing is lost.
             self._on_store_failure("connection", exc)
-        else:
+        else:  # a bug: the traceback once, not once per retry
             self.runtime.record_failure(self.name, f"error: {exc!r}")
-            log.error("mqtt: the connection failed unexpectedly; reconnecting", exc_info=exc)
+            if self.failures.failed("error"):
+                log.error("mqtt: the connection failed unexpectedly; reconnecting", exc_info=exc)
 
     def _on_connected(self, bdseq: int) -> None:
         self.connected = True

@@ -241,9 +241,12 @@ class Publisher:
         if info.is_published():
             return
         answered: asyncio.Future[ReasonCode] = asyncio.get_running_loop().create_future()
-        self._answers[info.mid] = lambda reason: (
-            None if answered.done() else answered.set_result(reason)
-        )
+
+        def answer(reason: ReasonCode) -> None:
+            if not answered.done():  # a wait that timed out has cancelled it
+                answered.set_result(reason)
+
+        self._answers[info.mid] = answer
         try:
             reason = await asyncio.wait_for(answered, timeout)
         except TimeoutError:

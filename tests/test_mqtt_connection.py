@@ -335,6 +335,37 @@ class TestSameBackoff:
         assert not never
 
 
+class TestBugsCostAReconnection:
+    """One loop for both: an unexpected exception in a session is retried, like a lost broker."""
+
+    async def test_the_agent_sink_survives_a_bug_in_a_session(
+        self, tmp_path: Path, broker: Broker, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        agent = InProcessAgent(tmp_path / "state", {"url": broker.url})
+        try:
+            runtime = await agent.start()
+            sink = runtime.sinks["mqtt"]
+            await until(lambda: sink.connected, what="connected")
+            first_birth = sink.bdseq
+            drain = type(sink)._drain
+            calls: list[int] = []
+
+            async def buggy(self: Any, *args: Any) -> None:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise IndexError("pop from an empty deque")
+                await drain(self, *args)
+
+            monkeypatch.setattr(type(sink), "_drain", buggy)
+            broker.restart()  # a new session, whose drain raises once
+            await until(lambda: sink.connected and len(calls) >= 2, what="a second session")
+            assert sink.bdseq > first_birth
+            assert not runtime._sink_tasks["mqtt"].done()
+            assert "IndexError" in runtime.ledger["mqtt"].last_failure
+        finally:
+            await agent.stop()
+
+
 # -- the PUBACK adapter: what aiomqtt does and does not tell ---------------------------------
 
 ACL = "user node-a\ntopic write gpuwarden/v1/node-a/#\nuser watcher\ntopic read gpuwarden/v1/#\n"

@@ -192,9 +192,9 @@ class Watcher:
 
     def _session_failed(self, error: Exception) -> None:
         self.fleet.broker_disconnected(self.clock())
-        if not isinstance(error, aiomqtt.MqttError):
-            self.failures.failed("error")
-            log.error("MQTT session failed; reconnecting", error=repr(error), exc_info=error)
+        if not isinstance(error, aiomqtt.MqttError):  # a bug: the traceback once, not per retry
+            if self.failures.failed("error"):
+                log.error("MQTT session failed; reconnecting", error=repr(error), exc_info=error)
             return
         kind, action = classify(error, "watch")
         if not self.failures.failed(kind):
