@@ -95,4 +95,14 @@ def load(path: Path | None, schema: Schema) -> Config:
         raise ConfigError("", f"not UTF-8 text: {exc}", str(path)) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("", f"TOML syntax error: {exc}", str(path)) from None
+    except RecursionError:
+        # tomllib recurses once per nesting level: a few hundred nested arrays or inline
+        # tables exhaust the stack. Not a traceback: the same clear error as a syntax error.
+        raise ConfigError(
+            "", "arrays or inline tables nested too deeply for the TOML parser", str(path)
+        ) from None
+    except Exception as exc:  # any other parser failure is still a bad file, not a crash
+        raise ConfigError(
+            "", f"the TOML parser failed: {type(exc).__name__}: {exc}", str(path)
+        ) from None
     return parse(data, str(path), schema)
