@@ -4,6 +4,12 @@ A call that times out leaves its thread running (Python cannot kill a thread stu
 or in statvfs on a dead NFS server). Its key is marked hung: further calls with that key fail at
 once with `CallStillHung` until the old call returns, so one stuck resource holds one thread,
 never one more per round.
+
+A call whose round is cancelled before its timeout (a reload restarting the collector, a stop,
+a round over its limit) also leaves its thread running. It stays the key's call: the next call
+with that key waits for it for what is left of its timeout and then, if it still runs, marks it
+hung; it never starts a second thread beside it. The runtime keeps one PooledCaller per
+collector across restarts of that collector, so a reload forgets neither.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class PooledCaller:
         self._executor = executor
         self.timeout = timeout
         self._hung: dict[str, float] = {}
+        self._abandoned: dict[str, tuple[float, concurrent.futures.Future[Any]]] = {}
+        """Calls still running whose caller was cancelled before their timeout."""
         self._on_hang = on_hang
         self._on_recover = on_recover
 
@@ -56,11 +64,19 @@ class PooledCaller:
         """Keys of calls still running past their timeout -> monotonic time they started."""
         return dict(self._hung)
 
+    @property
+    def outstanding(self) -> int:
+        """Threads running a call nobody awaits any more: hung, or abandoned by a cancelled
+        round. The process must not wait for them at exit."""
+        return len(self._hung) + len(self._abandoned)
+
     async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         started = self._hung.get(key)
         if started is not None:
             raise CallStillHung(key, time.monotonic() - started)
         loop = asyncio.get_running_loop()
+        if key in self._abandoned:
+            await self._wait_abandoned(key, loop)
         started = time.monotonic()
         future = self._executor.submit(fn, *args, **kwargs)
         waiter = asyncio.wrap_future(future)
@@ -72,14 +88,59 @@ class PooledCaller:
             # never retrieved".
             waiter.add_done_callback(_retrieve)
             if not isinstance(exc, TimeoutError):
+                self._abandon(key, started, future, loop)
                 raise
-            self._hung[key] = started
-            future.add_done_callback(
-                lambda done: _call_soon(loop, self._recovered, key, started, done)
-            )
-            if self._on_hang is not None:
-                self._on_hang(key, self.timeout)
+            self._mark_hung(key, started, future, loop)
             raise CallTimedOut(key, self.timeout) from None
+
+    def _abandon(
+        self,
+        key: str,
+        started: float,
+        future: concurrent.futures.Future[Any],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        if future.done():
+            return
+        self._abandoned[key] = (started, future)
+        future.add_done_callback(lambda done: _call_soon(loop, self._abandoned_done, key, done))
+
+    def _abandoned_done(self, key: str, done: concurrent.futures.Future[Any]) -> None:
+        entry = self._abandoned.get(key)
+        if entry is not None and entry[1] is done:
+            del self._abandoned[key]
+
+    async def _wait_abandoned(self, key: str, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait for the key's abandoned call for what is left of its timeout. Its result is
+        not ours (other arguments, another round): only its end is waited for. Still running
+        then, it is hung, reported as such, and this call raises CallTimedOut."""
+        started, future = self._abandoned[key]
+        left = self.timeout - (time.monotonic() - started)
+        waiter = asyncio.wrap_future(future)
+        waiter.add_done_callback(_retrieve)
+        # asyncio.wait, not wait_for: it neither raises what the old call raised nor cancels
+        # it when this round is cancelled in turn.
+        await asyncio.wait([waiter], timeout=max(left, 0.0))
+        if future.done():
+            self._abandoned_done(key, future)
+            return
+        if key in self._hung:  # another caller of this key got here first
+            raise CallStillHung(key, time.monotonic() - self._hung[key])
+        self._abandoned_done(key, future)
+        self._mark_hung(key, started, future, loop)
+        raise CallTimedOut(key, self.timeout)
+
+    def _mark_hung(
+        self,
+        key: str,
+        started: float,
+        future: concurrent.futures.Future[Any],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._hung[key] = started
+        future.add_done_callback(lambda done: _call_soon(loop, self._recovered, key, started, done))
+        if self._on_hang is not None:
+            self._on_hang(key, self.timeout)
 
     def _recovered(self, key: str, started: float, done: concurrent.futures.Future[Any]) -> None:
         if self._hung.get(key) == started:
