@@ -3,7 +3,8 @@
 The heartbeat is the off-node watcher's view of the node's own health: a sequence number, the
 interval to expect the next one in, when each collector last succeeded, when each sink last
 confirmed a delivery (so the MQTT heartbeat says when Prometheus last scraped), the outbox
-depth and drops, and the overall health with its problems. Ages are seconds at `ts`; a
+depth and drops, the overall health with its problems, and notices (a configuration change
+pending restart: shown, not a failure). Ages are seconds at `ts`; a
 timestamp that never happened is null, never 0.
 """
 
@@ -77,6 +78,9 @@ def heartbeat_payload(
             "node": runtime.node_id,
             "version": __version__,
             "health": "ok" if health.ok else list(health.problems),
+            # Not problems (the watcher does not alert on them): where the running agent
+            # differs from its file, e.g. a change pending restart (agent.runtime.Health).
+            "notices": list(health.notices),
             "collectors": collectors,
             "sinks": sinks,
             "prometheus_last_scrape_ts": None if prometheus is None else prometheus.last_delivery,

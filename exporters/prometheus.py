@@ -177,9 +177,10 @@ class PrometheusSink:
         if not self.runtime.first_round.is_set():
             return 503, b"starting: the first collection round has not finished\n"
         health = self.runtime.health()
+        notices = "".join(f"notice: {notice}\n" for notice in health.notices)
         if health.ok:
-            return 200, b"ok\n"
-        return 503, ("\n".join(health.problems) + "\n").encode()
+            return 200, ("ok\n" + notices).encode()
+        return 503, ("\n".join(health.problems) + "\n" + notices).encode()
 
     async def _answer(self, head: bytes) -> Answer:
         if not await self._authorized(head):

@@ -15,6 +15,7 @@ from agent.program.cli import COMMANDS
 from exporters.prometheus import PrometheusSettings, PrometheusSink
 from tests.support.agent_proc import REPO, AgentProcess, http_get
 from tests.support.collectors import scripted_runtime
+from tests.support.waiting import wait_until
 
 
 def wait_for_text(agent: AgentProcess, needle: str, timeout: float = 15.0) -> str:
@@ -50,6 +51,48 @@ class TestReload:
         assert "collectors.system.interval: expected a number" in agent_process.log()
         body = wait_for_text(agent_process, 'collector="system"} 2.0')
         assert 'gpuwarden_collector_success{collector="system"} 1.0' in body
+        assert agent_process.stop() == 0
+
+
+class TestReloadProcess:
+    """The real agent: a file the TOML parser cannot even read (RecursionError) is refused and
+    said so, the next good file still applies, and a restart-only change waits for a restart."""
+
+    def test_bad_then_good_then_restart_only(self, agent_process: AgentProcess) -> None:
+        agent_process.config_text = "[collectors.system]\ninterval = 15.0\n"
+        agent_process.start()
+        wait_for_text(
+            agent_process, 'gpuwarden_collector_interval_seconds{collector="system"} 15.0'
+        )
+        agent_process.config_path.write_text("deep = " + "[" * 5000 + "]" * 5000 + "\n")
+        agent_process.signal(signal.SIGHUP)
+        wait_until(lambda: "reload refused" in agent_process.log(), 15, "the refusal in the log")
+        assert "nested too deeply" in agent_process.log()
+        assert str(agent_process.config_path) in agent_process.log()
+        body = wait_for_text(agent_process, "gpuwarden_config_last_reload_successful 0.0")
+        assert 'gpuwarden_collector_interval_seconds{collector="system"} 15.0' in body
+        status, text = http_get(agent_process.metrics_url.replace("/metrics", "/healthz"))
+        assert status == 200, text
+        assert "notice: last configuration reload refused" in text
+        # The next SIGHUP is honoured.
+        agent_process.config_text = "[collectors.system]\ninterval = 2.0\n"
+        agent_process.write_config()
+        agent_process.signal(signal.SIGHUP)
+        body = wait_for_text(
+            agent_process, 'gpuwarden_collector_interval_seconds{collector="system"} 2.0'
+        )
+        assert "gpuwarden_config_last_reload_successful 1.0" in body
+        status, text = http_get(agent_process.metrics_url.replace("/metrics", "/healthz"))
+        assert (status, text) == (200, "ok\n")
+        # A restart-only change: not applied, a notice, still 200.
+        agent_process.config_text += "[heartbeat]\ninterval = 5.0\n"
+        agent_process.write_config()
+        agent_process.signal(signal.SIGHUP)
+        wait_for_text(agent_process, "gpuwarden_config_restart_pending 1.0")
+        status, text = http_get(agent_process.metrics_url.replace("/metrics", "/healthz"))
+        assert status == 200, text
+        assert "notice: configuration change pending restart: [heartbeat] interval" in text
+        assert "takes effect after a restart" not in agent_process.log()
         assert agent_process.stop() == 0
 
 

@@ -17,7 +17,7 @@ from agent.contracts.collector import CollectContext, CollectorSettings, Collect
 from agent.contracts.model import Collection, Event, MetricFamily, Severity
 from agent.program import config_file as config
 from agent.program.commands import run as run_command
-from agent.runtime.core import Runtime
+from agent.runtime.core import ReloadReport, Runtime
 from agent.runtime.state import StateStore
 from tests.support.agent_proc import REPO
 from tests.support.collectors import scripted_runtime
@@ -93,11 +93,14 @@ class TestReloadFailure:
         calls: list[str] = []
 
         class Flaky:
-            async def reload(self, new: config.Config) -> list[str]:
+            async def reload(self, new: config.Config) -> ReloadReport:
                 calls.append(new.source)
                 if len(calls) == 1:
                     raise RuntimeError("collector factory failed")
-                return ["ok"]
+                return ReloadReport(applied=("ok",))
+
+            def reload_refused(self, reason: str) -> None:
+                calls.append(f"refused: {reason}")
 
         path = tmp_path / "c.toml"
         path.write_text("node_id = 'n'\n")
@@ -106,11 +109,11 @@ class TestReloadFailure:
         queue.put_nowait(None)
         queue.put_nowait(None)
         for _ in range(100):
-            if len(calls) == 2:
+            if len(calls) == 3:
                 break
             await asyncio.sleep(0.02)
         task.cancel()
-        assert calls == [str(path), str(path)]
+        assert calls == [str(path), "refused: RuntimeError: collector factory failed", str(path)]
 
 
 class TestOutboxAge:

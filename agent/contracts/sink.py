@@ -23,11 +23,30 @@ EventListener = Callable[[Event], None]
 
 @dataclass(frozen=True)
 class Health:
+    """The node's health: `problems` make it unhealthy, `notices` do not.
+
+    A problem means collection or delivery is failing: /healthz answers 503, `gpuwarden_health_ok`
+    is 0, the heartbeat's `health` lists it and the watcher raises `node_unhealthy`.
+
+    A notice says that the running agent differs from its configuration file: a change that
+    waits for a restart, a reload that was refused, new collector settings that could not be
+    built while the collector runs on with its previous ones. Each follows an operator's own
+    edit and is logged at that SIGHUP; collection and delivery are as healthy as before, and a
+    node must not be paged for an edit. So a notice is shown (the /healthz body, STATUS=, the
+    heartbeat's `notices`, a metric each) but /healthz stays 200, until file and agent agree
+    again. A configured collector that does not run at all (its build failed and there was no
+    previous instance) is a problem, not a notice: its data is missing.
+    """
+
     ok: bool
     problems: tuple[str, ...]
+    notices: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        return "ok" if self.ok else "degraded: " + "; ".join(self.problems)
+        text = "ok" if self.ok else "degraded: " + "; ".join(self.problems)
+        if self.notices:
+            text += " (notice: " + "; ".join(self.notices) + ")"
+        return text
 
 
 @dataclass

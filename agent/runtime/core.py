@@ -33,9 +33,10 @@ from agent.contracts.errors import StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import Event, MetricFamily, Sample, Severity
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
+from agent.runtime import logs
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
-from agent.runtime.rounds import Failure, collector_pool, run_round
+from agent.runtime.rounds import CollectorPool, Failure, collector_pool, run_round
 from agent.runtime.state import StateStore
 from agent.runtime.systemd import Supervisor
 
@@ -91,6 +92,27 @@ class CollectorStatus:
 
 
 @dataclass(frozen=True)
+class StartFailure:
+    """A configured collector whose settings could not be built into a collector."""
+
+    settings: CollectorSettings
+    error: str
+
+
+@dataclass(frozen=True)
+class ReloadReport:
+    """What a reload did with each change of the file."""
+
+    applied: tuple[str, ...] = ()
+    pending_restart: tuple[str, ...] = ()
+    """Changed keys the agent reads only at start: not applied, shown as a notice."""
+    failed: tuple[str, ...] = ()
+    """Collectors whose new settings could not be built (a previous instance runs on)."""
+    unused: tuple[str, ...] = ()
+    """Changed keys of sections the agent does not read ([watch] is `gpuwarden watch`'s)."""
+
+
+@dataclass(frozen=True)
 class StaleItem:
     kind: str  # collector | sink
     name: str
@@ -113,8 +135,21 @@ class Runtime:
         sinks: Mapping[str, SinkSpec[Any]],
     ) -> None:
         """`collectors` and `sinks`: every component that may run, by name (the program's
-        registry; tests hand in their own). Which of them run is the configuration's say."""
+        registry; tests hand in their own). Which of them run is the configuration's say.
+
+        `config` is what runs: its core settings and sections stay as started (a reload
+        applies only collector settings and log_level), its collectors are the last configured
+        ones. `configured` is the last file loaded; `collectors` what actually runs, and
+        `start_failures` the configured collectors that could not be built."""
         self.config = config
+        self.configured = config
+        self.pools: dict[str, CollectorPool] = {}
+        """Each collector's pool, kept across its restarts (see `reload`)."""
+        self.start_failures: dict[str, StartFailure] = {}
+        self.pending_restart: tuple[str, ...] = ()
+        self.reload_error: str | None = None
+        """Why the last reload was refused (the file could not be loaded); None after a good one."""
+        self.last_reload_ok = True
         self._specs = dict(collectors)
         self._sink_specs = dict(sinks)
         self.store = store
@@ -227,15 +262,72 @@ class Runtime:
             emit=self.emit,
         )
 
-    def _add_collector(self, name: str, settings: CollectorSettings) -> None:
-        spec = self._specs[name]
-        collector = spec.make(settings, self._deps())
-        caller, executor = collector_pool(name, settings.timeout, self.emit)
+    def _build(self, name: str, settings: CollectorSettings) -> Collector | None:
+        """A new collector, or None when its factory fails (recorded in start_failures,
+        logged, an event). Nothing else is touched: a running instance runs on."""
+        try:
+            return self._specs[name].make(settings, self._deps())
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self.start_failures[name] = StartFailure(settings, error)
+            runs_on = name in self.collectors
+            log.exception(
+                "collector could not be started", collector=name, previous_settings_run=runs_on
+            )
+            self.emit(
+                Event(
+                    source="runtime",
+                    kind="collector_start_failed",
+                    severity=Severity.WARNING if runs_on else Severity.CRITICAL,
+                    subject=name,
+                    message=f"collector {name} could not be started: {error}"
+                    + ("; it runs on with its previous settings" if runs_on else ""),
+                    action=f"fix [collectors.{name}] or its cause, then reload (SIGHUP)",
+                    attributes={"error": error, "previous_settings_run": runs_on},
+                )
+            )
+            return None
+
+    def _pool(self, name: str, settings: CollectorSettings) -> CollectorPool:
+        """The collector's pool: the one it had, with the calls still hung in it, so that a
+        restarted collector neither starts a second thread for such a call nor reports its
+        stall again; or a new one."""
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = collector_pool(name, settings.timeout, self.emit)
+        pool.caller.timeout = settings.timeout
+        return pool
+
+    def _install(
+        self, name: str, settings: CollectorSettings, collector: Collector
+    ) -> CollectorStatus:
+        caller, executor = self._pool(name, settings)
         status = CollectorStatus(name, settings, collector, caller, executor)
         self.collectors[name] = status
+        self.start_failures.pop(name, None)
         self.supervisor.register(
             f"collector:{name}", max(settings.interval, settings.timeout) * 3 + 5
         )
+        return status
+
+    def _launch(self, status: CollectorStatus) -> None:
+        status.task = asyncio.create_task(self._collector_loop(status), name=status.name)
+
+    async def _retire(self, name: str) -> None:
+        """Stop a collector's rounds and close it. Its pool stays (see `_pool`)."""
+        status = self.collectors.pop(name)
+        self.supervisor.unregister(f"collector:{name}")
+        if status.task is not None:
+            await cancel_tasks([status.task])
+        await _bounded(status.collector.close(), 2.0, "collector", name)
+
+    def _release_pool(self, name: str) -> None:
+        """After a collector stopped for good. A pool with a call still outstanding stays:
+        enabling the collector again must know that call, and the exit must count it."""
+        pool = self.pools.get(name)
+        if pool is not None and pool.caller.outstanding == 0:
+            del self.pools[name]
+            pool.shutdown()
 
     async def _collector_loop(self, status: CollectorStatus) -> None:
         loop = asyncio.get_running_loop()
@@ -306,14 +398,15 @@ class Runtime:
         self._pending_events.clear()
         self.flush_events()  # startup problems are stored before start() returns
         for name, settings in self.config.collectors.items():
-            if settings.enabled:
-                self._add_collector(name, settings)
+            collector = self._build(name, settings) if settings.enabled else None
+            if collector is not None:
+                self._install(name, settings, collector)
         for sink in self.sinks.values():
             await sink.start()
         if not self.collectors:
             self.first_round.set()
         for status in self.collectors.values():
-            status.task = asyncio.create_task(self._collector_loop(status), name=status.name)
+            self._launch(status)
         for name, sink in self.sinks.items():
             self.supervisor.register(f"sink:{name}", None)
             task = asyncio.create_task(sink.run(), name=f"sink:{name}")
@@ -347,37 +440,101 @@ class Runtime:
             )
         )
         self.flush_events()
-        for status in self.collectors.values():
-            status.executor.shutdown(wait=False, cancel_futures=True)
+        for pool in self.pools.values():
+            pool.shutdown()
 
     def hung_calls(self) -> int:
-        """Blocking calls still running past their timeout, in every collector."""
-        return sum(len(status.caller.hung) for status in self.collectors.values())
+        """Blocking calls still running past their timeout, in every collector's pool (a
+        collector disabled by a reload included: its thread is still stuck)."""
+        return sum(len(pool.caller.hung) for pool in self.pools.values())
 
-    async def reload(self, config: Config) -> list[str]:
-        """Apply a new configuration to collectors; returns what changed. Core settings
-        (node_id, state_dir) and sink settings need a restart and are reported, not applied."""
-        changes: list[str] = []
-        if config.core != self.config.core or dict(config.sections) != dict(self.config.sections):
-            changes.append("core or sink settings changed: they take effect after a restart")
-        for name, settings in config.collectors.items():
-            old = self.config.collectors.get(name)
-            if old == settings:
-                continue
-            current = self.collectors.pop(name, None)
-            if current is not None:
-                self.supervisor.unregister(f"collector:{name}")
-                if current.task is not None:
-                    await cancel_tasks([current.task])
-                await _bounded(current.collector.close(), 2.0, "collector", name)
-                current.executor.shutdown(wait=False, cancel_futures=True)
-            if settings.enabled:
-                self._add_collector(name, settings)
-                status = self.collectors[name]
-                status.task = asyncio.create_task(self._collector_loop(status), name=name)
-            changes.append(f"collector {name} {'restarted' if settings.enabled else 'stopped'}")
-        self.config = config
-        return changes
+    def calls_outstanding(self) -> int:
+        """Threads running a call nobody awaits any more (hung, or abandoned by a cancelled
+        round): the process must not wait for them at exit."""
+        return sum(pool.caller.outstanding for pool in self.pools.values())
+
+    async def reload(self, config: Config) -> ReloadReport:
+        """Apply a new configuration: collector settings and log_level at once.
+
+        What the agent reads only at start (node_id, state_dir, the sinks' sections,
+        [heartbeat]) is not applied: half of it would be (a heartbeat announcing an interval
+        its producer does not keep). It is reported, and kept as a notice until the restart;
+        a file changed back takes the notice away.
+
+        Every collector to start or restart is built before any collector stops. One whose
+        build fails is reported and keeps its old instance (with nothing old, it is a health
+        problem); the others apply. A collector restarted keeps its thread pool and caller,
+        and so the calls still hung in it. What runs is compared with the new file, not the
+        last file, so reverting a failed change is an ordinary reload."""
+        pending, unused = self._restart_changes(config)
+        applied: list[str] = []
+        if config.core.log_level != self.config.core.log_level:
+            logs.set_level(config.core.log_level)
+            applied.append(f"log_level {config.core.log_level}")
+        to_stop, to_build = self._plan(config.collectors)
+        built: dict[str, tuple[CollectorSettings, Collector]] = {}
+        failed: list[str] = []
+        for name, settings in to_build:
+            collector = self._build(name, settings)
+            if collector is None:
+                failed.append(f"collector {name}: {self.start_failures[name].error}")
+            else:
+                built[name] = (settings, collector)
+        # Every build is done: only now does anything stop.
+        for name in to_stop:
+            await self._retire(name)
+            self._release_pool(name)
+            applied.append(f"collector {name} stopped")
+        for name, (settings, collector) in built.items():
+            restarted = name in self.collectors
+            if restarted:
+                await self._retire(name)
+            self._launch(self._install(name, settings, collector))
+            applied.append(f"collector {name} {'restarted' if restarted else 'started'}")
+        core = dataclasses.replace(self.config.core, log_level=config.core.log_level)
+        self.config = dataclasses.replace(config, core=core, sections=self.config.sections)
+        self.configured = config
+        self.pending_restart = pending
+        self.reload_error = None
+        self.last_reload_ok = not failed
+        return ReloadReport(tuple(applied), pending, tuple(failed), unused)
+
+    def reload_refused(self, reason: str) -> None:
+        """The new file could not be loaded: the running configuration stays (a notice)."""
+        self.reload_error = reason
+        self.last_reload_ok = False
+
+    def _plan(
+        self, configured: Mapping[str, CollectorSettings]
+    ) -> tuple[list[str], list[tuple[str, CollectorSettings]]]:
+        """Collectors to stop, and collectors to build, against what runs now."""
+        to_stop = [name for name in self.collectors if name not in configured]
+        to_build: list[tuple[str, CollectorSettings]] = []
+        for name, settings in configured.items():
+            running = self.collectors.get(name)
+            if not settings.enabled:
+                self.start_failures.pop(name, None)
+                if running is not None:
+                    to_stop.append(name)
+            elif running is not None and running.settings == settings:
+                self.start_failures.pop(name, None)  # what runs is what is configured
+            else:
+                to_build.append((name, settings))
+        return to_stop, to_build
+
+    def _restart_changes(self, new: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Keys of `new` that differ from what runs: (read only at start, not read at all)."""
+        pending = [
+            key
+            for key in ("node_id", "state_dir")
+            if getattr(new.core, key) != getattr(self.config.core, key)
+        ]
+        read = {*self._sink_specs, "heartbeat"}
+        unused: list[str] = []
+        for name in sorted(new.sections.keys() | self.config.sections.keys()):
+            keys = _changed_fields(self.config.sections.get(name), new.sections.get(name))
+            (pending if name in read else unused).extend(f"[{name}] {key}" for key in keys)
+        return tuple(pending), tuple(unused)
 
     # -- ledger and health ------------------------------------------------------------------
 
@@ -436,7 +593,36 @@ class Runtime:
             )
         if any(p.kind == "state_store_unwritable" for p in self.store.problems):
             problems.append("state store is in memory (state dir unusable)")
-        return Health(not problems, tuple(problems))
+        problems.extend(self._start_problems())
+        return Health(not problems, tuple(problems), self._notices())
+
+    def _start_problems(self) -> list[str]:
+        """Configured collectors that do not run at all: their build failed."""
+        return [
+            f"collector {name} failed to start: {failure.error}"
+            for name, failure in sorted(self.start_failures.items())
+            if name not in self.collectors
+        ]
+
+    def _notices(self) -> tuple[str, ...]:
+        """Where the running agent differs from its file (see Health for why not problems)."""
+        notices: list[str] = []
+        if self.pending_restart:
+            notices.append(
+                "configuration change pending restart: " + ", ".join(self.pending_restart)
+            )
+        if self.reload_error is not None:
+            notices.append(
+                "last configuration reload refused, the previous configuration runs: "
+                + self.reload_error
+            )
+        notices.extend(
+            f"collector {name}: its new settings could not be started ({failure.error}); "
+            "it runs on with the previous ones"
+            for name, failure in sorted(self.start_failures.items())
+            if name in self.collectors
+        )
+        return tuple(notices)
 
     async def _health_monitor(self) -> None:
         """Turn stale collectors and sinks into events, once per transition each way; keep
@@ -514,3 +700,14 @@ class Runtime:
         for sink in self.sinks.values():
             out.extend(sink.samples())
         return out
+
+
+def _changed_fields(old: object, new: object) -> list[str]:
+    """Names of the fields that differ between two settings objects of one section."""
+    if old == new:
+        return []
+    if dataclasses.is_dataclass(old) and type(old) is type(new):
+        return [
+            f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)
+        ]
+    return ["(the whole section)"]

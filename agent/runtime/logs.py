@@ -40,3 +40,11 @@ def configure(level: str = "info", stream: TextIO | None = None, json: bool | No
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
+
+
+def set_level(level: str) -> None:
+    """Change the level at run time (a reload). Loggers are not cached on first use, so
+    every logger, those made before included, filters at the new level from now on."""
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS.get(level, logging.INFO))
+    )

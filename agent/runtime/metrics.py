@@ -72,6 +72,24 @@ EVENTS = MetricFamily(
     "Events raised since the agent started",
     ("source", "kind", "severity"),
 )
+COLLECTOR_START_FAILED = MetricFamily(
+    "gpuwarden_collector_start_failed",
+    G,
+    "1 while the collector's configured settings could not be built (it runs on with its "
+    "previous ones, or not at all)",
+    ("collector",),
+)
+CONFIG_RESTART_PENDING = MetricFamily(
+    "gpuwarden_config_restart_pending",
+    G,
+    "1 while the configuration file has changes that apply only after a restart",
+)
+CONFIG_RELOAD_OK = MetricFamily(
+    "gpuwarden_config_last_reload_successful",
+    G,
+    "1 if the last reload (SIGHUP) applied the whole file, 0 if it was refused or a collector "
+    "could not be built",
+)
 HEALTH = MetricFamily(
     "gpuwarden_health_ok", G, "1 while collection and delivery are fresh (see /healthz), else 0"
 )
@@ -120,6 +138,9 @@ class RuntimeMetrics:
             COLLECTOR_RUNS,
             COLLECTOR_FAILURES,
             COLLECTOR_HUNG,
+            COLLECTOR_START_FAILED,
+            CONFIG_RESTART_PENDING,
+            CONFIG_RELOAD_OK,
             EVENTS,
             HEALTH,
             STATE_DURABLE,
@@ -139,12 +160,19 @@ class RuntimeMetrics:
             yield COLLECTOR_INTERVAL.sample(status.settings.interval, name)
             yield COLLECTOR_RUNS.sample(status.runs, name)
             yield COLLECTOR_FAILURES.sample(status.failures, name)
-            yield COLLECTOR_HUNG.sample(len(status.caller.hung), name)
             if status.success is not None:
                 yield COLLECTOR_SUCCESS.sample(1 if status.success else 0, name)
                 yield COLLECTOR_DURATION.sample(status.duration, name)
             if status.last_success is not None:
                 yield COLLECTOR_LAST_SUCCESS.sample(status.last_success, name)
+        # Per pool, not per running collector: a collector disabled by a reload may still
+        # have a thread stuck in a driver.
+        for name, pool in rt.pools.items():
+            yield COLLECTOR_HUNG.sample(len(pool.caller.hung), name)
+        for name in sorted(rt.collectors.keys() | rt.start_failures.keys()):
+            yield COLLECTOR_START_FAILED.sample(1 if name in rt.start_failures else 0, name)
+        yield CONFIG_RESTART_PENDING.sample(1 if rt.pending_restart else 0)
+        yield CONFIG_RELOAD_OK.sample(1 if rt.last_reload_ok else 0)
         for (source, kind, severity), count in sorted(rt.events_by_key.items()):
             yield EVENTS.sample(count, source, kind, severity)
         yield HEALTH.sample(1 if rt.health(time.time()).ok else 0)

@@ -82,7 +82,7 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         log.error("cannot start", error=str(exc))
         await runtime.stop()
         store.close()
-        return 1, runtime.hung_calls()
+        return 1, runtime.calls_outstanding()
     helpers = [asyncio.create_task(_reload_loop(runtime, path, reloads))]
     if await _first_round_or_stop(runtime, stop):
         notifier.ready(runtime.health().summary())
@@ -109,7 +109,9 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         log.warning("some tasks did not stop in time; exiting anyway")
     store.close()
     notifier.close()
-    hung = runtime.hung_calls()
+    # Hung calls, and calls the stop cancelled while they ran: the interpreter would wait for
+    # each of those threads at exit.
+    hung = runtime.calls_outstanding()
     log.info("stopped", seconds=round(time.monotonic() - began, 3), hung_calls=hung)
     return 0, hung
 
@@ -135,16 +137,41 @@ async def _status_loop(notifier: Notifier, runtime: Runtime) -> None:
 
 
 async def _reload_loop(runtime: Runtime, path: Path | None, reloads: asyncio.Queue[None]) -> None:
+    """One reload per SIGHUP. Nothing a file can do ends this loop: every failure keeps the
+    running configuration and is logged, and the next SIGHUP is honoured."""
     while True:
         await reloads.get()
-        try:
-            new = await asyncio.to_thread(config_module.load, path)
-        except ConfigError as exc:
-            log.error("reload refused; keeping the old configuration", error=str(exc))
-            continue
-        try:
-            changes = await runtime.reload(new)
-        except Exception:  # a collector that fails to build must not end reloading for good
-            log.exception("reload failed part way; later SIGHUPs are still honoured")
-            continue
-        log.info("configuration reloaded", source=new.source, changes=changes or ["none"])
+        await _reload_once(runtime, path)
+
+
+async def _reload_once(runtime: Runtime, path: Path | None) -> None:
+    try:
+        new = await asyncio.to_thread(config_module.load, path)
+    except ConfigError as exc:
+        _refused(runtime, str(exc))
+        return
+    except Exception as exc:  # load() names what it knows; anything else is still a bad file
+        log.exception("unexpected error while loading the configuration")
+        _refused(runtime, f"{type(exc).__name__}: {exc} ({path or 'the default file'})")
+        return
+    try:
+        report = await runtime.reload(new)
+    except Exception as exc:
+        log.exception("reload failed part way; later SIGHUPs are still honoured")
+        _refused(runtime, f"{type(exc).__name__}: {exc}")
+        return
+    log.info("configuration reloaded", source=new.source, changes=list(report.applied) or ["none"])
+    if report.pending_restart:
+        log.warning(
+            "configuration change pending restart: not applied until the agent restarts",
+            keys=list(report.pending_restart),
+        )
+    if report.unused:
+        log.info("changed keys the agent does not read", keys=list(report.unused))
+    for failure in report.failed:
+        log.error("collector not changed: its new settings could not be built", detail=failure)
+
+
+def _refused(runtime: Runtime, reason: str) -> None:
+    log.error("reload refused; keeping the old configuration", error=reason)
+    runtime.reload_refused(reason)
