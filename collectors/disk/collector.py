@@ -387,7 +387,9 @@ class DiskCollector:
             # that always answers too late is one stuck spell, not a new alarm per hung call.
             return _Stuck(new=mount.mount_point not in self._stuck, seconds=exc.timeout)
         except CallStillHung as exc:
-            return _Stuck(new=mount.mount_point not in self._stuck, seconds=exc.hung_for)
+            # Reported when that call timed out, by this collector or by the one a reload
+            # replaced (the caller and its hung calls outlive it): not new either way.
+            return _Stuck(new=False, seconds=exc.hung_for)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:

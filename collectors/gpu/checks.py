@@ -175,7 +175,10 @@ class ConditionTracker:
 
 
 def where(labels: Mapping[str, str]) -> str:
-    """'GPU 3 (NVIDIA H200, 0000:3b:00.0, GPU-...)' for messages."""
+    """'GPU 3 (NVIDIA H200, 0000:3b:00.0, GPU-...)' for messages; a GPU whose identity was
+    never read (it hung at its first call) says so instead of three empty fields."""
+    if not labels.get("uuid"):
+        return f"GPU {labels.get('gpu', '?')} (not identified: its UUID was never read)"
     return (
         f"GPU {labels.get('gpu', '?')} ({labels.get('model', '')}, "
         f"{labels.get('pci_bus_id', '')}, {labels.get('uuid', '')})"

@@ -7,6 +7,13 @@ GPU set changes; costly reads (PCIe replays, retired pages, NVLink) every `slow_
 the energy counter (about 3.3 ms per call on the H200) every `energy_interval`. No NVIDIA driver is a normal outcome for this collector, not a failure: it
 reports `gpuwarden_nvml_up 0` and one event, and tries `nvmlInit` again every
 `nvml_retry_interval`.
+
+A GPU whose call still hangs from an earlier round (`CallStillHung`) was reported unresponsive
+when that call timed out; a collector made again by a reload, on the same caller, finds it so
+and does not report it again. Each GPU's identity is kept in the state store with the boot id
+and GPU count, so a GPU that hangs before this collector read it (after a reload or a restart)
+is still named by its UUID; one never read at all is named by its index, and the message says
+that its UUID was never read.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from agent.contracts.collector import (
     CollectContext,
@@ -51,6 +58,8 @@ from collectors.gpu.checks import (
 from collectors.gpu.events import GpuEventThread
 
 STATE_NAMESPACE: Final = "gpu"
+IDENTITY_NAMESPACE: Final = "gpu.identity"
+"""index -> {"boot", "count", "labels"}: who the GPU at this index was, this boot."""
 HOST_SUBJECT: Final = "host"
 
 
@@ -112,6 +121,9 @@ class _Gpu:
     # round: they are most of a steady round's Python cost (measured on the H200).
     static_samples: tuple[Sample, ...] | None = None
     slow_samples: tuple[Sample, ...] | None = None
+    remembered: dict[str, str] | None = None
+    """Identity labels stored by an earlier collector (this boot, same GPU count), for a GPU
+    this one has not read yet."""
 
     def cached_static_samples(
         self, labels: dict[str, str], static: GpuStatic
@@ -130,6 +142,8 @@ class _Gpu:
     def labels(self, index: int) -> dict[str, str]:
         if self.static is not None:
             return self.static.identity.labels()
+        if self.remembered is not None:
+            return dict(self.remembered)
         return {"gpu": str(index), "uuid": "", "pci_bus_id": "", "model": ""}
 
 
@@ -149,7 +163,8 @@ class GpuCollector:
         self.deps = deps
         self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
         self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
-        self.counters = CounterTracker(deps.state, _boot_id())
+        self.boot_id = _boot_id()
+        self.counters = CounterTracker(deps.state, self.boot_id)
         self.conditions = ConditionTracker(deps.state)
         self.gpus: dict[int, _Gpu] = {}
         self.count: int | None = None
@@ -161,6 +176,9 @@ class GpuCollector:
         self.events_down_reason: str | None = None
         """Why the event thread died, while it is reported dead (one event per outage)."""
         self._start_count_checked = False
+        self._stored: dict[str, Any] | None = None
+        """IDENTITY_NAMESPACE as stored (loaded on first use)."""
+        self._identities_unsaved: set[int] = set()
 
     def families(self) -> Sequence[MetricFamily]:
         return m.FAMILIES
@@ -252,6 +270,9 @@ class GpuCollector:
         if changed:
             self._count_changed(count, out)
         out.samples.append(m.GPU_COUNT.sample(count))
+        for index in range(count):
+            if index not in self.gpus:
+                self.gpus[index] = _Gpu(remembered=self._remembered(index, count))
         results = await asyncio.gather(
             *(self._read_gpu(ctx, index, changed) for index in range(count))
         )
@@ -263,7 +284,8 @@ class GpuCollector:
             self._check_event_thread(ctx.now, out)
 
     async def _read_gpu(self, ctx: CollectContext, index: int, changed: bool) -> GpuRound | str:
-        """The GPU's round, or the name of its error state: 'lost' or 'unresponsive'."""
+        """The GPU's round, or the name of its error state: 'lost', 'unresponsive', or
+        'still_unresponsive' (a call from an earlier round still hangs)."""
         gpu = self.gpus.setdefault(index, _Gpu())
         static = (
             changed
@@ -279,8 +301,10 @@ class GpuCollector:
             )
         except GpuLost:
             return "lost"
-        except (CallTimedOut, CallStillHung):
+        except CallTimedOut:
             return "unresponsive"
+        except CallStillHung:
+            return "still_unresponsive"
 
     def _handle_gpu(
         self, ctx: CollectContext, index: int, result: GpuRound | str, out: _Round
@@ -288,10 +312,13 @@ class GpuCollector:
         gpu = self.gpus[index]
         if isinstance(result, str):
             labels = gpu.labels(index)
-            if gpu.error != result:
-                out.events.append(self._gpu_error_event(labels, result))
-            gpu.error = result
-            out.samples.extend(m.state_samples(labels, result))
+            # Still hung: reported when that call timed out, by this collector or the one a
+            # reload replaced (it shares the caller, and so its table of hung calls).
+            state = "unresponsive" if result == "still_unresponsive" else result
+            if gpu.error != state and result != "still_unresponsive":
+                out.events.append(self._gpu_error_event(labels, state))
+            gpu.error = state
+            out.samples.extend(m.state_samples(labels, state))
             return
         if result.static is not None:
             gpu.static, gpu.static_at, gpu.static_samples = result.static, ctx.now, None
@@ -299,11 +326,14 @@ class GpuCollector:
             identity = result.static.identity
             if identity.pci_bus_id:
                 self.correlator.set_identity(identity.pci_bus_id, identity.labels())
+            self._identities_unsaved.add(index)
         if result.slow is not None:
             gpu.slow, gpu.slow_at, gpu.slow_samples = result.slow, ctx.now, None
         if result.energy_read:
             gpu.energy_joules, gpu.energy_at = result.reading.energy_joules, ctx.now
         labels = gpu.labels(index)
+        if index in self._identities_unsaved and gpu.static is not None:
+            self._remember(index, labels)
         if gpu.error is not None:
             out.events.append(
                 Event(
@@ -340,6 +370,52 @@ class GpuCollector:
                 {"pcie_link_degraded": _link_detail(gpu.static, result)},
             )
         )
+
+    # -- identity across reloads and restarts -------------------------------------------------
+
+    def _stored_identities(self) -> dict[str, Any]:
+        if self._stored is None:
+            try:
+                self._stored = dict(self.deps.state.items(IDENTITY_NAMESPACE))
+            except Exception:  # a store that cannot be read: nothing remembered, not a failure
+                self._stored = {}
+        return self._stored
+
+    def _remembered(self, index: int, count: int) -> dict[str, str] | None:
+        """The stored identity of this index, if stored this boot with this many GPUs:
+        another count may mean other indexes (a GPU gone, the driver reloaded)."""
+        if self.boot_id is None:
+            return None
+        record = self._stored_identities().get(str(index))
+        if not isinstance(record, dict):
+            return None
+        labels = record.get("labels")
+        if (
+            record.get("boot") != self.boot_id
+            or record.get("count") != count
+            or not isinstance(labels, dict)
+            or set(labels) != {"gpu", "uuid", "pci_bus_id", "model"}
+            or not all(isinstance(v, str) for v in labels.values())
+            or labels["gpu"] != str(index)
+        ):
+            return None
+        return {str(k): str(v) for k, v in labels.items()}
+
+    def _remember(self, index: int, labels: dict[str, str]) -> None:
+        """Store who the GPU at `index` is, when that changed. Best effort: a failed write is
+        tried again next round, and costs only the name of a GPU that hangs before it is read."""
+        if self.boot_id is None or not labels["uuid"]:
+            self._identities_unsaved.discard(index)
+            return
+        record = {"boot": self.boot_id, "count": self.count, "labels": labels}
+        stored = self._stored_identities()
+        if stored.get(str(index)) != record:
+            try:
+                self.deps.state.put(IDENTITY_NAMESPACE, str(index), record)
+            except Exception:  # the runtime reports a store that cannot write
+                return
+            stored[str(index)] = record
+        self._identities_unsaved.discard(index)
 
     def _gpu_error_event(self, labels: Mapping[str, str], state: str) -> Event:
         if state == "lost":
