@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.state import DB_NAME, StateStore
+from agent.runtime.state import DB_NAME, StateStore
 from tests.support.agent_proc import REPO
 from tests.support.ports import free_port, wait_for_port
 from tests.support.waiting import wait_until
