@@ -165,7 +165,7 @@ LAST_RUN = MetricFamily(
 @dataclass(frozen=True)
 class IoProbeSettings(CollectorSettings):
     directories: tuple[str, ...] = setting(
-        (), help="directories to probe (required when enabled; there is no default)"
+        (), help="directories to probe (required when enabled; there is no default)", path=True
     )
     size_mib: int = setting(64, minimum=1, maximum=65536, help="MiB written per probe")
     free_margin_mib: int = setting(

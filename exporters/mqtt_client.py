@@ -41,6 +41,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from agent.contracts.config import read_secret
 from agent.contracts.errors import ConfigError
+from agent.contracts.settings import check_files
 from exporters.mqtt_settings import BrokerSettings
 
 # MQTT v5 reason codes (OASIS MQTT 5.0, section 2.4) and the v3.1.1 CONNACK return codes that
@@ -83,6 +84,9 @@ class Credentials:
 def load_credentials(settings: BrokerSettings, section: str) -> Credentials:
     """Read the password and load the TLS files now: a mistake there stops the program with
     the key named, instead of a retry loop that can never succeed. Raises ConfigError."""
+    # The loader's checks again, with its messages: the files may have changed since it ran,
+    # and a sink or watcher can be built without it.
+    check_files(settings, section)
     password = None
     if settings.password_file is not None:
         password = read_secret(settings.password_file, f"{section}.password_file")

@@ -105,7 +105,7 @@ class BrokerSettings:
     topic_prefix: str = setting("gpuwarden/v1", help="topics are <prefix>/<node>/<kind>")
     username: str = setting("", help="broker user name; empty: anonymous")
     password_file: Path | None = setting(
-        None, help="file holding the broker password (mode 600); needs username"
+        None, help="file holding the broker password (mode 600); needs username", file="secret"
     )
     client_id: str = setting(
         "", help="MQTT client id; empty: gpuwarden-<node> (agent), gpuwarden-watch-<host> (watcher)"
@@ -116,9 +116,18 @@ class BrokerSettings:
         maximum=65535,
         help="seconds; the broker sends the Will after about 1.5 x this of silence (never 0)",
     )
-    ca_file: Path | None = setting(None, help="CA bundle for mqtts://; empty: the system CAs")
-    cert_file: Path | None = setting(None, help="client certificate (PEM) for mqtts://")
-    key_file: Path | None = setting(None, help="client key (PEM, mode 600) for mqtts://")
+    ca_file: Path | None = setting(
+        None, help="CA bundle for mqtts://; empty: the system CAs", file="certificate"
+    )
+    cert_file: Path | None = setting(
+        None, help="client certificate (PEM) for mqtts://", file="certificate"
+    )
+    key_file: Path | None = setting(
+        None,
+        help="client key (PEM, mode 600) for mqtts://",
+        file="private_key",
+        certificate="cert_file",
+    )
     reconnect_min: float = setting(1.0, exclusive_minimum=0.0, help="first reconnect delay, s")
     reconnect_max: float = setting(60.0, exclusive_minimum=0.0, help="longest reconnect delay, s")
     connect_timeout: float = setting(

@@ -23,7 +23,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import MetricFamily, MetricType, Sample
-from agent.contracts.settings import setting
+from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
 from exporters.http import (
     CONTENT_TYPE,
@@ -52,10 +52,20 @@ class PrometheusSettings:
     # 9445: not among the ports that common exporters registered in the Prometheus wiki's
     # default port allocations at the time of writing.
     listen: str = setting("127.0.0.1:9445", help="host:port to listen on")
-    tls_cert_file: Path | None = setting(None, help="serve HTTPS with this certificate (PEM)")
-    tls_key_file: Path | None = setting(None, help="the certificate's key (PEM)")
+    tls_cert_file: Path | None = setting(
+        None, help="serve HTTPS with this certificate (PEM)", file="certificate"
+    )
+    tls_key_file: Path | None = setting(
+        None,
+        help="the certificate's key (PEM, mode 600)",
+        file="private_key",
+        certificate="tls_cert_file",
+    )
     basic_auth_users_file: Path | None = setting(
-        None, help="require basic auth; lines of user:bcrypt-hash"
+        None,
+        help="require basic auth; lines of user:bcrypt-hash (mode 600)",
+        file="secret",
+        content=load_users,
     )
 
     def __post_init__(self) -> None:
@@ -139,11 +149,14 @@ class PrometheusSink:
         settings = self.settings
         tls: ssl.SSLContext | None = None
         try:
+            # The loader checked these files (the same rules as the MQTT key's): again here,
+            # for they may have changed since, and a sink can be built without the loader.
+            check_files(settings, "prometheus")
             if settings.basic_auth_users_file is not None:
                 self._auth = BasicAuth(load_users(settings.basic_auth_users_file))
             if settings.tls_cert_file is not None and settings.tls_key_file is not None:
                 tls = server_tls_context(settings.tls_cert_file, settings.tls_key_file)
-        except (UsersFileError, OSError, ssl.SSLError) as exc:
+        except (ConfigError, UsersFileError, OSError, ssl.SSLError) as exc:
             raise OSError(f"prometheus: {exc}") from None
         try:
             self._server = await asyncio.start_server(

@@ -16,6 +16,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 import secrets
 import ssl
 import threading
@@ -26,7 +27,9 @@ import bcrypt
 
 from agent.contracts.errors import GpuwardenError
 
-BCRYPT_PREFIXES = ("$2a$", "$2b$", "$2y$")
+BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
+"""Prefix, cost 04-31, 22 characters of salt and 31 of hash in bcrypt's base64: anything else
+fails every login (bcrypt.checkpw raises on it), so it is refused when the file is loaded."""
 CACHE_SIZE = 64
 DEFAULT_COST = 12
 
@@ -62,10 +65,11 @@ def parse_users(text: str, source: str = "users file") -> dict[str, bytes]:
         user, hashed = user.strip(), hashed.strip()
         if not sep or not user:
             raise UsersFileError(f"{source}:{number}: expected user:bcrypt-hash")
-        if not hashed.startswith(BCRYPT_PREFIXES) or len(hashed) != 60:
+        if not BCRYPT_HASH.fullmatch(hashed):
             raise UsersFileError(
-                f"{source}:{number}: the hash of {user!r} is not a bcrypt hash ($2b$..., 60 "
-                "characters); make one with: htpasswd -nbBC 12 USER PASSWORD"
+                f"{source}:{number}: the hash of {user!r} is not a bcrypt hash ($2b$, a cost "
+                "04-31, $, 53 characters of ./A-Za-z0-9); make one with: "
+                "htpasswd -nbBC 12 USER PASSWORD"
             )
         if user in users:
             raise UsersFileError(f"{source}:{number}: user {user!r} appears twice")

@@ -163,5 +163,5 @@ class TestSecrets:
         assert "s3cret" not in str(info.value)
 
     def test_missing_secret_file(self, tmp_path: Path) -> None:
-        with pytest.raises(ConfigError, match="cannot read secret file"):
+        with pytest.raises(ConfigError, match="none: No such file or directory; expected"):
             config.read_secret(tmp_path / "none", "mqtt.password_file")

@@ -17,8 +17,8 @@ import pytest
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import Severity
 from agent.program.watch.fleet import Alert, AlertChange
-from agent.program.watch.service import Watcher, load_inventory
-from agent.program.watch.settings import WatchSettings
+from agent.program.watch.service import Watcher
+from agent.program.watch.settings import WatchSettings, load_inventory
 from exporters.mqtt_client import Publisher
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port, wait_for_port

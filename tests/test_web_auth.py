@@ -159,6 +159,7 @@ class TestEndpoint:
         server = authority.issue("localhost", dns_names=("localhost",), ip_addresses=("127.0.0.1",))
         users = tmp_path / "users"
         users.write_text(f"prometheus:{HASH}\n")
+        users.chmod(0o600)
         port = free_port()
         cfg = config_module.parse(
             {
@@ -213,10 +214,41 @@ class TestEndpoint:
             await runtime.stop()
             runtime.store.close()
 
+    @pytest.mark.parametrize("key", ["tls_key_file", "basic_auth_users_file"])
+    async def test_file_others_can_read_stops_the_start(self, tmp_path: Path, key: str) -> None:
+        """The key and the users file follow the MQTT key's rule, at start too (a sink built
+        without the loader, or a file changed since): private, or refused with the chmod."""
+        authority = Authority(tmp_path / "ca").create()
+        server = authority.issue("localhost", ip_addresses=("127.0.0.1",))
+        users = tmp_path / "users"
+        users.write_text(f"prometheus:{HASH}\n")
+        users.chmod(0o600)
+        table = {
+            "listen": f"127.0.0.1:{free_port()}",
+            "tls_cert_file": str(server.cert),
+            "tls_key_file": str(server.key),
+            "basic_auth_users_file": str(users),
+        }
+        Path(table[key]).chmod(0o644)
+        cfg = config_module.parse({"state_dir": str(tmp_path / "state"), "prometheus": table})
+        runtime = Runtime(
+            cfg,
+            StateStore.open(cfg.state_dir),
+            collectors=registry.COLLECTORS,
+            sinks=registry.SINKS,
+        )
+        try:
+            with pytest.raises(OSError, match=f"prometheus.{key}: .*chmod 600 {table[key]}"):
+                await runtime.start()
+        finally:
+            await runtime.stop()
+            runtime.store.close()
+
     async def test_bad_users_file_stops_the_start(self, tmp_path: Path) -> None:
         """A malformed users file refuses to start the endpoint, naming the line."""
         users = tmp_path / "users"
         users.write_text("prometheus:plain\n")
+        users.chmod(0o600)
         cfg = config_module.parse(
             {
                 "state_dir": str(tmp_path / "state"),

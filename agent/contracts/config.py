@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from agent.contracts.collector import CollectorSettings
 from agent.contracts.errors import ConfigError
-from agent.contracts.settings import setting
+from agent.contracts.settings import read_file, setting
 
 EMBEDDED = "<embedded defaults>"
 TOP_LEVEL_TABLES = ("collectors", "heartbeat", "mqtt", "prometheus", "watch")
@@ -83,23 +82,9 @@ class Config:
 
 
 def read_secret(path: Path, key: str) -> str:
-    """Read a secret from a file named by a `*_file` key; refuse files others may read.
+    """Read a secret from a file named by a `*_file` key, by the rules the loader checked it
+    with (settings.read_file): a regular file that other users cannot access, UTF-8 text.
 
     The trailing newline that editors add is removed.
     """
-    try:
-        info = path.stat()
-    except OSError as exc:
-        raise ConfigError(key, f"cannot read secret file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(key, f"secret file {path} is not a regular file")
-    if info.st_mode & 0o077:
-        raise ConfigError(
-            key,
-            f"secret file {path} is accessible to other users (mode "
-            f"{stat.filemode(info.st_mode)}); run: chmod 600 {path}",
-        )
-    try:
-        return path.read_text(encoding="utf-8").rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(key, f"cannot read secret file {path}: {exc}") from None
+    return read_file(path, "secret", key).decode("utf-8").rstrip("\r\n")

@@ -8,21 +8,47 @@ the key and what was expected. The loader in agent/program/config_file.py adds t
 Supported field types: bool, int, float (an int is accepted), str, pathlib.Path, Literal[...],
 tuple[str, ...] / tuple[int, ...] / tuple[float, ...], a nested settings dataclass, and
 `X | None`. Ranges and help text come from `setting(...)`.
+
+Paths: a NUL byte (or a character the OS cannot take) in a pathlib.Path value, or in a str
+declared `setting(path=True)`, is a ConfigError while building. A key that names a file a
+command will read declares what it must be, `setting(file=...)`; `check_files` (called by the
+loader, agent/program/config_loader.py, for every command alike) then checks each such file: that it exists
+and is a regular file (stat'ed first: a FIFO or a device is never opened), can be read, is
+private where it holds a secret, and that its content loads (`content=`, a parser of the
+component that reads it, raising ValueError), so that `config check` refuses what `run` would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
+import ssl
+import stat
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from agent.contracts.errors import ConfigError
 
 T = TypeVar("T")
+
+FileKind = Literal["secret", "private_key", "certificate", "readable"]
+"""What a file key must name. secret, private_key: a regular file no one but its owner may
+access (mode & 0o077 == 0); certificate: PEM certificates (a CA bundle, a certificate chain);
+readable: any regular file the process can read."""
+
+EXPECTED_FILE: dict[str, str] = {
+    "secret": "a regular file only its owner can access (chmod 600)",
+    "private_key": "an unencrypted PEM private key only its owner can access (chmod 600)",
+    "certificate": "a regular file of PEM certificates",
+    "readable": "a readable regular file",
+}
+PRIVATE_KINDS = frozenset({"secret", "private_key"})
+CREDENTIALS_DIR = Path("/run/credentials")
 
 
 def setting(
@@ -34,14 +60,33 @@ def setting(
     exclusive_minimum: float | None = None,
     help: str = "",
     secret: bool = False,
+    path: bool = False,
+    file: FileKind | None = None,
+    certificate: str | None = None,
+    content: Callable[[Path], object] | None = None,
 ) -> Any:
-    """A dataclass field with validation bounds and a help text for the README reference."""
+    """A dataclass field with validation bounds and a help text for the README reference.
+
+    `path`: a str (or tuple of str) that is a path, so its characters are checked like a
+    Path's. `file`: the value names a file of this kind, checked by `check_files`.
+    `certificate` (on a private_key field): the sibling field holding its certificate; the
+    pair must load together. `content`: a function of the component that reads the file,
+    raising ValueError (with a message naming the file, and the line) where it would refuse.
+    """
+    if (certificate is not None and file != "private_key") or (
+        content is not None and file is None
+    ):
+        raise TypeError("certificate= needs file='private_key'; content= needs a file kind")
     metadata = {
         "minimum": minimum,
         "maximum": maximum,
         "exclusive_minimum": exclusive_minimum,
         "help": help,
         "secret": secret,
+        "path": path,
+        "file": file,
+        "certificate": certificate,
+        "content": content,
     }
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple or a factory for collection defaults")
@@ -112,12 +157,35 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:  # noqa: PLR0912
     if annotation is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(key, f"expected a path (a non-empty string), got {value!r}")
+        check_path_text(value, key)
         return Path(value)
     if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a table, got {_type_name(value)}")
         return build(annotation, value, key)
     raise TypeError(f"{key}: unsupported settings type {annotation!r}")
+
+
+def check_path_text(value: str, key: str) -> None:
+    """Refuse what no system call takes: open() and stat() raise ValueError, not OSError, on a
+    NUL byte, and that would surface as a traceback far from the configuration."""
+    if "\x00" in value:
+        raise ConfigError(key, f"expected a path without NUL bytes, got {value!r}")
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            key, f"expected a path the file system can encode, got {value!r} ({exc.reason})"
+        ) from None
+
+
+def _check_path_strings(value: Any, key: str) -> None:
+    if isinstance(value, str):
+        check_path_text(value, key)
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                check_path_text(item, f"{key}[{i}]")
 
 
 def _check_bounds(value: Any, meta: Mapping[str, Any], key: str) -> None:
@@ -163,6 +231,8 @@ def build(cls: type[T], table: Mapping[str, Any], path: str = "") -> T:
             continue
         value = _convert(table[name], hints[name], key)
         _check_bounds(value, spec.metadata, key)
+        if spec.metadata.get("path"):
+            _check_path_strings(value, key)
         values[name] = value
     try:
         return cls(**values)
@@ -190,3 +260,148 @@ def to_table(obj: Any, *, mask_secrets: bool = True) -> dict[str, Any]:
         else:
             out[spec.name] = value
     return out
+
+
+# -- files named by keys ----------------------------------------------------------------------
+
+
+class FileProblem(ValueError):
+    """A file is missing, not a regular file, or cannot be read; the message names it."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = code
+
+
+def describe_file_type(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def stat_regular(path: Path) -> os.stat_result:
+    """stat() a file that must be regular, without opening it. Raises FileProblem."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise FileProblem(f"{path}: {exc.strerror}", exc.errno) from None
+    except ValueError:  # a NUL byte: only from code, the loader refuses it in a value
+        raise FileProblem(f"{str(path)!r}: a path with a NUL byte") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise FileProblem(f"{path} is {describe_file_type(info.st_mode)}")
+    return info
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of a regular file. It is stat'ed before it is opened, and opened without
+    blocking: a FIFO would block the reader until a writer came, a device may never end."""
+    stat_regular(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FileProblem(f"{path}: {exc.strerror}", exc.errno) from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):  # replaced between stat and open
+            raise FileProblem(f"{path} is {describe_file_type(info.st_mode)}")
+        try:
+            return handle.read()
+        except OSError as exc:
+            raise FileProblem(f"{path}: {exc.strerror}", exc.errno) from None
+
+
+def read_file(path: Path, kind: FileKind, key: str) -> bytes:
+    """Check that `path` is what a `kind` key must name and return its bytes (ConfigError on
+    `key` otherwise: what is wrong, what was expected, and the fix where there is one)."""
+    expected = EXPECTED_FILE[kind]
+    try:
+        info = stat_regular(path)
+        if kind in PRIVATE_KINDS and info.st_mode & 0o077:
+            raise ConfigError(
+                key,
+                f"{path} is accessible to other users (mode {stat.filemode(info.st_mode)}); "
+                f"expected {expected}; run: chmod 600 {path}",
+            )
+        data = read_regular(path)
+    except FileProblem as exc:
+        hint = ""
+        if exc.errno == errno.ENOENT and path.is_relative_to(CREDENTIALS_DIR):
+            hint = " (a systemd credential exists only while its unit runs)"
+        raise ConfigError(key, f"{exc}{hint}; expected {expected}") from None
+    if kind == "secret":
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                key, f"{path} is not UTF-8 text ({exc}); expected {expected}"
+            ) from None
+    return data
+
+
+class _Passphrase(Exception):
+    """Raised by the passphrase callback: an encrypted key cannot be used unattended."""
+
+
+def _no_passphrase() -> bytes:
+    raise _Passphrase
+
+
+def _check_certificates(path: Path, key: str) -> None:
+    # As the TLS context that reads it later does (a CA bundle: create_default_context).
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_verify_locations(cafile=path)
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            key,
+            f"{path}: no PEM certificate could be loaded ({exc}); "
+            f"expected {EXPECTED_FILE['certificate']}",
+        ) from None
+
+
+def _check_key_pair(key_path: Path, cert: Path, key: str, cert_key: str) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key_path, password=_no_passphrase)
+    except _Passphrase:
+        reason = "it is encrypted with a passphrase, which nobody is there to type"
+    except (ssl.SSLError, OSError) as exc:
+        reason = str(exc)
+    else:
+        return
+    raise ConfigError(
+        key,
+        f"{key_path} did not load as the private key of {cert_key} ({cert}): {reason}; "
+        f"expected {EXPECTED_FILE['private_key']}",
+    )
+
+
+def check_files(obj: Any, path: str = "") -> None:
+    """Check every file the fields of the settings object `obj` (and of settings nested in
+    it) name, in field order, stopping at the first problem: ConfigError on its key."""
+    for spec in dataclasses.fields(obj):
+        value = getattr(obj, spec.name)
+        key = _join(path, spec.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_files(value, key)
+            continue
+        kind = spec.metadata.get("file")
+        if kind is None or value is None:
+            continue
+        read_file(value, kind, key)
+        if kind == "certificate":
+            _check_certificates(value, key)
+        cert_field = spec.metadata.get("certificate")
+        if cert_field is not None and getattr(obj, cert_field) is not None:
+            _check_key_pair(value, getattr(obj, cert_field), key, _join(path, cert_field))
+        content = spec.metadata.get("content")
+        if content is not None:
+            try:
+                content(value)
+            except ValueError as exc:
+                raise ConfigError(key, str(exc)) from None

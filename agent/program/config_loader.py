@@ -8,12 +8,17 @@ With no file the embedded defaults apply, so `gpuwarden run` works on a bare hos
 names the file, the key and what was expected, and the command line turns it into exit code 2.
 Secrets are read only from files named by `*_file` keys, and a secret file that other users can
 read is refused.
+
+`load` also checks every file the configuration names (agent/contracts/settings.py,
+`check_files`) where the command reads it: the tables of the schema (or those named), skipping
+a component that is disabled. `config check`, `run` and `watch` thus share one judgement and
+one message for each file.
 """
 
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,7 @@ from typing import Any
 from agent.contracts.collector import CollectorSettings, CollectorSpec
 from agent.contracts.config import EMBEDDED, TOP_LEVEL_TABLES, Config, CoreSettings
 from agent.contracts.errors import ConfigError
-from agent.contracts.settings import build, to_table
+from agent.contracts.settings import FileProblem, build, check_files, read_regular, to_table
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpuwarden/gpuwarden.toml")
 
@@ -78,17 +83,44 @@ def _parse(data: Mapping[str, Any], source: str, schema: Schema) -> Config:
     return Config(core=core, sections=sections, collectors=collectors, source=source)
 
 
-def load(path: Path | None, schema: Schema) -> Config:
-    """Load `path`, or the system file if it exists, or the embedded defaults, and judge it
-    against `schema`."""
+def load(path: Path | None, schema: Schema, files_of: Collection[str] | None = None) -> Config:
+    """Load `path`, or the system file if it exists, or the embedded defaults, judge it
+    against `schema` and check the files named in the sections `files_of` (None: every
+    section of the schema), the core settings and the collectors."""
+    cfg = _load(path, schema)
+    try:
+        check_config_files(cfg, files_of)
+    except ConfigError as exc:
+        raise exc.with_file(cfg.source) from None
+    return cfg
+
+
+def check_config_files(cfg: Config, files_of: Collection[str] | None = None) -> None:
+    """Check the files named by the settings a command reads. A disabled sink or collector
+    (`enabled = false`) reads none, so its files are not judged."""
+    check_files(cfg.core)
+    for name, section in sorted(cfg.sections.items()):
+        if (files_of is None or name in files_of) and getattr(section, "enabled", True):
+            check_files(section, name)
+    for name, settings in cfg.collectors.items():
+        if settings.enabled:
+            check_files(settings, f"collectors.{name}")
+
+
+def _load(path: Path | None, schema: Schema) -> Config:
     if path is None:
         if not DEFAULT_CONFIG_PATH.exists():
             return parse({}, EMBEDDED, schema)
         path = DEFAULT_CONFIG_PATH
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError("", f"cannot read the configuration: {exc.strerror}", str(path)) from None
+        raw = read_regular(path)  # never opens a FIFO or a device: it could block forever
+    except FileProblem as exc:
+        reason = str(exc).removeprefix(f"{path}: ").removeprefix(f"{path} ")
+        raise ConfigError(
+            "",
+            f"cannot read the configuration: {reason}; expected a regular file (TOML)",
+            str(path),
+        ) from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -103,7 +104,36 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
+def _make_private_dir(path: Path, mode: int = 0o700) -> None:
+    """mkdir -p: `path` owner-only, the parents it has to make 0755, whatever the umask (a
+    umask only removes bits: under 000 they would come out world-writable). A directory that
+    exists is left as it is: under systemd, StateDirectoryMode= decides."""
+    if path.exists():
+        return
+    _make_private_dir(path.parent, 0o755)
+    try:
+        path.mkdir(mode)
+    except FileExistsError:  # made meanwhile by someone else: theirs
+        return
+    path.chmod(mode)
+
+
+def _create_private(path: Path) -> None:
+    """Create the database file 0600 before SQLite does: SQLite makes it 0644 less the umask
+    (world-readable outside systemd), and gives the -wal and -shm files the database's mode.
+    An empty file is an empty database."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def _open_checked(path: Path) -> sqlite3.Connection:
+    _create_private(path)
     conn = _connect(str(path))
     try:
         check = conn.execute("PRAGMA quick_check").fetchone()[0]
@@ -137,7 +167,7 @@ class StateStore:
         problems: list[StoreProblem] = []
         path = state_dir / DB_NAME
         try:
-            state_dir.mkdir(parents=True, exist_ok=True)
+            _make_private_dir(state_dir)
             try:
                 conn = _open_checked(path)
             except sqlite3.DatabaseError as exc:

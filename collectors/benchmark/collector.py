@@ -185,7 +185,9 @@ class BenchmarkSettings(CollectorSettings):
     child_timeout: float = setting(
         90.0, minimum=5.0, maximum=3600.0, help="seconds before the child's process group is killed"
     )
-    python: str = setting("", help="Python with torch for the child; empty: the agent's own")
+    python: str = setting(
+        "", help="Python with torch for the child; empty: the agent's own", path=True
+    )
     baseline_runs: int = setting(
         5, minimum=1, maximum=100, help="baseline = median of this many last good runs"
     )

@@ -36,7 +36,8 @@ def effective(cfg: config_module.Config) -> dict[str, object]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        cfg = config_module.load(args.config)
+        # Both roles: a file that `run` or `watch` would refuse is refused here too.
+        cfg = config_module.load(args.config, with_watch_files=True)
     except ConfigError as exc:
         if args.json:
             print(json.dumps({"ok": False, "file": exc.file, "key": exc.key, "error": exc.message}))

@@ -19,8 +19,8 @@ import structlog
 
 from agent.contracts.errors import ConfigError
 from agent.program import config_loader
-from agent.program.watch.service import Watcher, load_inventory
-from agent.program.watch.settings import WatchSettings
+from agent.program.watch.service import Watcher
+from agent.program.watch.settings import WatchSettings, load_inventory
 from agent.runtime import logs
 
 log = structlog.get_logger(component="watch")

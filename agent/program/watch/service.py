@@ -16,14 +16,11 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 
 import aiomqtt
 import structlog
 
 from agent import __version__
-from agent.contracts.config import NODE_ID
-from agent.contracts.errors import ConfigError
 from agent.contracts.model import Severity
 from agent.program.watch.fleet import AlertChange, Fleet
 from agent.program.watch.metrics import MetricsServer
@@ -48,26 +45,6 @@ log = structlog.get_logger(component="watch")
 MAX_PENDING_ALERTS = 10_000
 STOP_SECONDS = 4.0
 """SIGTERM to exit, inside systemd's TimeoutStopSec=10s."""
-
-
-def load_inventory(path: Path) -> list[str]:
-    """One node id a line; `#` starts a comment; blank lines are skipped."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("watch.inventory_file", f"cannot read {path}: {exc}") from None
-    nodes: list[str] = []
-    for number, line in enumerate(text.splitlines(), 1):
-        node = line.split("#", 1)[0].strip()
-        if not node:
-            continue
-        if not NODE_ID.fullmatch(node):
-            raise ConfigError(
-                "watch.inventory_file",
-                f"{path}:{number}: {node!r} is not a node id ([A-Za-z0-9._:-])",
-            )
-        nodes.append(node)
-    return nodes
 
 
 def fleet_from(settings: WatchSettings, inventory: list[str], now: float) -> Fleet:

@@ -6,16 +6,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.contracts.config import NODE_ID
 from agent.contracts.errors import ConfigError
-from agent.contracts.settings import setting
+from agent.contracts.settings import read_file, setting
 from exporters.http import parse_listen
 from exporters.mqtt_settings import BrokerSettings
+
+
+def read_inventory(path: Path) -> list[str]:
+    """One node id a line; `#` starts a comment; blank lines are skipped. ValueError names
+    the file and the line (the loader checks the file with it: agent/contracts/settings.py)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    nodes: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        node = line.split("#", 1)[0].strip()
+        if not node:
+            continue
+        if not NODE_ID.fullmatch(node):
+            raise ValueError(f"{path}:{number}: {node!r} is not a node id ([A-Za-z0-9._:-])")
+        nodes.append(node)
+    return nodes
+
+
+def load_inventory(path: Path, key: str = "watch.inventory_file") -> list[str]:
+    """The inventory, checked as the loader checks `inventory_file` (also for --inventory)."""
+    read_file(path, "readable", key)
+    try:
+        return read_inventory(path)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
 
 
 @dataclass(frozen=True)
 class WatchSettings(BrokerSettings):
     inventory_file: Path | None = setting(
-        None, help="nodes that must exist, one id a line, # comments; unset: only nodes seen"
+        None,
+        help="nodes that must exist, one id a line, # comments; unset: only nodes seen",
+        file="readable",
+        content=read_inventory,
     )
     stale_after_intervals: float = setting(
         3.0,
