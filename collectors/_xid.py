@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.contracts.model import AttributeValue, Event
-from collectors._xid_catalog import lookup
+from collectors._xid_catalog import lookup_event
 
 XidSource = Literal["kmsg", "nvml"]
 
@@ -73,12 +73,30 @@ class _Pending:
     sources: set[XidSource] = field(default_factory=set)
     texts: list[str] = field(default_factory=list)
     per_source: dict[XidSource, int] = field(default_factory=dict)
+    worded: XidObservation | None = None
+    """The kernel-log line whose words judge the event worst (NVML's events carry none)."""
+
+    def keep_words(self, obs: XidObservation) -> None:
+        if obs.source != "kmsg":
+            return
+        if self.worded is None or _severity(obs) > _severity(self.worded):
+            self.worded = obs
+
+    def shown(self) -> XidObservation:
+        """The first observation, with the driver's words of the worst line, if any."""
+        if self.worded is None or self.worded is self.first:
+            return self.first
+        return dataclasses.replace(self.first, text=self.worded.text)
 
     @property
     def occurrences(self) -> int:
         """Xids this entry stands for: the larger count of the two sources (the same Xid
         seen by both counts once)."""
         return max(self.per_source.values(), default=0)
+
+
+def _severity(obs: XidObservation) -> int:
+    return int(lookup_event(obs.code, obs.text).severity)
 
 
 EventBuilder = Callable[[XidObservation, frozenset[XidSource], Mapping[str, str]], Event]
@@ -105,8 +123,9 @@ def gpu_description(pci_bus_id: str, identity: Mapping[str, str]) -> str:
 def build_xid_event(
     obs: XidObservation, sources: frozenset[XidSource], identity: Mapping[str, str]
 ) -> Event:
-    """The default Xid event: the catalog's meaning and action, which sources saw it."""
-    info = lookup(obs.code)
+    """The default Xid event: the catalog's meaning and action (as the line's own words
+    make them), which sources saw it."""
+    info = lookup_event(obs.code, obs.text)
     where = gpu_description(obs.pci_bus_id, identity)
     when = " (logged before the agent started)" if obs.predates_agent else ""
     message = f"Xid {obs.code} ({info.name}) on {where}{when}: {info.meaning}; {seen_by(sources)}"
@@ -123,6 +142,7 @@ def build_xid_event(
         "seen_by": seen_by(sources),
         "predates_agent": obs.predates_agent,
         "text": obs.text,
+        **info.attributes(),
     }
     return Event(
         source="gpu",
@@ -210,6 +230,7 @@ class XidCorrelator:
                 )
                 pending = self._pending[key] = _Pending(obs, deadline)
             pending.sources.add(obs.source)
+            pending.keep_words(obs)
             pending.per_source[obs.source] = pending.per_source.get(obs.source, 0) + 1
             if obs.text and len(pending.texts) < 8:
                 pending.texts.append(obs.text)
@@ -252,7 +273,7 @@ class XidCorrelator:
             self._last_event[key] = first.time
             held = self._held.pop(key, 0)
         identity = self._identities.get(first.pci_bus_id, {})
-        event = self._build_event(first, sources, identity)
+        event = self._build_event(pending.shown(), sources, identity)
         extra: dict[str, AttributeValue] = {
             "occurrences": pending.occurrences,
             "repeats_since_last_event": held,

@@ -63,7 +63,9 @@ class TestCatalog:
             assert info.name
             assert info.meaning
             assert info.action
-            assert info.fault in ("application", "node", "either")
+            # Codes only the driver's header names (173-176) have no published fault yet.
+            allowed = ("application", "node", "either")
+            assert info.fault in allowed or info.source == "open-gpu-kernel-modules"
 
     def test_field_notes_codes_are_present(self) -> None:
         """The codes operators act on (docs/MEASUREMENTS.md) are all in the catalog."""

@@ -20,7 +20,7 @@ from typing import Final, Protocol
 
 from agent.contracts.model import AttributeValue, Severity
 from collectors._xid import normalize_pci_bus_id
-from collectors._xid_catalog import lookup, lookup_sxid
+from collectors._xid_catalog import lookup, lookup_event, lookup_sxid
 from collectors.kernel_log.parse import LogRecord
 
 KINDS: Final = (
@@ -124,8 +124,10 @@ class XidMatcher:
         if match is None:
             return
         code = int(match["code"])
-        info = lookup(code)
         text = match["text"].strip()
+        # The driver's own words on the line (NVLink5 Fatal/Nonfatal, Xid 154's new recovery
+        # action) decide this event's severity where the catalog says they do.
+        info = lookup_event(code, text)
         pid_match, name_match = _PID.search(text), _NAME.search(text)
         process = name_match["name"].strip() if name_match else ""
         yield Finding(
@@ -139,7 +141,12 @@ class XidMatcher:
             name=info.name,
             pid=int(pid_match["pid"]) if pid_match else None,
             process="" if process in ("", "<unknown>") else process,
-            attributes={"fault": info.fault, "known": info.known, "text": text},
+            attributes={
+                "fault": info.fault,
+                "known": info.known,
+                "text": text,
+                **info.attributes(),
+            },
         )
 
     def flush(self) -> Iterator[Finding]:
@@ -173,7 +180,12 @@ class SxidMatcher:
             device=match["dev"],
             code=code,
             name=info.name,
-            attributes={"text": match["text"].strip()},
+            attributes={
+                "fault": info.fault,
+                "known": info.known,
+                "text": match["text"].strip(),
+                **info.attributes(),
+            },
         )
 
     def flush(self) -> Iterator[Finding]:
