@@ -4,6 +4,8 @@ records and on a /dev/kmsg stand-in, judged per finding; raw NVIDIA lines in the
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -11,11 +13,13 @@ from agent.program.diagnose.check import CheckOptions, run_check
 from agent.program.diagnose.diag import DiagOptions, build_bundle
 from agent.program.diagnose.findings import Status
 from agent.program.diagnose.kernel_findings import classify_kernel_log, scan_kernel_log
+from collectors._xid_catalog import catalog_version
 from collectors.kernel_log.collector import KernelLogSettings
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.kmsg import FIXTURES, FakeKmsg, capture_records, write_boot_id
 
 SAVED = FIXTURES / "kmsg.txt"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def boot_id(tmp_path: Path) -> Path:
@@ -43,6 +47,23 @@ class TestSavedLog:
         kernel = [f for f in report.findings if f.area == "kernel"]
         assert {f.status for f in kernel} >= {Status.FAIL, Status.WARN}
         assert report.exit_code == 2
+
+    def test_check_names_the_catalog_version(self, tmp_path: Path) -> None:
+        """`gpuwarden check` says which Xid catalog judged the kernel log, as text and JSON."""
+        extra = f'[collectors.kernel_log]\npath = "{SAVED}"\n'
+        cfg = write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc"), extra=extra)
+        base = [sys.executable, "-m", "agent", "check", "--config", str(cfg)]
+        base += ["--expect-gpus", "0", "--no-torch"]
+        runs = {
+            form: subprocess.run(
+                base + flags, capture_output=True, text=True, timeout=120, check=False, cwd=ROOT
+            )
+            for form, flags in (("text", []), ("json", ["--json"]))
+        }
+        assert f"Xid catalog {catalog_version()}" in runs["text"].stdout, runs["text"].stderr
+        data = json.loads(runs["json"].stdout)
+        assert data["xid_catalog"]["version"] == catalog_version()
+        assert "nvidia-xid-catalog" in data["xid_catalog"]["sources"]
 
     def test_unreadable(self, tmp_path: Path) -> None:
         scan = scan_kernel_log(KernelLogSettings(path=tmp_path / "missing.log"))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from agent.program.cli import main as cli_main
 from agent.program.commands.scan import exit_code, scan_lines
+from collectors._xid_catalog import catalog_version
 from collectors.kernel_log.parse import ParseStats
 from tests.support.kmsg import FIXTURES, H200_CAPTURE
 
@@ -149,6 +150,14 @@ class TestExitCodes:
             "Exit codes: 0 no findings; 1 findings, none worse than warning; 2 a critical"
             in " ".join(helptext.split())
         )
+
+    def test_help_names_the_catalog_version(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """`scan --help` says which Xid/SXid catalog (version and sources) judges the log."""
+        with pytest.raises(SystemExit):
+            cli_main(["scan", "--help"])
+        helptext = " ".join(capsys.readouterr().out.split())
+        assert f"Xid catalog {catalog_version()}" in helptext
+        assert "595.45.04" in helptext
 
 
 class TestProperties:

@@ -21,6 +21,7 @@ from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program.diagnose.check import CheckOptions, CheckReport, run_check
 from agent.program.diagnose.findings import Status
+from agent.program.diagnose.kernel_findings import xid_catalog_line
 
 COLOURS = {
     Status.OK: "32",
@@ -64,7 +65,7 @@ def use_colour(stream: TextIO) -> bool:
 
 
 def render_table(report: CheckReport, colour: bool, width: int = 100) -> str:
-    lines = [f"gpuwarden check on {report.node_id}", ""]
+    lines = [f"gpuwarden check on {report.node_id}", xid_catalog_line(), ""]
     name_width = min(max((len(f.name) for f in report.findings), default=10), 38)
     for finding in report.findings:
         status = f"{finding.status.value:<4}"

@@ -16,11 +16,13 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
 
 from agent.contracts.model import Severity
+from collectors._xid_catalog import CatalogError, catalog
 from collectors.kernel_log.matchers import Finding, MatcherSet
 from collectors.kernel_log.parse import ParseStats, parse_lines
 
@@ -29,8 +31,19 @@ EXIT_WARNINGS = 1
 EXIT_CRITICAL = 2
 
 
+def catalog_line() -> str:
+    """Which catalog judges the findings; a broken catalog file is named, not a crash of
+    every command that builds this parser."""
+    try:
+        line = f"Findings are judged with the {catalog().describe()}."
+    except CatalogError as exc:
+        line = f"The Xid catalog cannot be read: {exc}"
+    return textwrap.fill(line, 90)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = catalog_line()
     parser.add_argument("file", metavar="FILE", help="saved kernel log ('-' for standard input)")
     parser.add_argument(
         "--json", action="store_true", help="one JSON object per finding, one per line"

@@ -35,6 +35,7 @@ from agent.program.diagnose.kernel_findings import (
     KernelLogScan,
     classify_kernel_log,
     scan_kernel_log,
+    xid_catalog_info,
 )
 from agent.program.diagnose.nvml_versions import read_nvml_versions
 from agent.program.diagnose.state_reader import read_state
@@ -105,6 +106,7 @@ class CheckReport:
             "exit_code": self.exit_code,
             "counts": self.counts(),
             "findings": [f.to_dict() for f in self.findings],
+            "xid_catalog": xid_catalog_info(),
         }
 
 

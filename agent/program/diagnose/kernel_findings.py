@@ -16,6 +16,7 @@ from typing import Any
 
 from agent.contracts.collector import CollectorSettings, MemoryKeyValueStore
 from agent.program.diagnose.findings import Finding, Status
+from collectors._xid_catalog import CatalogError, catalog
 from collectors.kernel_log.collector import KernelLogSettings
 from collectors.kernel_log.kmsg import (
     FileLogReader,
@@ -68,8 +69,24 @@ class KernelLogScan:
             "records_lost": self.lost,
             "error": self.error,
             "ignored_user_space_findings": self.ignored,
+            "xid_catalog": xid_catalog_info(),
             "findings": [f.to_dict() for f in self.findings],
         }
+
+
+def xid_catalog_info() -> dict[str, Any]:
+    """The catalog that judged the findings (version, sources), or why it could not be read."""
+    try:
+        return catalog().info()
+    except CatalogError as exc:
+        return {"version": "", "error": str(exc)}
+
+
+def xid_catalog_line() -> str:
+    try:
+        return f"kernel log judged with the {catalog().describe()}"
+    except CatalogError as exc:
+        return f"kernel log: the Xid catalog cannot be read: {exc}"
 
 
 def format_record(record: LogRecord) -> str:
