@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from collectors._xid_catalog import catalog
 from tests.support.rules import (
     DECLARING_MODULES,
     METRIC,
@@ -105,3 +106,26 @@ class TestDashboard:
         done = promtool("check", "rules", path)
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"{len(exprs)} rules found" in done.stdout
+
+
+class TestAlertRule:
+    """The Prometheus alert for Xids that take the GPU or node out of service is the catalog's
+    list, not a copy that drifts from it."""
+
+    def test_critical_xid_rule_matches_the_catalog(self) -> None:
+        text = RULES.read_text(encoding="utf-8")
+        block = text.split("alert: GpuwardenCriticalXid", 1)[1].split("- alert:", 1)[0]
+        lists = set(re.findall(r'xid=~"([0-9|]+)"', block))
+        assert len(lists) == 1, lists
+        in_rule = sorted(int(c) for c in lists.pop().split("|"))
+        # Reset or reboot by NVIDIA's bucket; NVLink5 (144-150) too, since the counter cannot
+        # tell a Fatal event from a Nonfatal one.
+        wanted = {
+            "reset_gpu",
+            "reboot_node",
+            "workflow_xid48",
+            "workflow_nvlink",
+            "workflow_nvlink5",
+        }
+        expected = sorted(c for c, i in catalog().xid.items() if i.bucket in wanted and i.in_use)
+        assert in_rule == expected
