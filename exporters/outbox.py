@@ -39,8 +39,7 @@ class Outbox:
 
     def put(self, kind: str, key: str, payload: bytes, created: float | None = None) -> int:
         if kind == "heartbeat":
-            stale = [seq for seq, _ in self.store.outbox_oldest("heartbeat", 1_000_000)]
-            self.store.outbox_ack(stale)
+            return self.store.outbox_replace(kind, key, payload, created)
         return self.store.outbox_put(kind, key, payload, created)
 
     def peek(self, limit: int, after_seq: int = 0) -> list[OutboxEntry]:
@@ -74,7 +73,7 @@ class Outbox:
                     victims.append(seq)
                     excess_entries -= 1
                     excess_bytes -= length
-                self.store.outbox_ack(victims)
-                dropped[kind] += len(victims)
+                # What is still there: an entry delivered meanwhile was not dropped.
+                dropped[kind] += self.store.outbox_ack(victims).get(kind, 0)
         self.dropped.update(dropped)
         return {kind: count for kind, count in dropped.items() if count}

@@ -7,9 +7,14 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.runtime.state import DB_NAME, SCHEMA_VERSION, StateStore
+from exporters.outbox import Outbox, OutboxLimits
+from tests.support.stores import MIB, SmallDisk
 
 
 def event(kind: str = "k", severity: Severity = Severity.WARNING) -> Event:
@@ -154,3 +159,164 @@ class TestRetention:
         assert runtime.prune_history(now) == 1
         assert [e.kind for e in runtime.store.recent_events()] == ["new"]
         assert runtime.store.outbox_depth() == {"event": 1}  # delivery is the outbox's business
+
+
+def xid_event(i: int) -> Event:
+    """An event of the size the kernel log raises (an Xid with its attributes)."""
+    return Event(
+        source="kernel_log",
+        kind="xid",
+        severity=Severity.CRITICAL,
+        subject="GPU-5b3c1d2e",
+        message=f"GPU 0000:3b:00.0 reported Xid 79 (fallen off the bus), record {i}",
+        action="drain the node and reset the GPU; if it recurs, replace it",
+        attributes={"xid": 79, "pid": 4242, "record": i},
+    )
+
+
+class TestSmallDisk:
+    """On a small file system the WAL cannot fill the disk by itself."""
+
+    def test_wal_stays_small_under_steady_traffic(self, tmp_path: Path) -> None:
+        """Events in, delivered out, state values and heartbeats rewritten, 1,500 rounds on a
+        4 MiB disk: every write works and the WAL stays under 1 MiB (SQLite's default
+        checkpoint lets it reach 4 MB first, which on this disk never comes)."""
+        with SmallDisk(tmp_path / "disk") as disk:
+            store = StateStore.open(disk.path)
+            largest = 0
+            try:
+                for i in range(1500):
+                    store.record_event(xid_event(i), outbox=True)
+                    store.outbox_put("heartbeat", str(i), b"h" * 400)
+                    store.put("kmsg", "cursor", {"boot_id": "b", "seq": i})
+                    store.outbox_ack([e.seq for e in store.outbox_peek(10)])
+                    largest = max(largest, disk.file_size(f"{DB_NAME}-wal"))
+            finally:
+                store.close()
+            assert store.write_failures == 0
+            assert largest < 1 * MIB
+
+    def test_wal_given_back_after_a_failed_write(self, tmp_path: Path) -> None:
+        """A write that fails (disk full) makes the store give the WAL's space back as soon
+        as a write works again: the WAL does not keep the disk full."""
+        with SmallDisk(tmp_path / "disk") as disk:
+            store = StateStore.open(disk.path)
+            try:
+                for i in range(100):
+                    store.record_event(xid_event(i), outbox=True)
+                disk.fill()
+                refused = write_until_refused(store)
+                assert "full" in refused
+                disk.free()
+                store.put("kmsg", "cursor", 1)
+                assert disk.file_size(f"{DB_NAME}-wal") <= 64 * 1024
+            finally:
+                store.close()
+
+
+def write_until_refused(store: StateStore) -> str:
+    """Store events until the store refuses one (the disk is full); the error."""
+    for i in range(100_000):
+        try:
+            store.record_event(xid_event(i), outbox=True)
+        except StateStoreError as exc:
+            return str(exc)
+    raise AssertionError("the store never refused a write")
+
+
+class TestVariableLimit:
+    """No statement binds more parameters than SQLite before 3.32 allows (999)."""
+
+    def limited_store(self) -> StateStore:
+        store = StateStore.in_memory()
+        store._conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+        return store
+
+    def test_ack_of_many_entries(self) -> None:
+        store = self.limited_store()
+        seqs = [store.outbox_put("metrics", "snapshot", b"m") for _ in range(3000)]
+        store.outbox_ack(seqs)
+        assert store.outbox_depth() == {}
+
+    def test_bounds_drop_many_entries(self) -> None:
+        store = self.limited_store()
+        for _ in range(3000):
+            store.outbox_put("metrics", "snapshot", b"m")
+        outbox = Outbox(store, OutboxLimits(max_entries=100, max_bytes=10**9, max_age=3600))
+        assert outbox.enforce() == {"metrics": 2900}
+        assert store.outbox_usage() == (100, 100)
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("put"), st.sampled_from(["event", "metrics", "heartbeat"]), st.integers(0, 300)
+        ),
+        st.tuples(st.just("ack"), st.just(""), st.integers(0, 20)),
+        st.tuples(st.just("expire"), st.just(""), st.integers(0, 40)),
+        st.tuples(st.just("enforce"), st.just(""), st.integers(1, 30)),
+    ),
+    max_size=60,
+)
+
+
+class TestOutboxAccounting:
+    """The outbox's entry and byte totals are kept as it changes, not counted per question:
+    they always equal what a count of the table says, also after reopening."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(OPS)
+    def test_totals_match_the_table(self, ops: list[tuple[str, str, int]]) -> None:
+        store = StateStore.in_memory()
+        outbox = Outbox(store, OutboxLimits(max_entries=10**6, max_bytes=10**9, max_age=3600))
+        clock = 1000.0
+        for op, kind, n in ops:
+            clock += 1
+            if op == "put" and kind == "event":
+                store.record_events([xid_event(n)], outbox=True)
+            elif op == "put":
+                outbox.put(kind, str(n), b"p" * n, created=clock)
+            elif op == "ack":
+                store.outbox_ack([e.seq for e in store.outbox_peek(n)])
+            elif op == "expire":
+                store.outbox_expire(clock - n)
+            else:
+                Outbox(store, OutboxLimits(n, 10**9, 3600)).enforce(clock)
+            assert store.outbox_depth() == counted_depth(store)
+            assert store.outbox_usage() == counted_usage(store)
+
+    def test_totals_read_once_at_open(self, tmp_path: Path) -> None:
+        store = StateStore.open(tmp_path)
+        store.record_events([xid_event(i) for i in range(5)], outbox=True)
+        store.outbox_put("metrics", "snapshot", b"x" * 100)
+        expected = counted_usage(store)
+        store.close()
+        again = StateStore.open(tmp_path)
+        try:
+            assert again.outbox_usage() == expected
+            assert again.outbox_depth() == {"event": 5, "metrics": 1}
+        finally:
+            again.close()
+
+    def test_questions_run_no_statement(self) -> None:
+        """Depth and usage (asked by every scrape, heartbeat and bound check) are answered
+        without a query: a count of a 100k-entry outbox took about 70 ms on the loop."""
+        store = StateStore.in_memory()
+        store.record_events([xid_event(i) for i in range(5)], outbox=True)
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)
+        store.outbox_depth()
+        store.outbox_usage()
+        assert statements == []
+
+
+def counted_depth(store: StateStore) -> dict[str, int]:
+    rows = store._conn.execute("SELECT kind, COUNT(*) FROM outbox GROUP BY kind").fetchall()
+    return {str(kind): int(count) for kind, count in rows}
+
+
+def counted_usage(store: StateStore) -> tuple[int, int]:
+    ((count, size),) = store._conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM outbox"
+    ).fetchall()
+    return int(count), int(size)

@@ -90,11 +90,23 @@ class OutboxStore(KeyValueStore, Protocol):
 
     def outbox_peek(self, limit: int = 100, after_seq: int = 0) -> list[OutboxEntry]: ...
 
-    def outbox_ack(self, seqs: Sequence[int]) -> None: ...
+    def outbox_replace(
+        self, kind: str, key: str, payload: bytes, created: float | None = None
+    ) -> int:
+        """Queue `payload` in place of every undelivered entry of its kind."""
+        ...
 
-    def outbox_depth(self) -> dict[str, int]: ...
+    def outbox_ack(self, seqs: Sequence[int]) -> dict[str, int]:
+        """Delete entries by seq; how many of each kind were still there."""
+        ...
 
-    def outbox_usage(self) -> tuple[int, int]: ...
+    def outbox_depth(self) -> dict[str, int]:
+        """Entries by kind: kept in memory, no query (a scrape or heartbeat may ask)."""
+        ...
+
+    def outbox_usage(self) -> tuple[int, int]:
+        """(entries, payload bytes): kept in memory, no query."""
+        ...
 
     def outbox_oldest(
         self, kind: str, limit: int, skip_newest: int = 0

@@ -18,7 +18,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,10 +71,20 @@ MIGRATIONS: tuple[str, ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
+WAL_AUTOCHECKPOINT_PAGES = 128
+"""Pages (4 KiB) the WAL may hold before SQLite copies it back into the database. SQLite's
+default, 1000 pages (about 4 MB), let the WAL alone fill a 4 MiB state disk before its first
+checkpoint."""
+WAL_SIZE_LIMIT = 512 * 1024
+"""Bytes the WAL file is cut back to when it starts over after a checkpoint: without a limit it
+keeps the size of its largest burst for good."""
+MAX_PARAMETERS = 500
+"""Parameters bound to one statement at most: SQLite before 3.32 refuses more than 999."""
+
 
 @dataclass(frozen=True, slots=True)
 class StoreProblem:
-    kind: str  # state_store_corrupt | state_store_unwritable | state_store_write_failed
+    kind: str  # state_store_corrupt | state_store_unwritable
     message: str
     action: str
 
@@ -101,6 +111,8 @@ def _connect(path: str) -> sqlite3.Connection:
     # on power failure; FULL would fsync every outbox write.
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA busy_timeout=5000")
+    conn.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
+    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
     return conn
 
 
@@ -146,8 +158,22 @@ def _open_checked(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def _chunks(values: Sequence[int]) -> Iterator[Sequence[int]]:
+    for start in range(0, len(values), MAX_PARAMETERS):
+        yield values[start : start + MAX_PARAMETERS]
+
+
+def _marks(count: int) -> str:
+    return ",".join("?" * count)
+
+
+KvChanges = Mapping[tuple[str, str], str | None]
+"""(namespace, key) -> the value as JSON text, or None to delete it."""
+
+
 class StateStore:
-    """Thread-safe: one connection behind a lock (writes are small and rare)."""
+    """Thread-safe: one connection behind a lock. The runtime makes its writes from one
+    thread of its own (agent/runtime/store_guard.py), never from the event loop."""
 
     def __init__(
         self, conn: sqlite3.Connection, path: Path | None, problems: Sequence[StoreProblem]
@@ -159,6 +185,12 @@ class StateStore:
         self.write_failures = 0
         self.last_write_failure: tuple[float, str] | None = None
         """(time, error) of the latest failed write: a full disk shows here first."""
+        self.write_error: str | None = None
+        """The error of the latest write while writes fail; None once one works again."""
+        self._usage_lock = threading.Lock()
+        self._usage: dict[str, tuple[int, int]] = self._count_outbox()
+        """kind -> (entries, payload bytes) in the outbox: counted once here, then kept as
+        entries come and go, so that a scrape or a bound check asks the database nothing."""
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -217,24 +249,66 @@ class StateStore:
 
     def close(self) -> None:
         with self._lock:
-            if self.path is not None:
-                with contextlib.suppress(sqlite3.Error):
-                    self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._checkpoint()
             self._conn.close()
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database and cut the WAL file to nothing: the space it held
+        goes back to the file system."""
+        with self._lock:
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def _write_failed(self, exc: sqlite3.Error) -> None:
         self.write_failures += 1
         self.last_write_failure = (time.time(), str(exc))
+        self.write_error = str(exc)
+
+    def _write_worked(self) -> None:
+        if self.write_error is not None:
+            self.write_error = None
+            # The WAL grew while the disk was full and would keep that size: give it back now
+            # that there is room to copy it home.
+            self._checkpoint()
 
     # -- plumbing ---------------------------------------------------------------------------
 
     def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         with self._lock:
             try:
-                return self._conn.execute(sql, tuple(params))
+                cursor = self._conn.execute(sql, tuple(params))
             except sqlite3.Error as exc:
                 self._write_failed(exc)
                 raise StateStoreError(f"state store write failed: {exc}") from exc
+            self._write_worked()
+            return cursor
+
+    @contextlib.contextmanager
+    def _transaction(self, failure: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock; any error rolls it back and raises
+        StateStoreError(`failure`: error)."""
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                yield self._conn
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback()
+                self._write_failed(exc)
+                raise StateStoreError(f"{failure}: {exc}") from exc
+            except BaseException:
+                self._rollback()
+                raise
+            self._write_worked()
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
 
     def _read(self, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -253,18 +327,14 @@ class StateStore:
         return json.loads(rows[0][0]) if rows else None
 
     def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        self._write(
-            "INSERT INTO kv(namespace, key, value, updated) VALUES (?,?,?,?) "
-            "ON CONFLICT(namespace, key) DO UPDATE SET value=excluded.value, updated=excluded.updated",
-            (namespace, key, json.dumps(value), time.time()),
-        )
+        self.write_batch((), {(namespace, key): json.dumps(value)}, outbox=False)
 
     def items(self, namespace: str) -> dict[str, JSONValue]:
         rows = self._read("SELECT key, value FROM kv WHERE namespace=?", (namespace,))
         return {k: json.loads(v) for k, v in rows}
 
     def delete(self, namespace: str, key: str) -> None:
-        self._write("DELETE FROM kv WHERE namespace=? AND key=?", (namespace, key))
+        self.write_batch((), {(namespace, key): None}, outbox=False)
 
     # -- events and outbox ------------------------------------------------------------------
 
@@ -275,35 +345,47 @@ class StateStore:
     def record_events(self, events: Sequence[Event], *, outbox: bool) -> None:
         """Store events, and queue them for delivery, in one transaction (a burst of events
         costs one commit, not one each)."""
+        self.write_batch(events, {}, outbox=outbox)
+
+    def write_batch(self, events: Sequence[Event], values: KvChanges, *, outbox: bool) -> None:
+        """Events (queued for delivery too with `outbox`), then key-value changes, in one
+        transaction: a value that depends on an event (a log cursor past it) is never stored
+        without the event."""
         rows = [
             (e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
             for e in events
         ]
         queued = time.time()
-        with self._lock:
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                self._conn.executemany(
-                    "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body)"
-                    " VALUES (?,?,?,?,?,?,?)",
-                    rows,
+        if events:
+            ids = ", ".join(e.id for e in events[:3])
+            failure = f"cannot store {len(events)} event(s) ({ids}...)"
+        else:
+            failure = "state store write failed"
+        with self._transaction(failure) as conn:
+            conn.executemany(
+                "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body)"
+                " VALUES (?,?,?,?,?,?,?)",
+                rows,
+            )
+            if outbox:
+                conn.executemany(
+                    "INSERT INTO outbox(kind, key, created, payload) VALUES ('event',?,?,?)",
+                    # created: when it was queued, not when it happened: the outbox's age
+                    # bound must not expire a kernel-log event of last week on arrival.
+                    [(row[0], queued, row[6].encode()) for row in rows],
                 )
-                if outbox:
-                    self._conn.executemany(
-                        "INSERT INTO outbox(kind, key, created, payload) VALUES ('event',?,?,?)",
-                        # created: when it was queued, not when it happened: the outbox's age
-                        # bound must not expire a kernel-log event of last week on arrival.
-                        [(row[0], queued, row[6].encode()) for row in rows],
-                    )
-                self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                self._write_failed(exc)
-                with contextlib.suppress(sqlite3.Error):
-                    self._conn.execute("ROLLBACK")
-                ids = ", ".join(e.id for e in events[:3])
-                raise StateStoreError(
-                    f"cannot store {len(events)} event(s) ({ids}...): {exc}"
-                ) from exc
+            conn.executemany(
+                "INSERT INTO kv(namespace, key, value, updated) VALUES (?,?,?,?) "
+                "ON CONFLICT(namespace, key) DO UPDATE SET value=excluded.value, "
+                "updated=excluded.updated",
+                [(ns, key, text, queued) for (ns, key), text in values.items() if text is not None],
+            )
+            conn.executemany(
+                "DELETE FROM kv WHERE namespace=? AND key=?",
+                [(ns, key) for (ns, key), text in values.items() if text is None],
+            )
+        if outbox and rows:
+            self._count("event", len(rows), sum(len(row[6].encode()) for row in rows))
 
     def recent_events(
         self, limit: int = 100, min_severity: Severity = Severity.INFO
@@ -322,6 +404,23 @@ class StateStore:
             "INSERT INTO outbox(kind, key, created, payload) VALUES (?,?,?,?)",
             (kind, key, time.time() if created is None else created, payload),
         )
+        self._count(kind, 1, len(payload))
+        return int(cursor.lastrowid or 0)
+
+    def outbox_replace(
+        self, kind: str, key: str, payload: bytes, created: float | None = None
+    ) -> int:
+        """Queue `payload` in place of every undelivered entry of its kind, in one
+        transaction (a heartbeat: its topic is retained, only the newest says anything)."""
+        with self._transaction("state store write failed") as conn:
+            gone = self._usage_of(conn, "kind=?", (kind,))
+            conn.execute("DELETE FROM outbox WHERE kind=?", (kind,))
+            cursor = conn.execute(
+                "INSERT INTO outbox(kind, key, created, payload) VALUES (?,?,?,?)",
+                (kind, key, time.time() if created is None else created, payload),
+            )
+        self._uncount(gone)
+        self._count(kind, 1, len(payload))
         return int(cursor.lastrowid or 0)
 
     def outbox_peek(self, limit: int = 100, after_seq: int = 0) -> list[OutboxEntry]:
@@ -333,23 +432,35 @@ class StateStore:
             OutboxEntry(int(s), str(k), str(key), float(c), bytes(p)) for s, k, key, c, p in rows
         ]
 
-    def outbox_ack(self, seqs: Sequence[int]) -> None:
-        if seqs:
-            marks = ",".join("?" * len(seqs))
-            self._write(f"DELETE FROM outbox WHERE seq IN ({marks})", seqs)  # noqa: S608
+    def outbox_ack(self, seqs: Sequence[int]) -> dict[str, int]:
+        """Delete entries by seq (delivered, or dropped by a bound); how many of each kind
+        were still there."""
+        if not seqs:
+            return {}
+        gone: dict[str, tuple[int, int]] = {}
+        with self._transaction("state store write failed") as conn:
+            for chunk in _chunks(seqs):
+                marks = _marks(len(chunk))
+                for kind, (count, size) in self._usage_of(conn, f"seq IN ({marks})", chunk).items():
+                    before = gone.get(kind, (0, 0))
+                    gone[kind] = (before[0] + count, before[1] + size)
+                conn.execute(f"DELETE FROM outbox WHERE seq IN ({marks})", chunk)  # noqa: S608
+        self._uncount(gone)
+        return {kind: count for kind, (count, _) in gone.items()}
 
     def outbox_depth(self) -> dict[str, int]:
-        rows = self._read("SELECT kind, COUNT(*) FROM outbox GROUP BY kind")
-        return {str(kind): int(count) for kind, count in rows}
+        with self._usage_lock:
+            return {kind: count for kind, (count, _) in self._usage.items() if count}
 
     # -- outbox bounds (the MQTT sink's exporters/outbox.py decides what to drop) -----------
 
     def outbox_usage(self) -> tuple[int, int]:
         """(entries, payload bytes) in the outbox."""
-        ((count, size),) = self._read(
-            "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM outbox"
-        )
-        return int(count), int(size)
+        with self._usage_lock:
+            return (
+                sum(count for count, _ in self._usage.values()),
+                sum(size for _, size in self._usage.values()),
+            )
 
     def outbox_oldest(self, kind: str, limit: int, skip_newest: int = 0) -> list[tuple[int, int]]:
         """(seq, payload bytes) of the oldest entries of one kind, leaving the newest
@@ -363,18 +474,37 @@ class StateStore:
 
     def outbox_expire(self, created_before: float) -> dict[str, int]:
         """Delete entries created before the given time; how many of each kind went."""
+        with self._transaction("cannot expire outbox entries") as conn:
+            gone = self._usage_of(conn, "created < ?", (created_before,))
+            if gone:
+                conn.execute("DELETE FROM outbox WHERE created < ?", (created_before,))
+        self._uncount(gone)
+        return {kind: count for kind, (count, _) in gone.items()}
+
+    # -- outbox accounting ------------------------------------------------------------------
+
+    @staticmethod
+    def _usage_of(
+        conn: sqlite3.Connection, where: str, params: Sequence[Any]
+    ) -> dict[str, tuple[int, int]]:
+        """kind -> (entries, payload bytes) of the outbox rows matching `where`. LENGTH of a
+        blob reads its header only, not the payload."""
+        rows = conn.execute(
+            "SELECT kind, COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM outbox "  # noqa: S608
+            f"WHERE {where} GROUP BY kind",
+            tuple(params),
+        ).fetchall()
+        return {str(kind): (int(count), int(size)) for kind, count, size in rows}
+
+    def _count_outbox(self) -> dict[str, tuple[int, int]]:
         with self._lock:
-            try:
-                self._conn.execute("BEGIN IMMEDIATE")
-                rows = self._conn.execute(
-                    "SELECT kind, COUNT(*) FROM outbox WHERE created < ? GROUP BY kind",
-                    (created_before,),
-                ).fetchall()
-                self._conn.execute("DELETE FROM outbox WHERE created < ?", (created_before,))
-                self._conn.execute("COMMIT")
-            except sqlite3.Error as exc:
-                self._write_failed(exc)
-                with contextlib.suppress(sqlite3.Error):
-                    self._conn.execute("ROLLBACK")
-                raise StateStoreError(f"cannot expire outbox entries: {exc}") from exc
-        return {str(kind): int(count) for kind, count in rows}
+            return self._usage_of(self._conn, "1", ())
+
+    def _count(self, kind: str, entries: int, size: int) -> None:
+        with self._usage_lock:
+            count, total = self._usage.get(kind, (0, 0))
+            self._usage[kind] = (count + entries, total + size)
+
+    def _uncount(self, gone: Mapping[str, tuple[int, int]]) -> None:
+        for kind, (count, size) in gone.items():
+            self._count(kind, -count, -size)

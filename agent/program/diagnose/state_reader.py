@@ -61,9 +61,9 @@ def read_state(state_dir: Path, event_limit: int = 500, now: float | None = None
         conn = open_read_only(path)
     except sqlite3.Error as exc:
         return StateSnapshot(path, False, f"cannot open {path} read-only: {exc}")
-    # StateStore only for its queries: a read-only connection, never a write.
-    store = StateStore(conn, None, ())
     try:
+        # StateStore only for its queries: a read-only connection, never a write.
+        store = StateStore(conn, None, ())
         snapshot = StateSnapshot(path, True, schema_version=store.schema_version())
         snapshot.events = [e.to_dict() for e in store.recent_events(limit=event_limit)]
         snapshot.outbox_depth = store.outbox_depth()
