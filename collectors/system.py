@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
-
 from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
@@ -22,12 +20,9 @@ from agent.contracts.collector import (
     CollectorSpec,
     JSONValue,
 )
-from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
 from agent.contracts.settings import setting
 from collectors._procfs import read_boot_id
-
-log = structlog.get_logger(component="system")
 
 G = MetricType.GAUGE
 
@@ -83,8 +78,6 @@ class SystemReading:
     stored_boot: JSONValue
     """The boot id and last-alive time in the state store before this round wrote its own."""
     stored_alive: JSONValue
-    save_error: str | None
-    """Why this round's boot id and last-alive time were not stored (a full disk)."""
 
 
 class SystemCollector:
@@ -95,7 +88,6 @@ class SystemCollector:
         self.deps = deps
         self._previous_boot: tuple[str, float] | None = None
         self._checked_boot: str | None = None
-        self._save_failing = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (
@@ -133,17 +125,13 @@ class SystemCollector:
         state = self.deps.state
         stored_boot = state.get(STATE_NAMESPACE, "boot_id")
         stored_alive = state.get(STATE_NAMESPACE, "last_alive")
-        try:
-            state.put(STATE_NAMESPACE, "boot_id", boot_id)
-            state.put(STATE_NAMESPACE, "last_alive", now)
-            save_error = None
-        except StateStoreError as exc:  # a full disk must not cost the round its samples
-            save_error = str(exc)
-        return SystemReading(samples, boot_id, uptime, stored_boot, stored_alive, save_error)
+        # Never raises: a value the disk refuses is the runtime's to keep and write later.
+        state.put(STATE_NAMESPACE, "boot_id", boot_id)
+        state.put(STATE_NAMESPACE, "last_alive", now)
+        return SystemReading(samples, boot_id, uptime, stored_boot, stored_alive)
 
     async def collect(self, ctx: CollectContext) -> Collection:
         reading = await ctx.call("proc:system", self._read, ctx.now)
-        self._note_save(reading.save_error)
         events: list[Event] = []
         stored_boot, stored_alive = reading.stored_boot, reading.stored_alive
         # Once per boot: while writes fail, the store keeps the previous boot's id, which
@@ -166,14 +154,6 @@ class SystemCollector:
         if self._previous_boot is not None:
             samples.append(PREVIOUS_BOOT_LAST_ALIVE.sample(self._previous_boot[1]))
         return Collection(samples=samples, events=events)
-
-    def _note_save(self, error: str | None) -> None:
-        """Log a failing state store once per spell; the next round writes again."""
-        if error is not None and not self._save_failing:
-            log.warning("boot id and last-alive time not saved; retrying every round", error=error)
-        elif error is None and self._save_failing:
-            log.info("boot id and last-alive time saved again")
-        self._save_failing = error is not None
 
     async def close(self) -> None:
         return None

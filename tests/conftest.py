@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.agent_proc import AgentProcess
 from tests.support.mosquitto import Broker
+from tests.support.stores import SmallDisk, StateOnDisk
 
 
 @pytest.fixture
@@ -25,3 +26,12 @@ def agent_process(tmp_path: Path) -> Iterator[AgentProcess]:
     instance = AgentProcess(tmp_path / "agent")
     yield instance
     instance.stop()
+
+
+@pytest.fixture
+def state_on_disk(tmp_path: Path) -> Iterator[StateOnDisk]:
+    """The runtime's collector state over a real store on a 4 MiB tmpfs (not yet full)."""
+    with SmallDisk(tmp_path / "disk") as disk:
+        state = StateOnDisk(disk)
+        yield state
+        state.store.close()

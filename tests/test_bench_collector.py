@@ -33,7 +33,7 @@ from tests.support.bench import (
     series,
 )
 from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
-from tests.support.stores import FullDiskStore
+from tests.support.stores import StateOnDisk
 
 T0 = float(int(time.time()))  # the fake child stamps its records with the real clock
 MINUTE = 60.0
@@ -300,33 +300,45 @@ class TestEvents:
 
 
 class TestStateStoreFull:
-    """A state store that refuses writes costs neither the run's round nor its schedule."""
+    """A disk that refuses the state store's writes costs neither the run's round nor its
+    schedule; the bookkeeping is stored once there is room."""
 
     async def test_failed_run_is_reported_once_and_not_rerun_before_its_period(
-        self, tmp_path: Path
+        self, tmp_path: Path, state_on_disk: StateOnDisk
     ) -> None:
         crash = "import sys\nsys.exit(9)\n"
-        store = FullDiskStore()
+        state_on_disk.fill()
         runner = CountingRunner(fake_child(tmp_path, "child", crash), timeout=30)
         collector = BenchmarkCollector(
             BenchmarkSettings(when="always", period=3600.0),
-            CollectorDeps("test-node", tmp_path / "state", store, SharedServices(), lambda e: None),
+            CollectorDeps(
+                "test-node",
+                tmp_path / "state",
+                state_on_disk.state,
+                SharedServices(),
+                lambda _e: None,
+            ),
             activity=FakeGpuActivity(),
             runner=runner,
         )
         first = await collector.collect(context(T0))
+        assert not state_on_disk.end_round()
         second = await collector.collect(context(T0 + MINUTE, 1))
+        assert not state_on_disk.end_round()
         assert [e.kind for e in first.events] == ["benchmark_failed"]
         assert series(first.samples, "gpuwarden_benchmark_failures_total", reason="crash") == [1]
         assert second.events == []
         assert len(runner.arguments) == 1  # the unsaved last attempt is remembered in memory
         again = await collector.collect(context(T0 + 3700.0, 2))
+        assert not state_on_disk.end_round()
         assert again.events == []  # the same cause: said once
-        store.full = False
+        assert state_on_disk.store.items("benchmark") == {}
+        state_on_disk.disk.free()
         runner.command = fake_child(tmp_path, "fixed", RECORD_CHILD)
         fixed = await collector.collect(context(T0 + 7400.0, 3))
+        assert state_on_disk.end_round()
         assert [e.kind for e in fixed.events] == ["benchmark_recovered"]
-        assert store.items("benchmark") == {
+        assert state_on_disk.store.items("benchmark") == {
             f"last_attempt:{gpu(0).uuid}": pytest.approx(T0 + 7400.0, abs=60)
         }
 

@@ -31,7 +31,7 @@ from tests.support.host import (
     run_round,
     values,
 )
-from tests.support.stores import FullDiskStore
+from tests.support.stores import StateOnDisk
 from tests.support.waiting import until
 
 HOST1 = FIXTURES / "host1"
@@ -223,18 +223,23 @@ class TestThresholdEvents:
 
 
 class TestStateStoreFull:
-    """A state store that refuses writes does not cost the round; the write is retried."""
+    """A disk that refuses the state store's writes does not cost the round; the levels are
+    stored once there is room."""
 
-    async def test_round_keeps_its_samples_and_events_and_saves_later(self, tmp_path: Path) -> None:
+    async def test_round_keeps_its_samples_and_events_and_saves_later(
+        self, tmp_path: Path, state_on_disk: StateOnDisk
+    ) -> None:
         tree = _only_root(tmp_path)
-        store = FullDiskStore()
+        state_on_disk.fill()
         statvfs = ScriptedStatvfs({"/": fake_statvfs_result(size=100 * GIB, available=2 * GIB)})
-        collector = DiskCollector(_settings(tree.root), make_deps(store), statvfs)
+        collector = DiskCollector(_settings(tree.root), make_deps(state_on_disk.state), statvfs)
         with pooled_caller() as caller:
             full = await run_round(collector, caller)
-            assert store.items("disk.levels") == {}
-            store.full = False
+            assert not state_on_disk.end_round()
+            assert state_on_disk.store.items("disk.levels") == {}
+            state_on_disk.disk.free()
             later = await run_round(collector, caller)
+            assert state_on_disk.end_round()
         assert [e.kind for e in full.events] == ["filesystem_space_low"]
         assert values(full, "gpuwarden_filesystem_available_bytes") == {
             ("/", "/dev/nvme0n1p2", "ext4"): 2 * GIB
@@ -246,7 +251,7 @@ class TestStateStoreFull:
             == 2
         )
         assert later.events == []
-        assert store.items("disk.levels") == {"space:/": 2}
+        assert state_on_disk.store.items("disk.levels") == {"space:/": 2}
 
 
 class TestReadOnly:

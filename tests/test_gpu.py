@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,15 +12,18 @@ import pynvml
 import pytest
 
 from agent.contracts.collector import MemoryKeyValueStore
-from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Severity
+from agent.program import config_file
+from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
-from collectors._nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlError
-from collectors.gpu.checks import FAST_COUNTERS, CounterTracker, counter_events
+from collectors._nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlBackend, NvmlError
+from collectors.gpu import collector as gpu_collector
+from collectors.gpu.checks import COUNTERS_NAMESPACE, FAST_COUNTERS, CounterTracker, counter_events
 from collectors.gpu.collector import GpuSettings
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
 from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
-from tests.support.stores import FullDiskStore
+from tests.support.stores import SmallDisk
+from tests.support.waiting import until
 from tests.test_nvml import CountFails
 
 CORRECTED_VOLATILE = (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC)
@@ -350,35 +354,51 @@ class TestCounters:
 
 
 class TestStoreFailure:
-    """A failed state write fails the round and the next round still reports the change."""
+    """A state store that cannot write costs no GPU round. With 8 GPUs on a full disk every
+    round keeps every GPU's series; a counter increase meanwhile is reported once, and its
+    new baseline is stored once there is room."""
 
-    async def test_counter_increase_survives_a_failed_put(self) -> None:
-        state = FullDiskStore(full=False)
-        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
-        try:
-            await rig.collect()
-            rig.fake.gpus[0].ecc[UNCORRECTED_VOLATILE] = 3
-            state.fail = 1
-            with pytest.raises(StateStoreError, match="disk is full"):
-                await rig.collect()
-            result = await rig.collect()
-            assert kinds(result) == ["ecc_uncorrected_volatile_increase"]
-            assert result.events[0].attributes["delta"] == 3
-        finally:
-            await rig.close()
+    async def test_eight_gpus_on_a_full_disk(self, tmp_path: Path) -> None:
+        fake = FakeNvml(fake_gpus(8))
+        with SmallDisk(tmp_path / "disk") as disk:
+            store = StateStore.open(disk.path / "state")
+            cfg = dataclasses.replace(
+                config_file.parse({"prometheus": {"enabled": False}}),
+                collectors={"gpu": GpuSettings(interval=0.1, event_thread=False)},
+            )
+            runtime = Runtime(cfg, store, collectors={"gpu": gpu_collector.SPEC}, sinks={})
+            backend = NvmlBackend(fake)
+            runtime.shared.put(NvmlBackend, backend)
+            await runtime.start()
+            try:
+                status = runtime.collectors["gpu"]
+                await until(lambda: status.rounds_done >= 1, what="the baseline round")
+                disk.fill(store)
+                fake.gpus[3].ecc[UNCORRECTED_VOLATILE] = 2
+                done = status.rounds_done
+                await until(lambda: status.rounds_done >= done + 4, what="four rounds")
+                assert status.failures == 0, status.last_error
+                up = [s for s in status.samples if s.family.name == "gpuwarden_gpu_up"]
+                assert len(up) == 8
+                increases = [
+                    e
+                    for e in runtime.recent_events
+                    if e.kind == "ecc_uncorrected_volatile_increase"
+                ]
+                assert [e.attributes["delta"] for e in increases] == [2]
+                assert store.write_failures > 0
+                key = f"{fake.gpus[3].uuid}/ecc_uncorrected_volatile"
+                disk.free()
 
-    async def test_condition_start_survives_a_failed_put(self) -> None:
-        state = FullDiskStore(full=False)
-        rig = GpuRig(FakeNvml(fake_gpus(1)), state=state)
-        try:
-            await rig.collect()
-            rig.fake.gpus[0].remapped_rows = (0, 0, 0, 1)
-            state.fail = 1
-            with pytest.raises(StateStoreError, match="disk is full"):
-                await rig.collect()
-            assert kinds(await rig.collect()) == ["row_remap_failure"]
-        finally:
-            await rig.close()
+                def stored() -> object:
+                    value = store.items(COUNTERS_NAMESPACE).get(key)
+                    return value[0] if isinstance(value, list) else value
+
+                await until(lambda: stored() == 2, what="the new baseline stored")
+            finally:
+                await runtime.stop()
+                backend.stop()
+                store.close()
 
 
 class TestConditions:

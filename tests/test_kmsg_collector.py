@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.contracts.collector import CollectContext, CollectorDeps, JSONValue, SharedServices
-from agent.contracts.errors import StateStoreError
+from agent.contracts.collector import CollectContext, CollectorDeps, SharedServices
 from agent.contracts.model import Event, Sample, Severity
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.state import StateStore
 from collectors._xid import XidCorrelator, XidObservation
 from collectors.kernel_log.collector import SPEC, KernelLogCollector, KernelLogSettings
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
+from tests.support.stores import StateOnDisk
 
 PCI = "0000:3b:00.0"
 IDENTITY = {
@@ -72,29 +72,6 @@ class Harness:
         self.shared = SharedServices()
         self.round = 0
         self.collector = self.build()
-
-
-class FailingPuts:
-    """A state store whose next `failures` puts raise StateStoreError, like a full disk."""
-
-    def __init__(self, store: StateStore, failures: int) -> None:
-        self.store = store
-        self.failures = failures
-
-    def get(self, namespace: str, key: str) -> JSONValue | None:
-        return self.store.get(namespace, key)
-
-    def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        if self.failures > 0:
-            self.failures -= 1
-            raise StateStoreError("state store write failed: database or disk is full")
-        self.store.put(namespace, key, value)
-
-    def items(self, namespace: str) -> dict[str, JSONValue]:
-        return self.store.items(namespace)
-
-    def delete(self, namespace: str, key: str) -> None:
-        self.store.delete(namespace, key)
 
 
 def value(samples: list[Sample], name: str, **labels: str) -> float | None:
@@ -176,21 +153,35 @@ class TestKernelLogCollector:
         assert value(samples, "gpuwarden_kernel_log_records_total") == 0
         await h.collector.close()
 
-    async def test_a_failed_cursor_commit_keeps_the_rounds_findings(
-        self, tmp_path: Path, executor: concurrent.futures.Executor
+    async def test_a_full_disk_keeps_the_rounds_findings_and_stores_the_cursor_later(
+        self,
+        tmp_path: Path,
+        executor: concurrent.futures.Executor,
+        state_on_disk: StateOnDisk,
     ) -> None:
-        """The state store refuses the cursor once: the round's findings still come out, and
-        the cursor is saved by the next round's commit, so a restart replays nothing."""
+        """The state disk refuses the cursor: the round's findings still come out, the
+        cursor waits in memory and is stored once there is room, so a restart replays
+        nothing."""
         h = Harness(tmp_path, planted_device(), executor)
-        store = FailingPuts(h.store, failures=1)
-        h.collector.deps = CollectorDeps("node", tmp_path, store, h.shared, lambda e: None)
+        h.collector.deps = CollectorDeps(
+            "node", tmp_path, state_on_disk.state, h.shared, lambda e: None
+        )
+        state_on_disk.fill()
         events, samples = await h.collect()
-        assert store.failures == 0  # the commit was refused
+        assert not state_on_disk.end_round()
         assert sorted(e.kind for e in events) == ["io_error", "oom_kill", "xid"]
         assert value(samples, "gpuwarden_kernel_log_findings_total", kind="io_error") == 3
-        events, _ = await h.collect()  # nothing new, but the cursor is still to be saved
+        events, _ = await h.collect()  # nothing new
         assert events == []
-        await h.restart()
+        assert not state_on_disk.end_round()
+        state_on_disk.disk.free()
+        assert state_on_disk.end_round()
+        await h.collector.close()
+        h.store.close()
+        h.store = state_on_disk.store  # a restarted agent reads what reached the disk
+        h.shared = SharedServices()
+        h.round = 0
+        h.collector = h.build()
         events, samples = await h.collect()
         assert events == []
         assert value(samples, "gpuwarden_kernel_log_replay_skipped_records_total") == len(

@@ -9,7 +9,7 @@ from agent.contracts.model import Severity
 from agent.runtime.state import StateStore
 from collectors.system import SystemCollector, SystemSettings
 from tests.support.host import FIXTURES, ProcTree, make_deps, pooled_caller, run_round, values
-from tests.support.stores import FullDiskStore
+from tests.support.stores import StateOnDisk
 
 BOOT_A = "11111111-2222-3333-4444-555555555555"
 BOOT_B = "66666666-7777-8888-9999-000000000000"
@@ -97,23 +97,30 @@ class TestRebootDetection:
 
 
 class TestStateStoreFull:
-    """Writes that fail every round cost neither the samples nor a repeated reboot event."""
+    """A disk that refuses every write costs neither the samples nor a repeated reboot
+    event, and the new boot is stored once there is room."""
 
     async def test_rounds_keep_their_samples_and_report_the_reboot_once(
-        self, tmp_path: Path
+        self, tmp_path: Path, state_on_disk: StateOnDisk
     ) -> None:
         tree = ProcTree(tmp_path / "proc")
         tree.set_system(BOOT_B)
-        store = FullDiskStore()
-        store.seed("system", "boot_id", BOOT_A)
-        store.seed("system", "last_alive", 5.0)
-        collector = _collector(tree.root, store)
+        state_on_disk.seed("system", "boot_id", BOOT_A)
+        state_on_disk.seed("system", "last_alive", 5.0)
+        state_on_disk.fill()
+        collector = _collector(tree.root, state_on_disk.state)
         with pooled_caller() as caller:
             first = await run_round(collector, caller, now=10.0)
+            assert not state_on_disk.end_round()
             second = await run_round(collector, caller, now=25.0)
+            assert not state_on_disk.end_round()
         assert [e.kind for e in first.events] == ["host_rebooted"]
         assert second.events == []
         for result in (first, second):
             assert values(result, "gpuwarden_boot_info") == {(BOOT_B,): 1}
             assert values(result, "gpuwarden_memory_available_bytes") == {(): 8192000 * 1024}
-        assert store.get("system", "boot_id") == BOOT_A
+        assert state_on_disk.store.get("system", "boot_id") == BOOT_A
+        state_on_disk.disk.free()
+        assert state_on_disk.end_round()
+        assert state_on_disk.store.get("system", "boot_id") == BOOT_B
+        assert state_on_disk.store.get("system", "last_alive") == 25.0

@@ -40,7 +40,12 @@ class BlockingCaller(Protocol):
 
 
 class KeyValueStore(Protocol):
-    """Small durable values: last counter readings, log cursors, baselines."""
+    """Small durable values: last counter readings, log cursors, baselines.
+
+    The store the runtime hands a collector (`CollectorDeps.state`) never raises on `put` or
+    `delete`: a value the disk refuses is kept in memory, read back at once and written when
+    the disk has room, after the events of the round that wrote it. A collector has nothing
+    to handle; a value JSON cannot hold is a bug and raises TypeError at once."""
 
     def get(self, namespace: str, key: str) -> JSONValue | None: ...
 

@@ -3,21 +3,23 @@
 Each collector runs in its own task on its own interval. A collector that raises or hangs
 changes its own status series and nothing else. The snapshot is replaced per collector after
 each round; a scrape renders the last snapshot and never waits on hardware. Events are stored
-(and queued in the outbox) before anyone is told.
+(and queued in the outbox) before anyone is told. The state store is written from one thread
+of its own, never on the event loop; a store that cannot write is store_guard.py's business.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import structlog
 
@@ -26,6 +28,7 @@ from agent.contracts.collector import (
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
+    KeyValueStore,
     SharedServices,
 )
 from agent.contracts.config import Config
@@ -38,9 +41,16 @@ from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
 from agent.runtime.rounds import CollectorPool, Failure, collector_pool, run_round
 from agent.runtime.state import StateStore
+from agent.runtime.store_guard import RETRY_EVERY, CollectorState, StoreGuard
 from agent.runtime.systemd import Supervisor
 
 log = structlog.get_logger(component="runtime")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+STORE_IDLE_CHECK = 5.0
+"""Seconds the store writer sleeps at most: a value held without a wake-up is written then."""
 
 
 async def _bounded(closing: Awaitable[None], seconds: float, kind: str, name: str) -> None:
@@ -170,7 +180,17 @@ class Runtime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._pending_events: list[Event] = []
-        self._batch: list[Event] = []
+        self.guard = StoreGuard(store, config.state_dir)
+        """What waits to be written, and the policy for a store that cannot write."""
+        self._store_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="gpuwarden-state"
+        )
+        self._collector_states: dict[str, CollectorState] = {}
+        self._unannounced: list[Event] = []
+        """Events queued for the store and not yet announced (logged, told to listeners)."""
+        self._store_wake = asyncio.Event()
+        self._retry_at = 0.0
+        self._writer_task: asyncio.Task[None] | None = None
         self._sink_tasks: dict[str, asyncio.Task[None]] = {}
         self._monitor_task: asyncio.Task[None] | None = None
         self.stale: dict[tuple[str, str], StaleItem] = {}
@@ -209,24 +229,78 @@ class Runtime:
             self._emit_now(event)
 
     def _emit_now(self, event: Event) -> None:
-        """On the loop: queue the event; the batch is stored at the next turn of the loop,
-        in one transaction, before any listener or log line hears of it."""
+        """On the loop: queue the event; the store writer stores it, with whatever else waits,
+        before any listener or log line hears of it."""
         if not event.node:
             event = dataclasses.replace(event, node=self.node_id)
-        self._batch.append(event)
-        if len(self._batch) == 1 and self._loop is not None:
-            self._loop.call_soon(self.flush_events)
+        self.guard.queue(event)
+        self._unannounced.append(event)
+        self._store_wake.set()
 
     def flush_events(self) -> None:
-        batch, self._batch = self._batch, []
-        if not batch:
+        """Store what waits and announce it, now and in the caller's thread: for start and
+        stop (and tests). While running, the store writer does this off the loop."""
+        for _ in range(3):  # an announcement may raise a store event, stored by the next pass
+            announce, self._unannounced = self._unannounced, []
+            if self.guard.pending:
+                self._flushed(self.guard.flush(self.outbox_enabled))
+            self._announce_all(announce)
+            if not self._unannounced:
+                break
+
+    @property
+    def state(self) -> KeyValueStore:
+        """The key-value store for code outside a collection round (a sink's birth number):
+        a write never raises, and is stored by the store writer."""
+        return self.guard
+
+    async def in_store_thread(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run a state-store call in the runtime's one store thread: SQLite (a checkpoint, a
+        bound check over 100k entries, a disk that stalls) never holds up the event loop,
+        and the store's users take turns in order."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._store_thread, functools.partial(fn, *args, **kwargs)
+        )
+
+    async def _store_writer(self) -> None:
+        """Store what waits (events, state values) in the store thread, then announce the
+        events. While writes fail: announce at once, try again every RETRY_EVERY seconds."""
+        while True:
+            await self._store_wait()
+            self._store_wake.clear()
+            announce, self._unannounced = self._unannounced, []
+            try:
+                if self.guard.pending and time.monotonic() >= self._retry_at:
+                    ok = await self.in_store_thread(self.guard.flush, self.outbox_enabled)
+                    self._flushed(ok)
+            except asyncio.CancelledError:
+                self._unannounced[:0] = announce  # stop() stores and announces them
+                raise
+            self._announce_all(announce)
+
+    async def _store_wait(self) -> None:
+        if self._unannounced:
             return
-        try:
-            self.store.record_events(batch, outbox=self.outbox_enabled)
-        except StateStoreError as exc:
-            log.error("events not stored", count=len(batch), error=str(exc))
-        for event in batch:
+        timeout = STORE_IDLE_CHECK
+        if self.guard.pending:
+            timeout = max(0.0, self._retry_at - time.monotonic())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._store_wake.wait(), timeout)
+
+    def _flushed(self, ok: bool) -> None:
+        if not ok:
+            self._retry_at = time.monotonic() + RETRY_EVERY
+
+    def _announce_all(self, events: Sequence[Event]) -> None:
+        for event in events:
             self._announce(event)
+        self._check_store()
+
+    def _check_store(self) -> None:
+        """The store's own events: writes failing, working again, events dropped."""
+        for event in self.guard.transitions():
+            self._emit_now(event)
 
     def _announce(self, event: Event) -> None:
         self.events_by_key[(event.source, event.kind, event.severity.label)] += 1
@@ -253,11 +327,14 @@ class Runtime:
 
     # -- collectors -------------------------------------------------------------------------
 
-    def _deps(self) -> CollectorDeps:
+    def _deps(self, name: str) -> CollectorDeps:
+        # One per collector name, kept across reloads: a value it holds is not lost with
+        # the collector object.
+        state = self._collector_states.setdefault(name, CollectorState(self.guard))
         return CollectorDeps(
             node_id=self.node_id,
             state_dir=self.config.state_dir,
-            state=self.store,
+            state=state,
             shared=self.shared,
             emit=self.emit,
         )
@@ -266,7 +343,7 @@ class Runtime:
         """A new collector, or None when its factory fails (recorded in start_failures,
         logged, an event). Nothing else is touched: a running instance runs on."""
         try:
-            return self._specs[name].make(settings, self._deps())
+            return self._specs[name].make(settings, self._deps(name))
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             self.start_failures[name] = StartFailure(settings, error)
@@ -367,15 +444,17 @@ class Runtime:
             status.last_error = ""
             for event in outcome.events:
                 self.emit(event)
-            return
-        if outcome.error != status.last_error:  # a failure that repeats is logged once
-            if outcome.failure is Failure.RAISED:
-                logger.exception("collector failed", exc_info=outcome.exception)
-            logger.warning("collector round failed", error=outcome.error)
-        status.samples = ()
-        status.success = False
-        status.failures += 1
-        status.last_error = outcome.error
+        else:
+            if outcome.error != status.last_error:  # a failure that repeats is logged once
+                if outcome.failure is Failure.RAISED:
+                    logger.exception("collector failed", exc_info=outcome.exception)
+                logger.warning("collector round failed", error=outcome.error)
+            status.samples = ()
+            status.success = False
+            status.failures += 1
+            status.last_error = outcome.error
+        # The round's state values after its events: never stored before them.
+        self._collector_states[status.name].release()
 
     def _maybe_first_round_done(self) -> None:
         if all(s.rounds_done > 0 for s in self.collectors.values()):
@@ -413,6 +492,7 @@ class Runtime:
             task.add_done_callback(functools.partial(self._sink_ended, name))
             self._sink_tasks[name] = task
         self._monitor_task = asyncio.create_task(self._health_monitor(), name="health-monitor")
+        self._writer_task = asyncio.create_task(self._store_writer(), name="state-writer")
 
     def _sink_ended(self, name: str, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -439,7 +519,12 @@ class Runtime:
                 for name, status in self.collectors.items()
             )
         )
+        for state in self._collector_states.values():
+            state.release()
+        if self._writer_task is not None:
+            await cancel_tasks([self._writer_task])
         self.flush_events()
+        self._store_thread.shutdown(wait=False)
         for pool in self.pools.values():
             pool.shutdown()
 
@@ -585,12 +670,7 @@ class Runtime:
         problems = [item.problem() for item in self.stale_items(now)]
         for sink in self.sinks.values():
             problems.extend(sink.problems())
-        failure = self.store.last_write_failure
-        if failure is not None and (time.time() if now is None else now) - failure[0] < 300:
-            problems.append(
-                f"state store cannot write ({failure[1]}): is the disk of "
-                f"{self.config.state_dir} full?"
-            )
+        problems.extend(self.guard.problems())
         if any(p.kind == "state_store_unwritable" for p in self.store.problems):
             problems.append("state store is in memory (state dir unusable)")
         problems.extend(self._start_problems())
@@ -625,16 +705,19 @@ class Runtime:
         return tuple(notices)
 
     async def _health_monitor(self) -> None:
-        """Turn stale collectors and sinks into events, once per transition each way; keep
-        the event history to its retention."""
+        """Turn stale collectors and sinks, and a store that stopped or resumed writing (a
+        sink's write may tell first), into events, once per transition each way; keep the
+        event history to its retention and the WAL small."""
         pruned_at = 0.0
         while True:
             interval = self.heartbeat_settings.interval
             await asyncio.sleep(min(max(interval / 2, 0.2), 5.0))
             self.check_stale()
+            self._check_store()
             if time.monotonic() - pruned_at >= 3600:
                 pruned_at = time.monotonic()
-                self.prune_history()
+                await self.in_store_thread(self.prune_history)
+                await self.in_store_thread(self.store.checkpoint)
 
     def prune_history(self, now: float | None = None) -> int:
         """Delete events older than EVENT_RETENTION from the history (not from the outbox,

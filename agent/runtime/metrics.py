@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from agent import __version__
 from agent.contracts.model import MetricFamily, MetricType, Sample
+from agent.runtime.store_guard import QUEUE_FULL
 
 if TYPE_CHECKING:
     from agent.runtime.core import Runtime
@@ -101,6 +102,27 @@ STATE_DURABLE = MetricFamily(
 STATE_WRITE_FAILURES = MetricFamily(
     "gpuwarden_state_store_write_failures_total", C, "Failed writes to the state store"
 )
+STATE_WRITE_FAILING = MetricFamily(
+    "gpuwarden_state_store_write_failing",
+    G,
+    "1 while the state store cannot write (a full disk); 0 from the first write that works",
+)
+STATE_QUEUED_EVENTS = MetricFamily(
+    "gpuwarden_state_store_queued_events",
+    G,
+    "Events waiting in memory for the state store (written once it can)",
+)
+STATE_QUEUED_VALUES = MetricFamily(
+    "gpuwarden_state_store_queued_values",
+    G,
+    "Key-value state (counters, cursors) waiting in memory for the state store",
+)
+EVENTS_DROPPED = MetricFamily(
+    "gpuwarden_events_dropped_total",
+    C,
+    "Events dropped unstored: the state store could not write and the memory queue was full",
+    ("reason",),
+)
 SINK_UP = MetricFamily(
     "gpuwarden_sink_up", G, "1 if the sink's last delivery attempt succeeded", ("sink",)
 )
@@ -145,6 +167,10 @@ class RuntimeMetrics:
             HEALTH,
             STATE_DURABLE,
             STATE_WRITE_FAILURES,
+            STATE_WRITE_FAILING,
+            STATE_QUEUED_EVENTS,
+            STATE_QUEUED_VALUES,
+            EVENTS_DROPPED,
             SINK_UP,
             SINK_LAST_DELIVERY,
             SINK_FAILURES,
@@ -178,6 +204,12 @@ class RuntimeMetrics:
         yield HEALTH.sample(1 if rt.health(time.time()).ok else 0)
         yield STATE_DURABLE.sample(1 if rt.store.durable else 0)
         yield STATE_WRITE_FAILURES.sample(rt.store.write_failures)
+        guard = rt.guard
+        yield STATE_WRITE_FAILING.sample(0 if guard.failing is None else 1)
+        yield STATE_QUEUED_EVENTS.sample(guard.queued_events)
+        yield STATE_QUEUED_VALUES.sample(guard.queued_values)
+        for reason in sorted({QUEUE_FULL, *guard.dropped}):
+            yield EVENTS_DROPPED.sample(guard.dropped[reason], reason)
         for sink, entry in rt.ledger.items():
             yield SINK_UP.sample(1 if entry.up else 0, sink)
             yield SINK_FAILURES.sample(entry.failures, sink)

@@ -268,8 +268,10 @@ class StateStore:
         self.last_write_failure = (time.time(), str(exc))
         self.write_error = str(exc)
 
-    def _write_worked(self) -> None:
-        if self.write_error is not None:
+    def _write_worked(self, changes_before: int) -> None:
+        """After a write that committed. One that changed nothing (a delete that matched no
+        row) may have written nothing either: it says nothing of a full disk."""
+        if self.write_error is not None and self._conn.total_changes > changes_before:
             self.write_error = None
             # The WAL grew while the disk was full and would keep that size: give it back now
             # that there is room to copy it home.
@@ -279,12 +281,13 @@ class StateStore:
 
     def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         with self._lock:
+            before = self._conn.total_changes
             try:
                 cursor = self._conn.execute(sql, tuple(params))
             except sqlite3.Error as exc:
                 self._write_failed(exc)
                 raise StateStoreError(f"state store write failed: {exc}") from exc
-            self._write_worked()
+            self._write_worked(before)
             return cursor
 
     @contextlib.contextmanager
@@ -292,6 +295,7 @@ class StateStore:
         """One write transaction under the lock; any error rolls it back and raises
         StateStoreError(`failure`: error)."""
         with self._lock:
+            before = self._conn.total_changes
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
                 yield self._conn
@@ -303,7 +307,7 @@ class StateStore:
             except BaseException:
                 self._rollback()
                 raise
-            self._write_worked()
+            self._write_worked(before)
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
@@ -474,6 +478,12 @@ class StateStore:
 
     def outbox_expire(self, created_before: float) -> dict[str, int]:
         """Delete entries created before the given time; how many of each kind went."""
+        with self._lock:  # asked every second: a read first, a transaction only if needed
+            try:
+                if not self._usage_of(self._conn, "created < ?", (created_before,)):
+                    return {}
+            except sqlite3.Error as exc:
+                raise StateStoreError(f"cannot expire outbox entries: {exc}") from exc
         with self._transaction("cannot expire outbox entries") as conn:
             gone = self._usage_of(conn, "created < ?", (created_before,))
             if gone:

@@ -27,10 +27,9 @@ from agent.contracts.collector import (
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
-    JSONValue,
     KeyValueStore,
 )
-from agent.contracts.errors import CallStillHung, CallTimedOut, ConfigError, StateStoreError
+from agent.contracts.errors import CallStillHung, CallTimedOut, ConfigError
 from agent.contracts.model import GPU_LABELS, Collection, Event, MetricFamily, MetricType, Sample
 from agent.contracts.settings import setting
 from collectors._nvml import NvmlBackend
@@ -282,64 +281,6 @@ class GpuState:
     skips: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
-_DELETED: Final = object()
-
-
-class _TolerantState:
-    """deps.state for the benchmark: a write the store refuses (a full disk: StateStoreError)
-    must not fail the round after a run and lose its result and events.
-
-    A refused write is kept in memory, so this process still sees it (no second failure
-    event, no new run every round while the last attempt is unsaved), is logged once per
-    failing spell, and is tried again with the next write."""
-
-    def __init__(self, store: KeyValueStore) -> None:
-        self._store = store
-        self._pending: dict[tuple[str, str], object] = {}
-        self._failing = False
-
-    def get(self, namespace: str, key: str) -> JSONValue | None:
-        if (namespace, key) not in self._pending:
-            return self._store.get(namespace, key)
-        pending = self._pending[(namespace, key)]
-        return None if pending is _DELETED else pending
-
-    def items(self, namespace: str) -> dict[str, JSONValue]:
-        items = self._store.items(namespace)
-        for (ns, key), value in self._pending.items():
-            if ns == namespace:
-                items.pop(key, None)
-                if value is not _DELETED:
-                    items[key] = value
-        return items
-
-    def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        self._write(namespace, key, value)
-
-    def delete(self, namespace: str, key: str) -> None:
-        self._write(namespace, key, _DELETED)
-
-    def _write(self, namespace: str, key: str, value: object) -> None:
-        self._pending[(namespace, key)] = value
-        for (ns, k), v in list(self._pending.items()):
-            try:
-                if v is _DELETED:
-                    self._store.delete(ns, k)
-                else:
-                    self._store.put(ns, k, v)
-            except StateStoreError as exc:
-                if not self._failing:
-                    log.warning(
-                        "benchmark state not saved; kept in memory and retried", error=str(exc)
-                    )
-                self._failing = True
-                return
-            del self._pending[(ns, k)]
-        if self._failing:
-            log.info("benchmark state saved again")
-        self._failing = False
-
-
 class BenchmarkCollector:
     name = SOURCE
 
@@ -367,7 +308,9 @@ class BenchmarkCollector:
         self.history = HistoryFile.in_state_dir(deps.state_dir)
         self.gpus: dict[str, GpuState] = {}
         self._no_gpu_logged = False
-        self.state: KeyValueStore = _TolerantState(deps.state)
+        self.state: KeyValueStore = deps.state
+        """Never raises: what a full disk refuses the runtime keeps (this process still sees
+        it: no second failure event, no new run every round) and writes later."""
 
     def families(self) -> Sequence[MetricFamily]:
         return (

@@ -19,16 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
-
 from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
-    KeyValueStore,
 )
-from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
+from agent.contracts.errors import CallStillHung, CallTimedOut
 from agent.contracts.model import (
     AttributeValue,
     Collection,
@@ -41,8 +38,6 @@ from agent.contracts.model import (
 from agent.contracts.settings import setting
 from collectors._procfs import MountInfo, read_mountinfo
 from collectors.disk.levels import Level, Limits, used_percent
-
-log = structlog.get_logger(component="disk")
 
 G = MetricType.GAUGE
 SOURCE = "disk"
@@ -315,8 +310,7 @@ class DiskCollector:
             if isinstance(value, int) and value in (1, 2)
         }
         self._saved: dict[str, int] = {key: int(level) for key, level in self._levels.items()}
-        """The levels as last written to the state store (see `_save_levels`)."""
-        self._save_failing = False
+        """The levels as last handed to the state store (see `_save_levels`)."""
 
     def families(self) -> Sequence[MetricFamily]:
         return (SIZE, FREE, AVAILABLE, INODES, INODES_FREE, READ_ONLY, LEVEL, STUCK, ERROR)
@@ -339,32 +333,21 @@ class DiskCollector:
         for mount, outcome in zip(selected, outcomes, strict=True):
             self._report(mount, outcome, samples, events)
         self._forget_unmounted({m.mount_point for m in selected})
-        await self._save_levels(ctx)
+        self._save_levels()
         return Collection(samples=samples, events=events)
 
-    async def _save_levels(self, ctx: CollectContext) -> None:
-        """Write the levels that changed since the last successful save, off the event loop.
-
-        A failed write (a full disk: StateStoreError) must not fail the round and lose every
-        sample: it is logged once, and what was not saved is written with the next round."""
+    def _save_levels(self) -> None:
+        """Hand the levels that changed since the last round to the state store (it never
+        raises: what a full disk refuses the runtime keeps and writes later)."""
         wanted = {key: int(level) for key, level in self._levels.items() if level is not Level.OK}
-        changes = {
-            key: wanted.get(key)
-            for key in wanted.keys() | self._saved.keys()
-            if wanted.get(key) != self._saved.get(key)
-        }
-        if not changes:
-            return
-        try:
-            await ctx.call("disk:state", _write_levels, self.deps.state, changes)
-        except (StateStoreError, CallTimedOut, CallStillHung) as exc:
-            if not self._save_failing:
-                log.warning("disk threshold levels not saved; retrying every round", error=str(exc))
-            self._save_failing = True
-            return
-        if self._save_failing:
-            log.info("disk threshold levels saved again")
-        self._save_failing = False
+        for key in wanted.keys() | self._saved.keys():
+            level = wanted.get(key)
+            if level == self._saved.get(key):
+                continue
+            if level is None:  # back to ok, or unmounted
+                self.deps.state.delete(_LEVEL_NAMESPACE, key)
+            else:
+                self.deps.state.put(_LEVEL_NAMESPACE, key, level)
         self._saved = wanted
 
     def _forget_unmounted(self, mounted: set[str]) -> None:
@@ -543,15 +526,6 @@ class DiskCollector:
 
     async def close(self) -> None:
         return None
-
-
-def _write_levels(state: KeyValueStore, changes: dict[str, int | None]) -> None:
-    """Blocking: store each changed level; None (back to ok, or unmounted) deletes it."""
-    for key, level in changes.items():
-        if level is None:
-            state.delete(_LEVEL_NAMESPACE, key)
-        else:
-            state.put(_LEVEL_NAMESPACE, key, level)
 
 
 def _stuck_event(mount: MountInfo, seconds: float) -> Event:

@@ -131,8 +131,8 @@ class CounterTracker:
         if last == (value, boot):
             return None
         stored: JSONValue = value if boot is None else [value, boot]
-        # The store first: if it fails (disk full) the round fails and memory still holds the
-        # old value, so the next round sees the change again instead of losing the event.
+        # Never raises (the runtime keeps what a full disk refuses and writes it after this
+        # round's events), so the round, and every GPU's series in it, stands.
         self._store.put(COUNTERS_NAMESPACE, key, stored)
         self._last[key] = (value, boot)
         if last is None:
@@ -168,8 +168,7 @@ class ConditionTracker:
         if holds == (name in active):
             return None
         changed = active | {name} if holds else active - {name}
-        # The store first, then memory: a failed put must leave the change to be seen again.
-        self._store.put(CONDITIONS_NAMESPACE, subject, sorted(changed))
+        self._store.put(CONDITIONS_NAMESPACE, subject, sorted(changed))  # never raises
         self._active[subject] = changed
         return holds
 

@@ -454,7 +454,7 @@ class GpuCollector:
             self.deps.state.put(
                 STATE_NAMESPACE, "count_at_start", expected or max(count, highest or 0)
             )
-            self._start_count_checked = True  # after the put: a failed put checks again
+            self._start_count_checked = True
             if not expected and highest is not None and count < highest:
                 out.events.append(
                     Event(

@@ -15,15 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
-
 from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
 )
-from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
 from agent.contracts.model import (
     GPU_LABELS,
     AttributeValue,
@@ -44,8 +41,6 @@ from collectors.kernel_log.kmsg import (
     is_character_device,
 )
 from collectors.kernel_log.matchers import GPU_KINDS, KINDS, Finding, MatcherSet
-
-log = structlog.get_logger(component="kernel_log")
 
 C = MetricType.COUNTER
 
@@ -156,7 +151,6 @@ class KernelLogCollector:
         self.totals: Counter[str] = Counter()
         self.suppressed: Counter[str] = Counter()
         self._holdoff: dict[tuple[str, str], _Holdoff] = {}
-        self._commit_failing = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (
@@ -191,26 +185,12 @@ class KernelLogCollector:
         batch = await ctx.call("kernel_log:read", reader.read)
         self._prune_holdoff(ctx.now)
         events = self._process(batch, reader)
-        await self._commit(ctx, reader, batch)
+        # Never raises: the runtime keeps a cursor the disk refuses and writes it with, never
+        # before, this round's events, so a full disk loses no finding and a restart does not
+        # skip one.
+        reader.commit(batch)
         events.extend(self.correlator.drain(ctx.now))
         return Collection(samples=self._samples(), events=events)
-
-    async def _commit(self, ctx: CollectContext, reader: LogReader, batch: ReadBatch) -> None:
-        """Save the cursor past `batch`. A failure must not fail the round: the reader has
-        already moved past these records in memory, so the round's findings would be lost for
-        good. The next commit saves the newer cursor (the state store counts failed writes)."""
-        try:
-            await ctx.call("kernel_log:commit", reader.commit, batch)
-        except (StateStoreError, CallTimedOut, CallStillHung) as exc:
-            if not self._commit_failing:
-                log.warning(
-                    "kernel-log cursor not saved; a restart now may replay records", error=str(exc)
-                )
-            self._commit_failing = True
-        else:
-            if self._commit_failing:
-                log.info("kernel-log cursor saved again")
-            self._commit_failing = False
 
     def _process(self, batch: ReadBatch, reader: LogReader) -> list[Event]:
         for name, value in (

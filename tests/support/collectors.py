@@ -26,7 +26,8 @@ ROUNDS = MetricFamily(
 
 
 class ScriptedCollector:
-    """mode: ok | raise | hang (blocks in a ctx.call until `release` is set) | slow."""
+    """mode: ok | raise | hang (blocks in a ctx.call until `release` is set) | slow |
+    write (stores its round count in `deps.state`, namespace "test", key its name)."""
 
     def __init__(self, name: str, mode: str, deps: CollectorDeps) -> None:
         self.name = name
@@ -53,6 +54,8 @@ class ScriptedCollector:
             await ctx.call("test:block", self._block)
         if self.mode == "slow":
             await ctx.call("test:sleep", time.sleep, 0.2)
+        if self.mode == "write":
+            self.deps.state.put("test", self.name, len(self.rounds))
         events = []
         if len(self.rounds) == 1:
             events.append(

@@ -1,4 +1,4 @@
-"""A state store on a full disk, for the tests of every collector that writes state."""
+"""A state store on a real full disk, for the tests of everything that writes state."""
 
 from __future__ import annotations
 
@@ -9,43 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agent.contracts.collector import JSONValue, MemoryKeyValueStore
-from agent.contracts.errors import StateStoreError
+from agent.contracts.collector import JSONValue
+from agent.runtime.state import StateStore
+from agent.runtime.store_guard import CollectorState, StoreGuard
 
-FULL_DISK = "state store write failed: database or disk is full"
-"""What agent.state raises when SQLite reports SQLITE_FULL."""
 MIB = 1 << 20
-
-
-class FullDiskStore(MemoryKeyValueStore):
-    """Writes raise StateStoreError while `full` is set, and for the next `fail` writes.
-
-    Reads answer from what is stored; `seed` stores without the refusal (what an earlier run
-    saved before the disk filled up).
-    """
-
-    def __init__(self, *, full: bool = True) -> None:
-        super().__init__()
-        self.full = full
-        self.fail = 0
-
-    def _refuse(self) -> None:
-        if self.fail > 0:
-            self.fail -= 1
-            raise StateStoreError(FULL_DISK)
-        if self.full:
-            raise StateStoreError(FULL_DISK)
-
-    def seed(self, namespace: str, key: str, value: JSONValue) -> None:
-        super().put(namespace, key, value)
-
-    def put(self, namespace: str, key: str, value: JSONValue) -> None:
-        self._refuse()
-        super().put(namespace, key, value)
-
-    def delete(self, namespace: str, key: str) -> None:
-        self._refuse()
-        super().delete(namespace, key)
 
 
 class SmallDisk:
@@ -83,8 +51,13 @@ class SmallDisk:
         stat = os.statvfs(self.path)
         return stat.f_bavail * stat.f_frsize
 
-    def fill(self) -> None:
-        """Write until the file system refuses (ENOSPC), down to the last byte."""
+    def fill(self, store: StateStore | None = None) -> None:
+        """Write until the file system refuses (ENOSPC), down to the last byte. With `store`,
+        its WAL is checkpointed and emptied first: SQLite would otherwise go on writing into
+        the space its WAL file already holds, and the disk would not look full to it yet."""
+        if store is not None:
+            with store._lock:
+                store._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         chunk = 1 << 16
         with self._filler.open("ab", buffering=0) as filler:
             while chunk:
@@ -102,3 +75,28 @@ class SmallDisk:
     def file_size(self, name: str) -> int:
         part = self.path / name
         return part.stat().st_size if part.exists() else 0
+
+
+class StateOnDisk:
+    """What the runtime hands a collector as `deps.state` (a CollectorState over the runtime's
+    StoreGuard), over a real StateStore on a SmallDisk that a test fills and frees."""
+
+    def __init__(self, disk: SmallDisk) -> None:
+        self.disk = disk
+        self.store = StateStore.open(disk.path / "state")
+        assert self.store.durable
+        self.guard = StoreGuard(self.store, disk.path)
+        self.state = CollectorState(self.guard)
+
+    def seed(self, namespace: str, key: str, value: JSONValue) -> None:
+        """Stored before the disk filled up (what an earlier run saved)."""
+        self.store.put(namespace, key, value)
+
+    def fill(self) -> None:
+        self.disk.fill(self.store)
+
+    def end_round(self) -> bool:
+        """What the runtime does after a round: the round's values to the guard, then a
+        write of what waits. True when it was all written."""
+        self.state.release()
+        return self.guard.flush(outbox=False)
