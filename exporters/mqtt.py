@@ -75,7 +75,7 @@ CONNECT_FAILURES = MetricFamily(
 KINDS = ("event", "heartbeat", "metrics")
 TOPIC_OF_KIND = {"event": "events", "heartbeat": "heartbeat", "metrics": "metrics"}
 ENFORCE_EVERY = 1.0
-"""Seconds between outbox bound checks while draining (each check counts the table)."""
+"""Seconds between outbox bound checks while draining (the age bound is one indexed query)."""
 DISCONNECTED_ENFORCE_EVERY = 5.0
 """Seconds between outbox bound checks while no broker is reachable."""
 DROPS_QUIET_AFTER = 60.0
@@ -166,12 +166,13 @@ class MqttSink:
                     next_heartbeat += heartbeat_every * max(
                         1, (now - next_heartbeat) // heartbeat_every
                     )
-                    self._queue_heartbeat()
+                    await self._queue_heartbeat()
                 if now >= next_metrics:
                     next_metrics = max(next_metrics + self.settings.metrics_interval, now)
-                    self._queue("metrics", "snapshot", metrics_payload(self.runtime, time.time()))
+                    payload = metrics_payload(self.runtime, time.time())
+                    await self._queue("metrics", "snapshot", payload)
                 if not self.connected:  # while connected, the drain loop applies the bounds
-                    self._maybe_enforce()
+                    await self._maybe_enforce()
             except StateStoreError as exc:
                 # A locked or full store is usually transient: escaping here would end the
                 # sink (run() gathers both tasks) with no restart. Pause and go on.
@@ -183,42 +184,42 @@ class MqttSink:
             wake_at = min(next_heartbeat, next_metrics, loop.time() + DISCONNECTED_ENFORCE_EVERY)
             await asyncio.sleep(max(0.0, wake_at - loop.time()))
 
-    def _queue_heartbeat(self) -> None:
+    async def _queue_heartbeat(self) -> None:
         self.heartbeat_seq += 1
-        try:
-            depth = self.outbox.depth()
-        except StateStoreError:
-            depth = {}
         payload = heartbeat_payload(
             self.runtime,
             seq=self.heartbeat_seq,
             bdseq=self.bdseq,
             now=time.time(),
-            outbox_depth=depth,
+            outbox_depth=self.outbox.depth(),  # kept in memory: no query
             outbox_dropped=dict(self.outbox.dropped),
         )
-        self._queue("heartbeat", str(self.heartbeat_seq), payload)
+        await self._queue("heartbeat", str(self.heartbeat_seq), payload)
 
-    def _queue(self, kind: str, key: str, payload: bytes) -> None:
+    async def _queue(self, kind: str, key: str, payload: bytes) -> None:
+        """A snapshot (heartbeat, metrics) into the outbox. One the store refuses is not
+        kept: the next one says more. The refusal itself is the runtime's to report (health,
+        state_store_write_failing); here it is logged once per spell."""
         try:
-            self.outbox.put(kind, key, payload)
+            await self.runtime.in_store_thread(self.outbox.put, kind, key, payload)
         except StateStoreError as exc:
-            log.error("cannot queue for MQTT", kind=kind, error=str(exc))
+            if "queue" not in self._store_failing:
+                log.warning("cannot queue for MQTT; skipping until it works", error=str(exc))
+                self._store_failing.add("queue")
             return
+        self._on_store_ok("queue")
         self._wake.set()
 
     # -- connection -------------------------------------------------------------------------
 
-    def _next_bdseq(self) -> int:
+    async def _next_bdseq(self) -> int:
         """Persisted and increased per connection: a Will delayed from an older connection
         never carries the current number, so a watcher cannot mistake it for this one's."""
-        stored = self.runtime.store.get("mqtt", "bdseq")
+        state = self.runtime.state
+        stored = await self.runtime.in_store_thread(state.get, "mqtt", "bdseq")
         current = stored if isinstance(stored, int) else 0
         self.bdseq = max(current, self.bdseq) + 1
-        try:
-            self.runtime.store.put("mqtt", "bdseq", self.bdseq)
-        except StateStoreError as exc:
-            log.error("cannot persist the birth number", error=str(exc))
+        state.put("mqtt", "bdseq", self.bdseq)  # never raises: a full disk is the runtime's
         return self.bdseq
 
     def _client_for(self, bdseq: int) -> aiomqtt.Client:
@@ -238,7 +239,7 @@ class MqttSink:
 
     async def _session(self) -> None:
         """One connection: birth, then drain the outbox until something fails (it raises)."""
-        bdseq = self._next_bdseq()
+        bdseq = await self._next_bdseq()
         client = self._client_for(bdseq)
         publisher = Publisher(client)
         try:
@@ -326,24 +327,29 @@ class MqttSink:
 
     async def _drain(self, publisher: Publisher, lost: asyncio.Task[None]) -> None:
         """Keep up to publish_window entries in flight, in outbox order; delete each batch of
-        acknowledged entries in one statement. Returns only by raising (connection over)."""
+        acknowledged entries in one statement. Returns only by raising (connection over).
+        Every outbox read and delete runs in the runtime's store thread."""
         window = self.settings.publish_window
         inflight: dict[int, OutboxEntry] = {}
         last_seq = 0
         last_progress = time.monotonic()
         publisher.on_progress = self._wake.set
         lost.add_done_callback(lambda _task: self._wake.set())
+        store = self.runtime.in_store_thread
         while True:
+            # Cleared before the store calls below, which yield: a wake-up (a PUBACK, a new
+            # event) during them makes the wait at the end return at once.
+            self._wake.clear()
             self.runtime.beat(f"sink:{self.name}")
-            self._maybe_enforce()
+            await self._maybe_enforce()
             if len(inflight) < window:
-                for entry in self.outbox.peek(window - len(inflight), after_seq=last_seq):
+                for entry in await store(self.outbox.peek, window - len(inflight), last_seq):
                     self._publish(publisher, entry)
                     inflight[entry.seq] = entry
                     last_seq = entry.seq
             if publisher.completed:
                 done, publisher.completed = publisher.completed, []
-                self._settle(done, inflight)
+                await self._settle(done, inflight)
                 last_progress = time.monotonic()
                 continue
             if lost.done():
@@ -355,13 +361,12 @@ class MqttSink:
                 raise aiomqtt.MqttError(
                     f"no PUBACK for {len(inflight)} publishes within {waited:.0f} s"
                 )
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), ENFORCE_EVERY)
             if not inflight:
                 last_progress = time.monotonic()
 
-    def _settle(
+    async def _settle(
         self, done: list[tuple[int, PublishRefused | None]], inflight: dict[int, OutboxEntry]
     ) -> None:
         acked: list[OutboxEntry] = []
@@ -373,7 +378,7 @@ class MqttSink:
             elif entry is not None:
                 acked.append(entry)
         if acked:
-            self.outbox.ack([entry.seq for entry in acked])
+            await self.runtime.in_store_thread(self.outbox.ack, [entry.seq for entry in acked])
             self.published.update(entry.kind for entry in acked)
             self.runtime.record_delivery(self.name)
         if refused is not None:
@@ -386,16 +391,21 @@ class MqttSink:
             entry.seq, self.topic(leaf), entry.payload, qos, entry.kind == "heartbeat"
         )
 
-    def _maybe_enforce(self) -> None:
+    async def _maybe_enforce(self) -> None:
+        """The bounds, at most every ENFORCE_EVERY seconds, in the store thread (cheap while
+        within them: the totals are kept in memory; a drop is SQL over the victims)."""
         now = time.time()
         if now - self._last_enforce < ENFORCE_EVERY:
             return
         self._last_enforce = now
         try:
-            dropped = self.outbox.enforce(now)
+            dropped = await self.runtime.in_store_thread(self.outbox.enforce, now)
         except StateStoreError as exc:
             log.error("cannot apply the outbox bounds", error=str(exc))
             return
+        self._enforced(dropped, now)
+
+    def _enforced(self, dropped: dict[str, int], now: float) -> None:
         if dropped:
             if self._last_drop is None:
                 self._report_drops(dropped)
@@ -414,11 +424,12 @@ class MqttSink:
             )
 
     def enforce_now(self) -> dict[str, int]:
-        """Apply the outbox bounds at once (also used while disconnected)."""
-        self._last_enforce = 0.0
-        before = Counter(self.outbox.dropped)
-        self._maybe_enforce()
-        return {k: v - before[k] for k, v in self.outbox.dropped.items() if v - before[k]}
+        """Apply the outbox bounds at once, in the caller's thread (tests); what was dropped."""
+        now = time.time()
+        self._last_enforce = now
+        dropped = self.outbox.enforce(now)
+        self._enforced(dropped, now)
+        return dropped
 
     def _report_drops(self, dropped: dict[str, int]) -> None:
         counts = ", ".join(f"{n} {kind}" for kind, n in sorted(dropped.items()))
@@ -462,12 +473,8 @@ class MqttSink:
         entry = self.runtime.ledger.get(self.name)
         if entry is not None and entry.last_delivery is not None:
             out.append(LAST_ACK_AGE.sample(max(0.0, time.time() - entry.last_delivery)))
-        try:
-            depth = self.outbox.depth()
-        except StateStoreError:
-            depth = None
-        if depth is not None:
-            out.extend(OUTBOX_ENTRIES.sample(depth.get(kind, 0), kind) for kind in KINDS)
+        depth = self.outbox.depth()  # kept in memory: a scrape asks SQLite nothing
+        out.extend(OUTBOX_ENTRIES.sample(depth.get(kind, 0), kind) for kind in KINDS)
         out.extend(OUTBOX_DROPPED.sample(self.outbox.dropped.get(kind, 0), kind) for kind in KINDS)
         out.extend(PUBLISHED.sample(self.published.get(kind, 0), kind) for kind in KINDS)
         out.extend(

@@ -10,13 +10,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, ParamSpec, Protocol, TypeVar
 
 from agent.contracts.collector import CollectorSettings, KeyValueStore
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import Event, MetricFamily, Sample
 
 S = TypeVar("S")
+P = ParamSpec("P")
+T = TypeVar("T")
 
 EventListener = Callable[[Event], None]
 
@@ -125,7 +127,21 @@ class SinkContext(Protocol):
     def heartbeat_settings(self) -> HeartbeatSettings: ...
 
     @property
-    def store(self) -> OutboxStore: ...
+    def store(self) -> OutboxStore:
+        """The outbox. Its calls (but depth and usage) are SQLite: make them through
+        `in_store_thread`, never on the event loop."""
+        ...
+
+    @property
+    def state(self) -> KeyValueStore:
+        """Small durable values (the MQTT birth number). A write never raises: what the disk
+        refuses is kept in memory and written later. A read may touch SQLite."""
+        ...
+
+    async def in_store_thread(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `fn` (a store call) in the runtime's store thread: off the event loop, in turn
+        with the runtime's own writes."""
+        ...
 
     @property
     def first_round(self) -> asyncio.Event:

@@ -103,6 +103,8 @@ class InProcessAgent:
     heartbeat_interval: float = 0.5
     extra: dict[str, Any] = field(default_factory=dict)
     runtime: Any = None
+    store: Any = None
+    """A StateStore opened beforehand (as `gpuwarden run` does, off the loop); else opened here."""
 
     async def start(self) -> Any:
         from agent.program import config_file as config_module
@@ -127,7 +129,7 @@ class InProcessAgent:
         )
         self.runtime = Runtime(
             cfg,
-            StateStore.open(cfg.state_dir),
+            self.store or StateStore.open(cfg.state_dir),
             collectors=registry.COLLECTORS,
             sinks=registry.SINKS,
         )
