@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.agent_proc import AgentProcess
+from tests.support.disk import SmallDisk
 from tests.support.mosquitto import Broker
-from tests.support.stores import SmallDisk, StateOnDisk
+from tests.support.stores import StateOnDisk
 
 
 @pytest.fixture

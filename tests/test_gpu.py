@@ -20,9 +20,9 @@ from collectors._nvml import CLOCK_EVENT_REASONS, GpuReading, NvmlBackend, NvmlE
 from collectors.gpu import collector as gpu_collector
 from collectors.gpu.checks import COUNTERS_NAMESPACE, FAST_COUNTERS, CounterTracker, counter_events
 from collectors.gpu.collector import GpuSettings
+from tests.support.disk import SmallDisk
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds, value
 from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeUtilization
-from tests.support.stores import SmallDisk
 from tests.support.waiting import until
 from tests.test_nvml import CountFails
 

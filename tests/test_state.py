@@ -14,7 +14,7 @@ from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.runtime.state import DB_NAME, SCHEMA_VERSION, StateStore
 from exporters.outbox import Outbox, OutboxLimits
-from tests.support.stores import MIB, SmallDisk
+from tests.support.disk import MIB, SmallDisk
 
 
 def event(kind: str = "k", severity: Severity = Severity.WARNING) -> Event:

@@ -16,9 +16,9 @@ from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 from tests.support.collectors import scripted_runtime
+from tests.support.disk import SmallDisk
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import InProcessAgent, Subscriber
-from tests.support.stores import SmallDisk
 from tests.support.waiting import until
 
 NO_COLLECTORS = {"collectors": {name: {"enabled": False} for name in registry.COLLECTORS}}
