@@ -300,7 +300,7 @@ class TestOutboxAccounting:
 
     def test_questions_run_no_statement(self) -> None:
         """Depth and usage (asked by every scrape, heartbeat and bound check) are answered
-        without a query: a count of a 100k-entry outbox took about 70 ms on the loop."""
+        without a query: over a 100k-entry outbox the sums took 14-17 ms on the loop."""
         store = StateStore.in_memory()
         store.record_events([xid_event(i) for i in range(5)], outbox=True)
         statements: list[str] = []
