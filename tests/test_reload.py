@@ -273,6 +273,11 @@ class TestBuildFirst:
                 if s.family.name == "gpuwarden_collector_start_failed"
             }
             assert started == {"a": 0.0, "b": 1.0}
+            # Announced once stored, and the store is written off the loop: wait for it.
+            await until(
+                lambda: any(e.kind == "collector_start_failed" for e in runtime.recent_events),
+                what="the start failure announced",
+            )
             failed = [e for e in runtime.recent_events if e.kind == "collector_start_failed"]
             assert [(e.subject, e.severity.label) for e in failed] == [("b", "critical")]
             # The same file again, once the cause is gone: it starts.
