@@ -180,3 +180,30 @@ class TestCollectorWrites:
         finally:
             await runtime.stop()
             store.close()
+
+
+class TestWriterSurvives:
+    """A write that fails in an unforeseen way (a bug) does not end the writes for good."""
+
+    async def test_an_unexpected_error_is_retried(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        store = StateStore.in_memory()
+        runtime, _ = scripted_runtime({}, store=store)
+        await runtime.start()
+        try:
+            original = store.write_batch
+            calls: list[int] = []
+
+            def broken_once(*args: Any, **kwargs: Any) -> None:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("a bug in the write path")
+                original(*args, **kwargs)
+
+            monkeypatch.setattr(store, "write_batch", broken_once)
+            event = xid_event(1)
+            runtime.emit(event)
+            await until(lambda: event.id in stored_ids(store), what="the event stored")
+            assert len(calls) >= 2
+            assert not runtime._writer_task.done()  # type: ignore[union-attr]
+        finally:
+            await runtime.stop()

@@ -277,6 +277,9 @@ class Runtime:
             except asyncio.CancelledError:
                 self._unannounced[:0] = announce  # stop() stores and announces them
                 raise
+            except Exception:  # a bug must not end the writes for good: retried as a refusal
+                log.exception("the state writer failed; retrying")
+                self._flushed(False)
             self._announce_all(announce)
 
     async def _store_wait(self) -> None:

@@ -36,7 +36,8 @@ from agent.runtime.state import KvChanges, StateStore
 log = structlog.get_logger(component="state")
 
 MAX_QUEUED_EVENTS = 10_000
-"""Events held in memory while the store cannot take them; past this the oldest are dropped."""
+"""Events waiting in memory for the store at most (while it cannot take them they pile up
+here); past this the oldest are dropped."""
 EVENTS_PER_TRANSACTION = 500
 """A long backlog is written in transactions of this many events: one transaction of all of
 them could need more room in the WAL than a nearly full disk has."""
