@@ -1,1 +1,1 @@
-"""."""
+"""NVML telemetry, hardware counters and the NVML event thread, per GPU."""
