@@ -64,6 +64,10 @@ class XidObservation:
     """The kernel-log line or NVML event description, for the event's attributes."""
     predates_agent: bool = False
     """A kernel-log record of the current boot written before the agent started."""
+    details: Mapping[str, AttributeValue] = field(default_factory=dict)
+    """What the source said beyond the code: the MIG `gpu_instance` and `compute_instance`
+    the driver attributed the Xid to, a fallen-off-the-bus message's facts. They go into the
+    event's attributes (never replacing its own)."""
 
 
 @dataclass
@@ -120,6 +124,19 @@ def gpu_description(pci_bus_id: str, identity: Mapping[str, str]) -> str:
     return f"GPU {pci_bus_id or '(unknown PCI address)'}"
 
 
+def mig_description(details: Mapping[str, AttributeValue]) -> str:
+    """` (MIG GPU instance 2, compute instance 1)` when the driver named the instances."""
+    parts = [
+        f"{label} {details[key]}"
+        for key, label in (
+            ("gpu_instance", "GPU instance"),
+            ("compute_instance", "compute instance"),
+        )
+        if details.get(key) is not None
+    ]
+    return f" (MIG {', '.join(parts)})" if parts else ""
+
+
 def build_xid_event(
     obs: XidObservation, sources: frozenset[XidSource], identity: Mapping[str, str]
 ) -> Event:
@@ -128,7 +145,10 @@ def build_xid_event(
     info = lookup_event(obs.code, obs.text)
     where = gpu_description(obs.pci_bus_id, identity)
     when = " (logged before the agent started)" if obs.predates_agent else ""
-    message = f"Xid {obs.code} ({info.name}) on {where}{when}: {info.meaning}; {seen_by(sources)}"
+    message = (
+        f"Xid {obs.code} ({info.name}) on {where}{mig_description(obs.details)}{when}: "
+        f"{info.meaning}; {seen_by(sources)}"
+    )
     attributes: dict[str, AttributeValue] = {
         "xid": obs.code,
         "name": info.name,
@@ -144,6 +164,8 @@ def build_xid_event(
         "text": obs.text,
         **info.attributes(),
     }
+    for key, value in obs.details.items():
+        attributes.setdefault(key, value)
     return Event(
         source="gpu",
         kind="xid",

@@ -310,7 +310,6 @@ class TestHostKinds:
             "nvme nvme0: 16/0/0 default/read/poll queues",
             "EXT4-fs (sda1): mounted filesystem 1c2d3e4f with ordered data mode. Quota mode: none.",
             "XFS (sdb1): Mounting V5 Filesystem 1c2d3e4f-aaaa-bbbb-cccc-1234567890ab",
-            "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,task=python3,pid=9876,uid=0",
             "oom_reaper: reaped process 9876 (python3), now anon-rss:0kB, file-rss:0kB",
             "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.159.04",
             "NVRM: GPU at PCI:0000:3b:00: GPU-5b3c1d2e-8f4a-4c6b-9d1e-2a3b4c5d6e7f",

@@ -42,6 +42,10 @@ from collectors.kernel_log.kmsg import (
 )
 from collectors.kernel_log.matchers import GPU_KINDS, KINDS, Finding, MatcherSet
 
+# The Xid event's own attributes (collectors/_xid.py build_xid_event); the finding's other
+# attributes (MIG instance, a fallen-off-the-bus block's facts) travel on as details.
+_XID_OWN = frozenset({"fault", "known", "text"})
+
 C = MetricType.COUNTER
 
 XID_ERRORS = MetricFamily(
@@ -201,12 +205,16 @@ class KernelLogCollector:
             ("skipped", batch.skipped),
         ):
             self.totals[name] += value
+        findings = [f for record in batch.records for f in self.matchers.feed(record)]
+        # The batch holds every record there was: a message still held open for its next line
+        # is complete, and must not wait in memory past the cursor commit that follows.
+        findings.extend(self.matchers.settle())
         events: list[Event] = []
-        for record in batch.records:
-            for finding in self.matchers.feed(record):
-                event = self._handle(finding, reader.record_time(record), batch.predates_agent)
-                if event is not None:
-                    events.append(event)
+        for finding in findings:
+            when = reader.record_time(finding.record)
+            event = self._handle(finding, when, batch.predates_agent)
+            if event is not None:
+                events.append(event)
         return events
 
     def _handle(self, finding: Finding, when: float, predates: bool) -> Event | None:
@@ -220,6 +228,7 @@ class KernelLogCollector:
                     time=when,
                     text=finding.record.message,
                     predates_agent=predates,
+                    details={k: v for k, v in finding.attributes.items() if k not in _XID_OWN},
                 )
             )
             return None

@@ -1,123 +1,93 @@
 """Findings in kernel-log records: one reader feeds several matchers, each record in order.
 
-A matcher sees every record (`feed`), may keep state across records for messages the kernel
-writes over several lines, and yields `Finding`s. `flush` ends a stream (a file's end).
+A matcher sees the records that hold one of its trigger words (`feed`), may hold a finding open
+for the lines a message continues on (collectors/kernel_log/finding.py), and yields `Finding`s.
+`settle` hands on what is held when the reader has nothing more for now; `flush` ends a stream.
 `MatcherSet` runs them all and drops what user space wrote into the kernel log (facility >= 1),
-counting it instead.
+counting it instead. The GPU matchers are here; the host ones (disks, file systems, memory,
+CPUs, crashes) in collectors/kernel_log/host.py.
 
-Message formats are the kernel's and the NVIDIA driver's (printk strings in drivers/nvme,
-block/, fs/ext4, fs/xfs, mm/oom_kill.c, kernel/hung_task.c, and NVRM); the regular expressions
-accept the variations seen across kernel versions, noted where they matter.
+Message formats are the NVIDIA driver's (open-gpu-kernel-modules: kernel_rc.c for Xids,
+common_nvswitch.h and error_nvswitch.c for SXids, osapi.c and osinit.c for a GPU fallen off
+the bus) and the kernel's; the regular expressions accept the variations seen across versions,
+noted where they matter.
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final
 
 from agent.contracts.model import AttributeValue, Severity
-from collectors._xid import normalize_pci_bus_id
 from collectors._xid_catalog import lookup, lookup_event, lookup_sxid
+from collectors.kernel_log.finding import (
+    Finding,
+    Matcher,
+    OpenRecords,
+    Ready,
+    TriggerIndex,
+    pci_or_empty,
+    position,
+    trigger_search,
+)
+from collectors.kernel_log.host import HOST_KINDS, HostMatcher, host_matchers
 from collectors.kernel_log.parse import LogRecord
 
-KINDS: Final = (
-    "xid",
-    "sxid",
-    "gpu_fallen_off_bus",
-    "io_error",
-    "fs_error",
-    "nvme_error",
-    "oom_kill",
-    "hung_task",
-)
+__all__ = [
+    "GPU_KINDS",
+    "KINDS",
+    "FallenOffBusMatcher",
+    "Finding",
+    "GpuLostLedger",
+    "HostMatcher",
+    "Matcher",
+    "MatcherSet",
+    "SxidMatcher",
+    "XidMatcher",
+    "default_matchers",
+]
+
 GPU_KINDS: Final = frozenset({"xid", "sxid", "gpu_fallen_off_bus"})
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    """Something in the log a person should know about, with what it means and what to do."""
-
-    kind: str
-    severity: Severity
-    meaning: str
-    action: str
-    record: LogRecord
-    pci_bus_id: str = ""
-    """Normalised (`0000:3b:00.0`), or empty when the line names none or names it badly."""
-    device: str = ""
-    process: str = ""
-    pid: int | None = None
-    code: int | None = None
-    """The Xid or SXid code."""
-    name: str = ""
-    attributes: dict[str, AttributeValue] = field(default_factory=dict)
-
-    @property
-    def line(self) -> int:
-        return self.record.line
-
-    @property
-    def subject(self) -> str:
-        return self.pci_bus_id or self.device or (str(self.pid) if self.pid else "") or self.kind
-
-    def to_dict(self) -> dict[str, AttributeValue]:
-        out: dict[str, AttributeValue] = {
-            "kind": self.kind,
-            "severity": self.severity.label,
-            "meaning": self.meaning,
-            "action": self.action,
-            "line": self.line,
-            "message": self.record.message,
-        }
-        if self.kind in ("xid", "sxid"):
-            out["xid"] = self.code
-            out["name"] = self.name
-        for key, value in (
-            ("pci_bus_id", self.pci_bus_id),
-            ("device", self.device),
-            ("process", self.process),
-        ):
-            if value:
-                out[key] = value
-        if self.pid is not None:
-            out["pid"] = self.pid
-        if self.record.timestamp:
-            out["timestamp"] = self.record.timestamp
-        out.update(self.attributes)
-        return out
-
-
-class Matcher(Protocol):
-    def feed(self, record: LogRecord) -> Iterable[Finding]: ...
-
-    def flush(self) -> Iterable[Finding]: ...
-
-
-def _pci(text: str | None) -> str:
-    if not text:
-        return ""
-    try:
-        return normalize_pci_bus_id(text)
-    except ValueError:
-        return ""
-
+KINDS: Final = ("xid", "sxid", "gpu_fallen_off_bus", *HOST_KINDS)
 
 # NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
+# An Xid the driver attributes to a MIG instance names it after the address (kernel_rc.c,
+# XID_PRINT_WITH_ATTR): `(PCI:0000:3b:00 GPU-I:05)` or `(PCI:0000:3b:00 GPU-I:05 GPU-CI:01)`.
 # The `PCI:` prefix is missing on some drivers, the function number never appears, and the text
 # after the code (pid/name/description) varies by Xid and driver version.
 _XID = re.compile(
-    r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): (?P<code>\d{1,6})\b,?\s*(?P<text>.*)$",
+    r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?"
+    r"\): (?P<code>\d{1,6})\b,?\s*(?P<text>.*)$",
     re.DOTALL,
 )
 _PID = re.compile(r"\bpid=(?P<pid>\d+)")
 _NAME = re.compile(r"\bname=(?P<name>[^,]*)")
+_XID_TRIGGER: Final = "NVRM: Xid ("
+
+
+class GpuLostLedger:
+    """Shared by one set's Xid and fallen-off-bus matchers: what a fallen-off-the-bus message
+    said, while it waits for the Xid 79 older drivers write after it (the Xid is then the one
+    finding, and carries these facts)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, dict[str, AttributeValue]] = {}
+
+    def claim(self, pci_bus_id: str) -> dict[str, AttributeValue]:
+        return self.waiting.pop(pci_bus_id, {})
 
 
 class XidMatcher:
-    """NVRM Xid lines: code, GPU, the process the driver blamed, the catalog's meaning."""
+    """NVRM Xid lines: code, GPU (and MIG instance), the process the driver blamed, the
+    catalog's meaning."""
+
+    triggers: Final = (_XID_TRIGGER,)
+
+    def __init__(self, ledger: GpuLostLedger | None = None) -> None:
+        self.ledger = ledger if ledger is not None else GpuLostLedger()
 
     def feed(self, record: LogRecord) -> Iterator[Finding]:
         match = _XID.search(record.message)
@@ -130,17 +100,120 @@ class XidMatcher:
         info = lookup_event(code, text)
         pid_match, name_match = _PID.search(text), _NAME.search(text)
         process = name_match["name"].strip() if name_match else ""
+        pci = pci_or_empty(match["pci"])
+        attributes: dict[str, AttributeValue] = {
+            "fault": info.fault,
+            "known": info.known,
+            "text": text,
+            **info.attributes(),
+        }
+        for group, key in (("gi", "gpu_instance"), ("ci", "compute_instance")):
+            if match[group] is not None:
+                attributes[key] = int(match[group])
+        if code == 79:
+            attributes.update(self.ledger.claim(pci))
         yield Finding(
             kind="xid",
             severity=info.severity,
             meaning=info.meaning,
             action=info.action,
             record=record,
-            pci_bus_id=_pci(match["pci"]),
+            pci_bus_id=pci,
             code=code,
             name=info.name,
             pid=int(pid_match["pid"]) if pid_match else None,
             process="" if process in ("", "<unknown>") else process,
+            attributes=attributes,
+        )
+
+    def settle(self) -> Iterator[Finding]:
+        return iter(())
+
+    def flush(self) -> Iterator[Finding]:
+        return iter(())
+
+
+# nvidia-nvswitch3: SXid (PCI:0000:c7:00.0): 20034, Fatal, Link 44 LTSSM Fault Up
+# (common_nvswitch.h NVSWITCH_PRINT_SXID: the code is `%05d`), then, from the same call
+# (error_nvswitch.c _nvswitch_dump_error_entry), lines with the same prefix and code:
+#   ..., Severity 1 Engine instance 44 Sub-engine instance 00
+#   ..., Data {0x00000000, ...}        (one or two of these)
+# The severity number is NVSWITCH_ERROR_SEVERITY_* (ctrl_dev_nvswitch.h: 0 non-fatal, 1 fatal).
+_SXID = re.compile(
+    r"(?P<dev>nvidia-nvswitch\d+): SXid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): "
+    r"(?P<code>\d{1,6})\b,?\s*(?P<text>.*)$",
+    re.DOTALL,
+)
+_SXID_SEVERITY = re.compile(
+    r"^Severity (?P<severity>\d+) Engine instance (?P<engine>\d+) "
+    r"Sub-engine instance (?P<sub>\d+)"
+)
+_SXID_DATA = re.compile(r"^Data \{(?P<data>[^}]*)\}")
+# The follow-up lines come from the same function call as their header; other CPUs' lines
+# may come between them, not many.
+SXID_FOLLOW_UP_REACH: Final = 16
+
+
+@dataclass
+class _Sxid:
+    header: Finding
+    data: list[str] = field(default_factory=list)
+
+    def finding(self) -> Finding:
+        if self.data:
+            self.header.attributes["data"] = " | ".join(self.data)
+        return self.header
+
+    def add(self, text: str) -> bool:
+        """Take a follow-up line's facts; False when `text` is not a follow-up."""
+        if (severity := _SXID_SEVERITY.match(text)) is not None:
+            self.header.attributes.update(
+                nvswitch_severity=int(severity["severity"]),
+                engine_instance=int(severity["engine"]),
+                subengine_instance=int(severity["sub"]),
+            )
+            return True
+        if (data := _SXID_DATA.match(text)) is not None:
+            self.data.append(data["data"])
+            return True
+        return False
+
+
+class SxidMatcher:
+    """NVSwitch SXid records: switch device, its PCI address, code, fatal or not, and the
+    severity, engine instance and data of the lines that follow the header."""
+
+    triggers: Final = ("SXid (",)
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[_Sxid] = OpenRecords(SXID_FOLLOW_UP_REACH)
+        self._device_key: dict[str, tuple[str, int]] = {}
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        match = _SXID.search(record.message)
+        if match is None:
+            return
+        device, code, text = match["dev"], int(match["code"]), match["text"].strip()
+        follow_up = _SXID_SEVERITY.match(text) or _SXID_DATA.match(text)
+        key = (device, code)
+        if follow_up is not None and self._open.near(key):
+            held = self._open.get(key)
+            if held is not None:
+                held.add(text)
+            self._open.extend(key)  # after a settle: absorbed, the record was handed on
+            return
+        info = lookup_sxid(code, text)
+        header = Finding(
+            kind="sxid",
+            severity=info.severity,
+            meaning=info.meaning,
+            action=info.action,
+            record=record,
+            pci_bus_id=pci_or_empty(match["pci"]),
+            device=device,
+            code=code,
+            name=info.name,
             attributes={
                 "fault": info.fault,
                 "known": info.known,
@@ -148,55 +221,34 @@ class XidMatcher:
                 **info.attributes(),
             },
         )
+        state = _Sxid(header)
+        state.add(text)  # a follow-up whose header was lost stands for its record
+        # A new header ends the switch's previous record (its follow-ups come right after it).
+        previous = self._device_key.get(device)
+        if previous is not None and previous != key:
+            found = self._open.close(previous)
+            if found is not None:
+                yield found
+        self._device_key[device] = key
+        yield from self._open.hold(key, state)
 
-    def flush(self) -> Iterator[Finding]:
-        return iter(())
+    def settle(self) -> list[Finding]:
+        return self._open.settle()
 
-
-# nvidia-nvswitch3: SXid (PCI:0000:c7:00.0): 20034, Fatal, Link 44 LTSSM Fault Up
-_SXID = re.compile(
-    r"(?P<dev>nvidia-nvswitch\d+): SXid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): "
-    r"(?P<code>\d{1,6})\b,?\s*(?P<text>.*)$",
-    re.DOTALL,
-)
-
-
-class SxidMatcher:
-    """NVSwitch SXid lines: switch device, its PCI address, code, fatal or not."""
-
-    def feed(self, record: LogRecord) -> Iterator[Finding]:
-        match = _SXID.search(record.message)
-        if match is None:
-            return
-        code = int(match["code"])
-        info = lookup_sxid(code, match["text"])
-        yield Finding(
-            kind="sxid",
-            severity=info.severity,
-            meaning=info.meaning,
-            action=info.action,
-            record=record,
-            pci_bus_id=_pci(match["pci"]),
-            device=match["dev"],
-            code=code,
-            name=info.name,
-            attributes={
-                "fault": info.fault,
-                "known": info.known,
-                "text": match["text"].strip(),
-                **info.attributes(),
-            },
-        )
-
-    def flush(self) -> Iterator[Finding]:
-        return iter(())
+    def flush(self) -> list[Finding]:
+        found = self._open.settle()
+        self._open.reset()
+        self._device_key.clear()
+        return found
 
 
-# The driver's three-line form, with no Xid line:
+# The driver's three-line form, with no Xid line (osapi.c, one printk with newlines in it):
 #   NVRM: The NVIDIA GPU 0000:18:00.0
 #   NVRM: (PCI ID: 10de:2901) installed in this system has
 #   NVRM: fallen off the bus and is not responding to commands.
-# and the one-line form `NVRM: GPU 0000:18:00.0: GPU has fallen off the bus.`
+# the one-line form `NVRM: GPU 0000:18:00.0: GPU has fallen off the bus.` (osinit.c, after the
+# Xid 79 line), and the older drivers' `NVRM: GPU at 0000:02:00.0 has fallen off the bus.`,
+# which came before its Xid 79.
 _BUS_FIRST = re.compile(r"NVRM: The NVIDIA GPU (?P<pci>[0-9a-fA-F:.]+)\s*$")
 _BUS_SECOND = re.compile(
     r"NVRM: \(PCI ID: (?P<id>[0-9a-fA-F]{4}:[0-9a-fA-F]{4})\) installed in this system has"
@@ -205,201 +257,121 @@ _BUS_THIRD = re.compile(r"NVRM: fallen off the bus and is not responding to comm
 _BUS_ONE_LINE = re.compile(
     r"NVRM: GPU (?:at )?(?:PCI:)?(?P<pci>[0-9a-fA-F:.]+): GPU has fallen off the bus"
 )
-_XID79 = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F:.]+)\): 79\b")
+_BUS_OLD = re.compile(r"NVRM: GPU at (?:PCI:)?(?P<pci>[0-9a-fA-F:.]+) has fallen off the bus")
 
-# How many records after an `Xid 79` line a fallen-off-bus line for the same GPU is taken as
-# the same incident (the driver writes them next to each other) and not reported twice.
+# How far (in records) a fallen-off-bus message and the Xid 79 for the same GPU are taken as
+# the same incident (the driver writes them next to each other) and reported once.
 XID79_NEARBY_RECORDS: Final = 50
 _BUS_MEANING = "the GPU stopped answering on PCIe and is no longer reachable (fallen off the bus)"
 _BUS_ACTION = lookup(79).action
 
 
+@dataclass
+class _ThreeLines:
+    record: LogRecord
+    pci: str
+    last: int
+    """Position of the part seen last; the next part must be in this record or the next."""
+    pci_device_id: str = ""
+
+
 class FallenOffBusMatcher:
-    """GPU fallen off the bus without an Xid line: the driver's three-line and one-line forms."""
+    """GPU fallen off the bus without an Xid line: the driver's three-line, one-line and older
+    forms. A form that comes before its Xid 79 waits for it (`GpuLostLedger`): the Xid is then
+    the finding (the Xid matcher's); one that comes after a recent Xid 79 is not repeated."""
 
-    def __init__(self) -> None:
-        self._first: tuple[LogRecord, str] | None = None
-        self._pci_id = ""
-        self._recent_xid79: deque[tuple[int, str]] = deque(maxlen=64)
-        self._count = 0
+    triggers: Final = (_XID_TRIGGER, "NVRM: The NVIDIA GPU", "(PCI ID: ", "fallen off the bus")
 
-    def _finding(self, record: LogRecord, pci: str, form: str) -> Iterator[Finding]:
-        if any(self._count - n <= XID79_NEARBY_RECORDS and p == pci for n, p in self._recent_xid79):
-            return  # already reported as Xid 79
+    def __init__(self, ledger: GpuLostLedger | None = None) -> None:
+        self.ledger = ledger if ledger is not None else GpuLostLedger()
+        self._three: _ThreeLines | None = None
+        self._waiting: OpenRecords[Ready] = OpenRecords(XID79_NEARBY_RECORDS)
+        self._xid79: OpenRecords[Ready] = OpenRecords(XID79_NEARBY_RECORDS)
+
+    def _finding(self, record: LogRecord, pci: str, form: str, device_id: str) -> Finding:
         attributes: dict[str, AttributeValue] = {"form": form}
-        if self._pci_id:
-            attributes["pci_device_id"] = self._pci_id
-        yield Finding(
+        if device_id:
+            attributes["pci_device_id"] = device_id
+        return Finding(
             kind="gpu_fallen_off_bus",
             severity=Severity.CRITICAL,
             meaning=_BUS_MEANING,
             action=_BUS_ACTION,
             record=record,
             pci_bus_id=pci,
+            name="GPU fallen off the bus",
             attributes=attributes,
         )
 
-    def feed(self, record: LogRecord) -> Iterator[Finding]:
-        self._count += 1
-        message = record.message
-        if (xid79 := _XID79.search(message)) is not None:
-            self._recent_xid79.append((self._count, _pci(xid79["pci"])))
-        elif (one := _BUS_ONE_LINE.search(message)) is not None:
-            yield from self._finding(record, _pci(one["pci"]), "one line")
-        elif (first := _BUS_FIRST.search(message)) is not None:
-            self._first, self._pci_id = (record, _pci(first["pci"])), ""
-        elif self._first is not None and (second := _BUS_SECOND.search(message)) is not None:
-            self._pci_id = second["id"].lower()
-        elif self._first is not None and _BUS_THIRD.search(message):
-            first_record, pci = self._first
-            self._first = None
-            yield from self._finding(first_record, pci, "three lines")
-        elif self._first is not None and "NVRM:" not in message:
-            self._first = None  # another driver's line broke the sequence
-
-    def flush(self) -> Iterator[Finding]:
-        self._first = None
-        return iter(())
-
-
-@dataclass(frozen=True)
-class _Rule:
-    kind: str
-    pattern: re.Pattern[str]
-    severity: Severity
-    meaning: str
-    action: str
-
-
-# {device}, {process}, {pid}, {seconds} in meaning/action are filled from the match.
-_HOST_RULES: Final[Sequence[_Rule]] = (
-    # block/blk-core.c: `I/O error, dev sda, sector 2048 op 0x1:(WRITE) ...` (prefixed by
-    # `blk_update_request: ` before 5.16) and fs/buffer.c: `Buffer I/O error on dev sda1, ...`
-    _Rule(
-        "io_error",
-        re.compile(r"(?:Buffer )?I/O error,? (?:on )?dev(?:ice)? (?P<device>[\w.:-]+),"),
-        Severity.CRITICAL,
-        "the block device {device} returned an I/O error",
-        "check {device}'s health (smartctl -a, nvme smart-log) and the kernel log around "
-        "this line; plan to replace the disk if errors repeat",
-    ),
-    # fs/ext4/super.c: `EXT4-fs error (device sda1): ext4_find_entry:1455: inode #2: ...`
-    _Rule(
-        "fs_error",
-        re.compile(r"EXT4-fs (?:error|critical error) \(device (?P<device>[\w.:-]+)\)"),
-        Severity.CRITICAL,
-        "the ext4 file system on {device} found an error (corruption or failed I/O)",
-        "unmount {device} and run e2fsck at the next chance; check the disk",
-    ),
-    _Rule(
-        "fs_error",
-        re.compile(
-            r"EXT4-fs \((?P<device>[\w.:-]+)\): (?:Remounting filesystem read-only|"
-            r"I/O error while writing superblock|previous I/O error)"
-        ),
-        Severity.CRITICAL,
-        "the ext4 file system on {device} hit I/O errors or went read-only",
-        "check the disk behind {device}; unmount it and run e2fsck",
-    ),
-    # fs/xfs: `XFS (sdb1): Metadata corruption detected at ...`, `... Shutting down filesystem`,
-    # `XFS (dm-0): log I/O error -5`, `XFS (md0): metadata I/O error in "..." at daddr ...`
-    _Rule(
-        "fs_error",
-        re.compile(
-            r"XFS \((?P<device>[\w.:-]+)\): .*(?:[Cc]orruption|I/O error|"
-            r"[Ss]hutting down|shut down)"
-        ),
-        Severity.CRITICAL,
-        "the XFS file system on {device} found corruption, an I/O error or shut down",
-        "check the disk behind {device}; unmount it and run xfs_repair",
-    ),
-    # drivers/nvme/host/pci.c: `nvme nvme0: I/O 123 QID 4 timeout, aborting` / `..., reset
-    # controller`, `controller is down; will reset: CSTS=0xffffffff`, `Removing after probe
-    # failure status: -19`, `Device not ready; aborting reset`
-    _Rule(
-        "nvme_error",
-        re.compile(
-            r"nvme (?P<device>nvme\d+): (?:controller is down|Removing after "
-            r"probe failure|Device not ready|Disabling device after reset failure)"
-        ),
-        Severity.CRITICAL,
-        "the NVMe controller {device} went down or was removed",
-        "check {device} (nvme smart-log, firmware) and its slot; replace it if it repeats",
-    ),
-    _Rule(
-        "nvme_error",
-        re.compile(
-            r"nvme (?P<device>nvme\d+): (?:I/O \d+ (?:\(\w+\) )?QID \d+ timeout|"
-            r"Abort status|resetting controller|.*reset controller)"
-        ),
-        Severity.WARNING,
-        "the NVMe controller {device} timed out on a command or was reset",
-        "check {device} (nvme smart-log, firmware version); repeated timeouts mean a "
-        "failing drive or slot",
-    ),
-    # mm/oom_kill.c: `Out of memory: Killed process 4321 (python3) total-vm:...` (5.x+), the
-    # memory-cgroup form `Memory cgroup out of memory: Killed process ...`, and before 5.0 a
-    # separate `Killed process 4321 (python3) total-vm:...` line.
-    _Rule(
-        "oom_kill",
-        re.compile(r"Killed process (?P<pid>\d+) \((?P<process>[^)]*)\)"),
-        Severity.WARNING,
-        "the kernel's OOM killer killed {process} (pid {pid}) to free memory",
-        "find out why {process} ran out of memory (its limits, the host's memory); rerun "
-        "the job with more memory or a smaller batch",
-    ),
-    # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.`
-    _Rule(
-        "hung_task",
-        re.compile(
-            r"task (?P<process>.+):(?P<pid>\d+) blocked for more than "
-            r"(?P<seconds>\d+) seconds"
-        ),
-        Severity.WARNING,
-        "the task {process} (pid {pid}) was blocked in the kernel for more "
-        "than {seconds} s (often waiting on a disk, a network mount or a driver)",
-        "look at the stack trace that follows in the log and at the device it waits on",
-    ),
-)
-
-
-class HostMatcher:
-    """The host kinds: I/O errors, file-system errors, NVMe trouble, OOM kills, hung tasks."""
+    def _found(
+        self, record: LogRecord, pci: str, form: str, device_id: str = "", wait: bool = True
+    ) -> list[Finding]:
+        if self._xid79.near(pci):
+            return []  # already reported as Xid 79
+        finding = self._finding(record, pci, form, device_id)
+        if not wait:
+            return [finding]
+        self.ledger.waiting[pci] = {
+            "fallen_off_bus_form": form,
+            "fallen_off_bus_line": record.line,
+            **({"pci_device_id": device_id} if device_id else {}),
+        }
+        return self._waiting.hold(pci, Ready(finding))
 
     def feed(self, record: LogRecord) -> Iterator[Finding]:
-        for rule in _HOST_RULES:
-            match = rule.pattern.search(record.message)
-            if match is None:
-                continue
-            values = {k: v or "" for k, v in match.groupdict().items()}
-            pid = int(values["pid"]) if values.get("pid") else None
-            attributes: dict[str, AttributeValue] = {}
-            if values.get("seconds"):
-                attributes["blocked_seconds"] = int(values["seconds"])
-            yield Finding(
-                kind=rule.kind,
-                severity=rule.severity,
-                record=record,
-                meaning=rule.meaning.format_map(_Blank(values)),
-                action=rule.action.format_map(_Blank(values)),
-                device=values.get("device", ""),
-                process=values.get("process", ""),
-                pid=pid,
-                attributes=attributes,
-            )
-            return  # one finding per line: the first rule that matches wins
+        self._xid79.advance(record)
+        for found in self._waiting.advance(record):
+            self.ledger.waiting.pop(found.pci_bus_id, None)
+            yield found
+        # /dev/kmsg keeps a printk with newlines as one record; saved shapes split it.
+        for part in record.message.split("\n"):
+            yield from self._part(record, part)
 
-    def flush(self) -> Iterator[Finding]:
-        return iter(())
+    def _part(self, record: LogRecord, message: str) -> list[Finding]:
+        here = position(record)
+        if (xid := _XID.search(message)) is not None:
+            if xid["code"] == "79":
+                pci = pci_or_empty(xid["pci"])
+                self._waiting.drop(pci)  # the Xid 79 is the finding now
+                self.ledger.waiting.pop(pci, None)
+                self._xid79.hold(pci, Ready(self._finding(record, pci, "xid", "")))
+            return []
+        if (one := _BUS_ONE_LINE.search(message)) is not None:
+            return self._found(record, pci_or_empty(one["pci"]), "one line", wait=False)
+        if (old := _BUS_OLD.search(message)) is not None:
+            return self._found(record, pci_or_empty(old["pci"]), "older one line")
+        if (first := _BUS_FIRST.search(message)) is not None:
+            self._three = _ThreeLines(record, pci_or_empty(first["pci"]), here)
+            return []
+        three, self._three = self._three, None
+        if three is None or not 0 <= here - three.last <= 1:
+            return []  # a part without its beginning, or another line came between them
+        if (second := _BUS_SECOND.search(message)) is not None:
+            three.pci_device_id, three.last = second["id"].lower(), here
+            self._three = three
+        elif _BUS_THIRD.search(message):
+            return self._found(three.record, three.pci, "three lines", three.pci_device_id)
+        return []
 
+    def settle(self) -> list[Finding]:
+        found = self._waiting.settle()
+        for finding in found:
+            self.ledger.waiting.pop(finding.pci_bus_id, None)
+        return found
 
-class _Blank(dict[str, str]):
-    def __missing__(self, key: str) -> str:
-        return "?"
+    def flush(self) -> list[Finding]:
+        found = self.settle()
+        self._three = None
+        self._waiting.reset()
+        self._xid79.reset()
+        return found
 
 
 def default_matchers() -> list[Matcher]:
-    return [XidMatcher(), SxidMatcher(), FallenOffBusMatcher(), HostMatcher()]
+    # The Xid matcher comes before the fallen-off-bus one: it claims a waiting block's facts
+    # from the ledger before the other drops the block on the same Xid 79 line.
+    ledger = GpuLostLedger()
+    return [XidMatcher(ledger), SxidMatcher(), FallenOffBusMatcher(ledger), *host_matchers()]
 
 
 class MatcherSet:
@@ -409,28 +381,71 @@ class MatcherSet:
     journal line not from `kernel:`) go to a second, separate set of matchers, so a forged
     line can neither raise a finding nor complete a multi-line one; what that set finds is
     counted in `ignored` (by kind) instead.
+
+    A record that holds none of the matchers' trigger words is skipped at the cost of one
+    search (`candidate`); `prefilter=False` feeds every record (the reference the prefilter is
+    tested against).
     """
 
-    def __init__(self, matchers: Sequence[Matcher] | None = None) -> None:
+    def __init__(
+        self, matchers: Sequence[Matcher] | None = None, *, prefilter: bool = True
+    ) -> None:
         self.matchers = list(matchers) if matchers is not None else default_matchers()
         self._untrusted = default_matchers()
         self.ignored: Counter[str] = Counter()
+        triggers = [t for m in (*self.matchers, *self._untrusted) for t in m.triggers]
+        self.triggers: tuple[str, ...] = tuple(dict.fromkeys(triggers))
+        self._everything = not prefilter or any(not m.triggers for m in self.matchers)
+        # Each matcher is fed only the records that hold one of its own words.
+        self._index = TriggerIndex([(m, m.triggers) for m in self.matchers])
+        self._index_untrusted = TriggerIndex([(m, m.triggers) for m in self._untrusted])
+        self._search = trigger_search(self.triggers)
+        # A saved raw record escapes bytes outside printable ASCII as \\xNN: such a line may
+        # spell a trigger word only once unescaped, so it is always parsed.
+        self._line_search = trigger_search((*self.triggers, "\\x"))
+
+    def candidate(self, message: str) -> bool:
+        """Whether a record's message can matter to any matcher."""
+        return self._everything or self._search(message) is not None
+
+    def candidate_line(self, line: str) -> bool:
+        """Whether a saved line, before parsing, can hold a message that `candidate` takes."""
+        return self._everything or self._line_search(line) is not None
 
     def feed(self, record: LogRecord) -> list[Finding]:
-        if not record.from_kernel:
-            for matcher in self._untrusted:
+        trusted = record.from_kernel
+        if self._everything:
+            chosen = self.matchers if trusted else self._untrusted
+        else:
+            index = self._index if trusted else self._index_untrusted
+            chosen = index.hits(record.message)
+        if not trusted:
+            for matcher in chosen:
                 for finding in matcher.feed(record):
                     self.ignored[finding.kind] += 1
             return []
-        return [f for m in self.matchers for f in m.feed(record)]
+        return [f for m in chosen for f in m.feed(record)]
+
+    def settle(self) -> list[Finding]:
+        """The reader has nothing more for now: findings held for follow-up lines, in order."""
+        for matcher in self._untrusted:
+            for finding in matcher.settle():
+                self.ignored[finding.kind] += 1
+        return _in_order(f for m in self.matchers for f in m.settle())
 
     def flush(self) -> list[Finding]:
         for matcher in self._untrusted:
             for finding in matcher.flush():
                 self.ignored[finding.kind] += 1
-        return [f for m in self.matchers for f in m.flush()]
+        return _in_order(f for m in self.matchers for f in m.flush())
 
     def scan(self, records: Iterable[LogRecord]) -> Iterator[Finding]:
-        for record in records:
-            yield from self.feed(record)
-        yield from self.flush()
+        """Every finding of a stream, in the order of the records they start at."""
+        found = [f for record in records for f in self.feed(record)]
+        found.extend(self.flush())
+        return iter(_in_order(found))
+
+
+def _in_order(findings: Iterable[Finding]) -> list[Finding]:
+    # A record held open for its follow-up lines is handed on after findings of later lines.
+    return sorted(findings, key=lambda f: position(f.record))

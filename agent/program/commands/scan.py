@@ -17,14 +17,14 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TextIO
 
 from agent.contracts.model import Severity
 from collectors._xid_catalog import CatalogError, catalog
 from collectors.kernel_log.matchers import Finding, MatcherSet
-from collectors.kernel_log.parse import ParseStats, parse_lines
+from collectors.kernel_log.parse import LogRecord, ParseStats, parse_lines
 
 EXIT_CLEAN = 0
 EXIT_WARNINGS = 1
@@ -53,9 +53,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def scan_lines(
     lines: Iterable[str], stats: ParseStats | None = None, matchers: MatcherSet | None = None
 ) -> list[Finding]:
-    """Every finding in saved log lines, in line order."""
+    """Every finding in saved log lines, in line order.
+
+    Most lines of a real log are noise: a line that holds none of the matchers' trigger words
+    costs one search and is counted, never parsed (it cannot hold a finding, nor break or
+    complete a message over several lines: the matchers measure in line numbers). So
+    `stats.malformed` counts the malformed lines among those that could hold a finding.
+    """
     matchers = matchers if matchers is not None else MatcherSet()
-    return list(matchers.scan(parse_lines(lines, stats)))
+    stats = stats if stats is not None else ParseStats()
+    return list(matchers.scan(_candidate_records(lines, stats, matchers)))
+
+
+def _candidate_records(
+    lines: Iterable[str], stats: ParseStats, matchers: MatcherSet
+) -> Iterator[LogRecord]:
+    """Parsed records of the lines that can matter, each run of them parsed together (so a
+    raw record keeps its ` KEY=value` continuation lines) with its own line numbers."""
+    candidate = matchers.candidate_line
+    run: list[str] = []
+    start = skipped = 0
+    for number, text in enumerate(lines, 1):
+        if candidate(text) or (run and text.startswith(" ")):
+            if not run:
+                start = number
+            run.append(text)
+            continue
+        skipped += 1
+        if run:
+            yield from parse_lines(run, stats, first_line=start)
+            run = []
+    if run:
+        yield from parse_lines(run, stats, first_line=start)
+    stats.lines += skipped
 
 
 def exit_code(findings: Sequence[Finding]) -> int:

@@ -36,7 +36,9 @@ AREA = "kernel"
 RAW_LINE = re.compile(
     r"NVRM|nvidia|nvswitch|NVLink|\bXid\b|\bSXid\b|GPU has fallen|I/O error|EXT4-fs|XFS \(|"
     r"\bnvme\d|blk_update_request|Out of memory|Killed process|blocked for more than|"
-    r"\bmce:|Machine Check|PCIe Bus Error|AER:",
+    r"\bmce:|Machine Check|PCIe Bus Error|AER:|Hardware Error|Kernel panic|Oops|BUG:|"
+    r"soft lockup|hard LOCKUP|md/raid|read-only|readonly|oom-kill:|no available path|"
+    r"beyond end of device",
     re.IGNORECASE,
 )
 MAX_RAW_LINES = 20_000
@@ -161,7 +163,8 @@ def classify_kernel_log(scan: KernelLogScan) -> list[Finding]:
                 AREA,
                 "kernel log",
                 Status.OK,
-                f"no Xid, lost GPU, I/O, file-system or OOM findings in {len(scan.records)} "
+                f"no Xid, lost GPU, disk, RAID, file-system, OOM, crash or hardware-error "
+                f"findings in {len(scan.records)} "
                 f"records of {scan.source}{note}",
             )
         ]

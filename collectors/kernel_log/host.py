@@ -1,0 +1,871 @@
+"""Host findings in the kernel log: disks, RAID, file systems, NVMe, OOM kills, hung tasks, and
+what a log saved after a crash shows (panic, oops, CPU lockups, machine checks, firmware
+(CPER) hardware errors). Each has a kind, a short name, a severity, a meaning and an action.
+
+Formats are the kernel's printk strings, by file: block/blk-core.c, fs/buffer.c, fs/ext4
+(super.c, page-io.c), fs/ext3 (before 4.3), fs/jbd2/journal.c, fs/xfs, fs/btrfs, drivers/md
+(md.c, raid1.c, raid5.c, raid10.c), drivers/nvme/host (pci.c, core.c, multipath.c),
+mm/oom_kill.c (and RHEL 7's wording), kernel/hung_task.c, kernel/panic.c,
+arch/x86/kernel/dumpstack.c and arch/x86/mm/fault.c, kernel/watchdog.c,
+arch/x86/kernel/cpu/mce/core.c, drivers/acpi/apei/ghes.c with drivers/firmware/efi/cper.c.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from agent.contracts.model import AttributeValue, Severity
+from collectors.kernel_log.finding import (
+    Finding,
+    Matcher,
+    OpenRecords,
+    Ready,
+    TriggerIndex,
+    number,
+)
+from collectors.kernel_log.parse import LogRecord
+
+HOST_KINDS: Final = (
+    "io_error",
+    "fs_error",
+    "nvme_error",
+    "raid_member_failed",
+    "oom_kill",
+    "hung_task",
+    "kernel_panic",
+    "kernel_oops",
+    "cpu_lockup",
+    "machine_check",
+    "hardware_error",
+)
+
+_DEV: Final = r"[\w.:/-]+"
+
+
+@dataclass(frozen=True)
+class _Rule:
+    kind: str
+    name: str
+    pattern: re.Pattern[str]
+    severity: Severity
+    meaning: str
+    action: str
+    triggers: tuple[str, ...]
+    """Substrings one of which every line this rule matches contains."""
+    numbers: Mapping[str, str] = field(default_factory=dict)
+    """Named groups kept as whole-number attributes: group -> attribute name."""
+    texts: Mapping[str, str] = field(default_factory=dict)
+    """Named groups kept as text attributes: group -> attribute name."""
+    fixed: Mapping[str, AttributeValue] = field(default_factory=dict)
+
+
+_DISK_ACTION = (
+    "check {device}'s health (smartctl -a, nvme smart-log) and the kernel log around this line; "
+    "plan to replace the disk if errors repeat"
+)
+_READ_ONLY_ACTION = (
+    "writes to {device} now fail (jobs writing checkpoints or logs there die): find the I/O or "
+    "file-system error before this line, check the disk, then unmount and repair the file "
+    "system ({repair}) before remounting it read-write"
+)
+
+# {device}, {process}, {pid}, {seconds} ... in meaning/action are filled from the match.
+_RULES: Final[Sequence[_Rule]] = (
+    # block/blk-core.c: `I/O error, dev sda, sector 2048 op 0x1:(WRITE) ...` (prefixed by
+    # `blk_update_request: ` before 5.16) and fs/buffer.c: `Buffer I/O error on dev sda1, ...`
+    _Rule(
+        "io_error",
+        "disk I/O error",
+        re.compile(rf"(?:Buffer )?I/O error,? (?:on )?dev(?:ice)? (?P<device>{_DEV}),"),
+        Severity.CRITICAL,
+        "the block device {device} returned an I/O error",
+        _DISK_ACTION,
+        ("I/O error",),
+    ),
+    # fs/ext4/page-io.c ext4_end_bio: `EXT4-fs warning (device sda1): ext4_end_bio:343: I/O
+    # error 10 writing to inode 1234 starting block 5678)`
+    _Rule(
+        "io_error",
+        "ext4 write I/O error",
+        re.compile(rf"EXT4-fs warning \(device (?P<device>{_DEV})\): .*I/O error"),
+        Severity.CRITICAL,
+        "writing a file on {device} failed with an I/O error (data written by the application "
+        "may be lost)",
+        _DISK_ACTION,
+        ("I/O error",),
+    ),
+    # fs/ext4/super.c ext4_handle_error (`EXT4-fs (sda1): Remounting filesystem read-only`)
+    # and fs/ext3/super.c (`EXT3-fs (sda1): error: remounting filesystem read-only`)
+    _Rule(
+        "fs_error",
+        "file system remounted read-only",
+        re.compile(
+            rf"EXT(?P<version>[234])-fs \((?P<device>{_DEV})\): (?:error: )?"
+            r"[Rr]emounting filesystem read-only"
+        ),
+        Severity.CRITICAL,
+        "the ext{version} file system on {device} hit an error and the kernel remounted it "
+        "read-only",
+        _READ_ONLY_ACTION.replace("{repair}", "e2fsck"),
+        ("-fs (",),
+        texts={"version": "ext_version"},
+        fixed={"read_only": True},
+    ),
+    # fs/btrfs: `BTRFS info (device sdc1 state EA): forced readonly` (state letters since 6.x)
+    _Rule(
+        "fs_error",
+        "file system remounted read-only",
+        re.compile(r"BTRFS \w+ \(device (?P<device>[^\s)]+)[^)]*\): forced readonly"),
+        Severity.CRITICAL,
+        "the btrfs file system on {device} hit an error and the kernel forced it read-only",
+        _READ_ONLY_ACTION.replace("{repair}", "btrfs check"),
+        ("BTRFS",),
+        fixed={"read_only": True},
+    ),
+    # fs/xfs/xfs_fsops.c xfs_do_force_shutdown: `XFS (dm-3): Filesystem has been shut down due
+    # to log error (0x2).`, and `... Shutting down filesystem.` after a corruption report
+    _Rule(
+        "fs_error",
+        "XFS file system shut down",
+        re.compile(
+            rf"XFS \((?P<device>{_DEV})\): .*(?:Filesystem has been shut down|"
+            r"[Ss]hutting down filesystem)"
+        ),
+        Severity.CRITICAL,
+        "the XFS file system on {device} shut itself down after an error: every read and write "
+        "on it now fails",
+        _READ_ONLY_ACTION.replace("{repair}", "xfs_repair"),
+        ("XFS (",),
+        fixed={"read_only": True},
+    ),
+    # fs/ext4/super.c: `EXT4-fs error (device sda1): ext4_find_entry:1455: inode #2: ...`
+    _Rule(
+        "fs_error",
+        "ext4 error",
+        re.compile(rf"EXT4-fs (?:error|critical error) \(device (?P<device>{_DEV})\)"),
+        Severity.CRITICAL,
+        "the ext4 file system on {device} found an error (corruption or failed I/O)",
+        "unmount {device} and run e2fsck at the next chance; check the disk",
+        ("EXT4-fs ",),
+    ),
+    _Rule(
+        "fs_error",
+        "superblock write failed",
+        re.compile(rf"EXT4-fs \((?P<device>{_DEV})\): I/O error while writing superblock"),
+        Severity.CRITICAL,
+        "writing the ext4 superblock of {device} failed (the file system may not mount again)",
+        "check the disk behind {device}; unmount it and run e2fsck",
+        ("I/O error",),
+    ),
+    _Rule(
+        "fs_error",
+        "ext4 error",
+        re.compile(rf"EXT4-fs \((?P<device>{_DEV})\): previous I/O error"),
+        Severity.CRITICAL,
+        "the ext4 file system on {device} hit I/O errors",
+        "check the disk behind {device}; unmount it and run e2fsck",
+        ("I/O error",),
+    ),
+    # fs/jbd2/journal.c: `JBD2: Error -5 detected when updating journal superblock for sda1-8.`
+    # and `Aborting journal on device sda1-8.` (the file system goes read-only next)
+    _Rule(
+        "fs_error",
+        "journal superblock write failed",
+        re.compile(
+            rf"JBD2: Error (?P<errno>-?\d+) detected when updating journal superblock for "
+            rf"(?P<device>{_DEV}?)\.?$"
+        ),
+        Severity.CRITICAL,
+        "writing the journal superblock of {device} failed (error {errno}); the file system "
+        "will abort its journal and go read-only",
+        "check the disk behind {device}; unmount the file system and run e2fsck",
+        ("JBD2",),
+        numbers={"errno": "errno"},
+    ),
+    _Rule(
+        "fs_error",
+        "journal aborted",
+        re.compile(rf"Aborting journal on device (?P<device>{_DEV}?)\.?$"),
+        Severity.CRITICAL,
+        "the journal of the file system on {device} was aborted after an error; the file "
+        "system goes read-only",
+        "check the disk behind {device}; unmount the file system and run e2fsck",
+        ("Aborting journal",),
+    ),
+    # fs/xfs: `XFS (sdb1): Metadata corruption detected at ...`, `XFS (dm-0): log I/O error -5`,
+    # `XFS (md0): metadata I/O error in "..." at daddr ...`
+    _Rule(
+        "fs_error",
+        "XFS error",
+        re.compile(rf"XFS \((?P<device>{_DEV})\): .*(?:[Cc]orruption|I/O error)"),
+        Severity.CRITICAL,
+        "the XFS file system on {device} found corruption or an I/O error",
+        "check the disk behind {device}; unmount it and run xfs_repair",
+        ("XFS (",),
+    ),
+    # fs/btrfs/disk-io.c write_dev_supers: `BTRFS error (device sdb): error writing primary
+    # super block to device 1`
+    _Rule(
+        "fs_error",
+        "superblock write failed",
+        re.compile(
+            r"BTRFS \w+ \(device (?P<device>[^\s)]+)[^)]*\): error writing primary super block"
+        ),
+        Severity.CRITICAL,
+        "writing the btrfs superblock of {device} failed",
+        "check the disk behind {device} (smartctl -a); replace it if errors repeat",
+        ("BTRFS",),
+    ),
+    # fs/btrfs: `BTRFS error (device sda1): bdev /dev/sda1 errs: wr 1, ...`, `BTRFS critical
+    # (device sda1): corrupt leaf ...`, older `BTRFS: error (device sda1) in ...: errno=-5 IO
+    # failure`
+    _Rule(
+        "fs_error",
+        "btrfs error",
+        re.compile(r"BTRFS(?::)? (?:error|critical) \(device (?P<device>[^\s)]+)"),
+        Severity.CRITICAL,
+        "the btrfs file system on {device} reported an error (failed I/O or corruption)",
+        "check the disk behind {device}; run btrfs device stats and btrfs scrub",
+        ("BTRFS",),
+    ),
+    # drivers/md/raid1.c, raid10.c: `md/raid1:md0: Disk failure on sdb1, disabling device.` with
+    # `md/raid1:md0: Operation continuing on 1 devices.` in the same printk; raid5.c: `md/raid:`
+    _Rule(
+        "raid_member_failed",
+        "RAID member failed",
+        re.compile(
+            rf"md/(?P<level>raid\d*):(?P<array>{_DEV}): Disk failure on (?P<device>{_DEV}), "
+            r"disabling device(?:.*Operation continuing on (?P<remaining>\d+) devices)?",
+            re.DOTALL,
+        ),
+        Severity.CRITICAL,
+        "the md array {array} failed its member {device} and runs degraded",
+        "replace {device} and add the new disk to {array} (mdadm --manage {array} --add); "
+        "until then one more failure can lose the array",
+        ("Disk failure on",),
+        numbers={"remaining": "remaining_devices"},
+        texts={"array": "array", "level": "raid_level"},
+    ),
+    # drivers/md/md.c super_written: `md: super_written gets error=-5`
+    _Rule(
+        "raid_member_failed",
+        "RAID superblock write failed",
+        re.compile(r"md: super_written gets error=(?P<errno>-?\d+)"),
+        Severity.CRITICAL,
+        "md could not write an array's superblock to a member disk (error {errno}); md fails "
+        "that member",
+        "find the member named in the lines after this one (cat /proc/mdstat) and replace it",
+        ("super_written",),
+        numbers={"errno": "errno"},
+    ),
+    # drivers/nvme/host/pci.c: `nvme nvme0: I/O 123 QID 4 timeout, aborting` / `..., reset
+    # controller`, `controller is down; will reset: CSTS=0xffffffff`, `Removing after probe
+    # failure status: -19`, `Device not ready; aborting reset`
+    _Rule(
+        "nvme_error",
+        "NVMe controller down",
+        re.compile(
+            r"nvme (?P<device>nvme\d+): (?:controller is down|Removing after "
+            r"probe failure|Device not ready|Disabling device after reset failure)"
+        ),
+        Severity.CRITICAL,
+        "the NVMe controller {device} went down or was removed",
+        "check {device} (nvme smart-log, firmware) and its slot; replace it if it repeats",
+        ("nvme nvme",),
+    ),
+    _Rule(
+        "nvme_error",
+        "NVMe timeout or reset",
+        re.compile(
+            r"nvme (?P<device>nvme\d+): (?:I/O \d+ (?:\(\w+\) )?QID \d+ timeout|"
+            r"Abort status|resetting controller|.*reset controller)"
+        ),
+        Severity.WARNING,
+        "the NVMe controller {device} timed out on a command or was reset",
+        "check {device} (nvme smart-log, firmware version); repeated timeouts mean a "
+        "failing drive or slot",
+        ("nvme nvme",),
+    ),
+    # drivers/nvme/host/multipath.c nvme_ns_head_submit_bio: `block nvme1n1: no available
+    # path - failing I/O`
+    _Rule(
+        "nvme_error",
+        "NVMe multipath: no path left",
+        re.compile(rf"(?P<device>nvme{_DEV}): no available path - failing I/O"),
+        Severity.CRITICAL,
+        "the NVMe namespace {device} has no working path left: its I/O fails",
+        "check the controllers behind {device} (nvme list-subsys) and their links or fabric "
+        "connections; reconnect or replace the failed path",
+        ("no available path",),
+    ),
+    # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.`
+    _Rule(
+        "hung_task",
+        "hung task",
+        re.compile(
+            r"task (?P<process>.+):(?P<pid>\d+) blocked for more than "
+            r"(?P<seconds>\d+) seconds"
+        ),
+        Severity.WARNING,
+        "the task {process} (pid {pid}) was blocked in the kernel for more "
+        "than {seconds} s (often waiting on a disk, a network mount or a driver)",
+        "look at the stack trace that follows in the log and at the device it waits on",
+        ("blocked for more than",),
+        numbers={"seconds": "blocked_seconds"},
+    ),
+    # kernel/panic.c panic(): `Kernel panic - not syncing: Fatal exception`
+    _Rule(
+        "kernel_panic",
+        "kernel panic",
+        re.compile(r"Kernel panic - not syncing: ?(?P<reason>.*)$", re.DOTALL),
+        Severity.CRITICAL,
+        "the kernel stopped the machine (panic: {reason})",
+        "find the cause in the lines before the panic (an oops, a machine check, a lockup or "
+        "hung task set to panic, out of memory with panic_on_oom); check that the machine came "
+        "back, and keep this log for the hardware or driver vendor",
+        ("Kernel panic",),
+        texts={"reason": "reason"},
+    ),
+    # kernel/watchdog.c: `watchdog: BUG: soft lockup - CPU#7 stuck for 22s! [python3:4321]`
+    _Rule(
+        "cpu_lockup",
+        "soft lockup",
+        re.compile(
+            r"soft lockup - CPU#(?P<cpu>\d+) stuck for (?P<seconds>\d+)s! "
+            r"\[(?P<process>.*):(?P<pid>\d+)\]"
+        ),
+        Severity.WARNING,
+        "CPU {cpu} ran kernel code for {seconds} s without scheduling (task {process}, pid "
+        "{pid}): a driver or the kernel is stuck in a loop or waiting with interrupts off",
+        "look at the stack trace after this line (the module it names: nvidia, a file system, "
+        "a network driver); if it repeats, drain the node and restart it",
+        ("soft lockup",),
+        numbers={"cpu": "cpu", "seconds": "stuck_seconds"},
+    ),
+    # kernel/watchdog_perf.c (watchdog_hld.c before 6.6): `Watchdog detected hard LOCKUP on
+    # cpu 12`
+    _Rule(
+        "cpu_lockup",
+        "hard lockup",
+        re.compile(r"Watchdog detected hard LOCKUP on cpu (?P<cpu>\d+)"),
+        Severity.CRITICAL,
+        "CPU {cpu} stopped taking interrupts (hard lockup): the machine is hung or about to be",
+        "drain the node and restart it; keep the stack trace after this line for the driver or "
+        "hardware vendor",
+        ("hard LOCKUP",),
+        numbers={"cpu": "cpu"},
+    ),
+)
+
+
+class _Blank(dict[str, str]):
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Finding:
+    values = {k: v or "" for k, v in match.groupdict().items()}
+    attributes: dict[str, AttributeValue] = dict(rule.fixed)
+    for group, key in rule.numbers.items():
+        if values.get(group):
+            attributes[key] = int(values[group])
+    for group, key in rule.texts.items():
+        if values.get(group):
+            attributes[key] = values[group].strip()
+    return Finding(
+        kind=rule.kind,
+        severity=rule.severity,
+        record=record,
+        meaning=rule.meaning.format_map(_Blank(values)),
+        action=rule.action.format_map(_Blank(values)),
+        device=values.get("device", ""),
+        process=values.get("process", ""),
+        pid=number(values.get("pid")),
+        name=rule.name,
+        attributes=attributes,
+    )
+
+
+# mm/oom_kill.c. The summary (4.19+, dump_oom_summary) comes first:
+#   oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0-1,
+#   global_oom,task_memcg=/user.slice,task=python3,pid=9876,uid=1000
+# then the kill (__oom_kill_process), `Out of memory: ` or `Memory cgroup out of memory: `:
+#   Killed process 9876 (python3) total-vm:123kB, anon-rss:..., UID:1000 pgtables:...
+# Before 5.0 the kill line stood alone; RHEL 7's kernel writes `Killed process 9876, UID 1000,
+# (python3) total-vm:...`. A process name may hold parentheses and spaces (systemd names a
+# forked child `(sd-pam)` until it execs): it ends at the `)` before ` total-vm:`.
+_OOM_SUMMARY = re.compile(
+    r"oom-kill:(?P<fields>.*),task=(?P<process>.*),pid=(?P<pid>\d+),uid=(?P<uid>\d+)", re.DOTALL
+)
+_OOM_FIELD = re.compile(r"(?:^|,)(?P<key>constraint|task_memcg|oom_memcg)=(?P<value>[^,]*)")
+_OOM_KILL = re.compile(
+    r"Killed process (?P<pid>\d+)(?:, UID (?P<uid>\d+),)? \((?P<process>.*?)\)"
+    r"(?= total-vm:| vsz:| score |\s*$)",
+    re.DOTALL,
+)
+_OOM_UID = re.compile(r"\bUID:(?P<uid>\d+)")
+# The two lines come from one oom_kill_process() call; little can come between them.
+OOM_REACH: Final = 16
+
+
+def _oom_finding(
+    record: LogRecord, pid: int, process: str, attributes: dict[str, AttributeValue]
+) -> Finding:
+    scope = ""
+    if attributes.get("constraint") == "CONSTRAINT_MEMCG" or attributes.get("cgroup"):
+        cgroup = attributes.get("oom_memcg") or attributes.get("memcg")
+        scope = f" (its memory cgroup{f' {cgroup}' if cgroup else ''} reached its limit)"
+    return Finding(
+        kind="oom_kill",
+        severity=Severity.WARNING,
+        meaning=f"the kernel's OOM killer killed {process} (pid {pid}) to free memory{scope}",
+        action=f"find out why {process} ran out of memory (its limits, the host's memory); "
+        "rerun the job with more memory or a smaller batch",
+        record=record,
+        process=process,
+        pid=pid,
+        name="OOM kill",
+        attributes=attributes,
+    )
+
+
+class OomMatcher:
+    """OOM kills: the summary line and the kill line of one kill are one finding."""
+
+    triggers: Final = ("oom-kill:", "Killed process ")
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[Ready] = OpenRecords(OOM_REACH)
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        message = record.message
+        if (summary := _OOM_SUMMARY.search(message)) is not None:
+            attributes: dict[str, AttributeValue] = {"uid": int(summary["uid"])}
+            for field_match in _OOM_FIELD.finditer(summary["fields"]):
+                key = "memcg" if field_match["key"] == "task_memcg" else field_match["key"]
+                attributes[key] = field_match["value"]
+            pid = int(summary["pid"])
+            found = _oom_finding(record, pid, summary["process"], attributes)
+            for key in list(self._open.open):  # one kill at a time (oom_lock)
+                if (earlier := self._open.close(key)) is not None:
+                    yield earlier
+            yield from self._open.hold(pid, Ready(found))
+            return
+        kill = _OOM_KILL.search(message)
+        if kill is None:
+            return
+        pid = int(kill["pid"])
+        held = self._open.get(pid)
+        if held is None and self._open.near(pid):
+            return  # its summary was handed on already (a live batch ended between them)
+        self._open.drop(pid)
+        attributes = dict(held.built.attributes) if held is not None else {}
+        uid = kill["uid"] or (uid_match["uid"] if (uid_match := _OOM_UID.search(message)) else "")
+        if uid:
+            attributes["uid"] = int(uid)
+        if "cgroup" in message[: kill.start()]:
+            attributes["cgroup"] = True
+        yield _oom_finding(record, pid, kill["process"], attributes)
+
+    def settle(self) -> list[Finding]:
+        return self._open.settle()
+
+    def flush(self) -> list[Finding]:
+        found = self._open.settle()
+        self._open.reset()
+        return found
+
+
+# block/blk-core.c handle_bad_sector, one printk over two lines: 5.12+
+#   python3: attempt to access beyond end of device
+#   sda1: rw=1, sector=123456, nr_sectors = 8 limit=100000
+# before: `attempt to access beyond end of device` / `sda1: rw=0, want=2048, limit=1024`.
+_BEYOND = re.compile(r"(?:(?P<task>\S+): )?attempt to access beyond end of device")
+_BEYOND_DEVICE = re.compile(rf"(?m)^\s*(?P<device>{_DEV}): rw=\d+, (?:want|sector)=")
+
+
+@dataclass
+class _Beyond:
+    record: LogRecord
+    task: str
+    device: str = ""
+
+    def finding(self) -> Finding:
+        device = self.device or "a block device"
+        return Finding(
+            kind="io_error",
+            severity=Severity.CRITICAL,
+            meaning=f"an I/O to {device} asked for sectors past its end and failed (a file "
+            "system larger than its device, a corrupted one, or a volume that shrank)",
+            action=f"compare the file system's size with {device}'s (blockdev --getsize64, the "
+            "partition table); unmount and fsck it; check that a resized volume (dm, SAN LUN) "
+            "did not shrink",
+            record=self.record,
+            device=self.device,
+            name="I/O beyond the end of the device",
+            attributes={"task": self.task} if self.task else {},
+        )
+
+
+class BeyondEndMatcher:
+    triggers: Final = ("attempt to access beyond end of device", ": rw=")
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[_Beyond] = OpenRecords(1)
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        message = record.message
+        if (start := _BEYOND.search(message)) is not None:
+            state = _Beyond(record, start["task"] or "")
+            device = _BEYOND_DEVICE.search(message, start.end())
+            if device is not None:
+                state.device = device["device"]
+                yield state.finding()
+                return
+            yield from self._open.hold("beyond", state)
+            return
+        held = self._open.get("beyond")
+        device = _BEYOND_DEVICE.search(message) if held is not None else None
+        if held is not None and device is not None:
+            held.device = device["device"]
+            found = self._open.close("beyond")
+            if found is not None:
+                yield found
+
+    def settle(self) -> list[Finding]:
+        return self._open.settle()
+
+    def flush(self) -> list[Finding]:
+        found = self._open.settle()
+        self._open.reset()
+        return found
+
+
+# A kernel oops: what went wrong first (arch/x86/mm/fault.c `BUG: kernel NULL pointer
+# dereference, address: ...`, `BUG: unable to handle page fault for address: ...`; lib/bug.c
+# `kernel BUG at mm/slub.c:4023!`; arm64 `Unable to handle kernel paging request at ...`),
+# then the die line (arch/x86/kernel/dumpstack.c __die_header: "%s: %04lx [#%d]..." as
+# `Oops: 0002 [#1] PREEMPT SMP NOPTI`, `general protection fault, ...: 0000 [#1] SMP`,
+# `invalid opcode: 0000 [#1] SMP`; arm64 `Internal error: Oops: 96000005 [#1] SMP`).
+_OOPS_START = re.compile(
+    r"BUG: (?:unable to handle|kernel NULL pointer dereference)|kernel BUG at |"
+    r"Unable to handle kernel "
+)
+_DIE = re.compile(r": (?P<err>[0-9a-f]{4,16}) \[#(?P<n>\d+)\]")
+OOPS_REACH: Final = 8
+
+
+@dataclass
+class _Oops:
+    record: LogRecord
+    lines: list[str]
+    what: str = ""
+    count: int | None = None
+
+    def finding(self) -> Finding:
+        what = self.what or self.lines[0].strip()[:120]
+        attributes: dict[str, AttributeValue] = {"text": " | ".join(self.lines)}
+        if self.count is not None:
+            attributes["oops_number"] = self.count
+        return Finding(
+            kind="kernel_oops",
+            severity=Severity.CRITICAL,
+            meaning=f"the kernel hit a fault in its own code ({what}) and killed the task that "
+            "ran it; the kernel may be unstable from here on",
+            action="keep the log from this line to the end of the Call Trace (it names the "
+            "module: nvidia, a file system, a driver); drain the node and restart it; report "
+            "repeated oopses in one module to its vendor",
+            record=self.record,
+            name="kernel oops",
+            attributes=attributes,
+        )
+
+
+class OopsMatcher:
+    triggers: Final = (
+        "BUG: unable to handle",
+        "BUG: kernel NULL pointer",
+        "kernel BUG at",
+        "Unable to handle kernel",
+        " [#",
+    )
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[_Oops] = OpenRecords(OOPS_REACH)
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        message = record.message.strip()
+        if _OOPS_START.search(message):
+            yield from self._open.hold("oops", _Oops(record, [message]))
+            return
+        die = _DIE.search(message) if " [#" in message else None
+        if die is None:
+            return
+        held = self._open.get("oops")
+        state = held if held is not None else _Oops(record, [])
+        state.lines.append(message)
+        what = message[: die.start()].strip().removeprefix("Oops: ")
+        state.what, state.count = what, int(die["n"])
+        self._open.drop("oops")
+        yield state.finding()
+
+    def settle(self) -> list[Finding]:
+        return self._open.settle()
+
+    def flush(self) -> list[Finding]:
+        found = self._open.settle()
+        self._open.reset()
+        return found
+
+
+# arch/x86/kernel/cpu/mce/core.c print_mce, every line `mce: [Hardware Error]: ...`:
+#   CPU 3: Machine Check Exception: 5 Bank 7: be00000000800400     (fatal, then a panic)
+#   CPU 0: Machine Check: 0 Bank 18: dc2040000000011b              (a logged record)
+#   RIP ..., TSC ... ADDR ... MISC ..., PROCESSOR ..., Run the above through 'mcelog --ascii'
+#   Machine check: Processor context corrupt                       (mce_panic's reason)
+# and mce_notify_irq's `Machine check events logged` (corrected errors went to the log).
+# Bit 61 of the bank status (MCi_STATUS.UC) says the error was not corrected.
+_MCE = re.compile(r"mce: \[Hardware Error\]: ?(?P<text>.*)$", re.DOTALL)
+_MCE_HEAD = re.compile(
+    r"CPU (?P<cpu>\d+): Machine Check(?P<exception> Exception)?: (?P<mcg>[0-9a-fA-F]+) "
+    r"Bank (?P<bank>\d+): (?P<status>[0-9a-fA-F]+)"
+)
+_MCE_REASON = re.compile(r"^Machine check: (?P<reason>.+)")
+_MCE_LOGGED: Final = "Machine check events logged"
+_UNCORRECTED_BIT: Final = 61
+MCE_REACH: Final = 16
+
+
+@dataclass
+class _Mce:
+    record: LogRecord
+    lines: list[str]
+    uncorrected: bool
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+
+    def finding(self) -> Finding:
+        cpu, bank = self.attributes.get("cpu"), self.attributes.get("bank")
+        where = f"CPU {cpu} reported, in machine-check bank {bank}," if cpu is not None else ""
+        if self.uncorrected:
+            meaning = f"{where or 'the CPU reported'} a hardware error it could not correct"
+            action = (
+                "drain the node: a CPU, memory or PCIe error was not corrected; decode it "
+                "(mcelog --ascii, rasdaemon: ras-mc-ctl --errors), check the BMC's event log "
+                "and have the part (DIMM, CPU) replaced"
+            )
+        else:
+            meaning = f"{where or 'the CPU reported'} hardware errors that it corrected"
+            action = (
+                "corrected errors at a low rate are normal: decode them (rasdaemon: ras-mc-ctl "
+                "--summary) and replace the DIMM or part whose count keeps growing"
+            )
+        return Finding(
+            kind="machine_check",
+            severity=Severity.CRITICAL if self.uncorrected else Severity.WARNING,
+            meaning=meaning,
+            action=action,
+            record=self.record,
+            name="machine check" + ("" if self.uncorrected else " (corrected)"),
+            attributes={**self.attributes, "text": " | ".join(self.lines[:8])},
+        )
+
+
+class MachineCheckMatcher:
+    triggers: Final = ("[Hardware Error]",)
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[_Mce] = OpenRecords(MCE_REACH)
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        match = _MCE.search(record.message)
+        if match is None:
+            return
+        text = match["text"].strip()
+        held = self._open.get("mce")
+        if (head := _MCE_HEAD.search(text)) is not None:
+            status = int(head["status"], 16)
+            state = _Mce(
+                record,
+                [text],
+                bool(head["exception"]) or bool(status >> _UNCORRECTED_BIT & 1),
+                {"cpu": int(head["cpu"]), "bank": int(head["bank"]), "status": head["status"]},
+            )
+            yield from self._open.hold("mce", state)
+        elif held is not None or (text.startswith(_MCE_LOGGED) and self._open.near("mce")):
+            if held is not None:
+                held.lines.append(text)
+                if (reason := _MCE_REASON.match(text)) is not None:
+                    held.uncorrected, held.attributes["reason"] = True, reason["reason"]
+            self._open.extend("mce")
+        elif text.startswith(_MCE_LOGGED):
+            yield _Mce(record, [text], uncorrected=False).finding()
+        elif (reason := _MCE_REASON.match(text)) is not None:
+            yield _Mce(record, [text], True, {"reason": reason["reason"]}).finding()
+
+    def settle(self) -> list[Finding]:
+        return self._open.settle()
+
+    def flush(self) -> list[Finding]:
+        found = self._open.settle()
+        self._open.reset()
+        return found
+
+
+# drivers/acpi/apei/ghes.c: a firmware-reported error record (CPER), every line prefixed with
+# `{N}[Hardware Error]: ` (N numbers the record):
+#   {1}[Hardware Error]: Hardware error from APEI Generic Hardware Error Source: 0
+#   {1}[Hardware Error]: event severity: fatal          (cper.c: fatal, recoverable,
+#   {1}[Hardware Error]:  Error 0, type: fatal            corrected, info)
+#   {1}[Hardware Error]:   section_type: PCIe error
+_CPER = re.compile(r"\{(?P<seq>\d+)\}\[Hardware Error\]: ?(?P<text>.*)$", re.DOTALL)
+_CPER_SOURCE = re.compile(r"Hardware error from APEI Generic Hardware Error Source: (?P<n>\d+)")
+_CPER_SEVERITY = re.compile(r"event severity: (?P<severity>\w+)")
+_CPER_SECTION = re.compile(r"section_type: (?P<section>.+)")
+_CPER_SEVERITIES: Final = {
+    "fatal": Severity.CRITICAL,
+    "recoverable": Severity.CRITICAL,
+    "corrected": Severity.WARNING,
+    "info": Severity.INFO,
+}
+CPER_REACH: Final = 32
+
+
+@dataclass
+class _Cper:
+    record: LogRecord
+    lines: list[str]
+    severity: str = ""
+    sections: list[str] = field(default_factory=list)
+    source: int | None = None
+
+    def add(self, text: str) -> None:
+        self.lines.append(text)
+        if (severity := _CPER_SEVERITY.search(text)) is not None and not self.severity:
+            self.severity = severity["severity"].lower()
+        if (section := _CPER_SECTION.search(text)) is not None:
+            self.sections.append(section["section"].strip())
+        if (source := _CPER_SOURCE.search(text)) is not None:
+            self.source = int(source["n"])
+
+    def finding(self) -> Finding:
+        severity = _CPER_SEVERITIES.get(self.severity, Severity.WARNING)
+        what = ", ".join(dict.fromkeys(self.sections)) or "hardware"
+        told = self.severity or "unstated"
+        attributes: dict[str, AttributeValue] = {
+            "event_severity": told,
+            "text": " | ".join(self.lines[:12]),
+        }
+        if self.source is not None:
+            attributes["error_source"] = self.source
+        if severity >= Severity.CRITICAL:
+            action = (
+                "drain the node: the firmware reported an uncorrected error; check the BMC's "
+                "event log (ipmitool sel list) and have the part named in the record replaced"
+            )
+        else:
+            action = (
+                "corrected errors at a low rate are normal; if they repeat, check the BMC's "
+                "event log (ipmitool sel list) and the part named in the record"
+            )
+        return Finding(
+            kind="hardware_error",
+            severity=severity,
+            meaning=f"the firmware reported a {told} {what} error (APEI/CPER record)",
+            action=action,
+            record=self.record,
+            name="firmware-reported hardware error",
+            attributes=attributes,
+        )
+
+
+class CperMatcher:
+    triggers: Final = ("[Hardware Error]",)
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[_Cper] = OpenRecords(CPER_REACH)
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        match = _CPER.search(record.message)
+        if match is None:
+            return
+        seq, text = int(match["seq"]), match["text"].strip()
+        held = self._open.get(seq)
+        if held is not None and not _CPER_SOURCE.search(text):
+            held.add(text)
+            self._open.extend(seq)
+            return
+        if held is None and self._open.near(seq) and not _CPER_SOURCE.search(text):
+            self._open.extend(seq)  # a line of a record handed on already
+            return
+        state = _Cper(record, [])
+        state.add(text)
+        yield from self._open.hold(seq, state)
+
+    def settle(self) -> list[Finding]:
+        return self._open.settle()
+
+    def flush(self) -> list[Finding]:
+        found = self._open.settle()
+        self._open.reset()
+        return found
+
+
+class HostRulesMatcher:
+    """The single-line rules: the first rule (in `_RULES` order) that matches a line wins."""
+
+    def __init__(self, rules: Sequence[_Rule] = _RULES) -> None:
+        self._index = TriggerIndex([(rule, rule.triggers) for rule in rules])
+        self.triggers: tuple[str, ...] = tuple(dict.fromkeys(t for r in rules for t in r.triggers))
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        for rule in self._index.hits(record.message):
+            match = rule.pattern.search(record.message)
+            if match is not None:
+                yield _rule_finding(rule, record, match)
+                return
+
+    def settle(self) -> list[Finding]:
+        return []
+
+    def flush(self) -> list[Finding]:
+        return []
+
+
+def host_matchers() -> list[Matcher]:
+    return [
+        OomMatcher(),
+        BeyondEndMatcher(),
+        OopsMatcher(),
+        MachineCheckMatcher(),
+        CperMatcher(),
+        HostRulesMatcher(),
+    ]
+
+
+class HostMatcher:
+    """All the host kinds as one matcher (`MatcherSet` feeds the parts one by one)."""
+
+    def __init__(self) -> None:
+        self._parts = host_matchers()
+        self._index = TriggerIndex([(part, part.triggers) for part in self._parts])
+        self.triggers: tuple[str, ...] = tuple(
+            dict.fromkeys(t for part in self._parts for t in part.triggers)
+        )
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        for part in self._index.hits(record.message):
+            yield from part.feed(record)
+
+    def settle(self) -> list[Finding]:
+        return [f for part in self._parts for f in part.settle()]
+
+    def flush(self) -> list[Finding]:
+        return [f for part in self._parts for f in part.flush()]
