@@ -1,10 +1,16 @@
-"""Kernel-log throughput: parse + match per saved shape, and one read of the live /dev/kmsg.
+"""Kernel-log throughput: parse + match per saved shape, `gpuwarden scan` against a bare loop,
+and one read of the live /dev/kmsg.
 
-Prints a table: lines per second for each shape (the H200 capture mixed with the fixture's
-findings, repeated to about 100k lines), beside a bare regex pass over the same lines as the
-reference floor. Run: `python bench/kernel_log.py [SAVED_LOG ...]`; each saved log named is
-also scanned and summarised (shapes seen, malformed lines, findings by kind), which is how
-captures from a real GPU host are checked.
+Prints two tables. The first: lines per second for each shape (the H200 capture mixed with the
+fixture's findings, repeated to about 100k lines), beside a bare regex pass over the same
+lines. The second: `scan`'s path (scan_lines over the opened file, as the command runs it)
+against two bare Python loops over the same file in the same run, which only test each line
+for the matchers' trigger words (`MatcherSet().triggers`): `any(p in line for p in PREFIXES)`
+and one compiled alternation; and the path without the prefilter (every line parsed and
+matched). Files: a 200k-line log of the capture's noise alone, and one with the fixture's
+findings mixed in (1 line in 18). Run: `python bench/kernel_log.py [SAVED_LOG ...]`; each
+saved log named is also scanned and summarised (shapes seen, malformed lines, findings by
+kind), which is how captures from a real GPU host are checked.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -20,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.contracts.collector import MemoryKeyValueStore
+from agent.program.commands.scan import scan_lines
 from collectors.kernel_log.kmsg import KmsgReader
 from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import LogRecord, ParseStats, parse_lines
@@ -67,6 +75,71 @@ def summarise(path: Path) -> None:
     )
 
 
+SCAN_LINES = 200_000
+_KMSG_RECORD = re.compile(r"^\d+,\d+,(\d+),[^;]*;(.*)$")
+
+
+def dmesg_log(path: Path, with_findings: bool) -> int:
+    """The H200 capture as `dmesg` lines (real noise), with the fixture's findings or not,
+    repeated to SCAN_LINES lines."""
+    noise = []
+    for line in CAPTURE.read_text().splitlines():
+        if (match := _KMSG_RECORD.match(line)) is not None:
+            noise.append(f"[{int(match[1]) / 1e6:12.6f}] {match[2]}")
+    base = noise + ((FIXTURES / "dmesg.txt").read_text().splitlines() if with_findings else [])
+    lines = (base * (SCAN_LINES // len(base) + 1))[:SCAN_LINES]
+    path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def timed_scan(path: Path) -> int:
+    with path.open(encoding="utf-8", errors="replace") as handle:  # as `scan` opens it
+        return len(scan_lines(handle, ParseStats()))
+
+
+def timed_full(path: Path) -> int:
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        return len(list(MatcherSet(prefilter=False).scan(parse_lines(handle, ParseStats()))))
+
+
+def bare_any(path: Path, prefixes: tuple[str, ...]) -> int:
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        return sum(1 for line in handle if any(p in line for p in prefixes))
+
+
+def bare_regex(path: Path, pattern: re.Pattern[str]) -> int:
+    search = pattern.search
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        return sum(1 for line in handle if search(line))
+
+
+def scan_against_bare() -> None:
+    prefixes = MatcherSet().triggers
+    pattern = re.compile("|".join(re.escape(p) for p in prefixes))
+    print(
+        f"\nscan against a bare loop over the same file ({len(prefixes)} trigger words), "
+        "best of 3, lines/s:"
+    )
+    print(
+        f"{'file':<22}{'lines':>8}{'found':>7}{'bare any()':>12}{'bare regex':>12}"
+        f"{'scan':>10}{'scan/any':>10}{'scan/regex':>11}{'no prefilter':>14}"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        for label, with_findings in (("capture noise", False), ("noise + findings", True)):
+            path = Path(folder) / "kern.log"
+            count = dmesg_log(path, with_findings)
+            found: list[int] = []
+            t_any = best_of(3, lambda: bare_any(path, prefixes))
+            t_regex = best_of(3, lambda: bare_regex(path, pattern))
+            t_scan = best_of(3, lambda: found.append(timed_scan(path)))
+            t_full = best_of(3, lambda: timed_full(path))
+            print(
+                f"{label:<22}{count:>8}{found[-1]:>7}{count / t_any:>12,.0f}"
+                f"{count / t_regex:>12,.0f}{count / t_scan:>10,.0f}{t_scan / t_any:>10.2f}x"
+                f"{t_scan / t_regex:>10.2f}x{count / t_full:>14,.0f}"
+            )
+
+
 def main() -> None:
     for name in sys.argv[1:]:
         summarise(Path(name))
@@ -96,6 +169,7 @@ def main() -> None:
             f"{shape:<24}{len(lines):>9}{found[-1]:>10}{len(lines) / t_full:>22,.0f}"
             f"{len(lines) / t_bare:>20,.0f}"
         )
+    scan_against_bare()
     try:
         os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
     except OSError as exc:
