@@ -128,16 +128,19 @@ def scan_against_bare() -> None:
         for label, with_findings in (("capture noise", False), ("noise + findings", True)):
             path = Path(folder) / "kern.log"
             count = dmesg_log(path, with_findings)
-            found: list[int] = []
-            t_any = best_of(3, lambda: bare_any(path, prefixes))
-            t_regex = best_of(3, lambda: bare_regex(path, pattern))
-            t_scan = best_of(3, lambda: found.append(timed_scan(path)))
-            t_full = best_of(3, lambda: timed_full(path))
-            print(
-                f"{label:<22}{count:>8}{found[-1]:>7}{count / t_any:>12,.0f}"
-                f"{count / t_regex:>12,.0f}{count / t_scan:>10,.0f}{t_scan / t_any:>10.2f}x"
-                f"{t_scan / t_regex:>10.2f}x{count / t_full:>14,.0f}"
-            )
+            print(f"{label:<22}{count:>8}" + scan_row(path, count, prefixes, pattern))
+
+
+def scan_row(path: Path, count: int, prefixes: tuple[str, ...], pattern: re.Pattern[str]) -> str:
+    found: list[int] = []
+    t_any = best_of(3, lambda: bare_any(path, prefixes))
+    t_regex = best_of(3, lambda: bare_regex(path, pattern))
+    t_scan = best_of(3, lambda: found.append(timed_scan(path)))
+    t_full = best_of(3, lambda: timed_full(path))
+    return (
+        f"{found[-1]:>7}{count / t_any:>12,.0f}{count / t_regex:>12,.0f}{count / t_scan:>10,.0f}"
+        f"{t_scan / t_any:>10.2f}x{t_scan / t_regex:>10.2f}x{count / t_full:>14,.0f}"
+    )
 
 
 def main() -> None:

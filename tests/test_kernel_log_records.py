@@ -211,6 +211,12 @@ class TestMultiLineRecords:
         assert finding.attributes["fallen_off_bus_line"] == 1
         assert finding.severity is Severity.CRITICAL
 
+    def test_a_block_long_before_an_xid_79_is_its_own_finding(self) -> None:
+        """Hundreds of lines apart they are two incidents, whatever lies between."""
+        found = scan_dmesg(*BUS_BLOCK, *["usb 1-1: new device"] * 200, XID79_18)
+        assert [(f.kind, f.line) for f in found] == [("gpu_fallen_off_bus", 1), ("xid", 204)]
+        assert "fallen_off_bus_line" not in found[1].attributes
+
     def test_fallen_off_block_in_one_record(self) -> None:
         """/dev/kmsg keeps the block as one record with newlines in it: still a finding."""
         [alone] = scan("\n".join(BUS_BLOCK))

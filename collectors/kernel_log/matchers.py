@@ -74,10 +74,15 @@ class GpuLostLedger:
     finding, and carries these facts)."""
 
     def __init__(self) -> None:
-        self.waiting: dict[str, dict[str, AttributeValue]] = {}
+        self.waiting: dict[str, tuple[int, dict[str, AttributeValue]]] = {}
 
-    def claim(self, pci_bus_id: str) -> dict[str, AttributeValue]:
-        return self.waiting.pop(pci_bus_id, {})
+    def claim(self, pci_bus_id: str, record: LogRecord) -> dict[str, AttributeValue]:
+        """The facts of a block for this GPU near enough to `record` to be its message."""
+        at, facts = self.waiting.pop(pci_bus_id, (0, {}))
+        here = position(record)
+        if at > 0 and here > 0 and not 0 <= here - at <= XID79_NEARBY_RECORDS:
+            return {}  # a block from long before: its own finding (the other matcher's)
+        return facts
 
 
 class XidMatcher:
@@ -111,7 +116,7 @@ class XidMatcher:
             if match[group] is not None:
                 attributes[key] = int(match[group])
         if code == 79:
-            attributes.update(self.ledger.claim(pci))
+            attributes.update(self.ledger.claim(pci, record))
         yield Finding(
             kind="xid",
             severity=info.severity,
@@ -311,11 +316,14 @@ class FallenOffBusMatcher:
         finding = self._finding(record, pci, form, device_id)
         if not wait:
             return [finding]
-        self.ledger.waiting[pci] = {
-            "fallen_off_bus_form": form,
-            "fallen_off_bus_line": record.line,
-            **({"pci_device_id": device_id} if device_id else {}),
-        }
+        self.ledger.waiting[pci] = (
+            position(record),
+            {
+                "fallen_off_bus_form": form,
+                "fallen_off_bus_line": record.line,
+                **({"pci_device_id": device_id} if device_id else {}),
+            },
+        )
         return self._waiting.hold(pci, Ready(finding))
 
     def feed(self, record: LogRecord) -> Iterator[Finding]:
