@@ -256,10 +256,17 @@ def to_table(obj: Any, *, mask_secrets: bool = True) -> dict[str, Any]:
         elif isinstance(value, Path):
             out[spec.name] = str(value)
         elif isinstance(value, tuple):
-            out[spec.name] = [str(v) if isinstance(v, Path) else v for v in value]
+            out[spec.name] = [_plain(v, mask_secrets) for v in value]
         else:
             out[spec.name] = value
     return out
+
+
+def _plain(item: Any, mask_secrets: bool) -> Any:
+    """One item of a tuple setting: an array of tables (a tuple of settings) stays tables."""
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return to_table(item, mask_secrets=mask_secrets)
+    return str(item) if isinstance(item, Path) else item
 
 
 # -- files named by keys ----------------------------------------------------------------------
@@ -390,6 +397,10 @@ def check_files(obj: Any, path: str = "") -> None:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             check_files(value, key)
             continue
+        if isinstance(value, tuple):  # an array of tables: each is checked like a table
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                    check_files(item, f"{key}[{i}]")
         kind = spec.metadata.get("file")
         if kind is None or value is None:
             continue
