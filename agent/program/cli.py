@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("watch", "the off-node watcher: alert when a node's heartbeat stops"),
     "diag": ("diag", "write a redacted diagnostic bundle for a support ticket"),
     "config": ("config_cmd", "validate or show the configuration"),
+    "checkpoint": ("checkpoint", "verify checkpoints now: which one a restart can use"),
 }
 
 
