@@ -24,6 +24,7 @@ DECLARING_MODULES = (
     "collectors/disk/collector.py",
     "collectors/processes.py",
     "collectors/benchmark/collector.py",
+    "collectors/checkpoints/collector.py",
     "exporters/mqtt.py",
 )
 
