@@ -138,6 +138,8 @@ class CheckpointCollector:
         self.settings = settings
         self.deps = deps
         self._state_failing = False
+        self.comparisons: dict[str, Comparison] = {}
+        """The last off-node comparison per location: which checks were possible."""
         stored = deps.state.items(_GOOD_NAMESPACE)
         judge_settings = judge_settings_for(settings)
         self._locations: list[_LocationState] = []
@@ -218,6 +220,7 @@ class CheckpointCollector:
         self._report(state, outcome, ctx.now, samples, events)
         if state.copy is not None:
             comparison = await state.copy.compare(ctx, outcome, state.judge, ctx.now)
+            self.comparisons[label] = comparison
             self._report_copy(state, comparison, samples, events)
 
     def _location_failed(self, state: _LocationState, error: str, events: list[Event]) -> None:
