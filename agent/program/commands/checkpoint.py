@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
+from agent.program.diagnose.checkpoint_findings import Looked, verify_paths
 from agent.program.diagnose.findings import EXIT_FAILURES, EXIT_OK, EXIT_WARNINGS
-from agent.runtime.blocking import PooledCaller
-from collectors.checkpoints.detect import DEFAULT_TEMP_PATTERNS, classify, observe, scan_location
-from collectors.checkpoints.judge import Judge, JudgeSettings, RoundOutcome
+from collectors.checkpoints.judge import RoundOutcome
 
 MIB = 2**20
-CALL_TIMEOUT = 600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,38 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _observe(path: Path) -> list[Any]:
-    candidate = classify(path, DEFAULT_TEMP_PATTERNS)
-    if candidate is not None:
-        seen = observe(candidate)
-        return [seen] if seen else []
-    return scan_location(path, "*", DEFAULT_TEMP_PATTERNS, 1_000_000)
-
-
-async def verify_paths(
-    paths: list[Path], gap: float, settle: float, bandwidth_mib_s: float
-) -> dict[str, RoundOutcome | str]:
-    """Per PATH: the second look's outcome, or why it could not be looked at."""
-    settings = JudgeSettings(
-        settle_seconds=settle,
-        hash_newest=1_000_000,
-        hash_bytes_per_second=bandwidth_mib_s * MIB,
-        hash_call_bytes=max(int(bandwidth_mib_s * MIB * 60), MIB),
-    )
-    out: dict[str, RoundOutcome | str] = {}
-    with concurrent.futures.ThreadPoolExecutor(4) as executor:
-        caller = PooledCaller(executor, CALL_TIMEOUT)
-        for path in paths:
-            judge = Judge(settings, str(path))
-            try:
-                first = await caller.call(f"scan:{path}", _observe, path)
-                await judge.round(caller, first, time.time(), 0.0)
-                await asyncio.sleep(gap)
-                second = await caller.call(f"scan:{path}", _observe, path)
-                out[str(path)] = await judge.round(caller, second, time.time(), 1e9)
-            except OSError as exc:
-                out[str(path)] = f"{path}: {exc.strerror or exc}"
-    return out
+def outcomes(looked: dict[str, Looked | str]) -> dict[str, RoundOutcome | str]:
+    return {p: (x if isinstance(x, str) else x.outcome) for p, x in looked.items()}
 
 
 def exit_code(results: dict[str, RoundOutcome | str]) -> int:
@@ -127,7 +92,9 @@ def main(args: argparse.Namespace) -> int:
             "gpuwarden checkpoint verify: --gap and --settle >= 0, --bandwidth > 0", file=sys.stderr
         )
         return EXIT_FAILURES
-    results = asyncio.run(verify_paths(list(args.paths), args.gap, args.settle, args.bandwidth))
+    results = outcomes(
+        asyncio.run(verify_paths(list(args.paths), args.gap, args.settle, args.bandwidth))
+    )
     if args.json:
         data = {
             path: (

@@ -27,6 +27,7 @@ from agent.contracts.config import Config
 from agent.contracts.errors import CallStillHung, CallTimedOut
 from agent.program.diagnose import probes
 from agent.program.diagnose.bench_findings import check_bench
+from agent.program.diagnose.checkpoint_findings import check_checkpoints
 from agent.program.diagnose.collect_once import CollectorResult, OneShotCollectors
 from agent.program.diagnose.findings import Finding, Status, exit_code
 from agent.program.diagnose.gpu_findings import classify_gpus
@@ -342,6 +343,7 @@ async def run_check(
     async with runner:
         results = await run_collectors(runner, config, expected, options)
         report.nvidia_versions = await nvidia_versions(runner)
+        checkpoint_lines = await check_checkpoints(runner, config)
         io_findings = await check_io(runner, options.io_test_dir)
         bench_findings = (
             await check_bench(runner, config)
@@ -369,6 +371,7 @@ async def run_check(
     ]
     for name, classify in host:
         report.findings.extend(classify(results[name]))
+    report.findings.extend(checkpoint_lines)
     report.findings.extend(check_state(config))
     report.findings.extend(await network_task)
     report.findings.extend(io_findings)

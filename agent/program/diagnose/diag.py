@@ -37,6 +37,7 @@ from agent.program.diagnose.check import (
     CheckOptions,
     run_check,
 )
+from agent.program.diagnose.checkpoint_findings import checkpoint_index
 from agent.program.diagnose.redact import Redactor
 from agent.program.diagnose.state_reader import read_state
 from agent.runtime.state import DB_NAME
@@ -258,6 +259,9 @@ async def build_bundle(
         bundle.add_text("nvidia-smi-q.txt", smi_text)
     if smi_note:
         bundle.notes.append(smi_note)
+    index = await checkpoint_index(config)
+    if index is not None:  # names, sizes, steps, checksums and ages; never contents
+        bundle.add_json("checkpoints/index.json", index)
     add_config(bundle, config)
     await add_live_agent(bundle, config)
     add_state(bundle, config, options.event_limit)
