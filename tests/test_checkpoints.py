@@ -342,3 +342,51 @@ class TestReadme:
             )
         ]
         assert not missing, f"README lacks rows for {missing}"
+
+
+class TestConfigFiles:
+    def test_a_location_secret_file_readable_by_others_is_refused(self, tmp_path: Path) -> None:
+        """Files named inside an array of tables are checked as any other file key."""
+        from agent.program import config_file
+
+        key_id, secret = tmp_path / "id", tmp_path / "secret"
+        for path in (key_id, secret):
+            path.write_text("x\n")
+            path.chmod(0o600)
+        secret.chmod(0o644)
+        conf = tmp_path / "gpuwarden.toml"
+        conf.write_text(
+            f'state_dir = "{tmp_path / "state"}"\n'
+            "[collectors.checkpoints]\nenabled = true\n"
+            "[[collectors.checkpoints.locations]]\n"
+            f'path = "{tmp_path}"\ns3_bucket = "b"\n'
+            f's3_access_key_id_file = "{key_id}"\ns3_secret_access_key_file = "{secret}"\n'
+        )
+        with pytest.raises(ConfigError) as caught:
+            config_file.load(conf)
+        assert "collectors.checkpoints.locations[0].s3_secret_access_key_file" in str(caught.value)
+        assert "chmod 600" in str(caught.value)
+        secret.chmod(0o600)
+        shown = to_table(config_file.load(conf).collectors["checkpoints"])
+        assert shown["locations"][0]["s3_bucket"] == "b"
+
+
+class TestRestart:
+    async def test_the_last_good_checkpoint_survives_a_restart(self, ckpt_dir: Path) -> None:
+        """A shrunk save is seen against the checkpoint the agent knew before it restarted."""
+        from agent.contracts.collector import MemoryKeyValueStore
+
+        settings = CheckpointSettings(enabled=True, locations=(location(ckpt_dir),))
+        state = MemoryKeyValueStore()
+        age(write_torch(ckpt_dir / "step_1.pt", rows=1024), 2 * HOUR)
+        before = Harness(settings, state)
+        try:
+            await before.round()
+        finally:
+            before.close()
+        age(write_torch(ckpt_dir / "step_2.pt", rows=16), HOUR)
+        after = Harness(settings, state)
+        try:
+            assert "checkpoint_shrunk" in kinds(await after.round())
+        finally:
+            after.close()
