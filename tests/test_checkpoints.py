@@ -163,6 +163,25 @@ class TestChecksums:
             e.message for e in result.events if e.kind == "checkpoint_corrupt"
         )
 
+    async def test_a_big_checkpoint_is_hashed_over_several_rounds(
+        self, ckpt_dir: Path, harness_for: MakeHarness
+    ) -> None:
+        """Hashing is bounded per round: verifying until the last byte is read, then complete."""
+        path = write_safetensors(ckpt_dir / "step_1.safetensors", rows=16_000)  # ~2.2 MiB
+        write_sidecar(path)
+        age(path, HOUR)
+        # 4 MiB/s and a 0.25 s call timeout: 0.5 MiB a call, and a round has time for one.
+        h = harness_for(hash_bandwidth_mib_s=4.0, interval=0.05, timeout=0.25)
+        statuses = []
+        for _ in range(40):
+            result = await h.round()
+            statuses.append("verifying" if count(result, "verifying") else "complete")
+            if statuses[-1] == "complete":
+                break
+        assert statuses[0] == "verifying" and statuses[-1] == "complete", statuses
+        assert len(statuses) >= 3, statuses
+        assert values(result, "gpuwarden_checkpoint_newest_step") == {LOC: 1}
+
     def test_hashing_keeps_to_its_rate(self, tmp_path: Path) -> None:
         path = tmp_path / "blob"
         path.write_bytes(os.urandom(3 * 2**20 + 5))
