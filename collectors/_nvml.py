@@ -122,6 +122,7 @@ GPM_THROUGHPUTS: Final[Mapping[tuple[str, str], int]] = {
     ("nvlink", "tx"): pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
     ("nvlink", "rx"): pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
 }
+_GPM_IDS: Final = (*GPM_RATIOS.values(), *GPM_THROUGHPUTS.values())
 _MIB: Final = float(2**20)
 
 
@@ -534,28 +535,31 @@ class NvmlBackend:
             return GpmReading(errors=f.errors)
         reading = GpmReading(errors=f.errors)
         if state.taken and state.previous is not None:
-            reading = self._gpm_metrics(state.previous, state.current, f)
+            reading = self._gpm_metrics(state, f)
         if state.previous is None:
             state.previous = f.get("gpm_sample", self.lib.nvmlGpmSampleAlloc)
         state.previous, state.current = state.current, state.previous
         state.taken = True
         return reading
 
-    def _gpm_metrics(self, first: Any, second: Any, f: _Funnel) -> GpmReading:
-        ids = [*GPM_RATIOS.values(), *GPM_THROUGHPUTS.values()]
-        request = pynvml.c_nvmlGpmMetricsGet_t()
-        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(ids)
-        request.sample1, request.sample2 = first, second
-        for i, metric_id in enumerate(ids):
-            request.metrics[i].metricId = metric_id
+    def _gpm_metrics(self, state: _GpmState, f: _Funnel) -> GpmReading:
+        request = state.request
+        if request is None:
+            # Built once per GPU: the struct holds NVML_GPM_METRIC_MAX entries, and making it
+            # was most of a GPM read's Python cost (bench/gpu_round.py).
+            request = state.request = pynvml.c_nvmlGpmMetricsGet_t()
+            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(_GPM_IDS)
+            for i, metric_id in enumerate(_GPM_IDS):
+                request.metrics[i].metricId = metric_id
+        request.sample1, request.sample2 = state.previous, state.current
         if f.get("gpm_metrics", self.lib.nvmlGpmMetricsGet, request) is None:
             return GpmReading(errors=f.errors)
-        values = {
-            int(m.metricId): float(m.value)
-            for m in request.metrics[: len(ids)]
-            if int(m.nvmlReturn) == pynvml.NVML_SUCCESS
-        }
+        values: dict[int, float] = {}
+        for i, metric_id in enumerate(_GPM_IDS):
+            metric = request.metrics[i]
+            if int(metric.nvmlReturn) == pynvml.NVML_SUCCESS:
+                values[metric_id] = float(metric.value)
         return GpmReading(
             ratios={n: values[i] / 100.0 for n, i in GPM_RATIOS.items() if i in values},
             throughputs={k: values[i] * _MIB for k, i in GPM_THROUGHPUTS.items() if i in values},
@@ -629,6 +633,11 @@ class NvmlBackend:
             code = int(entry.nvmlReturn)
             if code == pynvml.NVML_SUCCESS:
                 out.append(int(entry.value.uiVal))
+                continue
+            if code == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+                # A field id past this driver's NVML_FI_MAX (the recovery action on an older
+                # driver): the field does not exist here, which is absent, not an error.
+                out.append(None)
                 continue
 
             def failed(code: int = code) -> None:
@@ -839,6 +848,8 @@ class _GpmState:
     previous: Any = None
     current: Any = None
     taken: bool = False
+    request: Any = None
+    """The c_nvmlGpmMetricsGet_t reused for every read of this GPU."""
 
     def free(self, lib: Any) -> None:
         for sample in (self.previous, self.current):

@@ -90,6 +90,25 @@ class TestRecoveryAction:
         # the memory temperature, read in the same field-values call, is still there
         assert find(result, "gpuwarden_gpu_temperature_celsius", gpu="0", sensor="memory")
 
+    async def test_a_driver_older_than_the_field_is_absent(self, rig: GpuRig) -> None:
+        # A driver whose NVML_FI_MAX is below 230 answers INVALID_ARGUMENT for that entry
+        # (the call itself succeeds): not a field error, just absent.
+        rig.fake.gpus[0].field_codes[pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION] = (
+            pynvml.NVML_ERROR_INVALID_ARGUMENT
+        )
+        result = await rig.collect()
+        assert find(result, "gpuwarden_gpu_recovery_action", gpu="0") == []
+        assert find(result, "gpuwarden_gpu_field_error", gpu="0") == []
+        assert find(result, "gpuwarden_gpu_temperature_celsius", gpu="0", sensor="memory")
+
+    async def test_a_real_field_error_is_reported(self, rig: GpuRig) -> None:
+        rig.fake.gpus[0].field_codes[pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION] = (
+            pynvml.NVML_ERROR_UNKNOWN
+        )
+        result = await rig.collect()
+        errors = [s.labels["field"] for s in find(result, "gpuwarden_gpu_field_error", gpu="0")]
+        assert errors == ["recovery_action"]
+
     async def test_one_field_values_call_per_round(self, rig: GpuRig) -> None:
         await rig.collect()
         before = rig.fake.gpus[0].calls["nvmlDeviceGetFieldValues"]

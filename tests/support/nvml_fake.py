@@ -150,6 +150,8 @@ class FakeGpu:
     recovery_action: int | None = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
     fabric: FakeFabric | None = None
     gpm: dict[int, float] | None = None
+    field_codes: dict[int, int] = field(default_factory=dict)
+    """Field id -> the per-field NVML return code nvmlDeviceGetFieldValues gives for it."""
     """GPM metric id -> value between two samples; None: GPM not supported (before Hopper)."""
     ecc: dict[tuple[int, int], int] = field(default_factory=lambda: dict.fromkeys(_ECC_KEYS, 0))
     remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)
@@ -340,6 +342,7 @@ class FakeNvml:
                 pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: gpu.recovery_action,
             }.get(field_id)
             code = pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            code = gpu.field_codes.get(field_id, code)
             out.append(FakeFieldValue(code, FakeFieldValueUnion(value or 0)))
         return out
 
