@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 import pynvml
 import pytest
 
+from agent.contracts.collector import JSONValue, MemoryKeyValueStore
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Severity
 from agent.program.diagnose.collect_once import CollectorResult
 from agent.program.diagnose.findings import Status
@@ -124,6 +126,34 @@ class TestRecoveryAction:
         assert "reboot" in line.detail
         ok = next(f for f in findings if "recovery" in f.name and f.status is Status.OK)
         assert "none" in ok.detail
+
+
+class FailingStore(MemoryKeyValueStore):
+    """A store whose writes fail while `failing` (a full disk)."""
+
+    failing = False
+
+    def put(self, namespace: str, key: str, value: JSONValue) -> None:
+        if self.failing:
+            raise StateStoreError("disk full")
+        super().put(namespace, key, value)
+
+
+class TestRecoveryActionStore:
+    async def test_a_change_the_store_refused_is_news_next_round(self) -> None:
+        store = FailingStore()
+        rig = GpuRig(FakeNvml(fake_gpus(1)), state=store)
+        try:
+            await rig.collect()
+            store.failing = True
+            rig.fake.gpus[0].recovery_action = pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+            with pytest.raises(StateStoreError):
+                await rig.collect()
+            store.failing = False
+            again = await rig.collect()
+        finally:
+            await rig.close()
+        assert "recovery_action_gpu_reset" in kinds(again)
 
 
 class TestFabric:

@@ -383,8 +383,13 @@ def pcie_degraded(static: GpuStatic | None, reading: GpuReading) -> bool | None:
 
 
 def condition_inputs(
-    static: GpuStatic | None, reading: GpuReading, slow: GpuSlowReading | None
+    static: GpuStatic | None,
+    reading: GpuReading,
+    slow: GpuSlowReading | None,
+    recovery: bool = True,
 ) -> dict[str, bool | None]:
+    """`recovery`: False leaves the recovery-action conditions out (the action did not change
+    since they were last judged)."""
     reasons = reading.clock_event_reasons
     return {
         "row_remap_pending": reading.remap_pending,
@@ -392,7 +397,7 @@ def condition_inputs(
         "retired_pages_pending": None if slow is None else slow.retired_pages_pending,
         "pcie_link_degraded": pcie_degraded(static, reading),
         "hardware_slowdown": None if reasons is None else bool(reasons & HW_SLOWDOWN_MASK),
-        **recovery_inputs(reading.recovery_action),
+        **(recovery_inputs(reading.recovery_action) if recovery else {}),
     }
 
 

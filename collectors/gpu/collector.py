@@ -150,6 +150,9 @@ class _Gpu:
     # round: they are most of a steady round's Python cost (measured on the H200).
     static_samples: tuple[Sample, ...] | None = None
     slow_samples: tuple[Sample, ...] | None = None
+    recovery_samples: tuple[Sample, ...] | None = None
+    recovery_seen: int | None = None
+    """The recovery action those samples and the conditions were made for."""
     gpm: GpmReading | None = None
     gpm_at: float | None = None
     gpm_samples: tuple[Sample, ...] | None = None
@@ -373,7 +376,7 @@ class GpuCollector:
             return
         if result.static is not None:
             gpu.static, gpu.static_at, gpu.static_samples = result.static, ctx.now, None
-            gpu.slow_samples = None  # labels come from the static identity
+            gpu.slow_samples = gpu.recovery_samples = None  # labels come from the identity
             identity = result.static.identity
             if identity.pci_bus_id:
                 self.correlator.set_identity(identity.pci_bus_id, identity.labels())
@@ -398,6 +401,14 @@ class GpuCollector:
             gpu.error = None
         out.samples.extend(m.state_samples(labels, None))
         out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules))
+        # The recovery action rarely changes: its samples (one per action) and its conditions
+        # are made again only when it does, as are the static and slow samples.
+        action = result.reading.recovery_action
+        recovery_new = gpu.recovery_samples is None or action != gpu.recovery_seen
+        recovery = (
+            tuple(m.recovery_samples(labels, action)) if recovery_new else gpu.recovery_samples
+        )
+        out.samples.extend(recovery or ())
         errors = dict(result.reading.errors)
         if gpu.static is not None:
             out.samples.extend(gpu.cached_static_samples(labels, gpu.static))
@@ -414,7 +425,7 @@ class GpuCollector:
         out.events.extend(counter_events(self.counters, labels, result.reading, FAST_COUNTERS))
         if result.slow is not None:
             out.events.extend(counter_events(self.counters, labels, result.slow, SLOW_COUNTERS))
-        inputs = condition_inputs(gpu.static, result.reading, gpu.slow)
+        inputs = condition_inputs(gpu.static, result.reading, gpu.slow, recovery=recovery_new)
         out.events.extend(
             condition_events(
                 self.conditions,
@@ -423,6 +434,8 @@ class GpuCollector:
                 {"pcie_link_degraded": _link_detail(gpu.static, result)},
             )
         )
+        # Only now: a condition the store could not take is tried again next round.
+        gpu.recovery_samples, gpu.recovery_seen = recovery, action
 
     # -- who uses the GPUs -----------------------------------------------------------------------
 

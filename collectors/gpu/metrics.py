@@ -346,10 +346,15 @@ def reading_samples(
     out.add(REMAPPED_ROWS, r.remapped_rows_uncorrectable, "uncorrectable")
     out.add(REMAP_PENDING, r.remap_pending)
     out.add(REMAP_FAILURE, r.remap_failure)
-    if r.recovery_action is not None:
-        out.add(RECOVERY_ACTION_CODE, r.recovery_action)
+    return out.samples
+
+
+def recovery_samples(labels: Mapping[str, str], action: int | None) -> list[Sample]:
+    out = _Out(labels)
+    if action is not None:
+        out.add(RECOVERY_ACTION_CODE, action)
         for code, name in RECOVERY_ACTIONS.items():
-            out.add(RECOVERY_ACTION, code == r.recovery_action, name)
+            out.add(RECOVERY_ACTION, code == action, name)
     return out.samples
 
 
