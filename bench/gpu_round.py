@@ -7,6 +7,12 @@ microsecond, a real call in 2-8 µs: docs/MEASUREMENTS.md), and nvidia-smi is re
 
 Goal on the H200: a steady round costs at most 1/50 of the nvidia-smi call.
 
+The fake's GPUs are shaped like a busy Hopper node: each has a compute process (this one, so
+its owner is read from the real /proc) and GPM. Rows: a steady round (fast reads, the process
+list and its series; GPM, fabric and owners come from the last read), a round where GPM is due
+(one GPM sample and the metrics against the last), and a full round (static and slow reads:
+PCIe replays, NVLink, fabric info, the sysfs PCI count).
+
     python bench/gpu_round.py [--runs 50] [--fake] [--fake-gpus 8]
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import os
 import resource
 import shutil
 import statistics
@@ -36,7 +43,20 @@ from agent.contracts.collector import (
 from agent.runtime.blocking import PooledCaller
 from collectors._nvml import NvmlBackend, NvmlUnavailable
 from collectors.gpu.collector import GpuCollector, GpuSettings
-from tests.support.nvml_fake import FakeGpu, FakeNvml
+from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeProcess
+
+# What a busy H200 answers for GPM (percent and MiB/s), for the fake.
+BUSY_GPM = {
+    1: 99.0,  # graphics active
+    2: 80.0,  # SM active
+    3: 40.0,  # SM occupancy
+    5: 60.0,  # tensor active
+    10: 25.0,  # DRAM active
+    20: 100.0,  # PCIe TX
+    21: 200.0,  # PCIe RX
+    60: 0.0,  # NVLink RX
+    61: 0.0,  # NVLink TX
+}
 
 # The nvidia-smi fields comparable to what a steady round reads (identity, temperatures, power,
 # clocks, throttle reasons, utilization, memory, PCIe, ECC, remapped rows).
@@ -104,12 +124,20 @@ def make_backend(force_fake: bool, fake_gpus: int) -> tuple[NvmlBackend, str]:
             return backend, f"real NVML, {backend.device_count()} GPU(s)"
         except NvmlUnavailable as exc:
             print(f"NVML not available ({exc}): measuring the fake with {fake_gpus} GPUs")
-    backend = NvmlBackend(FakeNvml([FakeGpu.h200(i) for i in range(fake_gpus)]))
+    me = FakeProcess(os.getpid(), 40 * 2**30)
+    gpus = [FakeGpu.h200(i, processes=[me], gpm=dict(BUSY_GPM)) for i in range(fake_gpus)]
+    backend = NvmlBackend(FakeNvml(gpus))
     backend.start()
     return backend, f"fake NVML, {fake_gpus} GPUs"
 
 
-async def time_rounds(backend: NvmlBackend, runs: int, advance: float, label: str) -> Timing:
+async def time_rounds(
+    backend: NvmlBackend,
+    runs: int,
+    advance: float,
+    label: str,
+    settings: GpuSettings | None = None,
+) -> Timing:
     """Rounds of a fresh collector; `advance` seconds of clock between rounds decide which
     parts are due (1 s: fast reads only; 100000 s: static and slow reads every round)."""
     shared = SharedServices()
@@ -117,7 +145,7 @@ async def time_rounds(backend: NvmlBackend, runs: int, advance: float, label: st
     deps = CollectorDeps(
         "bench", Path("/nonexistent"), MemoryKeyValueStore(), shared, lambda event: None
     )
-    collector = GpuCollector(GpuSettings(event_thread=False), deps)
+    collector = GpuCollector(settings or GpuSettings(event_thread=False), deps)
     executor = concurrent.futures.ThreadPoolExecutor(8)
     caller = PooledCaller(executor, 5.0)
     now = time.time()
@@ -168,15 +196,23 @@ def main() -> int:
     backend, what = make_backend(args.fake, args.fake_gpus)
     print(f"gpu collection round, {what}, median of {args.runs} runs")
     steady = asyncio.run(time_rounds(backend, args.runs, 1.0, "gpu round, steady (fast reads)"))
+    gpm_due = GpuSettings(event_thread=False, gpm_interval=1.0)
+    gpm = asyncio.run(
+        time_rounds(backend, args.runs, 1.0, "gpu round, GPM due (every gpm_interval)", gpm_due)
+    )
     full = asyncio.run(time_rounds(backend, args.runs, 1e5, "gpu round, full (static + slow)"))
     smi = time_nvidia_smi(args.runs)
-    rows = [steady, full] + ([smi] if smi else [])
+    rows = [steady, gpm, full] + ([smi] if smi else [])
     print_table(rows, smi)
     real_lib = backend.lib
-    for label, advance in (("steady", 1.0), ("full", 1e5)):
+    for label, advance, settings in (
+        ("steady", 1.0, None),
+        ("GPM due", 1.0, gpm_due),
+        ("full", 1e5, None),
+    ):
         timed = TimedLibrary(real_lib)
         backend.lib = timed
-        asyncio.run(time_rounds(backend, args.runs, advance, "per call"))
+        asyncio.run(time_rounds(backend, args.runs, advance, "per call", settings))
         print(f"\n{label} rounds:")
         print_calls(timed, args.runs + 1)
     backend.lib = real_lib

@@ -19,6 +19,7 @@ itself is thread-safe; the lock here only guards init and shutdown.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,6 +83,47 @@ _NVLINK_ERROR_COUNTERS: Final = {
     "crc_flit": pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
     "crc_data": pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
 }
+
+
+# NVML_FI_DEV_GET_GPU_RECOVERY_ACTION values (nvml.h, nvmlDeviceGpuRecoveryAction_t): what the
+# driver says to do with the GPU. Names are the metric's label values.
+RECOVERY_ACTIONS: Final[Mapping[int, str]] = {
+    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: "none",
+    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: "gpu_reset",
+    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: "node_reboot",
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: "drain_p2p",
+    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: "drain_and_reset",
+    # Added by drivers after R570 (nvml.h of 580): the IMEX domain, a bus reset, a full
+    # system (power) reboot rather than a warm one.
+    pynvml.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN: "recover_imex_domain",
+    pynvml.NVML_GPU_RECOVERY_ACTION_BUS_RESET: "bus_reset",
+    pynvml.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT: "system_reboot",
+}
+
+# nvmlGpuFabricState_t; NOT_SUPPORTED (0) reads as absent.
+FABRIC_STATES: Final[Mapping[int, str]] = {
+    pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED: "not_started",
+    pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS: "in_progress",
+    pynvml.NVML_GPU_FABRIC_STATE_COMPLETED: "completed",
+}
+
+# GPM metrics read (nvml.h, "GPM Metric Identifiers"): name -> id. Ratios are NVML percentages
+# (0-100) divided by 100; throughputs NVML MiB/s times 2**20.
+GPM_RATIOS: Final[Mapping[str, int]] = {
+    "graphics_active": pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL,
+    "sm_active": pynvml.NVML_GPM_METRIC_SM_UTIL,
+    "sm_occupancy": pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+    "tensor_active": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+    "dram_active": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+}
+GPM_THROUGHPUTS: Final[Mapping[tuple[str, str], int]] = {
+    ("pcie", "tx"): pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC,
+    ("pcie", "rx"): pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC,
+    ("nvlink", "tx"): pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+    ("nvlink", "rx"): pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
+}
+_GPM_IDS: Final = (*GPM_RATIOS.values(), *GPM_THROUGHPUTS.values())
+_MIB: Final = float(2**20)
 
 
 class NvmlError(GpuwardenError):
@@ -160,6 +202,25 @@ class GpuStatic:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A compute process on a GPU, as NVML lists it."""
+
+    pid: int
+    used_memory_bytes: float | None
+    """None where NVML cannot tell (NVML_VALUE_NOT_AVAILABLE)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpmReading:
+    """GPM metrics between this GPU's last two samples; empty after the first sample."""
+
+    ratios: Mapping[str, float] = field(default_factory=dict)
+    throughputs: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """(bus, direction) -> bytes per second."""
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class GpuReading:
     """Fast readings (a few µs each on an H200, docs/MEASUREMENTS.md): every round."""
 
@@ -178,6 +239,10 @@ class GpuReading:
     pcie_generation: int | None = None
     pcie_width: int | None = None
     compute_processes: int | None = None
+    processes: tuple[GpuProcess, ...] | None = None
+    recovery_action: int | None = None
+    """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (RECOVERY_ACTIONS); read with the memory temperature
+    in one field-values call, so it costs no call of its own."""
     energy_joules: float | None = None
     """Only when asked for (about 3.3 ms per call on the H200): since the driver loaded."""
     ecc_corrected_volatile: int | None = None
@@ -208,6 +273,10 @@ class GpuSlowReading:
     retired_pages_double_bit: int | None = None
     retired_pages_pending: bool | None = None
     nvlinks: tuple[NvLinkReading, ...] = ()
+    fabric_state: int | None = None
+    """nvmlDeviceGetGpuFabricInfo's state (FABRIC_STATES); None where there is no fabric."""
+    fabric_status: int | None = None
+    """The NVML return code of the fabric registration (0: success)."""
     errors: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -221,6 +290,10 @@ class GpuRound:
     slow: GpuSlowReading | None = None
     energy_read: bool = False
     """True when the energy counter was asked for (its value may still be absent)."""
+    gpm: GpmReading | None = None
+    """When GPM was asked for and the GPU supports it."""
+    gpm_read: bool = False
+    """True when GPM was asked for (`gpm` is None on a GPU without GPM)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +351,8 @@ class NvmlBackend:
         self.lib: Any = pynvml if lib is None else lib
         self._lock = threading.Lock()
         self._started = False
+        self._gpm: dict[int, _GpmState] = {}
+        """GPU index -> its GPM support and samples; reset by stop() (indexes may change)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -303,7 +378,10 @@ class NvmlBackend:
             if not self._started:
                 return
             self._started = False
+            gpm, self._gpm = self._gpm, {}
             with contextlib.suppress(pynvml.NVMLError):  # the driver went away: nothing to release
+                for state in gpm.values():
+                    state.free(self.lib)
                 self.lib.nvmlShutdown()
 
     def _guard(self, fn: Callable[[], T]) -> T:
@@ -408,7 +486,12 @@ class NvmlBackend:
         return self._guard(read)
 
     def read_gpu(
-        self, index: int, static: bool = False, slow: bool = False, energy: bool = False
+        self,
+        index: int,
+        static: bool = False,
+        slow: bool = False,
+        energy: bool = False,
+        gpm: bool = False,
     ) -> GpuRound:
         """One GPU's round in one call (the unit the collector times out and marks hung)."""
 
@@ -421,9 +504,73 @@ class NvmlBackend:
                 static=self._static(index, handle, _Funnel(index)) if static else None,
                 slow=self._slow(handle, _Funnel(index)) if slow else None,
                 energy_read=energy,
+                gpm=self._gpm_read(index, handle, _Funnel(index)) if gpm else None,
+                gpm_read=gpm,
             )
 
-        return self._guard(read)
+        try:
+            return self._guard(read)
+        except GpuLost:
+            self._gpm_forget(index)  # a sample from before a loss says nothing of after
+            raise
+
+    # -- GPM ----------------------------------------------------------------------------------
+
+    def _gpm_read(self, index: int, h: Any, f: _Funnel) -> GpmReading | None:
+        """Take a sample; the metrics between it and the previous one (none after the first).
+        Two samples per GPU, swapped: never a sleep between two samples in one call."""
+        state = self._gpm.get(index)
+        if state is None:
+            support = f.get("gpm_support", self.lib.nvmlGpmQueryDeviceSupport, h)
+            state = _GpmState(supported=bool(support is not None and support.isSupportedDevice))
+            self._gpm[index] = state
+        if not state.supported:
+            return None
+        if state.current is None:
+            state.current = f.get("gpm_sample", self.lib.nvmlGpmSampleAlloc)
+            if state.current is None:
+                return GpmReading(errors=f.errors)
+        if f.get("gpm_sample", self.lib.nvmlGpmSampleGet, h, state.current) is None:
+            state.taken = False  # absent or failed: the next sample starts afresh
+            return GpmReading(errors=f.errors)
+        reading = GpmReading(errors=f.errors)
+        if state.taken and state.previous is not None:
+            reading = self._gpm_metrics(state, f)
+        if state.previous is None:
+            state.previous = f.get("gpm_sample", self.lib.nvmlGpmSampleAlloc)
+        state.previous, state.current = state.current, state.previous
+        state.taken = True
+        return reading
+
+    def _gpm_metrics(self, state: _GpmState, f: _Funnel) -> GpmReading:
+        request = state.request
+        if request is None:
+            # Built once per GPU: the struct holds NVML_GPM_METRIC_MAX entries, and making it
+            # was most of a GPM read's Python cost (bench/gpu_round.py).
+            request = state.request = pynvml.c_nvmlGpmMetricsGet_t()
+            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(_GPM_IDS)
+            for i, metric_id in enumerate(_GPM_IDS):
+                request.metrics[i].metricId = metric_id
+        request.sample1, request.sample2 = state.previous, state.current
+        if f.get("gpm_metrics", self.lib.nvmlGpmMetricsGet, request) is None:
+            return GpmReading(errors=f.errors)
+        values: dict[int, float] = {}
+        for i, metric_id in enumerate(_GPM_IDS):
+            metric = request.metrics[i]
+            if int(metric.nvmlReturn) == pynvml.NVML_SUCCESS:
+                values[metric_id] = float(metric.value)
+        return GpmReading(
+            ratios={n: values[i] / 100.0 for n, i in GPM_RATIOS.items() if i in values},
+            throughputs={k: values[i] * _MIB for k, i in GPM_THROUGHPUTS.items() if i in values},
+            errors=f.errors,
+        )
+
+    def _gpm_forget(self, index: int) -> None:
+        state = self._gpm.pop(index, None)
+        if state is not None:
+            with contextlib.suppress(pynvml.NVMLError):
+                state.free(self.lib)
 
     def _static(self, index: int, h: Any, f: _Funnel) -> GpuStatic:
         lib = self.lib
@@ -473,25 +620,32 @@ class NvmlBackend:
             errors=f.errors,
         )
 
-    def _memory_temperature(self, h: Any, f: _Funnel) -> float | None:
-        # Only the field-values API exposes the HBM temperature (NVML_FI_DEV_MEMORY_TEMP).
-        values = f.get(
-            "temperature_memory",
-            self.lib.nvmlDeviceGetFieldValues,
-            h,
-            [pynvml.NVML_FI_DEV_MEMORY_TEMP],
-        )
+    def _field_values(self, h: Any, f: _Funnel) -> tuple[float | None, int | None]:
+        """(memory temperature, recovery action) in one nvmlDeviceGetFieldValues call: only
+        the field-values API exposes them, and one call costs what one field does."""
+        names = ("temperature_memory", "recovery_action")
+        ids = [pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+        values = f.get("field_values", self.lib.nvmlDeviceGetFieldValues, h, ids)
         if values is None:
-            return None
-        entry = values[0]
-        code = int(entry.nvmlReturn)
-        if code != pynvml.NVML_SUCCESS:
+            return None, None
+        out: list[int | None] = []
+        for name, entry in zip(names, values, strict=True):
+            code = int(entry.nvmlReturn)
+            if code == pynvml.NVML_SUCCESS:
+                out.append(int(entry.value.uiVal))
+                continue
+            if code == pynvml.NVML_ERROR_INVALID_ARGUMENT:
+                # A field id past this driver's NVML_FI_MAX (the recovery action on an older
+                # driver): the field does not exist here, which is absent, not an error.
+                out.append(None)
+                continue
 
-            def failed() -> None:
+            def failed(code: int = code) -> None:
                 raise pynvml.NVMLError(code)
 
-            return f.get("temperature_memory", failed)
-        return float(entry.value.uiVal)
+            out.append(f.get(name, failed))
+        temperature, action = out
+        return _scaled(temperature, 1.0), action
 
     def _clock_event_reasons(self, h: Any, f: _Funnel) -> int | None:
         reasons = f.get("clock_event_reasons", self.lib.nvmlDeviceGetCurrentClocksEventReasons, h)
@@ -516,6 +670,7 @@ class NvmlBackend:
         utilization = f.get("utilization", lib.nvmlDeviceGetUtilizationRates, h)
         memory = self._memory(h, f)
         procs = f.get("compute_processes", lib.nvmlDeviceGetComputeRunningProcesses, h)
+        memory_temperature, recovery_action = self._field_values(h, f)
         ecc = {
             (kind, counter): f.get(
                 f"ecc_{kind}_{counter}", lib.nvmlDeviceGetTotalEccErrors, h, kind_code, counter_code
@@ -537,7 +692,7 @@ class NvmlBackend:
                 ),
                 1.0,
             ),
-            temperature_memory_celsius=self._memory_temperature(h, f),
+            temperature_memory_celsius=memory_temperature,
             power_draw_watts=_milli(f.get("power_draw", lib.nvmlDeviceGetPowerUsage, h)),
             power_limit_watts=_milli(f.get("power_limit", lib.nvmlDeviceGetEnforcedPowerLimit, h)),
             sm_clock_hertz=_scaled(
@@ -555,6 +710,8 @@ class NvmlBackend:
             pcie_generation=f.get("pcie_generation", lib.nvmlDeviceGetCurrPcieLinkGeneration, h),
             pcie_width=f.get("pcie_width", lib.nvmlDeviceGetCurrPcieLinkWidth, h),
             compute_processes=None if procs is None else len(procs),
+            processes=None if procs is None else tuple(_process(p) for p in procs),
+            recovery_action=recovery_action,
             energy_joules=energy_joules,
             ecc_corrected_volatile=ecc["corrected", "volatile"],
             ecc_uncorrected_volatile=ecc["uncorrected", "volatile"],
@@ -582,14 +739,26 @@ class NvmlBackend:
             pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
         )
         pending = f.get("retired_pages_pending", lib.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        fabric_state, fabric_status = self._fabric(h, f)
         return GpuSlowReading(
             pcie_replays=f.get("pcie_replays", lib.nvmlDeviceGetPcieReplayCounter, h),
             retired_pages_single_bit=None if single is None else len(single),
             retired_pages_double_bit=None if double is None else len(double),
             retired_pages_pending=None if pending is None else bool(pending),
             nvlinks=self._nvlinks(h, f),
+            fabric_state=fabric_state,
+            fabric_status=fabric_status,
             errors=f.errors,
         )
+
+    def _fabric(self, h: Any, f: _Funnel) -> tuple[int | None, int | None]:
+        """(state, status) of the GPU's NVLink fabric registration; absent without a fabric."""
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        done = f.get("fabric", self.lib.nvmlDeviceGetGpuFabricInfo, h, ctypes.byref(info))
+        state = int(info.state)
+        if done is None or state not in FABRIC_STATES:  # NOT_SUPPORTED (0) included
+            return None, None
+        return state, int(info.status)
 
     def _nvlinks(self, h: Any, f: _Funnel) -> tuple[NvLinkReading, ...]:
         links: list[NvLinkReading] = []
@@ -663,3 +832,28 @@ class NvmlBackend:
 
 def _reraise(exc: BaseException) -> Any:
     raise exc
+
+
+def _process(entry: Any) -> GpuProcess:
+    used = getattr(entry, "usedGpuMemory", None)  # pynvml gives None for "not available"
+    return GpuProcess(int(entry.pid), None if used is None else float(used))
+
+
+@dataclass
+class _GpmState:
+    """One GPU's GPM samples: `previous` holds the last sample taken (when `taken`), `current`
+    the buffer the next one goes into."""
+
+    supported: bool
+    previous: Any = None
+    current: Any = None
+    taken: bool = False
+    request: Any = None
+    """The c_nvmlGpmMetricsGet_t reused for every read of this GPU."""
+
+    def free(self, lib: Any) -> None:
+        for sample in (self.previous, self.current):
+            if sample is not None:
+                lib.nvmlGpmSampleFree(sample)
+        self.previous = self.current = None
+        self.taken = False

@@ -8,6 +8,7 @@ between listing and reading as normal and leave it out.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +83,7 @@ def read_all_stats(proc_root: Path) -> dict[int, ProcStat]:
     return stats
 
 
-def _read_small(path: str) -> bytes | None:
+def _read_small(path: str, size: int = 4096) -> bytes | None:
     """One read of a small /proc file, None if its process is gone.
 
     os.open/os.read rather than open(): no buffered file object per process, about a third less
@@ -94,7 +95,7 @@ def _read_small(path: str) -> bytes | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     try:
-        return os.read(fd, 4096)
+        return os.read(fd, size)
     except ProcessLookupError:
         return None
     finally:
@@ -214,3 +215,101 @@ def read_mountinfo(proc_root: Path) -> list[MountInfo]:
 
 def read_boot_id(proc_root: Path) -> str:
     return (proc_root / "sys/kernel/random/boot_id").read_text().strip()
+
+
+# -- who owns a process: its cgroup and user ---------------------------------------------------
+
+# A container id is 64 hex digits in every runtime's cgroup names: docker-<id>.scope,
+# cri-containerd-<id>.scope, crio-<id>.scope, libpod-<id>.scope, or a bare <id> directory
+# (the cgroupfs driver).
+_CONTAINER = re.compile(r"(?:^|[-/])([0-9a-f]{64})(?:\.scope)?$")
+# The kubelet names a pod's cgroup pod<uid>; under the systemd driver with `_` for `-`
+# (kubepods-burstable-pod<uid>.slice).
+_POD = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+# Controllers whose v1 hierarchy names the owner best, in order; v2's unified line ("0::")
+# comes first when it holds more than the root.
+_V1_PREFERENCE = ("name=systemd", "memory", "pids", "cpu,cpuacct", "cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupOwner:
+    """Who a process belongs to, from /proc/<pid>/cgroup; "" where the path does not say."""
+
+    unit: str = ""
+    """The innermost systemd unit (`slurmd.service`, `session-4.scope`, `docker-<id>.scope`)."""
+    container_id: str = ""
+    pod_uid: str = ""
+    """The Kubernetes pod's uid, in its API form (with dashes)."""
+    path: str = ""
+
+
+def _cgroup_path(text: str) -> str:
+    paths: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            paths.setdefault("", path)
+        for controller in controllers.split(","):
+            paths.setdefault(controller, path)
+        paths.setdefault(controllers, path)
+    unified = paths.get("", "/")
+    if unified != "/":
+        return unified
+    for controller in _V1_PREFERENCE:
+        if paths.get(controller, "/") != "/":
+            return paths[controller]
+    return next((p for p in paths.values() if p != "/"), "")
+
+
+def parse_cgroup(text: str) -> CgroupOwner:
+    """The owner a /proc/<pid>/cgroup file names (cgroup v1 or v2); lines it cannot read are
+    skipped, and an empty owner is a process in the root cgroup (or a file from elsewhere)."""
+    path = _cgroup_path(text)
+    if not path:
+        return CgroupOwner()
+    components = [c for c in path.split("/") if c]
+    unit = next((c for c in reversed(components) if c.endswith((".service", ".scope"))), "")
+    container = next((m.group(1) for c in reversed(components) if (m := _CONTAINER.search(c))), "")
+    pod = next((m.group(1) for c in components if (m := _POD.search(c))), "")
+    return CgroupOwner(unit, container, pod.replace("_", "-"), path)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessOwner:
+    pid: int
+    name: str
+    """/proc/<pid>/comm: at most 15 characters, as the kernel keeps it."""
+    user: str
+    """The user name of the process's real owner, or its uid where no name is known."""
+    cgroup: CgroupOwner
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def read_owner(proc_root: Path, pid: int) -> ProcessOwner | None:
+    """Name, user and cgroup of a process; None when it is gone. Reads only files that never
+    wait on the process's memory map (comm, cgroup, the directory's owner), unlike cmdline or
+    environ, which block while the process is stuck in D state holding its mmap lock."""
+    base = f"{proc_root}/{pid}"
+    try:
+        uid = os.stat(base).st_uid
+    except OSError:
+        return None
+    comm = _read_small(f"{base}/comm")
+    cgroup = _read_small(f"{base}/cgroup", 65536)  # v1 kubepods paths on 13 controllers
+    if comm is None or cgroup is None:
+        return None
+    return ProcessOwner(
+        pid,
+        comm.decode(errors="replace").strip(),
+        _user(uid),
+        parse_cgroup(cgroup.decode(errors="replace")),
+    )

@@ -16,7 +16,8 @@ from collectors.gpu.collector import GpuSettings
 from collectors.gpu.metrics import FAMILIES
 from exporters.prometheus import render
 from tests.support.nvml import GpuRig
-from tests.support.nvml_fake import FakeGpu, FakeNvml
+from tests.support.nvml_fake import FakeFabric, FakeGpu, FakeNvml, FakeProcess
+from tests.test_gpu_pci import TREES
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
@@ -51,6 +52,12 @@ def everything_gpu(index: int) -> FakeGpu:
         for counter in range(4):
             gpu.nvlink_errors[(link, counter)] = link + counter
     gpu.failures["nvmlDeviceGetPcieReplayCounter"] = pynvml.NVML_ERROR_UNKNOWN
+    gpu.processes = [FakeProcess(1, 2**30)]  # pid 1 is in every /proc
+    gpu.fabric = FakeFabric()
+    gpu.gpm = {
+        pynvml.NVML_GPM_METRIC_SM_UTIL: 50.0,
+        pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: 10.0,
+    }
     return gpu
 
 
@@ -59,9 +66,15 @@ class TestPromtool:
     """A full round renders to exposition text that promtool accepts, with every family used."""
 
     async def test_full_round(self) -> None:
-        fake = FakeNvml([everything_gpu(0), FakeGpu.h200(1), FakeGpu.h200(2, lost=True)])
-        rig = GpuRig(fake, settings=GpuSettings(expected_gpus=3, event_wait_ms=50))
+        fake = FakeNvml([everything_gpu(0), FakeGpu.h200(1), FakeGpu.h200(2)])
+        # The HGX tree has 8 GPUs on the bus: 5 that NVML does not see.
+        settings = GpuSettings(
+            expected_gpus=3, event_wait_ms=50, sysfs_root=str(TREES / "hgx-h200-8gpu")
+        )
+        rig = GpuRig(fake, settings=settings)
         try:
+            await rig.collect(advance=settings.gpm_interval)  # GPM needs two samples
+            fake.gpus[2].lost = True  # lost after it was identified: its address is known
             collection = await rig.collect()
         finally:
             await rig.close()

@@ -19,7 +19,13 @@ from typing import Final, Literal
 
 from agent.contracts.collector import JSONValue, KeyValueStore
 from agent.contracts.model import AttributeValue, Event, Severity
-from collectors._nvml import CLOCK_EVENT_REASONS, GpuReading, GpuSlowReading, GpuStatic
+from collectors._nvml import (
+    CLOCK_EVENT_REASONS,
+    RECOVERY_ACTIONS,
+    GpuReading,
+    GpuSlowReading,
+    GpuStatic,
+)
 
 SOURCE: Final = "gpu"
 COUNTERS_NAMESPACE: Final = "gpu.counters"
@@ -172,6 +178,9 @@ class ConditionTracker:
         self._active[subject] = changed
         return holds
 
+    def active(self, subject: str) -> frozenset[str]:
+        return frozenset(self._get(subject))
+
 
 def where(labels: Mapping[str, str]) -> str:
     """'GPU 3 (NVIDIA H200, 0000:3b:00.0, GPU-...)' for messages; a GPU whose identity was
@@ -291,6 +300,57 @@ CONDITIONS: Final = {
             "reseat the GPU or its riser, check the slot and BIOS PCIe settings; "
             "compare with the other GPUs of the host",
         ),
+        # What the driver says to do (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): one condition per
+        # action, so that a change from one action to another is news too.
+        ConditionSpec(
+            "recovery_action_gpu_reset",
+            Severity.CRITICAL,
+            "the driver asks for a GPU reset",
+            "drain the GPU, then reset it (nvidia-smi -r -i <gpu>) or reboot the node",
+        ),
+        ConditionSpec(
+            "recovery_action_node_reboot",
+            Severity.CRITICAL,
+            "the driver asks for a node reboot",
+            "drain the node and reboot it",
+        ),
+        ConditionSpec(
+            "recovery_action_drain_p2p",
+            Severity.WARNING,
+            "the driver asks to drain peer-to-peer traffic (NVLink/P2P is unusable)",
+            "let no new multi-GPU job start on this node; reset the GPU when its jobs end",
+        ),
+        ConditionSpec(
+            "recovery_action_drain_and_reset",
+            Severity.CRITICAL,
+            "the driver asks to drain the GPU and reset it",
+            "let running jobs end or move them, then reset the GPU (nvidia-smi -r) or reboot",
+        ),
+        ConditionSpec(
+            "recovery_action_recover_imex_domain",
+            Severity.CRITICAL,
+            "the driver asks to recover the IMEX domain",
+            "restart the IMEX daemon of the NVLink domain (nvidia-imex) as NVIDIA documents",
+        ),
+        ConditionSpec(
+            "recovery_action_bus_reset",
+            Severity.CRITICAL,
+            "the driver asks for a PCIe bus reset of the GPU",
+            "drain the node; reset the GPU's bus or reboot the node",
+        ),
+        ConditionSpec(
+            "recovery_action_system_reboot",
+            Severity.CRITICAL,
+            "the driver asks for a full system reboot (power cycle)",
+            "drain the node and power-cycle it (a warm reboot is not enough)",
+        ),
+        ConditionSpec(
+            "recovery_action_unknown",
+            Severity.CRITICAL,
+            "the driver asks for a recovery action this gpuwarden does not know",
+            "read gpuwarden_gpu_recovery_action_code and NVIDIA's nvml.h for the driver in use; "
+            "drain the node",
+        ),
         ConditionSpec(
             "hardware_slowdown",
             Severity.WARNING,
@@ -323,8 +383,13 @@ def pcie_degraded(static: GpuStatic | None, reading: GpuReading) -> bool | None:
 
 
 def condition_inputs(
-    static: GpuStatic | None, reading: GpuReading, slow: GpuSlowReading | None
+    static: GpuStatic | None,
+    reading: GpuReading,
+    slow: GpuSlowReading | None,
+    recovery: bool = True,
 ) -> dict[str, bool | None]:
+    """`recovery`: False leaves the recovery-action conditions out (the action did not change
+    since they were last judged)."""
     reasons = reading.clock_event_reasons
     return {
         "row_remap_pending": reading.remap_pending,
@@ -332,7 +397,19 @@ def condition_inputs(
         "retired_pages_pending": None if slow is None else slow.retired_pages_pending,
         "pcie_link_degraded": pcie_degraded(static, reading),
         "hardware_slowdown": None if reasons is None else bool(reasons & HW_SLOWDOWN_MASK),
+        **(recovery_inputs(reading.recovery_action) if recovery else {}),
     }
+
+
+def recovery_inputs(action: int | None) -> dict[str, bool | None]:
+    """One condition per action other than none; absent when the driver does not say."""
+    inputs: dict[str, bool | None] = {
+        f"recovery_action_{name}": None if action is None else action == code
+        for code, name in RECOVERY_ACTIONS.items()
+        if code != 0
+    }
+    inputs["recovery_action_unknown"] = None if action is None else action not in RECOVERY_ACTIONS
+    return inputs
 
 
 def condition_events(

@@ -4,13 +4,19 @@ One `ctx.call` per GPU per round, under the key `nvml:gpu<index>`: a GPU whose d
 is reported unresponsive and not called again until that call returns, while the other GPUs
 keep reporting. Static facts are read at start, every `static_refresh_interval` and when the
 GPU set changes; costly reads (PCIe replays, retired pages, NVLink) every `slow_interval`, and
-the energy counter (about 3.3 ms per call on the H200) every `energy_interval`. No NVIDIA driver is a normal outcome for this collector, not a failure: it
+the energy counter (about 3.3 ms per call on the H200) every `energy_interval`, GPM activity
+(Hopper and later) every `gpm_interval`, against the sample the last GPM read kept. No NVIDIA driver is a normal outcome for this collector, not a failure: it
 reports `gpuwarden_nvml_up 0` and one event, and tries `nvmlInit` again every
 `nvml_retry_interval`.
 
 A GPU whose call still hangs from an earlier round (`CallStillHung`) was reported unresponsive
 when that call timed out; a collector made again by a reload, on the same caller, finds it so
-and does not report it again. Each GPU's identity is kept in the state store with the boot id
+and does not report it again.
+
+Who uses a GPU: NVML lists its compute processes every round; the `top_processes` largest get a
+series each, with the owner read once per process from /proc (cgroup and user). A GPU on the
+PCI bus that NVML does not see (it never enumerated) is found by counting NVIDIA functions in
+sysfs on the slow interval, NVML up or not. Each GPU's identity is kept in the state store with the boot id
 and GPU count, so a GPU that hangs before this collector read it (after a reload or a restart)
 is still named by its UUID; one never read at all is named by its index, and the message says
 that its UUID was never read.
@@ -34,14 +40,16 @@ from agent.contracts.errors import CallStillHung, CallTimedOut
 from agent.contracts.model import Collection, Event, MetricFamily, Sample, Severity
 from agent.contracts.settings import setting
 from collectors._nvml import (
+    GpmReading,
     GpuLost,
+    GpuProcess,
     GpuRound,
     GpuSlowReading,
     GpuStatic,
     NvmlBackend,
     NvmlUnavailable,
 )
-from collectors._procfs import read_boot_id
+from collectors._procfs import ProcessOwner, read_boot_id, read_owner
 from collectors._xid import XidCorrelator
 from collectors.gpu import metrics as m
 from collectors.gpu.checks import (
@@ -56,6 +64,7 @@ from collectors.gpu.checks import (
     where,
 )
 from collectors.gpu.events import GpuEventThread
+from collectors.gpu.pci import PciScan, scan_pci
 
 STATE_NAMESPACE: Final = "gpu"
 IDENTITY_NAMESPACE: Final = "gpu.identity"
@@ -104,6 +113,26 @@ class GpuSettings(CollectorSettings):
         maximum=10000,
         help="milliseconds the event thread waits per nvmlEventSetWait (its stop latency)",
     )
+    top_processes: int = setting(
+        8,
+        minimum=0,
+        maximum=256,
+        help="compute processes per GPU with a series of their own, the largest by memory "
+        "(0: none; the count is always exported)",
+    )
+    proc_root: str = setting(
+        "/proc", help="where /proc is (process names, users and cgroups of GPU processes)"
+    )
+    sysfs_root: str = setting(
+        "/sys", help="where /sys is (NVIDIA GPUs and NVSwitches on the PCI bus)"
+    )
+    gpm_interval: float = setting(
+        30.0,
+        minimum=0.0,
+        maximum=86400.0,
+        help="seconds between GPM reads (activity averaged over that span; Hopper and later; "
+        "0: off)",
+    )
 
 
 @dataclass
@@ -121,6 +150,14 @@ class _Gpu:
     # round: they are most of a steady round's Python cost (measured on the H200).
     static_samples: tuple[Sample, ...] | None = None
     slow_samples: tuple[Sample, ...] | None = None
+    recovery_samples: tuple[Sample, ...] | None = None
+    recovery_seen: int | None = None
+    """The recovery action those samples and the conditions were made for."""
+    gpm: GpmReading | None = None
+    gpm_at: float | None = None
+    gpm_samples: tuple[Sample, ...] | None = None
+    processes: tuple[GpuProcess, ...] = ()
+    """This round's top processes by memory (at most top_processes)."""
     remembered: dict[str, str] | None = None
     """Identity labels stored by an earlier collector (this boot, same GPU count), for a GPU
     this one has not read yet."""
@@ -138,6 +175,11 @@ class _Gpu:
         if self.slow_samples is None:
             self.slow_samples = tuple(m.slow_samples(labels, slow))
         return self.slow_samples
+
+    def cached_gpm_samples(self, labels: dict[str, str], gpm: GpmReading) -> tuple[Sample, ...]:
+        if self.gpm_samples is None:
+            self.gpm_samples = tuple(m.gpm_samples(labels, gpm))
+        return self.gpm_samples
 
     def labels(self, index: int) -> dict[str, str]:
         if self.static is not None:
@@ -179,6 +221,10 @@ class GpuCollector:
         self._stored: dict[str, Any] | None = None
         """IDENTITY_NAMESPACE as stored (loaded on first use)."""
         self._identities_unsaved: set[int] = set()
+        self.owners: dict[int, ProcessOwner | None] = {}
+        """pid -> owner (None: not in /proc), for pids on a GPU last round: read once each."""
+        self.pci: PciScan | None = None
+        self.pci_read_at: float | None = None
 
     def families(self) -> Sequence[MetricFamily]:
         return m.FAMILIES
@@ -241,12 +287,15 @@ class GpuCollector:
 
     async def collect(self, ctx: CollectContext) -> Collection:
         out = _Round()
+        self._scan_pci(ctx)
         try:
             if await self._ensure_nvml(ctx, out):
                 await self._collect_gpus(ctx, out)
+                self._compare_pci(out)
         except NvmlUnavailable as exc:
             self._nvml_down(exc.reason, out)
             out.samples = []
+        out.samples.extend(self._pci_samples())
         out.samples.append(m.NVML_UP.sample(1 if self.backend.up else 0))
         if self.settings.expected_gpus:
             out.samples.append(m.GPU_EXPECTED.sample(self.settings.expected_gpus))
@@ -278,6 +327,7 @@ class GpuCollector:
         )
         for index, result in enumerate(results):
             self._handle_gpu(ctx, index, result, out)
+        await self._process_samples(ctx, out)
         if changed:
             self._restart_event_thread(ctx.now)
         elif self.settings.event_thread and any(g.static is not None for g in self.gpus.values()):
@@ -295,9 +345,11 @@ class GpuCollector:
         )
         slow = gpu.slow is None or ctx.now - gpu.slow_at >= self.settings.slow_interval
         energy = gpu.energy_at is None or ctx.now - gpu.energy_at >= self.settings.energy_interval
+        every = self.settings.gpm_interval
+        gpm = bool(every) and (gpu.gpm_at is None or ctx.now - gpu.gpm_at >= every)
         try:
             return await ctx.call(
-                f"nvml:gpu{index}", self.backend.read_gpu, index, static, slow, energy
+                f"nvml:gpu{index}", self.backend.read_gpu, index, static, slow, energy, gpm
             )
         except GpuLost:
             return "lost"
@@ -318,19 +370,20 @@ class GpuCollector:
             if gpu.error != state and result != "still_unresponsive":
                 out.events.append(self._gpu_error_event(labels, state))
             gpu.error = state
+            gpu.gpm = gpu.gpm_at = gpu.gpm_samples = None  # the backend dropped its sample
+            gpu.processes = ()
             out.samples.extend(m.state_samples(labels, state))
             return
         if result.static is not None:
             gpu.static, gpu.static_at, gpu.static_samples = result.static, ctx.now, None
-            gpu.slow_samples = None  # labels come from the static identity
+            gpu.slow_samples = gpu.recovery_samples = None  # labels come from the identity
             identity = result.static.identity
             if identity.pci_bus_id:
                 self.correlator.set_identity(identity.pci_bus_id, identity.labels())
             self._identities_unsaved.add(index)
         if result.slow is not None:
             gpu.slow, gpu.slow_at, gpu.slow_samples = result.slow, ctx.now, None
-        if result.energy_read:
-            gpu.energy_joules, gpu.energy_at = result.reading.energy_joules, ctx.now
+        self._keep_readings(gpu, result, ctx.now)
         labels = gpu.labels(index)
         if index in self._identities_unsaved and gpu.static is not None:
             self._remember(index, labels)
@@ -348,6 +401,14 @@ class GpuCollector:
             gpu.error = None
         out.samples.extend(m.state_samples(labels, None))
         out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules))
+        # The recovery action rarely changes: its samples (one per action) and its conditions
+        # are made again only when it does, as are the static and slow samples.
+        action = result.reading.recovery_action
+        recovery_new = gpu.recovery_samples is None or action != gpu.recovery_seen
+        recovery = (
+            tuple(m.recovery_samples(labels, action)) if recovery_new else gpu.recovery_samples
+        )
+        out.samples.extend(recovery or ())
         errors = dict(result.reading.errors)
         if gpu.static is not None:
             out.samples.extend(gpu.cached_static_samples(labels, gpu.static))
@@ -355,13 +416,16 @@ class GpuCollector:
         if gpu.slow is not None:
             out.samples.extend(gpu.cached_slow_samples(labels, gpu.slow))
             errors.update(gpu.slow.errors)
+        if gpu.gpm is not None:
+            out.samples.extend(gpu.cached_gpm_samples(labels, gpu.gpm))
+            errors.update(gpu.gpm.errors)
         out.samples.extend(m.error_samples(labels, errors))
         if not labels["uuid"]:
             return  # without a UUID there is no stable key for counters and conditions
         out.events.extend(counter_events(self.counters, labels, result.reading, FAST_COUNTERS))
         if result.slow is not None:
             out.events.extend(counter_events(self.counters, labels, result.slow, SLOW_COUNTERS))
-        inputs = condition_inputs(gpu.static, result.reading, gpu.slow)
+        inputs = condition_inputs(gpu.static, result.reading, gpu.slow, recovery=recovery_new)
         out.events.extend(
             condition_events(
                 self.conditions,
@@ -370,6 +434,110 @@ class GpuCollector:
                 {"pcie_link_degraded": _link_detail(gpu.static, result)},
             )
         )
+        # Only now: a condition the store could not take is tried again next round.
+        gpu.recovery_samples, gpu.recovery_seen = recovery, action
+
+    # -- who uses the GPUs -----------------------------------------------------------------------
+
+    async def _process_samples(self, ctx: CollectContext, out: _Round) -> None:
+        """A series per top process, with its owner. Owners are read (one blocking call for
+        all new pids) only for pids not on a GPU last round: a steady round reads no /proc."""
+        pids = {p.pid for g in self.gpus.values() for p in g.processes}
+        self.owners = {pid: o for pid, o in self.owners.items() if pid in pids}
+        new = sorted(pids - set(self.owners))
+        if new:
+            try:
+                found = await ctx.call("procfs:owners", _read_owners, self.settings.proc_root, new)
+            except (CallTimedOut, CallStillHung):
+                found = {}  # /proc itself hangs: pids without owners this round, retried next
+            self.owners.update(found)
+        for index, gpu in self.gpus.items():
+            if not gpu.processes or gpu.error is not None:
+                continue
+            labels = gpu.labels(index)
+            for process in gpu.processes:
+                owner = self.owners.get(process.pid)
+                assert process.used_memory_bytes is not None  # _top keeps only known sizes
+                out.samples.append(
+                    m.process_sample(
+                        labels, process.used_memory_bytes, *_owner_labels(process.pid, owner)
+                    )
+                )
+
+    # -- a GPU that never enumerated ----------------------------------------------------------
+
+    def _scan_pci(self, ctx: CollectContext) -> None:
+        if (
+            self.pci_read_at is not None
+            and ctx.now - self.pci_read_at < self.settings.slow_interval
+        ):
+            return
+        self.pci_read_at = ctx.now
+        # On the loop, not through ctx.call: vendor, class and device in sysfs are the kernel's
+        # copies in struct pci_dev, never a device access, so they cannot hang (0.3 ms for an
+        # HGX tree here), and a thread hand-off would cost more than the reads.
+        try:
+            self.pci = scan_pci(Path(self.settings.sysfs_root))
+        except OSError:
+            self.pci = None  # no sysfs here (a container without /sys): unknown, not 0
+
+    def _pci_samples(self) -> list[Sample]:
+        scan = self.pci
+        if scan is None:
+            return []
+        passed = sum(1 for f in scan.gpus if f.passed_through)
+        return [
+            m.GPUS_PCI.sample(len(scan.gpus) - passed),
+            m.GPUS_PCI_PASSTHROUGH.sample(passed),
+            m.NVSWITCHES_PCI.sample(len(scan.nvswitches)),
+        ]
+
+    def _compare_pci(self, out: _Round) -> None:
+        """Name each GPU on the bus that NVML does not list, once while it lasts. Only when
+        every NVML GPU is identified: one never read has no known address to rule out."""
+        scan, count = self.pci, self.count
+        if scan is None or count is None:
+            return
+        known = set()
+        for index in range(count):
+            address = self.gpus[index].labels(index)["pci_bus_id"] if index in self.gpus else ""
+            if not address:
+                return
+            known.add(address)
+        missing = {
+            f.address: f for f in scan.gpus if not f.passed_through and f.address not in known
+        }
+        for function in missing.values():
+            out.samples.append(m.PCI_NOT_VISIBLE.sample(1, function.address, function.driver))
+        prefix = "not_enumerated:"
+        active = {
+            n[len(prefix) :] for n in self.conditions.active(HOST_SUBJECT) if n.startswith(prefix)
+        }
+        visible_on_bus = len(scan.gpus) - sum(1 for f in scan.gpus if f.passed_through)
+        for address in sorted(active | set(missing)):
+            started = self.conditions.update(HOST_SUBJECT, prefix + address, address in missing)
+            if started is None:
+                continue
+            out.events.append(
+                _not_enumerated_event(missing[address], visible_on_bus, count)
+                if started
+                else Event(
+                    source=SOURCE,
+                    kind="gpu_not_enumerated_cleared",
+                    severity=Severity.INFO,
+                    subject=address,
+                    attributes={"pci_bus_id": address},
+                    message=f"the GPU at {address} is visible to NVML again",
+                )
+            )
+
+    def _keep_readings(self, gpu: _Gpu, result: GpuRound, now: float) -> None:
+        """The parts read on their own intervals, kept until read again."""
+        if result.energy_read:
+            gpu.energy_joules, gpu.energy_at = result.reading.energy_joules, now
+        if result.gpm_read:  # a reading, or None for a GPU without GPM
+            gpu.gpm, gpu.gpm_at, gpu.gpm_samples = result.gpm, now, None
+        gpu.processes = _top(result.reading.processes, self.settings.top_processes)
 
     # -- identity across reloads and restarts -------------------------------------------------
 
@@ -582,6 +750,55 @@ def _boot_id() -> str | None:
         return read_boot_id(Path("/proc"))
     except OSError:
         return None
+
+
+def _not_enumerated_event(function: Any, on_bus: int, visible: int) -> Event:
+    driver = (
+        f"bound to the {function.driver} driver"
+        if function.driver
+        else "no driver bound: the NVIDIA driver did not probe it"
+    )
+    return Event(
+        source=SOURCE,
+        kind="gpu_not_enumerated",
+        severity=Severity.CRITICAL,
+        subject=function.address,
+        attributes={
+            "pci_bus_id": function.address,
+            "driver": function.driver,
+            "on_bus": on_bus,
+            "visible": visible,
+        },
+        message=f"the GPU at {function.address} is on the PCI bus but NVML does not see it "
+        f"({driver}); {on_bus} NVIDIA GPUs on the bus, {visible} visible to NVML",
+        action=f"look for NVRM errors naming {function.address} in the kernel log "
+        "(RmInitAdapter failed, fallen off the bus); reboot; if it does not come up again, "
+        "have the GPU and its slot inspected",
+    )
+
+
+def _top(processes: tuple[GpuProcess, ...] | None, limit: int) -> tuple[GpuProcess, ...]:
+    """The `limit` largest by memory; a process whose memory NVML cannot tell is counted
+    (gpuwarden_gpu_compute_processes) but has no series: it has no value to give."""
+    if not processes or limit <= 0:
+        return ()
+    known = [p for p in processes if p.used_memory_bytes is not None]
+    known.sort(key=lambda p: (-(p.used_memory_bytes or 0.0), p.pid))
+    return tuple(known[:limit])
+
+
+def _read_owners(proc_root: str, pids: list[int]) -> dict[int, ProcessOwner | None]:
+    root = Path(proc_root)
+    return {pid: read_owner(root, pid) for pid in pids}
+
+
+def _owner_labels(pid: int, owner: ProcessOwner | None) -> tuple[str, ...]:
+    """The PROCESS_LABELS values; only the pid where /proc does not have the process (it
+    left, or it lives in another pid namespace than the agent)."""
+    if owner is None:
+        return (str(pid), "", "", "", "", "")
+    c = owner.cgroup
+    return (str(pid), owner.name, owner.user, c.unit, c.container_id, c.pod_uid)
 
 
 def _link_detail(static: GpuStatic | None, result: GpuRound) -> str:

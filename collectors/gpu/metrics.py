@@ -7,6 +7,9 @@ from typing import Final
 
 from agent.contracts.model import GPU_LABELS, MetricFamily, MetricType, Sample
 from collectors._nvml import (
+    FABRIC_STATES,
+    RECOVERY_ACTIONS,
+    GpmReading,
     GpuReading,
     GpuSlowReading,
     GpuStatic,
@@ -154,6 +157,73 @@ NVLINK_UP = MetricFamily("gpuwarden_gpu_nvlink_up", G, "1 when the NVLink is act
 NVLINK_ERRORS = MetricFamily(
     "gpuwarden_gpu_nvlink_errors_total", C, "NVLink data-link errors by type", (*L, "link", "type")
 )
+PROCESS_LABELS: Final = ("pid", "process", "user", "unit", "container_id", "pod_uid")
+PROCESS_MEMORY = MetricFamily(
+    "gpuwarden_gpu_process_memory_used_bytes",
+    G,
+    "GPU memory of a compute process, with its owner from /proc/<pid>/cgroup "
+    "(the top_processes largest per GPU)",
+    (*L, *PROCESS_LABELS),
+    "bytes",
+)
+GPUS_PCI = MetricFamily(
+    "gpuwarden_gpus_pci",
+    G,
+    "NVIDIA GPU functions on the PCI bus (sysfs), passed-through ones apart",
+)
+GPUS_PCI_PASSTHROUGH = MetricFamily(
+    "gpuwarden_gpus_pci_passthrough",
+    G,
+    "NVIDIA GPU functions bound to vfio-pci or pci-stub (held for a virtual machine)",
+)
+NVSWITCHES_PCI = MetricFamily(
+    "gpuwarden_nvswitches_pci", G, "NVIDIA NVSwitch functions on the PCI bus (sysfs)"
+)
+PCI_NOT_VISIBLE = MetricFamily(
+    "gpuwarden_gpu_pci_not_visible",
+    G,
+    "1 for a GPU on the PCI bus that NVML does not see (it never enumerated)",
+    ("pci_bus_id", "driver"),
+)
+RECOVERY_ACTION = MetricFamily(
+    "gpuwarden_gpu_recovery_action",
+    G,
+    "1 for the recovery action the driver asks for (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION), "
+    "0 for the others",
+    (*L, "action"),
+)
+RECOVERY_ACTION_CODE = MetricFamily(
+    "gpuwarden_gpu_recovery_action_code",
+    G,
+    "The raw NVML recovery action value (0: none), for values newer than this agent",
+    L,
+)
+FABRIC_STATE = MetricFamily(
+    "gpuwarden_gpu_fabric_state",
+    G,
+    "1 for the GPU's NVLink fabric registration state (nvmlDeviceGetGpuFabricInfo), 0 for others",
+    (*L, "state"),
+)
+FABRIC_STATUS = MetricFamily(
+    "gpuwarden_gpu_fabric_status_code",
+    G,
+    "NVML return code of the fabric registration (0: success)",
+    L,
+)
+ACTIVITY = MetricFamily(
+    "gpuwarden_gpu_activity_ratio",
+    G,
+    "GPM activity over the last gpm_interval, 0 to 1: graphics_active, sm_active, sm_occupancy, "
+    "tensor_active, dram_active",
+    (*L, "metric"),
+    "ratio",
+)
+THROUGHPUT = MetricFamily(
+    "gpuwarden_gpu_throughput_bytes_per_second",
+    G,
+    "GPM PCIe and NVLink throughput over the last gpm_interval",
+    (*L, "bus", "direction"),
+)
 
 FAMILIES: Final[Sequence[MetricFamily]] = (
     NVML_UP,
@@ -188,6 +258,17 @@ FAMILIES: Final[Sequence[MetricFamily]] = (
     PCIE_REPLAYS,
     NVLINK_UP,
     NVLINK_ERRORS,
+    PROCESS_MEMORY,
+    GPUS_PCI,
+    GPUS_PCI_PASSTHROUGH,
+    NVSWITCHES_PCI,
+    PCI_NOT_VISIBLE,
+    RECOVERY_ACTION,
+    RECOVERY_ACTION_CODE,
+    FABRIC_STATE,
+    FABRIC_STATUS,
+    ACTIVITY,
+    THROUGHPUT,
 )
 
 
@@ -268,6 +349,29 @@ def reading_samples(
     return out.samples
 
 
+def recovery_samples(labels: Mapping[str, str], action: int | None) -> list[Sample]:
+    out = _Out(labels)
+    if action is not None:
+        out.add(RECOVERY_ACTION_CODE, action)
+        for code, name in RECOVERY_ACTIONS.items():
+            out.add(RECOVERY_ACTION, code == action, name)
+    return out.samples
+
+
+def gpm_samples(labels: Mapping[str, str], g: GpmReading) -> list[Sample]:
+    out = _Out(labels)
+    for name, ratio in g.ratios.items():
+        out.add(ACTIVITY, ratio, name)
+    for (bus, direction), rate in g.throughputs.items():
+        out.add(THROUGHPUT, rate, bus, direction)
+    return out.samples
+
+
+def process_sample(labels: Mapping[str, str], used_bytes: float, *owner: str) -> Sample:
+    """`owner`: the PROCESS_LABELS values."""
+    return Sample(PROCESS_MEMORY, (*(labels[n] for n in GPU_LABELS), *owner), used_bytes)
+
+
 def slow_samples(labels: Mapping[str, str], s: GpuSlowReading) -> list[Sample]:
     out = _Out(labels)
     out.add(PCIE_REPLAYS, s.pcie_replays)
@@ -278,6 +382,10 @@ def slow_samples(labels: Mapping[str, str], s: GpuSlowReading) -> list[Sample]:
         out.add(NVLINK_UP, link.up, str(link.link))
         for name, count in link.errors.items():
             out.add(NVLINK_ERRORS, count, str(link.link), name)
+    if s.fabric_state is not None:
+        for code, name in FABRIC_STATES.items():
+            out.add(FABRIC_STATE, code == s.fabric_state, name)
+        out.add(FABRIC_STATUS, s.fabric_status)
     return out.samples
 
 

@@ -11,13 +11,22 @@ it through its `FakeGpu`s (mutable on purpose: a test changes a value between ro
 - a call that hangs: `gpu.hang = threading.Event()` (calls block until it is set);
 - counters that increase: change `gpu.ecc`, `gpu.remapped_rows`, `gpu.pcie_replays`, ...;
 - the driver missing: `FakeNvml(init_error=NVML_ERROR_DRIVER_NOT_LOADED)`, changeable later;
-- events: `fake.push_event(gpu, nvmlEventTypeXidCriticalError, 79)`.
+- events: `fake.push_event(gpu, nvmlEventTypeXidCriticalError, 79)`;
+- compute processes coming and going: `gpu.processes = [FakeProcess(pid, used_bytes)]` (an int
+  n gives n processes with pids 1..n and no memory figure);
+- the driver's recovery action: `gpu.recovery_action = NVML_GPU_RECOVERY_ACTION_GPU_RESET`
+  (None: the field is not supported);
+- the fabric: `gpu.fabric = FakeFabric(state=..., status=...)` (None: not supported);
+- GPM: `gpu.gpm = {NVML_GPM_METRIC_SM_UTIL: 80.0, ...}`, the values any two samples of this GPU
+  give (a metric left out answers NOT_SUPPORTED; None: GPM not supported on the device).
 
 The handles it gives out are the `FakeGpu` objects themselves.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import queue
 import threading
 from collections import Counter
@@ -73,6 +82,23 @@ class FakeFieldValue:
 
 
 @dataclass
+class FakeProcess:
+    """One entry of nvmlDeviceGetComputeRunningProcesses (pynvml's friendly object)."""
+
+    pid: int
+    usedGpuMemory: int | None = None
+    """Bytes; None as pynvml gives it for NVML_VALUE_NOT_AVAILABLE."""
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+@dataclass
+class FakeFabric:
+    state: int = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
+    status: int = pynvml.NVML_SUCCESS
+
+
+@dataclass
 class FakeEventData:
     device: FakeGpu
     eventType: int
@@ -120,7 +146,13 @@ class FakeGpu:
     """(current, max)"""
     pcie_width: tuple[int, int] | None = (16, 16)
     """(current, max)"""
-    processes: int | None = 0
+    processes: int | list[FakeProcess] | None = 0
+    recovery_action: int | None = pynvml.NVML_GPU_RECOVERY_ACTION_NONE
+    fabric: FakeFabric | None = None
+    gpm: dict[int, float] | None = None
+    field_codes: dict[int, int] = field(default_factory=dict)
+    """Field id -> the per-field NVML return code nvmlDeviceGetFieldValues gives for it."""
+    """GPM metric id -> value between two samples; None: GPM not supported (before Hopper)."""
     ecc: dict[tuple[int, int], int] = field(default_factory=lambda: dict.fromkeys(_ECC_KEYS, 0))
     remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)
     """(correctable, uncorrectable, pending, failure), as nvmlDeviceGetRemappedRows answers."""
@@ -170,6 +202,15 @@ class FakeNvml:
         self.init_calls = 0
         self.events: queue.Queue[FakeEventData] = queue.Queue()
         self.event_sets_open = 0
+        self._gpm_ids = itertools.count(0x1000, 0x10)
+        self._gpm_samples: dict[int, tuple[FakeGpu, int] | None] = {}
+        """Live GPM sample address -> (GPU, sequence number of its last nvmlGpmSampleGet)."""
+        self._gpm_sequence = itertools.count(1)
+
+    @property
+    def gpm_samples_live(self) -> int:
+        """GPM samples allocated and not yet freed."""
+        return len(self._gpm_samples)
 
     # -- scripting ----------------------------------------------------------------------------
 
@@ -296,8 +337,12 @@ class FakeNvml:
         self._enter(gpu, "nvmlDeviceGetFieldValues")
         out = []
         for field_id in ids:
-            value = gpu.memory_temperature if field_id == pynvml.NVML_FI_DEV_MEMORY_TEMP else None
+            value = {
+                pynvml.NVML_FI_DEV_MEMORY_TEMP: gpu.memory_temperature,
+                pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: gpu.recovery_action,
+            }.get(field_id)
             code = pynvml.NVML_SUCCESS if value is not None else pynvml.NVML_ERROR_NOT_SUPPORTED
+            code = gpu.field_codes.get(field_id, code)
             out.append(FakeFieldValue(code, FakeFieldValueUnion(value or 0)))
         return out
 
@@ -337,9 +382,12 @@ class FakeNvml:
         self._enter(gpu, "nvmlDeviceGetCurrPcieLinkWidth")
         return int(self._value(gpu.pcie_width)[0])
 
-    def nvmlDeviceGetComputeRunningProcesses(self, gpu: FakeGpu) -> list[int]:
+    def nvmlDeviceGetComputeRunningProcesses(self, gpu: FakeGpu) -> list[FakeProcess]:
         self._enter(gpu, "nvmlDeviceGetComputeRunningProcesses")
-        return list(range(self._value(gpu.processes)))
+        processes = self._value(gpu.processes)
+        if isinstance(processes, int):
+            return [FakeProcess(pid) for pid in range(1, processes + 1)]
+        return [FakeProcess(**vars(p)) for p in processes]
 
     def nvmlDeviceGetTotalEccErrors(self, gpu: FakeGpu, kind: int, counter: int) -> int:
         self._enter(gpu, "nvmlDeviceGetTotalEccErrors")
@@ -377,6 +425,73 @@ class FakeNvml:
     def nvmlDeviceGetNvLinkErrorCounter(self, gpu: FakeGpu, link: int, counter: int) -> int:
         self._enter(gpu, "nvmlDeviceGetNvLinkErrorCounter")
         return int(self._value(gpu.nvlink_errors.get((link, counter))))
+
+    def nvmlDeviceGetGpuFabricInfo(self, gpu: FakeGpu, ref: Any) -> int:
+        self._enter(gpu, "nvmlDeviceGetGpuFabricInfo")
+        fabric = self._value(gpu.fabric)
+        info = getattr(ref, "_obj", ref)  # ctypes.byref(struct), as the real call takes
+        info.state = fabric.state
+        info.status = fabric.status
+        return int(pynvml.NVML_SUCCESS)
+
+    # -- GPM -----------------------------------------------------------------------------------
+
+    def nvmlGpmQueryDeviceSupport(self, gpu: FakeGpu) -> pynvml.c_nvmlGpmSupport_t:
+        self._enter(gpu, "nvmlGpmQueryDeviceSupport")
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = 0 if gpu.gpm is None else 1
+        return support
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        if not self.initialised:
+            _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        address = next(self._gpm_ids)
+        self._gpm_samples[address] = None
+        # A real c_nvmlGpmSample_t (the metrics struct only takes that type) that is never
+        # dereferenced: its address is the fake's key.
+        return ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlGpmSample_t)
+
+    @staticmethod
+    def _address(sample: Any) -> int:
+        return int(ctypes.cast(sample, ctypes.c_void_p).value or 0)
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        address = self._address(sample)
+        if address not in self._gpm_samples:
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        del self._gpm_samples[address]
+
+    def nvmlGpmSampleGet(self, gpu: FakeGpu, sample: Any) -> Any:
+        self._enter(gpu, "nvmlGpmSampleGet")
+        if gpu.gpm is None:
+            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        address = self._address(sample)
+        if address not in self._gpm_samples:
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._gpm_samples[address] = (gpu, next(self._gpm_sequence))
+        return sample
+
+    def nvmlGpmMetricsGet(self, request: Any) -> Any:
+        """Like NVML: both samples of one GPU, sample2 taken after sample1."""
+        first = self._gpm_samples.get(self._address(request.sample1))
+        second = self._gpm_samples.get(self._address(request.sample2))
+        if request.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+            _fail(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        if first is None or second is None or first[0] is not second[0] or first[1] >= second[1]:
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise AssertionError  # unreachable: _fail raises
+        gpu = second[0]
+        self._enter(gpu, "nvmlGpmMetricsGet")
+        values = gpu.gpm or {}
+        for i in range(request.numMetrics):
+            metric = request.metrics[i]
+            if metric.metricId in values:
+                metric.nvmlReturn = pynvml.NVML_SUCCESS
+                metric.value = values[metric.metricId]
+            else:
+                metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return request
 
     # -- events --------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from agent.contracts.model import GPU_LABELS, Event, Sample, Severity
 from agent.program.diagnose.collect_once import CollectorResult
 from agent.program.diagnose.findings import Finding, Status
 from collectors.gpu import metrics as m
+from collectors.gpu.checks import CONDITIONS
 
 AREA = "gpu"
 TEMPERATURE_MARGIN_CELSIUS = 5.0
@@ -40,6 +41,7 @@ FOLDED_KINDS = {
     "retired_pages_pending": "ecc",
     "gpu_lost": "identity",
     "gpu_unresponsive": "identity",
+    **{name: "recovery" for name in CONDITIONS if name.startswith("recovery_action_")},
 }
 
 
@@ -256,7 +258,59 @@ def pcie(view: GpuView) -> Finding:
     return _from_events(view, "pcie", "PCIe link", detail)
 
 
-PER_GPU = (identity, persistence, temperature, clocks, ecc, pcie)
+def recovery(view: GpuView) -> Finding:
+    """What the driver says to do with the GPU (NVML's recovery action field)."""
+    name = f"{view.title} recovery action"
+    actions = [
+        extra[0]
+        for (metric, extra), value in view.values.items()
+        if metric == m.RECOVERY_ACTION.name and value == 1
+    ]
+    code = view.get(m.RECOVERY_ACTION_CODE.name)
+    if code is None:
+        return Finding(AREA, name, Status.NA, "not reported by this driver")
+    if actions == ["none"]:
+        return Finding(AREA, name, Status.OK, "none")
+    spec = CONDITIONS[f"recovery_action_{actions[0]}" if actions else "recovery_action_unknown"]
+    detail = f"{spec.message} ({actions[0] if actions else f'code {int(code)}'})"
+    return Finding(AREA, name, Status.from_severity(spec.severity), detail, spec.action)
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.1f} GiB"
+
+
+def processes(view: GpuView) -> Finding:
+    """The compute processes on the GPU, largest first, with their owners (information)."""
+    name = f"{view.title} processes"
+    count = view.get(m.PROCESSES.name)
+    if count is None:
+        return Finding(AREA, name, Status.NA, "NVML does not list processes on this GPU")
+    shown = sorted(
+        (
+            (value, extra)
+            for (metric, extra), value in view.values.items()
+            if metric == m.PROCESS_MEMORY.name
+        ),
+        key=lambda item: -item[0],
+    )
+    if not count:
+        return Finding(AREA, name, Status.OK, "none")
+    parts = []
+    for value, extra in shown:
+        owner = dict(zip(m.PROCESS_LABELS, extra, strict=True))
+        who = [f"{k} {owner[k]}" for k in ("user", "unit", "pod_uid", "container_id") if owner[k]]
+        parts.append(
+            f"pid {owner['pid']} {owner['process'] or '?'} {_gib(value)}"
+            + (f" ({', '.join(who)})" if who else "")
+        )
+    more = int(count) - len(shown)
+    if more > 0:
+        parts.append(f"{more} more")
+    return Finding(AREA, name, Status.OK, f"{int(count)} processes: " + "; ".join(parts))
+
+
+PER_GPU = (identity, persistence, temperature, clocks, ecc, pcie, recovery)
 
 
 def index_ranges(indices: list[str]) -> str:
@@ -358,13 +412,20 @@ def classify_gpus(
     driver = driver_line(result, kernel_module, versions or {})
     if driver.status is not Status.OK:
         return [driver]
-    findings = [driver, gpu_count(result.values(m.GPU_COUNT.name), expected)]
+    findings = [
+        driver,
+        gpu_count(result.values(m.GPU_COUNT.name), expected, result.values(m.GPUS_PCI.name)),
+    ]
     views = gpu_views(result)
     answering = [v for v in views if v.get(m.UP.name) != 0]
     findings.extend(identity(v) for v in views if v.get(m.UP.name) == 0)
     findings.extend(fold([identity(v) for v in answering]))
     for check in PER_GPU[1:]:  # a GPU that does not answer has nothing more to judge
         findings.extend(fold([check(view) for view in answering]))
+    # GPUs with processes each have their line (they differ); idle ones fold into one.
+    lines = [processes(view) for view in answering]
+    findings.extend(f for f in lines if f.detail not in ("none",) and f.status is Status.OK)
+    findings.extend(fold([f for f in lines if f.detail == "none" or f.status is not Status.OK]))
     folded_uuids = {v.labels["uuid"] or v.labels["gpu"] for v in views}
     findings.extend(
         Finding(
@@ -382,8 +443,21 @@ def classify_gpus(
     return findings
 
 
-def gpu_count(samples: Iterable[Sample], expected: int | None) -> Finding:
+def gpu_count(
+    samples: Iterable[Sample], expected: int | None, pci: Iterable[Sample] = ()
+) -> Finding:
     visible = next((int(s.value) for s in samples), 0)
+    on_bus = next((int(s.value) for s in pci), None)
+    if on_bus is not None and on_bus > visible:
+        # The gpu_not_enumerated finding names the addresses.
+        return Finding(
+            AREA,
+            "GPU count",
+            Status.FAIL,
+            f"{visible} visible to NVML, {on_bus} NVIDIA GPUs on the PCI bus",
+            "a GPU did not come up: look for NVRM errors in the kernel log (RmInitAdapter "
+            "failed); reboot; if still missing, have the GPU and its slot inspected",
+        )
     if expected is None:
         if visible == 0:
             return Finding(
