@@ -12,6 +12,7 @@ import tarfile
 from pathlib import Path
 from typing import IO, Any
 
+import bcrypt
 import pytest
 
 from agent.contracts.collector import SharedServices
@@ -25,7 +26,14 @@ from collectors._nvml import NvmlBackend
 from tests.support.agent_proc import AgentProcess
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.nvml_fake import FakeGpu, FakeNvml
-from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
+from tests.support.redaction import (
+    CORPUS_DIR,
+    CORPUS_FILES,
+    keep_lines,
+    openssl_hash,
+    planted,
+    surviving_secrets,
+)
 
 LEAKY_EVENT = f"upload failed for {planted()[0].value}: 403 from s3"
 
@@ -142,6 +150,22 @@ class TestContents:
         assert "include/core.1234" not in members
         assert "binary" in skipped(report)["include/core.1234"]
         assert "not a regular file" in skipped(report)["include/missing.log"]
+
+    async def test_password_hashes_of_included_files_go(self, setup: tuple[Config, Path]) -> None:
+        """A shadow copy and an htpasswd file asked for with --include leave no hash."""
+        cfg, tmp = setup
+        hashes = [openssl_hash(scheme, "hunter22") for scheme in ("1", "5", "6", "apr1")]
+        hashes.append(bcrypt.hashpw(b"hunter22", bcrypt.gensalt(4)).decode())
+        shadow = tmp / "shadow.bak"
+        shadow.write_text("".join(f"u{i}:{h}:19700:0:99999:7:::\n" for i, h in enumerate(hashes)))
+        htpasswd = tmp / "htpasswd"
+        htpasswd.write_text("".join(f"u{i}:{h}\n" for i, h in enumerate(hashes)))
+        members = await make_bundle(cfg, tmp / "b.tar.gz", (shadow, htpasswd))
+        joined = "\n".join(data.decode() for data in members.values())
+        assert [h for h in hashes if h.rsplit("$", 1)[1] in joined] == []
+        assert "u0:[REDACTED:password_hash]:19700:0:99999:7:::" in joined
+        report = json.loads(members[REDACTION_REPORT])
+        assert report["by_file"]["include/shadow.bak"]["password_hash"] == len(hashes)
 
 
 class TestGpuSnapshot:

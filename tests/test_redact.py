@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 from unittest import mock
 
+import bcrypt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.program.diagnose import redact as redact_module
 from agent.program.diagnose.redact import Redactor, marker
-from tests.support.redaction import CORPUS_DIR, CORPUS_FILES, keep_lines, planted, surviving_secrets
+from tests.support.redaction import (
+    CORPUS_DIR,
+    CORPUS_FILES,
+    keep_lines,
+    openssl_hash,
+    planted,
+    surviving_secrets,
+)
 
 REDACTOR = Redactor()
 
@@ -309,6 +317,12 @@ TEXT = st.text(alphabet=st.characters(codec="utf-8"), max_size=400) | st.lists(
             "&",
             "AccountKey=",
             ";",
+            "$6$",
+            "$2b$12$",
+            "$y$j9T$",
+            "$argon2id$v=19$m=65536,t=3,p=4$",
+            "$",
+            "abcdefghijklmnopqrstuvwxyz./0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789",
         ]
     ),
     max_size=40,
@@ -346,3 +360,82 @@ class TestProperties:
     def test_embedded_token_always_removed(self, before: str, after: str) -> None:
         token = "ghp_" + "Q7" * 18
         assert token not in redact(f"{before} {token} {after}")
+
+
+def password_hashes() -> list[tuple[str, str]]:
+    """(scheme, hash) of every format /etc/shadow, htpasswd and web-config files carry."""
+    made = [(scheme, openssl_hash(scheme, "hunter22")) for scheme in ("1", "5", "6", "apr1")]
+    made += [
+        (prefix, bcrypt.hashpw(b"hunter22", bcrypt.gensalt(4, prefix=prefix.encode())).decode())
+        for prefix in ("2a", "2b")
+    ]
+    # No tool here writes these; the strings are libxcrypt's crypt() output (yescrypt, gost
+    # yescrypt, scrypt, sha512crypt with rounds) and the PHC format of argon2's reference code.
+    literal = [
+        ("2y", "$2y$10$" + "N9qo8uLOickgx2ZMRZoMyeIjZAgcfl7p92ldGxad68LJZdL17lhWy"),
+        ("y", "$y$j9T$abcd$m4rN8yJJ4tdD.J1IY61EvCGMH3ULkDSqWJ8omMKRyl0"),
+        ("7", "$7$CU..../....abcdefghij$29F8itvnVvBDjrxBwmqvA3zIcoWdi4Mb8U3QftXksR7"),
+        (
+            "6 rounds",
+            "$6$rounds=5000$abcdefgh$KQeXafAQAaOoKTevphVU215RvJdgzyfASRasIOuh12hO8u0r1bGW92Z"
+            "nTmC9IjsiQ8VPiTXBiZF49dFL1U4wX/",
+        ),
+        (
+            "argon2id",
+            "$argon2id$v=19$m=65536,t=3,p=4$c29tZXNhbHRzb21lc2FsdA$"
+            "RdescudvJCsgt3ub+b+dWRWJTmaaJObG",
+        ),
+        (
+            "argon2i",
+            "$argon2i$v=19$m=4096,t=3,p=1$c29tZXNhbHQ$iWh06vD8Fy27wf9npn6FXWiCX4K6pW6Ue1Bnzz07Z8A",
+        ),
+    ]
+    return made + literal
+
+
+HASHES = password_hashes()
+
+
+class TestPasswordHashes:
+    """A password hash is a password to whoever runs a cracker: it never leaves in a bundle,
+    in a shadow line, an htpasswd line, a users file or a web-config.yml."""
+
+    @pytest.mark.parametrize(("scheme", "hashed"), HASHES, ids=[s for s, _ in HASHES])
+    @pytest.mark.parametrize(
+        "template",
+        [
+            "root:{h}:19700:0:99999:7:::",  # /etc/shadow
+            "prometheus:{h}",  # htpasswd, the agent's users file
+            "  prometheus: {h}",  # web-config.yml basic_auth_users
+            '  prometheus: "{h}"',
+            "usermod -p '{h}' trainer",
+            "hash={h} rest",
+            "{h}",
+        ],
+    )
+    def test_hash_removed_wherever_it_stands(self, scheme: str, hashed: str, template: str) -> None:
+        out, counts = REDACTOR.redact(template.format(h=hashed))
+        # Neither the whole hash nor its digest part (after the last $) survives.
+        assert hashed not in out
+        assert hashed.rsplit("$", 1)[1] not in out
+        assert sum(counts.values()) >= 1
+
+    def test_user_name_and_shadow_fields_stay(self) -> None:
+        """The account and the aging fields are what support reads; only the hash goes."""
+        hashed = openssl_hash("6", "hunter22")
+        out, counts = REDACTOR.redact(f"root:{hashed}:19700:0:99999:7:::")
+        assert out == f"root:{marker('password_hash')}:19700:0:99999:7:::"
+        assert counts["password_hash"] == 1
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            "awk '{print $1$2}' file",
+            "echo $1$HOME$PATH",
+            "root:*:19700:0:99999:7:::",
+            "trainer:!:19700::::::",
+            "price $5$ per GPU-hour",
+        ],
+    )
+    def test_dollar_words_that_are_no_hash_stay(self, line: str) -> None:
+        assert redact(line) == line

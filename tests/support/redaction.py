@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,3 +36,11 @@ def surviving_secrets(texts: list[str]) -> list[Planted]:
     """Planted secrets found in any of `texts` (empty when redaction worked)."""
     joined = "\n".join(texts)
     return [p for p in planted() if p.value in joined]
+
+
+def openssl_hash(scheme: str, password: str) -> str:
+    """A crypt(3) hash made by openssl (1, 5, 6, apr1), as passwd and htpasswd write them."""
+    done = subprocess.run(
+        ["openssl", "passwd", f"-{scheme}", password], capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()

@@ -6,8 +6,9 @@ prefixes (AWS AKIA/ASIA, GitHub ghp_/github_pat_, GitLab glpat-, Hugging Face hf
 Anthropic sk-ant-, Slack xox*, Stripe sk_live_, npm_, pypi-, dckr_pat_, Google AIza),
 contextual secrets (key=value and "key": "value" forms whose key names a secret, Authorization
 headers, passwords in URLs, Azure connection strings and SAS signatures, netrc and CLI flags),
-PEM private keys, JWTs, e-mail addresses, and the text of prompts and completions in JSON
-request logs (structure and lengths stay, content goes).
+PEM private keys, password hashes (crypt, bcrypt, yescrypt, argon2), JWTs, e-mail addresses,
+and the text of prompts and completions in JSON request logs (structure and lengths stay,
+content goes).
 
 What stays, on purpose: error messages, step and loss values, CUDA and NCCL errors, Xid lines,
 hex addresses, UUIDs, PCI ids and file paths: support needs them, and none of them is a secret.
@@ -149,6 +150,22 @@ TOKEN_RULES: Final[tuple[Rule, ...]] = (
         r"(?m)^(?:[A-Za-z0-9+/=]+\r?\n)+-----END [A-Z0-9 ]*PRIVATE KEY( BLOCK)?-----",
         hints=("private key",),
         whole=True,
+    ),
+    # Password hashes (crypt(3) in /etc/shadow, htpasswd, a users file, web-config.yml): offline
+    # they are as good as the password to a cracker. md5crypt, sha256crypt, sha512crypt (with
+    # rounds=), Apache's apr1, bcrypt, yescrypt, gost-yescrypt, scrypt and argon2 (PHC format).
+    # The digest lengths are the formats' own, so `$1$HOME` or `awk '{print $1$2}'` stay.
+    _rule(
+        "password_hash",
+        r"(?<![A-Za-z0-9$./])\$(?:"
+        r"[156]\$(?:rounds=\d+\$)?[^\s$:'\"]{0,16}\$[./A-Za-z0-9]{22,86}"
+        r"|apr1\$[^\s$:'\"]{0,8}\$[./A-Za-z0-9]{22}"
+        r"|2[abxy]?\$\d\d\$[./A-Za-z0-9]{53}"
+        r"|(?:y|gy|7)\$[./A-Za-z0-9]+\$(?:[./A-Za-z0-9]*\$)?[./A-Za-z0-9]{43}"
+        r"|argon2(?:id|i|d)\$(?:v=\d+\$)?m=\d+,t=\d+,p=\d+(?:,[a-z]+=[A-Za-z0-9+/]*)*"
+        r"\$[A-Za-z0-9+/]+\$[A-Za-z0-9+/]{16,}"
+        r")(?![./A-Za-z0-9+])",
+        hints=("$1$", "$5$", "$6$", "$apr1$", "$2", "$y$", "$gy$", "$7$", "$argon2"),
     ),
     _rule(
         "aws_access_key_id",
