@@ -1,23 +1,50 @@
-"""The small HTTP/1.1 server under the agent's /metrics and the watcher's /metrics: one request
-per connection, every step bounded in time, a cap on open connections.
+"""The small HTTP/1.1 server under the agent's /metrics and the watcher's /metrics, built so
+that the scraper is served first, whatever else connects.
 
 Both endpoints answer a handful of scrapes a minute; a general web framework would add more
-than it serves. What matters is that no client can hold the process: a request head must arrive,
-and a response be read, within REQUEST_TIMEOUT, and at most MAX_CONNECTIONS are open at once.
+than it serves. What matters is that no client can hold the port (the README advises
+0.0.0.0:9445 for a remote Prometheus, so anything on the network may connect):
+
+- A connection has HEADER_TIMEOUT (TLS handshake included) to send a whole request head, and
+  SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
+- A connection waiting for a request head (new, or idle between requests) costs the server
+  nothing but a socket, so it is the one given up when room is needed: a new connection over
+  the budget evicts the oldest waiting one of the client holding the most connections. A
+  slowloris or a crowd of idle sockets then only ever evicts itself, and a scraper, whose
+  request follows its connect at once, is busy (not evictable) by the time anyone could.
+- At most PER_CLIENT connections per client address: the next one evicts that client's own
+  oldest waiting connection, or is refused (503) while all of them are being answered.
+- Keep-alive for HTTP/1.1 clients (Prometheus reuses its connection), at most MAX_REQUESTS a
+  connection; a request with a body, HTTP/1.0 or `Connection: close` ends it.
+- The listen backlog is large: under a flood of connects a short one drops the scraper's SYN,
+  and the kernel's retry comes a second later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from agent.contracts.errors import ConfigError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_REQUEST_BYTES = 8192
-REQUEST_TIMEOUT = 5.0
-MAX_CONNECTIONS = 32
+HEADER_TIMEOUT = 2.0
+"""Seconds from accept to a whole request head (a scraper's takes milliseconds)."""
+SEND_TIMEOUT = 5.0
+"""Seconds a client has to take its response."""
+IDLE_TIMEOUT = 75.0
+"""Seconds a kept-alive connection may wait for its next request: more than a scrape
+interval of 1 min, so that Prometheus reuses its connection."""
+MAX_CONNECTIONS = 64
+PER_CLIENT = 8
+MAX_REQUESTS = 1000
+"""Requests on one kept-alive connection; then the response says Connection: close."""
+BACKLOG = 1024
 
 Answer = tuple[int, dict[str, str], bytes]
 Responder = Callable[[bytes], Awaitable[Answer]]
@@ -28,19 +55,27 @@ _REASONS = {
     401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     503: "Service Unavailable",
 }
+_CLOSED = (
+    asyncio.IncompleteReadError,
+    asyncio.LimitOverrunError,
+    ConnectionError,
+    ssl.SSLError,
+    OSError,
+)
 
 
-def response(status: int, headers: dict[str, str], body: bytes) -> bytes:
+def response(status: int, headers: dict[str, str], body: bytes, keep_alive: bool = False) -> bytes:
     """A whole response; `Content-Length` may be given (HEAD: the length GET would send)."""
     lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}"]
     merged = {
         "Content-Type": "text/plain; charset=utf-8",
         "Content-Length": str(len(body)),
         **headers,
-        "Connection": "close",
+        "Connection": "keep-alive" if keep_alive else "close",
     }
     lines += [f"{k}: {v}" for k, v in merged.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
@@ -59,51 +94,210 @@ def request_line(head: bytes) -> tuple[str, str] | Answer:
     return method, target.split("?", 1)[0]
 
 
-class OneShotServer:
-    """Serves connections with `respond(request head) -> (status, headers, body)`."""
+def header_values(head: bytes, name: str) -> list[str]:
+    """The values of every header `name` (case-insensitive) in a request head."""
+    wanted = name.lower()
+    values = []
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() == wanted:
+            values.append(value.strip())
+    return values
 
-    def __init__(self, respond: Responder, max_connections: int = MAX_CONNECTIONS) -> None:
+
+def may_keep_alive(head: bytes) -> bool:
+    """Whether the connection may carry another request after this one: an HTTP/1.1 GET or
+    HEAD without a body (one we do not read would be taken for the next request) and without
+    `Connection: close`."""
+    if len(request_line(head)) == 3:  # an error answer
+        return False
+    if not head.split(b"\r\n", 1)[0].endswith(b" HTTP/1.1"):
+        return False
+    if header_values(head, "transfer-encoding") or any(
+        v != "0" for v in header_values(head, "content-length")
+    ):
+        return False
+    return not any("close" in v.lower() for v in header_values(head, "connection"))
+
+
+@dataclass(eq=False)
+class _Connection:
+    client: str
+    writer: asyncio.StreamWriter
+    waiting_since: float | None = field(default_factory=time.monotonic)
+    """When it began waiting for a request head; None while a request is being answered."""
+
+
+class ScrapeServer:
+    """Serves connections with `respond(request head) -> (status, headers, body)`.
+
+    `dropped` counts connections closed early, by reason: header_timeout, idle_timeout,
+    evicted, refused (over budget with nothing to evict), send_timeout, bad_tls.
+    """
+
+    def __init__(
+        self,
+        respond: Responder,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        per_client: int = PER_CLIENT,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._respond = respond
-        self._slots = asyncio.Semaphore(max_connections)
-        self.open_connections = 0
+        self.max_connections = max_connections
+        self.per_client = per_client
+        self.tls = tls
+        self.header_timeout = HEADER_TIMEOUT
+        self.send_timeout = SEND_TIMEOUT
+        self.idle_timeout = IDLE_TIMEOUT
+        self.max_requests = MAX_REQUESTS
+        self._open: dict[_Connection, None] = {}  # in order of arrival
+        self.dropped: Counter[str] = Counter()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    async def listen(self, host: str, port: int) -> asyncio.Server:
+        """A listening server on host:port whose connections this object serves. TLS, when
+        set, is negotiated inside `handle`, under the header deadline and the budget: a
+        server-side `ssl=` would hold handshaking sockets outside both."""
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
+            if self.tls is None:
+                return asyncio.StreamReaderProtocol(reader, self.handle)
+            return _PausedUntilTls(reader, self.handle)
+
+        return await loop.create_server(protocol, host, port, backlog=BACKLOG)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._slots.locked():
-            # Without a cap, clients that connect and never finish could pin tasks and file
-            # descriptors without bound. Small enough to fit the socket buffer: no drain.
+        connection = self._admit(writer)
+        if connection is None:
+            self.dropped["refused"] += 1
+            # Small enough to fit the socket buffer: no drain, nothing to wait for.
             writer.write(response(503, {}, b"too many connections\n"))
             writer.close()
             return
-        async with self._slots:
-            self.open_connections += 1
-            try:
-                await self._serve(reader, writer)
-            finally:
-                self.open_connections -= 1
+        try:
+            if await self._arrive(connection):
+                await self._serve(connection, reader)
+        finally:
+            self._open.pop(connection, None)
+            if not connection.writer.transport.is_closing():
+                connection.writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    # -- the budget ------------------------------------------------------------------------
+
+    def _admit(self, writer: asyncio.StreamWriter) -> _Connection | None:
+        client = _client_of(writer)
+        mine = [c for c in self._open if c.client == client]
+        if len(mine) >= self.per_client:
+            victim = _oldest_waiting(mine)
+        elif len(self._open) >= self.max_connections:
+            victim = self._victim()
+        else:
+            victim = None
+        if victim is not None:
+            self._evict(victim)
+        elif len(mine) >= self.per_client or len(self._open) >= self.max_connections:
+            return None
+        connection = _Connection(client, writer)
+        self._open[connection] = None
+        return connection
+
+    def _victim(self) -> _Connection | None:
+        """The oldest waiting connection of the client that holds the most connections."""
+        held = Counter(c.client for c in self._open)
+        waiting = [c for c in self._open if c.waiting_since is not None]
+        if not waiting:
+            return None
+        return max(waiting, key=lambda c: (held[c.client], -(c.waiting_since or 0.0)))
+
+    def _evict(self, victim: _Connection) -> None:
+        self.dropped["evicted"] += 1
+        self._open.pop(victim, None)
+        victim.writer.transport.abort()  # its read then ends, and so does its task
+
+    # -- one connection ----------------------------------------------------------------------
+
+    async def _arrive(self, connection: _Connection) -> bool:
+        """The TLS handshake, if any; False when it failed or ran out of time."""
+        if self.tls is None:
+            return True
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
-        except (
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            TimeoutError,
-            ConnectionError,
-            ssl.SSLError,
-        ):
-            writer.close()
-            return
-        try:
-            writer.write(response(*await self._respond(head)))
-            # A client that never reads would otherwise hold this task and its socket forever.
-            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT)
+            await asyncio.wait_for(connection.writer.start_tls(self.tls), self.header_timeout)
         except TimeoutError:
+            self.dropped["header_timeout"] += 1
+            connection.writer.transport.abort()
+            return False
+        except _CLOSED:
+            self.dropped["bad_tls"] += 1
+            connection.writer.transport.abort()
+            return False
+        return True
+
+    async def _serve(self, connection: _Connection, reader: asyncio.StreamReader) -> None:
+        writer = connection.writer
+        deadline, reason = self.header_timeout, "header_timeout"
+        for served in range(1, self.max_requests + 1):
+            connection.waiting_since = time.monotonic()
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), deadline)
+            except TimeoutError:
+                self.dropped[reason] += 1
+                writer.transport.abort()
+                return
+            except _CLOSED:
+                return
+            if connection not in self._open:  # evicted while its head came in
+                return
+            connection.waiting_since = None
+            keep = served < self.max_requests and may_keep_alive(head)
+            if not await self._send(writer, response(*await self._respond(head), keep)):
+                return
+            if not keep:
+                return
+            # The next request comes a scrape interval later; meanwhile the connection is
+            # waiting, so evictable: an idle keep-alive holds no room anyone needs.
+            deadline, reason = self.idle_timeout, "idle_timeout"
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> bool:
+        try:
+            writer.write(data)
+            # A client that never reads would otherwise hold this task and its socket forever.
+            await asyncio.wait_for(writer.drain(), self.send_timeout)
+        except TimeoutError:
+            self.dropped["send_timeout"] += 1
             # close() would wait to flush the unread response first, i.e. forever: abort.
             writer.transport.abort()
-        except (ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
+            return False
+        except _CLOSED:
+            return False
+        return True
+
+
+class _PausedUntilTls(asyncio.StreamReaderProtocol):
+    """Reads nothing until `handle` starts TLS on the connection: a ClientHello read before
+    that would land in the plain stream, and the handshake would never see it."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(transport, asyncio.ReadTransport):
+            transport.pause_reading()
+        super().connection_made(transport)
+
+
+def _client_of(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return str(peer)
+
+
+def _oldest_waiting(connections: list[_Connection]) -> _Connection | None:
+    waiting = [c for c in connections if c.waiting_since is not None]
+    return min(waiting, key=lambda c: c.waiting_since or 0.0) if waiting else None
 
 
 def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:

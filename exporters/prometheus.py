@@ -1,9 +1,9 @@
 """The Prometheus endpoint: /metrics rendered from the last snapshot, /healthz that never lies.
 
-A small asyncio HTTP/1.1 server (exporters/http.py, one request per connection) so that a
-scrape is served on the agent's own loop and never waits on hardware. Rendering goes through prometheus_client: a
-custom collector builds fresh metric families from the snapshot at each scrape, so series of a
-GPU or a mount that went away do not linger.
+A small asyncio HTTP/1.1 server (exporters/http.py: the scraper first, whatever else connects)
+so that a scrape is served on the agent's own loop and never waits on hardware. Rendering goes
+through prometheus_client: a custom collector builds fresh metric families from the snapshot at
+each scrape, so series of a GPU or a mount that went away do not linger.
 """
 
 from __future__ import annotations
@@ -25,14 +25,7 @@ from agent.contracts.errors import ConfigError
 from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
-from exporters.http import (
-    CONTENT_TYPE,
-    REQUEST_TIMEOUT,
-    Answer,
-    OneShotServer,
-    parse_listen,
-    request_line,
-)
+from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, parse_listen, request_line
 from exporters.web_auth import (
     BasicAuth,
     UsersFileError,
@@ -42,8 +35,6 @@ from exporters.web_auth import (
 )
 
 log = structlog.get_logger(component="prometheus")
-
-"""Seconds a client has to send its request, and to take the response."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +116,7 @@ class PrometheusSink:
         self.scrapes = 0
         self._server: asyncio.Server | None = None
         self._auth: BasicAuth | None = None
-        self.http = OneShotServer(self._answer)
-        """Connections being served now."""
+        self.http = ScrapeServer(self._answer)
 
     def families(self) -> Sequence[MetricFamily]:
         return ()
@@ -158,14 +148,9 @@ class PrometheusSink:
                 tls = server_tls_context(settings.tls_cert_file, settings.tls_key_file)
         except (ConfigError, UsersFileError, OSError, ssl.SSLError) as exc:
             raise OSError(f"prometheus: {exc}") from None
+        self.http.tls = tls
         try:
-            self._server = await asyncio.start_server(
-                self.http.handle,
-                host,
-                port,
-                ssl=tls,
-                ssl_handshake_timeout=REQUEST_TIMEOUT if tls else None,
-            )
+            self._server = await self.http.listen(host, port)
         except OSError as exc:
             raise OSError(
                 exc.errno,

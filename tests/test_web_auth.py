@@ -22,7 +22,6 @@ from agent.program import config_file as config_module
 from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
-from exporters import http
 from exporters.prometheus import PrometheusSink
 from exporters.web_auth import (
     BasicAuth,
@@ -296,14 +295,15 @@ async def endpoint(tmp_path: Path) -> AsyncIterator[PrometheusSink]:
 
 
 class TestEndpointLimits:
-    """Slow clients cannot pin the server; HEAD tells the length GET would send."""
+    """A client that never reads is dropped; HEAD tells the length GET would send (the budget
+    and the deadlines: tests/test_http_server.py)."""
 
     async def test_client_that_never_reads_is_dropped(
         self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A request whose large response is never read is aborted after the timeout."""
         body = b"x" * (16 << 20)  # far more than the socket buffers hold
-        monkeypatch.setattr(http, "REQUEST_TIMEOUT", 0.2)
+        monkeypatch.setattr(endpoint.http, "send_timeout", 0.2)
         monkeypatch.setattr(endpoint, "metrics_body", lambda: body)
         with socket.socket() as client:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -321,19 +321,6 @@ class TestEndpointLimits:
                 return total
 
             assert await asyncio.to_thread(read_all) < len(body)
-
-    async def test_connections_over_the_cap_get_503(
-        self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """With the cap taken by a silent client, the next connection is answered 503."""
-        monkeypatch.setattr(endpoint.http, "_slots", asyncio.Semaphore(1))
-        with socket.socket() as silent, socket.socket() as late:
-            silent.connect(endpoint.address)
-            await until(lambda: endpoint.http.open_connections == 1, what="silent client served")
-            late.connect(endpoint.address)
-            late.settimeout(10)
-            answer = await asyncio.to_thread(late.recv, 1024)
-        assert answer.startswith(b"HTTP/1.1 503 ")
 
     async def test_head_content_length_is_the_get_body_length(
         self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch

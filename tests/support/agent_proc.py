@@ -32,6 +32,8 @@ class AgentProcess:
     """TOML appended after the generated state_dir and [prometheus] listen lines."""
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
+    repo: Path = REPO
+    """The checkout whose agent runs (a benchmark runs another branch's for a before/after)."""
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -56,12 +58,12 @@ class AgentProcess:
 
     def start(self, wait: bool = True, timeout: float = 15.0) -> AgentProcess:
         self.write_config()
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONPATH": str(self.repo), "PYTHONUNBUFFERED": "1", **self.env}
         if "NOTIFY_SOCKET" not in self.env:
             env.pop("NOTIFY_SOCKET", None)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
-            cwd=REPO,
+            cwd=self.repo,
             env=env,
             stdout=self.log_path.open("ab"),
             stderr=subprocess.STDOUT,

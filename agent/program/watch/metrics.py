@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from agent import __version__
 from agent.program.watch.fleet import Fleet, State
-from exporters.http import CONTENT_TYPE, Answer, OneShotServer, request_line
+from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, request_line
 
 MALFORMED_REASONS = ("bad_topic", "bad_node_id", "too_large", "not_json", "not_object", "bad_field")
 
@@ -111,7 +111,7 @@ class FleetCollector:
 
 
 class MetricsServer:
-    """GET /metrics and /healthz (200 while connected to the broker), one request a connection."""
+    """GET /metrics and /healthz (200 while connected to the broker) (exporters/http.py)."""
 
     def __init__(
         self, fleet: Fleet, host: str, port: int, clock: Callable[[], float] = time.time
@@ -121,10 +121,10 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(FleetCollector(fleet, clock))
         self._server: asyncio.Server | None = None
-        self.http = OneShotServer(self._answer)
+        self.http = ScrapeServer(self._answer)
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self.http.handle, self.host, self.port)
+        self._server = await self.http.listen(self.host, self.port)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:

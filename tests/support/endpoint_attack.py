@@ -1,0 +1,197 @@
+"""Attacks on an HTTP endpoint from the same network, and a scraper that counts its answers.
+
+Loopback only: the attackers connect from 127.0.0.2 and up (other hosts, as the endpoint sees
+them), the scraper from 127.0.0.1. Every loop is bounded by a deadline.
+
+- idle: N connections that send nothing, each reopened as soon as the server closes it.
+- slowloris: N connections that send a request line and then one header line every 0.3 s.
+- flood: N concurrent clients, each sending GET /metrics, reading the answer, again.
+- guess: N concurrent clients sending basic auth with wrong passwords, as fast as answered.
+
+Run an attack in its own process (so that it does not share the scraper's CPU time slice):
+    python -m tests.support.endpoint_attack KIND HOST PORT SECONDS COUNT [SOURCES]
+It prints one JSON line: connections opened and answers read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import http.client
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+KINDS = ("idle", "slowloris", "flood", "guess")
+
+
+@dataclass
+class Tally:
+    connections: int = 0
+    answers: int = 0
+
+
+Attack = Callable[[str, int, str, float, Tally], Awaitable[None]]
+
+
+async def _connect(
+    host: str, port: int, source: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(host, port, local_addr=(source, 0))
+
+
+async def _idle(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await _connect(host, port, source)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        tally.connections += 1
+        with contextlib.suppress(OSError, TimeoutError):
+            await asyncio.wait_for(reader.read(), max(stop - time.monotonic(), 0.01))
+        writer.close()
+
+
+async def _slowloris(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await _connect(host, port, source)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        tally.connections += 1
+        try:
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            number = 0
+            while time.monotonic() < stop and not reader.at_eof():
+                number += 1
+                writer.write(b"X-%d: y\r\n" % number)
+                await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(reader.read(1), 0.3)
+        except OSError:
+            pass
+        writer.close()
+
+
+async def _get(host: str, port: int, source: str, stop: float, tally: Tally, *, auth: str) -> None:
+    request = f"GET /metrics HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n".encode()
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await _connect(host, port, source)
+        except OSError:
+            await asyncio.sleep(0.01)
+            continue
+        tally.connections += 1
+        try:
+            writer.write(request)
+            if await asyncio.wait_for(reader.read(), max(stop - time.monotonic(), 0.01)):
+                tally.answers += 1
+        except (OSError, TimeoutError):
+            pass
+        writer.close()
+
+
+async def _flood(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    await _get(host, port, source, stop, tally, auth="")
+
+
+async def _guess(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    header = "Authorization: Basic " + base64.b64encode(b"prometheus:wrong-guess").decode()
+    await _get(host, port, source, stop, tally, auth=header + "\r\n")
+
+
+ATTACKS: dict[str, Attack] = {
+    "idle": _idle,
+    "slowloris": _slowloris,
+    "flood": _flood,
+    "guess": _guess,
+}
+
+
+async def attack(
+    kind: str, host: str, port: int, *, seconds: float, count: int, sources: int
+) -> Tally:
+    tally = Tally()
+    stop = time.monotonic() + seconds
+    addresses = [f"127.0.0.{2 + i % sources}" for i in range(count)]
+    await asyncio.gather(*(ATTACKS[kind](host, port, a, stop, tally) for a in addresses))
+    return tally
+
+
+def start_attack(
+    kind: str, port: int, seconds: float, count: int, sources: int = 1
+) -> subprocess.Popen[str]:
+    """The attack in a child process; it ends by itself after `seconds`."""
+    command = [sys.executable, "-m", "tests.support.endpoint_attack", kind, "127.0.0.1"]
+    command += [str(port), str(seconds), str(count), str(sources)]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def finish_attack(process: subprocess.Popen[str], timeout: float = 30.0) -> Tally:
+    out, _ = process.communicate(timeout=timeout)
+    if process.returncode != 0:
+        raise RuntimeError(f"attack exited with {process.returncode}")
+    return Tally(**json.loads(out.strip().splitlines()[-1]))
+
+
+@dataclass
+class Scrapes:
+    ok: int = 0
+    failed: int = 0
+
+    @property
+    def ratio(self) -> float:
+        total = self.ok + self.failed
+        return self.ok / total if total else 0.0
+
+
+def scrape(
+    port: int,
+    seconds: float,
+    interval: float = 0.5,
+    timeout: float = 2.0,
+    authorization: str | None = None,
+) -> Scrapes:
+    """GET /metrics every `interval` s for `seconds` s from 127.0.0.1 on a new connection each
+    time (the harder case: it must be let in), counting answers 200 within `timeout`."""
+    result = Scrapes()
+    stop = time.monotonic() + seconds
+    headers = {"Authorization": authorization} if authorization else {}
+    while (started := time.monotonic()) < stop:
+        connection = http.client.HTTPConnection(
+            "127.0.0.1", port, timeout=timeout, source_address=("127.0.0.1", 0)
+        )
+        try:
+            connection.request("GET", "/metrics", headers=headers)
+            answer = connection.getresponse()
+            answer.read()
+            ok = answer.status == 200 and time.monotonic() - started <= timeout
+        except (OSError, http.client.HTTPException):
+            ok = False
+        finally:
+            connection.close()
+        result.ok += ok
+        result.failed += not ok
+        time.sleep(max(0.0, started + interval - time.monotonic()))
+    return result
+
+
+def main(argv: list[str]) -> int:
+    kind, host, port, seconds, count = argv[:5]
+    sources = int(argv[5]) if len(argv) > 5 else 1
+    run = attack(kind, host, int(port), seconds=float(seconds), count=int(count), sources=sources)
+    tally = asyncio.run(run)
+    print(json.dumps({"connections": tally.connections, "answers": tally.answers}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

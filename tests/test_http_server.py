@@ -1,0 +1,255 @@
+"""exporters/http.py: the budget, the deadlines and keep-alive, on real loopback sockets.
+
+Each test runs a ScrapeServer on a free port with a responder it controls, and plays the
+clients with plain sockets bound to chosen loopback addresses (to the server, an address is
+a client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from exporters.http import Answer, ScrapeServer, may_keep_alive
+from tests.support.tls import Authority
+from tests.support.waiting import until
+
+GET = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+GET_CLOSE = b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+class Gate:
+    """A responder that answers 200 while `open` is set: clear it to keep requests busy."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def __call__(self, head: bytes) -> Answer:
+        await self.open.wait()
+        return 200, {}, b"ok\n"
+
+
+@contextlib.asynccontextmanager
+async def running(server: ScrapeServer) -> AsyncIterator[int]:
+    listening = await server.listen("127.0.0.1", 0)
+    try:
+        yield int(listening.sockets[0].getsockname()[1])
+    finally:
+        listening.close()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[ScrapeServer, Gate, int]]:
+    gate = Gate()
+    server = ScrapeServer(gate, max_connections=6, per_client=3)
+    async with running(server) as port:
+        try:
+            yield server, gate, port
+        finally:
+            gate.open.set()
+
+
+async def connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    client = socket.socket()
+    client.bind((source, 0))
+    client.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", port))
+    return client
+
+
+async def send(client: socket.socket, data: bytes) -> None:
+    await asyncio.get_running_loop().sock_sendall(client, data)
+
+
+async def receive(client: socket.socket, timeout: float = 5.0) -> bytes:
+    """One read: b'' once the server closed or reset the connection."""
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(client, 65536), timeout)
+    except ConnectionResetError:
+        return b""
+
+
+async def read_all(client: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything until the server closes."""
+    data = b""
+    while chunk := await receive(client, timeout):
+        data += chunk
+    return data
+
+
+async def request(port: int, source: str = "127.0.0.1") -> bytes:
+    """One GET with Connection: close on a new connection: the whole answer."""
+    client = await connect(port, source)
+    with client:
+        await send(client, GET_CLOSE)
+        return await read_all(client)
+
+
+class TestDeadlines:
+    """A client that does not send its request in time is closed, and counted."""
+
+    async def test_silent_and_slow_heads_are_closed(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        server.header_timeout = 0.3
+        silent = await connect(port)
+        slow = await connect(port)
+        await send(slow, b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+        with silent, slow:
+            assert await read_all(silent) == b""
+            assert await read_all(slow) == b""
+        assert server.dropped["header_timeout"] == 2
+        await until(lambda: server.open_connections == 0, what="both gone")
+
+    async def test_tls_handshake_is_inside_the_deadline_and_the_budget(
+        self, tmp_path: Path
+    ) -> None:
+        """A client that opens the TLS port and never says hello is counted and closed like
+        a silent one; a real TLS client is answered."""
+        authority = Authority(tmp_path / "ca").create()
+        issued = authority.issue("localhost", ip_addresses=("127.0.0.1",))
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(issued.cert, issued.key)
+        server = ScrapeServer(Gate(), tls=context)
+        server.header_timeout = 0.3
+        async with running(server) as port:
+            with await connect(port) as silent:
+                await until(lambda: server.open_connections == 1, what="counted in handshake")
+                assert await read_all(silent) == b""
+            assert server.dropped["header_timeout"] == 1
+            client = ssl.create_default_context(cafile=str(authority.cert))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+            writer.write(GET_CLOSE)
+            assert (await reader.read()).startswith(b"HTTP/1.1 200 ")
+            writer.close()
+
+
+class TestBudget:
+    """Waiting connections give way to new ones; connections being answered never do."""
+
+    async def test_full_budget_evicts_the_oldest_waiting_of_the_heaviest_client(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        # The budget is 6: .3 connects first, then .2 takes its cap of 3, then .4.
+        idle = [await connect(port, "127.0.0.3") for _ in range(2)]
+        idle += [await connect(port, "127.0.0.2") for _ in range(3)]
+        idle += [await connect(port, "127.0.0.4")]
+        await until(lambda: server.open_connections == 6, what="budget full")
+        try:
+            assert (await request(port, "127.0.0.1")).startswith(b"HTTP/1.1 200 ")
+            assert server.dropped["evicted"] == 1
+            assert await receive(idle[2]) == b""  # .2's oldest, though .3's are older
+            await send(idle[0], GET)
+            assert (await receive(idle[0])).startswith(b"HTTP/1.1 200 ")
+        finally:
+            for client in idle:
+                client.close()
+
+    async def test_client_at_its_cap_evicts_its_own_oldest(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        mine = [await connect(port, "127.0.0.2") for _ in range(3)]
+        other = await connect(port, "127.0.0.3")
+        await until(lambda: server.open_connections == 4, what="connected")
+        try:
+            mine.append(await connect(port, "127.0.0.2"))
+            assert await receive(mine[0]) == b""
+            for client in (mine[-1], other):  # the newest, and another client's, are served
+                await send(client, GET)
+                assert (await receive(client)).startswith(b"HTTP/1.1 200 ")
+            assert server.dropped["evicted"] == 1
+        finally:
+            for client in [*mine, other]:
+                client.close()
+
+    async def test_connections_being_answered_are_never_evicted(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        """With a client's cap taken by requests being answered, its next connection is
+        refused 503, and the requests are answered."""
+        server, gate, port = served
+        gate.open.clear()
+        busy = [await connect(port, "127.0.0.2") for _ in range(3)]
+        for client in busy:
+            await send(client, GET_CLOSE)
+        await until(lambda: server.open_connections == 3, what="busy")
+        try:
+            assert (await request(port, "127.0.0.2")).startswith(b"HTTP/1.1 503 ")
+            assert server.dropped == {"refused": 1}
+            gate.open.set()
+            for client in busy:
+                assert (await read_all(client)).startswith(b"HTTP/1.1 200 ")
+        finally:
+            for client in busy:
+                client.close()
+
+
+class TestKeepAlive:
+    """HTTP/1.1 connections carry several requests, up to a cap; idle ones give way."""
+
+    async def test_requests_on_one_connection_up_to_the_cap(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        server.max_requests = 3
+        with await connect(port) as client:
+            answers = []
+            for _ in range(3):
+                await send(client, GET)
+                answers.append(await receive(client))
+            assert [b"Connection: keep-alive" in a for a in answers] == [True, True, False]
+            assert b"Connection: close" in answers[-1]
+            assert await receive(client) == b""  # closed after the last one
+
+    async def test_idle_keep_alive_times_out_and_gives_way(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        server.idle_timeout = 0.3
+        with await connect(port) as client:
+            await send(client, GET)
+            assert b"keep-alive" in await receive(client)
+            assert await receive(client) == b""
+        assert server.dropped["idle_timeout"] == 1
+        # Idle between requests is waiting: a full budget evicts it.
+        server.idle_timeout = 60.0
+        kept = [await connect(port, f"127.0.0.{2 + i}") for i in range(6)]
+        try:
+            for client in kept:
+                await send(client, GET)
+                assert b"keep-alive" in await receive(client)
+            assert (await request(port, "127.0.0.1")).startswith(b"HTTP/1.1 200 ")
+            assert server.dropped["evicted"] == 1
+        finally:
+            for client in kept:
+                client.close()
+
+    @pytest.mark.parametrize(
+        ("head", "keep"),
+        [
+            (GET, True),
+            (b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n", True),
+            (GET_CLOSE, False),
+            (b"GET /metrics HTTP/1.1\r\nConnection: Close\r\n\r\n", False),
+            (b"GET /metrics HTTP/1.0\r\n\r\n", False),
+            (b"GET /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\n", False),
+            (b"GET /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", True),
+            (b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", False),
+            (b"POST /metrics HTTP/1.1\r\n\r\n", False),
+            (b"garbage\r\n\r\n", False),
+        ],
+    )
+    def test_what_may_keep_the_connection(self, head: bytes, keep: bool) -> None:
+        """Only a body-less HTTP/1.1 GET or HEAD that did not ask to close: an unread body
+        would be taken for the next request."""
+        assert may_keep_alive(head) is keep
