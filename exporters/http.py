@@ -47,7 +47,8 @@ MAX_REQUESTS = 1000
 BACKLOG = 1024
 
 Answer = tuple[int, dict[str, str], bytes]
-Responder = Callable[[bytes], Awaitable[Answer]]
+Responder = Callable[[bytes, str], Awaitable[Answer]]
+"""(request head, client address) -> the answer."""
 
 _REASONS = {
     200: "OK",
@@ -129,7 +130,7 @@ class _Connection:
 
 
 class ScrapeServer:
-    """Serves connections with `respond(request head) -> (status, headers, body)`.
+    """Serves connections with `respond(request head, client) -> (status, headers, body)`.
 
     `dropped` counts connections closed early, by reason: header_timeout, idle_timeout,
     evicted, refused (over budget with nothing to evict), send_timeout, bad_tls.
@@ -171,6 +172,13 @@ class ScrapeServer:
             return _PausedUntilTls(reader, self.handle)
 
         return await loop.create_server(protocol, host, port, backlog=BACKLOG)
+
+    def close(self) -> None:
+        """Abort every open connection: their tasks then end by themselves (a task cancelled
+        at the loop's end instead makes asyncio log an error for each)."""
+        for connection in list(self._open):
+            connection.writer.transport.abort()
+        self._open.clear()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = self._admit(writer)
@@ -255,7 +263,9 @@ class ScrapeServer:
                 return
             connection.waiting_since = None
             keep = served < self.max_requests and may_keep_alive(head)
-            if not await self._send(writer, response(*await self._respond(head), keep)):
+            if not await self._send(
+                writer, response(*await self._respond(head, connection.client), keep)
+            ):
                 return
             if not keep:
                 return

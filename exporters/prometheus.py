@@ -25,12 +25,20 @@ from agent.contracts.errors import ConfigError
 from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
-from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, parse_listen, request_line
+from exporters.http import (
+    CONTENT_TYPE,
+    Answer,
+    ScrapeServer,
+    header_values,
+    parse_listen,
+    request_line,
+)
 from exporters.web_auth import (
-    BasicAuth,
+    AuthGate,
     UsersFileError,
+    WebConfig,
     load_users,
-    parse_authorization,
+    load_web_config,
     server_tls_context,
 )
 
@@ -58,11 +66,35 @@ class PrometheusSettings:
         file="secret",
         content=load_users,
     )
+    web_config_file: Path | None = setting(
+        None,
+        help="the exporter-toolkit web config node_exporter takes (--web.config.file): "
+        "basic_auth_users and tls_server_config (mode 600); instead of the three keys above",
+        file="secret",
+        content=load_web_config,
+    )
 
     def __post_init__(self) -> None:
         parse_listen(self.listen, "listen")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("tls_cert_file", "set tls_cert_file and tls_key_file together")
+        if self.web_config_file is not None and (
+            self.tls_cert_file is not None or self.basic_auth_users_file is not None
+        ):
+            raise ConfigError(
+                "web_config_file",
+                "set web_config_file or tls_cert_file/tls_key_file/basic_auth_users_file, "
+                "not both: one file says who may scrape and with which certificate",
+            )
+
+    def web(self) -> WebConfig:
+        """Users and certificate, from the web config or from the three keys (reads files)."""
+        if self.web_config_file is not None:
+            return load_web_config(self.web_config_file)
+        users = (
+            None if self.basic_auth_users_file is None else load_users(self.basic_auth_users_file)
+        )
+        return WebConfig(users, self.tls_cert_file, self.tls_key_file)
 
 
 def render(families: Iterable[MetricFamily], samples: Iterable[Sample]) -> list[Metric]:
@@ -115,7 +147,7 @@ class PrometheusSink:
         self.registry.register(ProcessCollector(registry=None))
         self.scrapes = 0
         self._server: asyncio.Server | None = None
-        self._auth: BasicAuth | None = None
+        self._gate: AuthGate | None = None
         self.http = ScrapeServer(self._answer)
 
     def families(self) -> Sequence[MetricFamily]:
@@ -142,12 +174,14 @@ class PrometheusSink:
             # The loader checked these files (the same rules as the MQTT key's): again here,
             # for they may have changed since, and a sink can be built without the loader.
             check_files(settings, "prometheus")
-            if settings.basic_auth_users_file is not None:
-                self._auth = BasicAuth(load_users(settings.basic_auth_users_file))
-            if settings.tls_cert_file is not None and settings.tls_key_file is not None:
-                tls = server_tls_context(settings.tls_cert_file, settings.tls_key_file)
+            web = settings.web()
+            if web.cert_file is not None and web.key_file is not None:
+                tls = server_tls_context(web.cert_file, web.key_file, web.min_version)
         except (ConfigError, UsersFileError, OSError, ssl.SSLError) as exc:
             raise OSError(f"prometheus: {exc}") from None
+        if web.users is not None:
+            self._gate = AuthGate(web.users)
+            await self._gate.start()
         self.http.tls = tls
         try:
             self._server = await self.http.listen(host, port)
@@ -167,6 +201,9 @@ class PrometheusSink:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        self.http.close()
+        if self._gate is not None:
+            self._gate.close()
 
     def metrics_body(self) -> bytes:
         return generate_latest(self.registry)
@@ -180,26 +217,14 @@ class PrometheusSink:
             return 200, ("ok\n" + notices).encode()
         return 503, ("\n".join(health.problems) + "\n" + notices).encode()
 
-    async def _answer(self, head: bytes) -> Answer:
-        if not await self._authorized(head):
-            return 401, {"WWW-Authenticate": 'Basic realm="gpuwarden"'}, b"unauthorized\n"
+    async def _answer(self, head: bytes, client: str) -> Answer:
+        if self._gate is not None:
+            # The last Authorization header, as before: a client sends one.
+            header = (header_values(head, "authorization") or [""])[-1]
+            verdict = await self._gate.verify(client, header)
+            if not verdict.allowed:
+                return verdict.status, dict(verdict.headers), verdict.body
         return self.respond(head)
-
-    async def _authorized(self, head: bytes) -> bool:
-        if self._auth is None:
-            return True
-        header = ""
-        for line in head.decode("latin-1").split("\r\n")[1:]:
-            name, sep, value = line.partition(":")
-            if sep and name.strip().lower() == "authorization":
-                header = value.strip()
-        credentials = parse_authorization(header)
-        if credentials is None:
-            return False
-        if self._auth.cached(*credentials):
-            return True
-        # bcrypt takes ~0.1-0.3 s: off the loop, so collection and other requests go on.
-        return await asyncio.to_thread(self._auth.check, *credentials)
 
     def respond(self, head: bytes) -> Answer:
         """Answer one request head: (status, headers, body)."""

@@ -31,7 +31,7 @@ class Gate:
         self.open = asyncio.Event()
         self.open.set()
 
-    async def __call__(self, head: bytes) -> Answer:
+    async def __call__(self, head: bytes, client: str) -> Answer:
         await self.open.wait()
         return 200, {}, b"ok\n"
 

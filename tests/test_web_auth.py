@@ -8,6 +8,7 @@ import contextlib
 import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -24,6 +25,8 @@ from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 from exporters.prometheus import PrometheusSink
 from exporters.web_auth import (
+    THREAD_NAME,
+    AuthGate,
     BasicAuth,
     UsersFileError,
     bcrypt_cost,
@@ -109,15 +112,148 @@ class TestBasicAuth:
         assert not auth.check("nobody", "s3cret")
 
 
-class TestUnknownUserTiming:
-    """An unknown user costs one bcrypt check at the users' own cost."""
+class TestSameCostForEveryUser:
+    """Known or unknown, cost 4 or cost 10: every check does the same bcrypt work, so the time
+    of a wrong answer says nothing of which users exist (on main: 3 ms for a cost-5 user,
+    219 ms for an unknown one)."""
 
-    def test_dummy_hash_has_the_users_cost(self) -> None:
-        """The dummy hash is built with the cost the users' hashes carry."""
-        hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(5))
-        auth = BasicAuth({"prometheus": hashed})
-        assert bcrypt_cost(auth.dummy_hash) == bcrypt_cost(hashed) == 5
-        assert not auth.check("nobody", "pw")
+    USERS = {
+        "cheap": bcrypt.hashpw(b"pw", bcrypt.gensalt(4)),
+        "middle": bcrypt.hashpw(b"pw", bcrypt.gensalt(7)),
+        "dear": bcrypt.hashpw(b"pw", bcrypt.gensalt(10)),
+    }
+
+    def test_bcrypt_work_is_the_highest_cost_for_every_user(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The sum of 2^cost over the bcrypt calls of one check, for each kind of user."""
+        auth = BasicAuth(dict(self.USERS))
+        work: list[int] = []
+        checkpw = bcrypt.checkpw
+
+        def counting(password: bytes, hashed: bytes) -> bool:
+            work.append(2 ** (bcrypt_cost(hashed) or 0))
+            return checkpw(password, hashed)
+
+        monkeypatch.setattr(bcrypt, "checkpw", counting)
+        spent = {}
+        for user in [*self.USERS, "nobody", ""]:
+            work.clear()
+            assert not auth.check(user, "wrong")
+            spent[user] = sum(work)
+        assert set(spent.values()) == {2**10}, spent
+        assert auth.check("cheap", "pw")  # and the right password still passes
+
+    def test_wrong_answers_take_about_as_long(self) -> None:
+        """The wall time of a wrong answer, median of 5, within a gross factor of 2."""
+        auth = BasicAuth(dict(self.USERS))
+
+        def median_seconds(user: str) -> float:
+            times = []
+            for _ in range(5):
+                started = time.perf_counter()
+                auth.check(user, "wrong")
+                times.append(time.perf_counter() - started)
+            return sorted(times)[2]
+
+        medians = {user: median_seconds(user) for user in ["cheap", "dear", "nobody"]}
+        assert max(medians.values()) < 2 * min(medians.values()), medians
+
+    def test_dummy_hash_has_the_highest_cost(self) -> None:
+        auth = BasicAuth(dict(self.USERS))
+        assert bcrypt_cost(auth.dummy_hash) == auth.max_cost == 10
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wrong_or_right(password: str) -> str:
+    return basic("prometheus", password)
+
+
+class TestAuthGate:
+    """The order and the cost of checks: backoff, one at a time, the auth thread."""
+
+    async def test_failures_back_off_per_client_without_bcrypt(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        clock = FakeClock()
+        gate = AuthGate(parse_users(f"prometheus:{HASH}"), clock)
+        await gate.start()
+        calls: list[str] = []
+        checkpw = bcrypt.checkpw
+
+        def counting(password: bytes, hashed: bytes) -> bool:
+            calls.append(threading.current_thread().name)
+            return checkpw(password, hashed)
+
+        monkeypatch.setattr(bcrypt, "checkpw", counting)
+        try:
+            assert (await gate.verify("10.0.0.1", wrong_or_right("no"))).status == 401
+            assert len(calls) == 1
+            again = await gate.verify("10.0.0.1", wrong_or_right("no"))
+            assert (again.status, dict(again.headers)["Retry-After"]) == (429, "1")
+            assert len(calls) == 1  # refused without bcrypt
+            # Another address is not held back by this one's failures.
+            assert (await gate.verify("10.0.0.2", wrong_or_right("s3cret"))).allowed
+            # The backoff doubles with each failure.
+            for failures, seconds in [(1, 0.5), (2, 1.0), (3, 2.0), (4, 4.0)]:
+                clock.now += seconds + 0.01
+                assert (await gate.verify("10.0.0.1", wrong_or_right("no"))).status == 401, (
+                    failures
+                )
+                clock.now += seconds * 2 - 0.02
+                assert (await gate.verify("10.0.0.1", wrong_or_right("no"))).status == 429
+            # A success clears it; the right password of a backed-off client is cached anyway.
+            assert (await gate.verify("10.0.0.1", wrong_or_right("s3cret"))).allowed
+            assert all(name.startswith(THREAD_NAME) for name in calls), calls
+        finally:
+            gate.close()
+
+    async def test_a_client_that_never_failed_goes_before_guessers(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """With the auth thread busy and the queue full of guessers' checks, a fresh client's
+        check takes the place of the worst-ranked one and is checked next."""
+        gate = AuthGate(parse_users(f"prometheus:{HASH}"))
+        await gate.start()
+        release = threading.Event()
+        order: list[bytes] = []
+        checkpw = bcrypt.checkpw
+
+        def slow(password: bytes, hashed: bytes) -> bool:
+            release.wait(10)
+            order.append(password)
+            return checkpw(password, hashed)
+
+        monkeypatch.setattr(bcrypt, "checkpw", slow)
+        try:
+            # Guessers hammering: each refused a few times lately (strikes).
+            guessers = [f"10.0.1.{i}" for i in range(6)]
+            for address in guessers:
+                for _ in range(3):
+                    gate._client(address).strike(time.monotonic())
+            waiting = [
+                asyncio.create_task(gate.verify(a, basic("prometheus", f"guess-{a}")))
+                for a in guessers
+            ]
+            await until(lambda: gate.refused["busy"] >= 3, what="queue full")
+            scraper = asyncio.create_task(gate.verify("10.0.9.9", wrong_or_right("s3cret")))
+            await asyncio.sleep(0.05)
+            release.set()
+            assert (await scraper).allowed
+            verdicts = await asyncio.gather(*waiting)
+            # The check in the thread when the scraper came, then the scraper's.
+            assert order[1] == b"s3cret"
+            assert sorted(v.status for v in verdicts).count(503) >= 3
+        finally:
+            release.set()
+            gate.close()
 
 
 class TestCacheConcurrency:

@@ -145,5 +145,5 @@ class MetricsServer:
             return 503, {}, b"no broker connection\n"
         return 404, {}, b"not found\n"
 
-    async def _answer(self, head: bytes) -> Answer:
+    async def _answer(self, head: bytes, client: str) -> Answer:
         return self.respond(head)
