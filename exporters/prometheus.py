@@ -68,8 +68,7 @@ class PrometheusSettings:
     )
     web_config_file: Path | None = setting(
         None,
-        help="the exporter-toolkit web config node_exporter takes (--web.config.file): "
-        "basic_auth_users and tls_server_config (mode 600); instead of the three keys above",
+        help="node_exporter's web-config.yml: basic_auth_users, tls_server_config (mode 600)",
         file="secret",
         content=load_web_config,
     )
@@ -86,6 +85,15 @@ class PrometheusSettings:
                 "set web_config_file or tls_cert_file/tls_key_file/basic_auth_users_file, "
                 "not both: one file says who may scrape and with which certificate",
             )
+
+    def serves_tls(self) -> bool:
+        """Whether the endpoint speaks HTTPS (reads the web config, if one is named)."""
+        if self.web_config_file is None:
+            return self.tls_cert_file is not None
+        try:
+            return load_web_config(self.web_config_file).cert_file is not None
+        except UsersFileError:
+            return False  # the loader refused it already; a probe then says what it finds
 
     def web(self) -> WebConfig:
         """Users and certificate, from the web config or from the three keys (reads files)."""

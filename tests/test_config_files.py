@@ -59,6 +59,7 @@ FILE_KEYS = (
     FileKey("prometheus.tls_cert_file", "certificate", "run"),
     FileKey("prometheus.tls_key_file", "private_key", "run"),
     FileKey("prometheus.basic_auth_users_file", "secret", "run"),
+    FileKey("prometheus.web_config_file", "secret", "run"),
     FileKey("watch.password_file", "secret", "watch"),
     FileKey("watch.ca_file", "certificate", "watch"),
     FileKey("watch.cert_file", "certificate", "watch"),
@@ -122,8 +123,29 @@ def private(path: Path, text: str) -> Path:
     return path
 
 
-def good_values(directory: Path, tls: dict[str, Path]) -> dict[str, str]:
+WEB_CONFIG_REPLACES = (
+    "prometheus.tls_cert_file",
+    "prometheus.tls_key_file",
+    "prometheus.basic_auth_users_file",
+)
+"""The keys web_config_file stands for: a configuration sets one or the other."""
+
+
+def good_values(directory: Path, tls: dict[str, Path], testing: str = "") -> dict[str, str]:
+    """Every file key set to a good file; with the web config in place of the three keys it
+    replaces when that is the key under test."""
+    values = _good_values(directory, tls)
+    dropped = WEB_CONFIG_REPLACES if testing == "prometheus.web_config_file" else ()
+    dropped = dropped or ("prometheus.web_config_file",)
+    return {key: value for key, value in values.items() if key not in dropped}
+
+
+def _good_values(directory: Path, tls: dict[str, Path]) -> dict[str, str]:
     directory.mkdir(parents=True, exist_ok=True)
+    web_config = (
+        f"tls_server_config:\n  cert_file: {tls['server_cert']}\n  key_file: {tls['server_key']}\n"
+        f"basic_auth_users:\n  prom: {HASH}\n"
+    )
     values = {
         "mqtt.password_file": private(directory / "mqtt-password", SECRET + "\n"),
         "mqtt.ca_file": tls["ca"],
@@ -132,6 +154,7 @@ def good_values(directory: Path, tls: dict[str, Path]) -> dict[str, str]:
         "prometheus.tls_cert_file": tls["server_cert"],
         "prometheus.tls_key_file": tls["server_key"],
         "prometheus.basic_auth_users_file": private(directory / "users", f"prom:{HASH}\n"),
+        "prometheus.web_config_file": private(directory / "web-config.yml", web_config),
         "watch.password_file": private(directory / "watch-password", SECRET + "\n"),
         "watch.ca_file": tls["ca"],
         "watch.cert_file": tls["client_cert"],
@@ -286,6 +309,29 @@ def file_cases() -> Iterator[Any]:
             "no-users",
             content("# nobody yet\n", "no users"),
         ),
+        (
+            "prometheus.web_config_file",
+            "not-bcrypt",
+            content("basic_auth_users:\n  prom: plain\n", "basic_auth_users.prom", "not a bcrypt"),
+        ),
+        (
+            "prometheus.web_config_file",
+            "client-certificates",
+            content(
+                "tls_server_config:\n  cert_file: c\n  key_file: k\n  client_ca_file: ca\n",
+                "tls_server_config.client_ca_file",
+                "not supported",
+            ),
+        ),
+        (
+            "prometheus.web_config_file",
+            "cert-not-pem",
+            content(
+                "tls_server_config:\n  cert_file: /etc/hostname\n  key_file: /etc/hostname\n",
+                "tls_server_config.cert_file",
+                "no PEM certificate",
+            ),
+        ),
         ("watch.inventory_file", "bad-node", content("gpu-1\nbad node\n", ":2:", "'bad node'")),
     ]
     for key, name, breaker in content_cases:
@@ -332,11 +378,13 @@ def expect_same_refusal(
 class TestBaseline:
     """The valid configuration the cases break one key of: every command accepts it."""
 
+    @pytest.mark.parametrize("variant", ["", "prometheus.web_config_file"], ids=["keys", "web"])
     def test_every_command_accepts_it(
-        self, tmp_path: Path, tls: dict[str, Path], commands: Commands
+        self, tmp_path: Path, tls: dict[str, Path], commands: Commands, variant: str
     ) -> None:
         path = tmp_path / "gpuwarden.toml"
-        path.write_text(config_text(good_values(tmp_path / "files", tls), tmp_path / "state"))
+        values = good_values(tmp_path / "files", tls, variant)
+        path.write_text(config_text(values, tmp_path / "state"))
         assert commands("config", "check", "--config", str(path)).code == 0
         assert commands("run", "--config", str(path)).code == 0
         assert commands("watch", "--config", str(path)).code == 0
@@ -377,7 +425,7 @@ class TestFileKeys:
         fk: FileKey,
         breaker: Breaker,
     ) -> None:
-        values = good_values(tmp_path / "files", tls)
+        values = good_values(tmp_path / "files", tls, fk.key)
         scratch = tmp_path / "scratch"
         scratch.mkdir()
         values[fk.key], fragments = breaker(scratch, values[fk.key])
@@ -503,6 +551,7 @@ class TestProcesses:
             ("mqtt.ca_file", missing),
             ("prometheus.tls_key_file", readable_by(0o644)),
             ("prometheus.basic_auth_users_file", content("prom:plaintext\n", ":1:")),
+            ("prometheus.web_config_file", content("basic_auth_users: [\n", "not valid YAML")),
             ("mqtt.password_file", nul_byte),
             ("watch.password_file", readable_by(0o644)),
         ],
@@ -512,7 +561,7 @@ class TestProcesses:
         self, tmp_path: Path, tls: dict[str, Path], key: str, breaker: Breaker
     ) -> None:
         fk = BY_KEY[key]
-        values = good_values(tmp_path / "files", tls)
+        values = good_values(tmp_path / "files", tls, key)
         scratch = tmp_path / "scratch"
         scratch.mkdir()
         values[key], _ = breaker(scratch, values[key])

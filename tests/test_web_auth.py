@@ -13,17 +13,19 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import ClassVar
 
 import bcrypt
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
-from exporters.prometheus import PrometheusSink
+from exporters.prometheus import PrometheusSettings, PrometheusSink
 from exporters.web_auth import (
     THREAD_NAME,
     AuthGate,
@@ -32,6 +34,7 @@ from exporters.web_auth import (
     bcrypt_cost,
     parse_authorization,
     parse_users,
+    parse_web_config,
 )
 from tests.support.ports import free_port
 from tests.support.tls import Authority
@@ -117,7 +120,7 @@ class TestSameCostForEveryUser:
     of a wrong answer says nothing of which users exist (on main: 3 ms for a cost-5 user,
     219 ms for an unknown one)."""
 
-    USERS = {
+    USERS: ClassVar[dict[str, bytes]] = {
         "cheap": bcrypt.hashpw(b"pw", bcrypt.gensalt(4)),
         "middle": bcrypt.hashpw(b"pw", bcrypt.gensalt(7)),
         "dear": bcrypt.hashpw(b"pw", bcrypt.gensalt(10)),
@@ -204,9 +207,7 @@ class TestAuthGate:
             # The backoff doubles with each failure.
             for failures, seconds in [(1, 0.5), (2, 1.0), (3, 2.0), (4, 4.0)]:
                 clock.now += seconds + 0.01
-                assert (await gate.verify("10.0.0.1", wrong_or_right("no"))).status == 401, (
-                    failures
-                )
+                assert (await gate.verify("10.0.0.1", wrong_or_right("no"))).status == 401, failures
                 clock.now += seconds * 2 - 0.02
                 assert (await gate.verify("10.0.0.1", wrong_or_right("no"))).status == 429
             # A success clears it; the right password of a backed-off client is cached anyway.
@@ -475,3 +476,165 @@ class TestEndpointLimits:
         head = await asyncio.to_thread(fetch, "HEAD")
         assert got == (str(len(body)), body)
         assert head == (str(len(body)), b"")
+
+
+NODE_EXPORTER_WEB_CONFIG = """\
+# As node_exporter takes it (--web.config.file), from the exporter-toolkit documentation.
+tls_server_config:
+  cert_file: server.crt
+  key_file: "keys/server.key"
+  min_version: TLS12
+
+http_server_config:
+  http2: false
+
+basic_auth_users:
+  prometheus: {hash}
+  'grafana': "{hash_2y}"
+"""
+
+
+def write_web_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "web-config.yml"
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+class TestWebConfig:
+    """exporter-toolkit's web-config.yml: the file operators already have for node_exporter."""
+
+    def test_node_exporter_file_is_read(self, tmp_path: Path) -> None:
+        """Users (bcrypt $2b$ and Go's $2y$), and TLS files relative to the file's directory."""
+        hash_2y = "$2y$" + HASH[4:]
+        text = NODE_EXPORTER_WEB_CONFIG.format(hash=HASH, hash_2y=hash_2y)
+        config = parse_web_config(text, "web.yml", tmp_path)
+        assert config.users == {"prometheus": HASH.encode(), "grafana": hash_2y.encode()}
+        assert config.cert_file == tmp_path / "server.crt"
+        assert config.key_file == tmp_path / "keys" / "server.key"
+        assert config.min_version is ssl.TLSVersion.TLSv1_2
+        assert BasicAuth(config.users).check("grafana", "s3cret")  # Go's $2y$ verifies
+
+    @pytest.mark.parametrize(
+        ("text", "message"),
+        [
+            ("basic_auth_users: [a\n", r"web\.yml:2:1: not valid YAML"),
+            ("- a\n- b\n", "web.yml: the file: expected a mapping"),
+            ("basic_auth_user:\n  a: x\n", "web.yml: basic_auth_user: unknown key"),
+            (f"basic_auth_users:\n  a: {HASH}\n  a: {HASH}\n", "web.yml:3:3: .*'a' appears twice"),
+            (f"basic_auth_users:\n  yes: {HASH}\n", "user name True is not a string"),
+            ("basic_auth_users:\n  a: plain\n", "basic_auth_users.a: the hash is not a bcrypt"),
+            ("basic_auth_users:\n  a: 12\n", "basic_auth_users.a: the hash is not a bcrypt"),
+            ("basic_auth_users: {}\n", "basic_auth_users: no users"),
+            ("basic_auth_users: x\n", "basic_auth_users: expected a mapping"),
+            (
+                "tls_server_config:\n  cert_file: c\n  key_file: k\n"
+                "  client_auth_type: RequireAndVerifyClientCert\n",
+                "tls_server_config.client_auth_type: not supported by gpuwarden",
+            ),
+            ("tls_server_config:\n  cert_file: c\n", "tls_server_config.key_file: expected a file"),
+            ("tls_server_config:\n  certfile: c\n", "tls_server_config.certfile: unknown key"),
+            (
+                "tls_server_config:\n  cert_file: c\n  key_file: k\n  min_version: TLS10\n",
+                "tls_server_config.min_version: expected TLS12 or TLS13",
+            ),
+            ("http_server_config:\n  headers: {}\n", "http_server_config.headers: not supported"),
+            (f"a: &x {HASH}\nbasic_auth_users:\n  b: *x\n", "aliases"),
+            ("# nothing\n", "neither basic_auth_users nor tls_server_config"),
+        ],
+    )
+    def test_malformed_files_are_refused_naming_file_and_key(self, text: str, message: str) -> None:
+        with pytest.raises(UsersFileError, match=message):
+            parse_web_config(text, "web.yml", Path("/etc/gpuwarden"))
+
+    def toml(self, tmp_path: Path, prometheus: str) -> Path:
+        path = tmp_path / "gpuwarden.toml"
+        path.write_text(f'state_dir = "{tmp_path / "state"}"\n[prometheus]\n{prometheus}')
+        return path
+
+    def test_checked_at_load_like_every_file_key(self, tmp_path: Path) -> None:
+        """config check and run refuse a bad web config with the TOML file, the key, the web
+        config and its key; the TLS key it names follows the private key rule."""
+        authority = Authority(tmp_path / "ca").create()
+        server = authority.issue("localhost", ip_addresses=("127.0.0.1",))
+        good = f"tls_server_config:\n  cert_file: {server.cert}\n  key_file: {server.key}\n"
+        web = write_web_config(tmp_path, good + f"basic_auth_users:\n  p: {HASH}\n")
+        toml = self.toml(tmp_path, f'web_config_file = "{web}"\n')
+        loaded = config_module.load(toml).section("prometheus", PrometheusSettings)
+        assert loaded.web_config_file == web
+
+        write_web_config(tmp_path, good + "basic_auth_users:\n  p: nope\n")
+        with pytest.raises(ConfigError) as bad:
+            config_module.load(toml)
+        assert str(bad.value).startswith(f"{toml}: prometheus.web_config_file: {web}: ")
+        assert "basic_auth_users.p: the hash is not a bcrypt hash" in str(bad.value)
+
+        write_web_config(tmp_path, good)
+        server.key.chmod(0o644)
+        with pytest.raises(
+            ConfigError, match=f"tls_server_config.key_file: .*chmod 600 {server.key}"
+        ):
+            config_module.load(toml)
+        server.key.chmod(0o600)
+
+        web.chmod(0o644)  # it holds password hashes: private, like the users file
+        with pytest.raises(ConfigError, match=f"prometheus.web_config_file: .*chmod 600 {web}"):
+            config_module.load(toml)
+
+    def test_web_config_or_the_three_keys_not_both(self, tmp_path: Path) -> None:
+        users = tmp_path / "users"
+        users.write_text(f"prometheus:{HASH}\n")
+        users.chmod(0o600)
+        web = write_web_config(tmp_path, f"basic_auth_users:\n  p: {HASH}\n")
+        toml = self.toml(
+            tmp_path, f'web_config_file = "{web}"\nbasic_auth_users_file = "{users}"\n'
+        )
+        with pytest.raises(
+            ConfigError, match=r"prometheus\.web_config_file: set web_config_file or"
+        ):
+            config_module.load(toml)
+
+    async def test_endpoint_serves_tls_and_auth_from_the_web_config(self, tmp_path: Path) -> None:
+        authority = Authority(tmp_path / "ca").create()
+        server = authority.issue("localhost", ip_addresses=("127.0.0.1",))
+        (tmp_path / "tls").mkdir()
+        for source, name in ((server.cert, "server.crt"), (server.key, "server.key")):
+            target = tmp_path / "tls" / name
+            target.write_bytes(source.read_bytes())
+            target.chmod(0o600)
+        web = write_web_config(
+            tmp_path,
+            "tls_server_config:\n  cert_file: tls/server.crt\n  key_file: tls/server.key\n"
+            f"basic_auth_users:\n  prometheus: {HASH}\n",
+        )
+        port = free_port()
+        cfg = config_module.parse(
+            {
+                "state_dir": str(tmp_path / "state"),
+                "prometheus": {"listen": f"127.0.0.1:{port}", "web_config_file": str(web)},
+            }
+        )
+        runtime = Runtime(
+            cfg,
+            StateStore.open(cfg.state_dir),
+            collectors=registry.COLLECTORS,
+            sinks=registry.SINKS,
+        )
+        await runtime.start()
+        context = ssl.create_default_context(cafile=str(authority.cert))
+
+        def get(authorization: str) -> int:
+            request = urllib.request.Request(f"https://127.0.0.1:{port}/metrics")
+            request.add_header("Authorization", authorization)
+            try:
+                with urllib.request.urlopen(request, timeout=10, context=context) as response:
+                    return int(response.status)
+            except urllib.error.HTTPError as exc:
+                return int(exc.code)
+
+        try:
+            assert await asyncio.to_thread(get, basic("prometheus", "s3cret")) == 200
+            assert await asyncio.to_thread(get, basic("prometheus", "nope")) == 401
+        finally:
+            await runtime.stop()
+            runtime.store.close()

@@ -205,9 +205,7 @@ async def check_network(config: Config) -> list[Finding]:
     prometheus = config.sections.get("prometheus")
     if isinstance(prometheus, PrometheusSettings) and prometheus.enabled:
         host, port = parse_listen(prometheus.listen)
-        jobs.append(
-            probes.check_prometheus_listen(host, port, prometheus.tls_cert_file is not None)
-        )
+        jobs.append(probes.check_prometheus_listen(host, port, prometheus.serves_tls()))
     mqtt = config.sections.get("mqtt")
     mqtt_on = isinstance(mqtt, MqttSettings) and mqtt.enabled
     if isinstance(mqtt, MqttSettings) and mqtt_on:

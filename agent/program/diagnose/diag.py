@@ -162,7 +162,7 @@ async def add_live_agent(bundle: Bundle, config: Config) -> None:
         bundle.notes.append("Prometheus endpoint disabled: no live metrics or delivery ledger")
         return
     host, port = parse_listen(prometheus.listen)
-    tls = prometheus.tls_cert_file is not None
+    tls = prometheus.serves_tls()
     for path, member in (("/healthz", "agent/healthz.txt"), ("/metrics", "agent/metrics.txt")):
         try:
             status, body = await probes.http_get(host, port, path, tls)
