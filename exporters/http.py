@@ -45,6 +45,14 @@ PER_CLIENT = 8
 MAX_REQUESTS = 1000
 """Requests on one kept-alive connection; then the response says Connection: close."""
 BACKLOG = 1024
+DROP_REASONS = (
+    "header_timeout",  # no whole request head (or TLS handshake) within HEADER_TIMEOUT
+    "idle_timeout",  # no next request on a kept-alive connection within IDLE_TIMEOUT
+    "evicted",  # a waiting connection given up for a new one
+    "refused",  # over the budget with nothing to evict (503)
+    "send_timeout",  # the response not taken within SEND_TIMEOUT
+    "bad_tls",  # the TLS handshake failed
+)
 
 Answer = tuple[int, dict[str, str], bytes]
 Responder = Callable[[bytes, str], Awaitable[Answer]]
@@ -132,8 +140,7 @@ class _Connection:
 class ScrapeServer:
     """Serves connections with `respond(request head, client) -> (status, headers, body)`.
 
-    `dropped` counts connections closed early, by reason: header_timeout, idle_timeout,
-    evicted, refused (over budget with nothing to evict), send_timeout, bad_tls.
+    `dropped` counts connections closed early, by reason (DROP_REASONS).
     """
 
     def __init__(
@@ -184,6 +191,9 @@ class ScrapeServer:
         connection = self._admit(writer)
         if connection is None:
             self.dropped["refused"] += 1
+            if self.tls is not None:  # a plain-text 503 would be noise to a TLS client
+                writer.transport.abort()
+                return
             # Small enough to fit the socket buffer: no drain, nothing to wait for.
             writer.write(response(503, {}, b"too many connections\n"))
             writer.close()

@@ -27,6 +27,7 @@ from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
 from exporters.http import (
     CONTENT_TYPE,
+    DROP_REASONS,
     Answer,
     ScrapeServer,
     header_values,
@@ -34,6 +35,7 @@ from exporters.http import (
     request_line,
 )
 from exporters.web_auth import (
+    REFUSAL_REASONS,
     AuthGate,
     UsersFileError,
     WebConfig,
@@ -43,6 +45,19 @@ from exporters.web_auth import (
 )
 
 log = structlog.get_logger(component="prometheus")
+
+CONNECTIONS_DROPPED = MetricFamily(
+    "gpuwarden_http_connections_dropped_total",
+    MetricType.COUNTER,
+    "Connections to /metrics closed before an answer, by reason (exporters/http.py)",
+    ("reason",),
+)
+AUTH_REFUSED = MetricFamily(
+    "gpuwarden_http_auth_refused_total",
+    MetricType.COUNTER,
+    "Requests refused by basic auth: failed (401), backoff (429), busy (503)",
+    ("reason",),
+)
 
 
 @dataclass(frozen=True)
@@ -159,10 +174,15 @@ class PrometheusSink:
         self.http = ScrapeServer(self._answer)
 
     def families(self) -> Sequence[MetricFamily]:
-        return ()
+        return (CONNECTIONS_DROPPED, AUTH_REFUSED)
 
     def samples(self) -> Sequence[Sample]:
-        return ()
+        # Every reason always, from 0: a rate() over a series that appears late misses its
+        # first increase.
+        out = [CONNECTIONS_DROPPED.sample(self.http.dropped[r], r) for r in DROP_REASONS]
+        if self._gate is not None:
+            out += [AUTH_REFUSED.sample(self._gate.refused[r], r) for r in REFUSAL_REASONS]
+        return out
 
     def problems(self) -> Sequence[str]:
         return ()

@@ -67,6 +67,11 @@ STRIKE_HALF_LIFE = 10.0
 TRACKED_CLIENTS = 4096
 """Client addresses whose failures are remembered (the oldest forgotten first)."""
 THREAD_NAME = "gpuwarden-auth"
+REFUSAL_REASONS = (
+    "failed",  # checked: wrong user or password (401)
+    "backoff",  # not checked: the client failed lately, or has a check in flight (429)
+    "busy",  # not checked: the queue held better-ranked checks (503)
+)
 
 
 def bcrypt_cost(hashed: bytes) -> int | None:
@@ -435,7 +440,7 @@ class AuthGate:
         self._arrivals = 0
         self._in_flight: dict[str, _Check] = {}
         self._clients: OrderedDict[str, _Client] = OrderedDict()
-        self.refused = {"backoff": 0, "busy": 0}
+        self.refused = dict.fromkeys(REFUSAL_REASONS, 0)
 
     async def start(self) -> None:
         """Build the dummy hashes (a few bcrypt hashes) in the auth thread, off the loop."""
@@ -499,7 +504,10 @@ class AuthGate:
         if ok is None:
             self.refused["busy"] += 1
             return BUSY
-        return ALLOWED if ok else UNAUTHORIZED
+        if not ok:
+            self.refused["failed"] += 1
+            return UNAUTHORIZED
+        return ALLOWED
 
     def _enqueue(self, client: str, credentials: tuple[str, str], strikes: float) -> _Check | None:
         self._arrivals += 1

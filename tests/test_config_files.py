@@ -135,8 +135,9 @@ def good_values(directory: Path, tls: dict[str, Path], testing: str = "") -> dic
     """Every file key set to a good file; with the web config in place of the three keys it
     replaces when that is the key under test."""
     values = _good_values(directory, tls)
-    dropped = WEB_CONFIG_REPLACES if testing == "prometheus.web_config_file" else ()
-    dropped = dropped or ("prometheus.web_config_file",)
+    dropped: tuple[str, ...] = ("prometheus.web_config_file",)
+    if testing == "prometheus.web_config_file":
+        dropped = WEB_CONFIG_REPLACES
     return {key: value for key, value in values.items() if key not in dropped}
 
 

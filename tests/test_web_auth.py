@@ -346,6 +346,8 @@ class TestEndpoint:
             sink = runtime.sinks["prometheus"]
             assert isinstance(sink, PrometheusSink)
             assert sink.scrapes == 2
+            refused = {s.label_values: s.value for s in sink.samples() if "auth" in s.family.name}
+            assert refused == {("failed",): 1.0, ("backoff",): 0.0, ("busy",): 0.0}
         finally:
             await runtime.stop()
             runtime.store.close()
@@ -458,6 +460,22 @@ class TestEndpointLimits:
                 return total
 
             assert await asyncio.to_thread(read_all) < len(body)
+
+    async def test_dropped_connections_are_counted_on_metrics(
+        self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An attack is visible: a silent client closed at the header deadline is a count."""
+        monkeypatch.setattr(endpoint.http, "header_timeout", 0.2)
+        with socket.socket() as silent:
+            silent.connect(endpoint.address)
+            silent.settimeout(10)
+            assert await asyncio.to_thread(silent.recv, 100) == b""
+        url = "http://{}:{}/metrics".format(*endpoint.address)
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+        lines = body.decode().splitlines()
+        assert 'gpuwarden_http_connections_dropped_total{reason="header_timeout"} 1.0' in lines
+        assert 'gpuwarden_http_connections_dropped_total{reason="evicted"} 0.0' in lines
+        assert not any(line.startswith("gpuwarden_http_auth_refused") for line in lines)
 
     async def test_head_content_length_is_the_get_body_length(
         self, endpoint: PrometheusSink, monkeypatch: pytest.MonkeyPatch
