@@ -45,10 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import bcrypt
+import structlog
 import yaml
 
 from agent.contracts.errors import ConfigError, GpuwardenError
 from agent.contracts.settings import check_files, read_regular, setting
+
+log = structlog.get_logger(component="prometheus")
 
 BCRYPT_HASH = re.compile(r"\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}")
 """Prefix, cost 04-31, 22 characters of salt and 31 of hash in bcrypt's base64: anything else
@@ -175,7 +178,9 @@ class _StrictLoader(yaml.SafeLoader):
         seen: set[object] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str | int | float | bool) and key in seen:
+            if not isinstance(key, str | int | float | bool):
+                continue  # unhashable: the constructor below refuses it, with its line
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} appears twice", key_node.start_mark
                 )
@@ -532,7 +537,13 @@ class AuthGate:
                 continue
             check = min(self._queue, key=lambda c: c.rank)
             self._queue.remove(check)
-            ok = await loop.run_in_executor(self.pool, self.auth.check, *check.credentials)
+            try:
+                ok: bool | None = await loop.run_in_executor(
+                    self.pool, self.auth.check, *check.credentials
+                )
+            except Exception:  # a bug in a check must not stop every later one
+                log.exception("basic auth check failed")
+                ok = None
             if not check.done.done():
                 check.done.set_result(ok)
 

@@ -148,19 +148,17 @@ class TestSameCostForEveryUser:
         assert auth.check("cheap", "pw")  # and the right password still passes
 
     def test_wrong_answers_take_about_as_long(self) -> None:
-        """The wall time of a wrong answer, median of 5, within a gross factor of 2."""
+        """The wall time of a wrong answer, the fastest of 5 taken in turns (load on a shared
+        machine only ever adds time), within a gross factor of 4: on main it was 64 (cost 4
+        against cost 10)."""
         auth = BasicAuth(dict(self.USERS))
-
-        def median_seconds(user: str) -> float:
-            times = []
-            for _ in range(5):
+        fastest = dict.fromkeys(["cheap", "dear", "nobody"], float("inf"))
+        for _ in range(5):
+            for user in fastest:
                 started = time.perf_counter()
                 auth.check(user, "wrong")
-                times.append(time.perf_counter() - started)
-            return sorted(times)[2]
-
-        medians = {user: median_seconds(user) for user in ["cheap", "dear", "nobody"]}
-        assert max(medians.values()) < 2 * min(medians.values()), medians
+                fastest[user] = min(fastest[user], time.perf_counter() - started)
+        assert max(fastest.values()) < 4 * min(fastest.values()), fastest
 
     def test_dummy_hash_has_the_highest_cost(self) -> None:
         auth = BasicAuth(dict(self.USERS))
@@ -559,6 +557,8 @@ class TestWebConfig:
             ("http_server_config:\n  headers: {}\n", "http_server_config.headers: not supported"),
             (f"a: &x {HASH}\nbasic_auth_users:\n  b: *x\n", "aliases"),
             ("# nothing\n", "neither basic_auth_users nor tls_server_config"),
+            ("? [a]\n: b\n", r"web\.yml:1:3: not valid YAML: found unhashable key"),
+            ("\t- a", "not valid YAML"),
         ],
     )
     def test_malformed_files_are_refused_naming_file_and_key(self, text: str, message: str) -> None:
