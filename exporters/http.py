@@ -12,8 +12,9 @@ than it serves. What matters is that no client can hold the port (the README adv
   the budget evicts the oldest waiting one of the client holding the most connections. A
   slowloris or a crowd of idle sockets then only ever evicts itself, and a scraper, whose
   request follows its connect at once, is busy (not evictable) by the time anyone could.
-- At most PER_CLIENT connections per client address: the next one evicts that client's own
-  oldest waiting connection, or is refused (503) while all of them are being answered.
+- At most PER_CLIENT connections per client (an IPv4 address, an IPv6 /64): the next one
+  evicts that client's own oldest waiting connection, or is refused (503) while all of them
+  are being answered.
 - Keep-alive for HTTP/1.1 clients (Prometheus reuses its connection), at most MAX_REQUESTS a
   connection; a request with a body, HTTP/1.0 or `Connection: close` ends it.
 - The listen backlog is large: under a flood of connects a short one drops the scraper's SYN,
@@ -23,6 +24,7 @@ than it serves. What matters is that no client can hold the port (the README adv
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import ssl
 import time
 from collections import Counter
@@ -310,9 +312,21 @@ class _PausedUntilTls(asyncio.StreamReaderProtocol):
 
 def _client_of(writer: asyncio.StreamWriter) -> str:
     peer = writer.get_extra_info("peername")
-    if isinstance(peer, tuple) and peer:
-        return str(peer[0])
-    return str(peer)
+    return client_key(str(peer[0]) if isinstance(peer, tuple) and peer else str(peer))
+
+
+def client_key(address: str) -> str:
+    """The client an address belongs to: an IPv4 address, or an IPv6 /64 (one host gets a
+    whole /64, so per-address limits on IPv6 would limit nothing)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address  # a Unix socket path, say
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def _oldest_waiting(connections: list[_Connection]) -> _Connection | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from exporters.http import Answer, ScrapeServer, may_keep_alive
+from exporters.http import Answer, ScrapeServer, client_key, may_keep_alive
 from tests.support.tls import Authority
 from tests.support.waiting import until
 
@@ -253,3 +253,19 @@ class TestKeepAlive:
         """Only a body-less HTTP/1.1 GET or HEAD that did not ask to close: an unread body
         would be taken for the next request."""
         assert may_keep_alive(head) is keep
+
+
+@pytest.mark.parametrize(
+    ("address", "client"),
+    [
+        ("192.0.2.7", "192.0.2.7"),
+        ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2:ffff::9", "2001:db8:1:2::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("::ffff:192.0.2.7", "192.0.2.7"),
+        ("/run/socket", "/run/socket"),
+    ],
+)
+def test_a_client_is_an_ipv4_address_or_an_ipv6_64(address: str, client: str) -> None:
+    """One IPv6 host holds a whole /64: counted per address, it would have no limit."""
+    assert client_key(address) == client
