@@ -32,7 +32,7 @@ from tests.support.endpoint_attack import Scrapes, finish_attack, scrape, start_
 from tests.support.mosquitto import Broker
 from tests.support.ports import free_port
 
-STORM_SECONDS = 5.0
+STORM_SECONDS = 4.0
 GUESSERS = 32
 
 

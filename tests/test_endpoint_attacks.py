@@ -15,7 +15,7 @@ import pytest
 from tests.support.agent_proc import AgentProcess
 from tests.support.endpoint_attack import Scrapes, finish_attack, scrape, start_attack
 
-SECONDS = 5.0
+SECONDS = 4.0
 CONFIG = (
     "[collectors.gpu]\nenabled = false\n[collectors.benchmark]\nenabled = false\n"
     "[collectors.kernel_log]\nenabled = false\n"
@@ -51,5 +51,5 @@ def test_scraper_keeps_its_answers(
     assert tally.connections >= count  # the attack ran, at full strength
     scrapes = result[0]
     assert scrapes.ratio >= 0.95, (scrapes, tally)
-    assert scrapes.ok + scrapes.failed >= 15  # none of them waited out its timeout
+    assert scrapes.ok + scrapes.failed >= 12  # few of them waited out their timeout
     assert agent.process is not None and agent.process.poll() is None
