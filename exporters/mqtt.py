@@ -3,8 +3,17 @@ outbox (docs/ARCHITECTURE.md, MQTT topics contract).
 
 One connection loop, on the stack it shares with the watcher (exporters/mqtt_client.py):
 connect (MQTT v5, explicit keepalive, TLS that always checks the host name), publish the
-retained `online` birth, then drain the outbox in order with a window of QoS 1 publishes in
-flight, deleting entries only after their successful PUBACK. Any failure ends the connection;
+retained `online` birth and a heartbeat, then drain the outbox in order with a window of QoS 1
+publishes in flight, deleting entries only after their successful PUBACK.
+
+Heartbeats never go through the outbox (nor the state store): each one is published on the
+live connection when it is due, and none is made while there is no connection. A heartbeat is
+a "now" message on a retained topic that keeps only the newest, so a queued one says nothing
+that the next fresh one does not say better; and a heartbeat that needed the store would stop
+on a full state disk, where the watcher would read the silence as a hung agent (node_stale)
+instead of the agent's own words about what is wrong (node_unhealthy). An acknowledged
+outbox entry the store cannot delete (a full disk) is remembered and not sent again: a store
+that cannot write never ends the connection, and so never the heartbeats. Any failure ends the connection;
 the loop waits (the shared backoff) and connects again with the next birth number. Each kind of failure is logged and raised as an event once per transition, not
 per retry. A clean stop publishes `offline` itself: a broker sends the Will only when a client
 vanishes, never after a clean DISCONNECT.
@@ -80,6 +89,8 @@ DISCONNECTED_ENFORCE_EVERY = 5.0
 """Seconds between outbox bound checks while no broker is reachable."""
 DROPS_QUIET_AFTER = 60.0
 """Seconds without a drop after which dropping counts as over (one info event)."""
+HEARTBEAT_TOKEN = -1
+"""Publisher token of a heartbeat: outbox entries have positive sequence numbers."""
 
 
 class MqttSink:
@@ -113,6 +124,10 @@ class MqttSink:
         self._produce_backoff = Backoff.of(settings)
         self._store_failing: set[str] = set()
         """Tasks ("connection", "produce") whose last state store access failed."""
+        self._beats_in_flight = 0
+        """Heartbeats published on this connection and not yet acknowledged."""
+        self._delivered_unacked: set[int] = set()
+        """Outbox entries the broker acknowledged that the store could not delete yet."""
 
     def topic(self, leaf: str) -> str:
         return f"{self.base_topic}/{leaf}"
@@ -166,7 +181,7 @@ class MqttSink:
                     next_heartbeat += heartbeat_every * max(
                         1, (now - next_heartbeat) // heartbeat_every
                     )
-                    await self._queue_heartbeat()
+                    self._send_heartbeat()
                 if now >= next_metrics:
                     next_metrics = max(next_metrics + self.settings.metrics_interval, now)
                     payload = metrics_payload(self.runtime, time.time())
@@ -184,17 +199,26 @@ class MqttSink:
             wake_at = min(next_heartbeat, next_metrics, loop.time() + DISCONNECTED_ENFORCE_EVERY)
             await asyncio.sleep(max(0.0, wake_at - loop.time()))
 
-    async def _queue_heartbeat(self) -> None:
+    def _send_heartbeat(self) -> None:
+        """Publish a heartbeat now (QoS 1, retained) if connected; without a connection there
+        is nobody to tell, and the next connection starts with a fresh one. Nothing here
+        touches the state store: the depth and drops are kept in memory."""
+        publisher = self._publisher
+        if publisher is None or not self.connected:
+            return
         self.heartbeat_seq += 1
         payload = heartbeat_payload(
             self.runtime,
             seq=self.heartbeat_seq,
             bdseq=self.bdseq,
             now=time.time(),
-            outbox_depth=self.outbox.depth(),  # kept in memory: no query
+            outbox_depth=self.outbox.depth(),
             outbox_dropped=dict(self.outbox.dropped),
         )
-        await self._queue("heartbeat", str(self.heartbeat_seq), payload)
+        # A publish that fails ends the connection in the drain loop (it sees the loss).
+        with contextlib.suppress(aiomqtt.MqttError):
+            publisher.publish_tracked(HEARTBEAT_TOKEN, self.topic("heartbeat"), payload, 1, True)
+            self._beats_in_flight += 1
 
     async def _queue(self, kind: str, key: str, payload: bytes) -> None:
         """A snapshot (heartbeat, metrics) into the outbox. One the store refuses is not
@@ -253,10 +277,12 @@ class MqttSink:
                     timeout=self.settings.connect_timeout,
                 )
                 self._on_connected(bdseq)
+                self._send_heartbeat()  # at once: the last one may be long gone
                 await self._drain(publisher, lost)
         finally:
             self._publisher = None
             self.connected = False
+            self._beats_in_flight = 0
 
     def _on_session_failure(self, exc: Exception) -> None:
         if isinstance(exc, aiomqtt.MqttError):
@@ -344,45 +370,72 @@ class MqttSink:
             await self._maybe_enforce()
             if len(inflight) < window:
                 for entry in await store(self.outbox.peek, window - len(inflight), last_seq):
+                    last_seq = entry.seq
+                    if entry.kind == "heartbeat" or entry.seq in self._delivered_unacked:
+                        # Queued by an older version (superseded by the live heartbeats), or
+                        # delivered already: deleted, not sent.
+                        self._delivered_unacked.add(entry.seq)
+                        continue
                     self._publish(publisher, entry)
                     inflight[entry.seq] = entry
-                    last_seq = entry.seq
             if publisher.completed:
                 done, publisher.completed = publisher.completed, []
                 await self._settle(done, inflight)
                 last_progress = time.monotonic()
                 continue
+            await self._delete_delivered()
             if lost.done():
                 raise aiomqtt.MqttError("the connection to the broker was lost") from (
                     None if lost.cancelled() else lost.exception()
                 )
+            waiting = len(inflight) + self._beats_in_flight
             waited = time.monotonic() - last_progress
-            if inflight and waited > self.settings.connect_timeout:
-                raise aiomqtt.MqttError(
-                    f"no PUBACK for {len(inflight)} publishes within {waited:.0f} s"
-                )
+            if waiting and waited > self.settings.connect_timeout:
+                raise aiomqtt.MqttError(f"no PUBACK for {waiting} publishes within {waited:.0f} s")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), ENFORCE_EVERY)
-            if not inflight:
+            if not inflight and not self._beats_in_flight:
                 last_progress = time.monotonic()
 
     async def _settle(
         self, done: list[tuple[int, PublishRefused | None]], inflight: dict[int, OutboxEntry]
     ) -> None:
         acked: list[OutboxEntry] = []
+        beats = 0
         refused: PublishRefused | None = None
         for seq, error in done:
+            if seq == HEARTBEAT_TOKEN:
+                self._beats_in_flight = max(0, self._beats_in_flight - 1)
             entry = inflight.pop(seq, None)
             if error is not None:
                 refused = refused or error
+            elif seq == HEARTBEAT_TOKEN:
+                beats += 1
             elif entry is not None:
                 acked.append(entry)
-        if acked:
-            await self.runtime.in_store_thread(self.outbox.ack, [entry.seq for entry in acked])
-            self.published.update(entry.kind for entry in acked)
+        self.published.update(entry.kind for entry in acked)
+        self.published["heartbeat"] += beats
+        if acked or beats:
             self.runtime.record_delivery(self.name)
+        self._delivered_unacked.update(entry.seq for entry in acked)
+        await self._delete_delivered()
         if refused is not None:
             raise refused
+
+    async def _delete_delivered(self) -> None:
+        """Delete the delivered entries from the outbox. A store that refuses (a full disk)
+        keeps them there, remembered here so that they are not sent again, and deleted on a
+        later try: the connection, and with it the heartbeats, goes on."""
+        if not self._delivered_unacked:
+            return
+        seqs = sorted(self._delivered_unacked)
+        try:
+            await self.runtime.in_store_thread(self.outbox.ack, seqs)
+        except StateStoreError as exc:
+            self._on_store_failure("delete", exc)
+            return
+        self._on_store_ok("delete")
+        self._delivered_unacked.difference_update(seqs)
 
     def _publish(self, publisher: Publisher, entry: OutboxEntry) -> None:
         leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)

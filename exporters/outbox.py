@@ -2,7 +2,9 @@
 
 Entries live in the state store's outbox table (agent/runtime/state.py), written before any delivery
 is tried and deleted only after the broker acknowledged them. Events get there through
-`SinkContext.emit`; heartbeats and metric snapshots through `Outbox.put`.
+`SinkContext.emit`; metric snapshots through `Outbox.put`. Heartbeats are published live and
+never queued (exporters/mqtt.py says why); the heartbeat rules below remain for the entries an
+older version queued and for callers of `put`.
 
 Bounds (entries, payload bytes, age) are enforced by `enforce()`. Over a size bound, the
 cheapest entries go first: metric snapshots (the next one replaces them), then heartbeats other

@@ -100,12 +100,46 @@ class TestStoreFailure:
     async def test_producer_survives_a_store_failure(
         self, agent: InProcessAgent, subscribed: Subscriber, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """The heartbeat producer raising once goes on producing heartbeats."""
+        """The producer's store access (queueing a metric snapshot) raising once: it goes
+        on producing heartbeats, which never wait for the store."""
         runtime = await agent.start()
         sink = runtime.sinks["mqtt"]
         await until(lambda: sink.connected, what="connected")
-        monkeypatch.setattr(sink, "_queue_heartbeat", fail_once(sink._queue_heartbeat))
+        monkeypatch.setattr(sink, "_queue", fail_once(sink._queue))
         await until(lambda: runtime.ledger["mqtt"].failures >= 1, what="the store failure")
         seen = len(subscribed.on("/heartbeat"))
         await until(lambda: len(subscribed.on("/heartbeat")) > seen + 1, what="heartbeats")
         assert_survived(runtime)
+
+
+def always_fails(*_args: Any, **_kwargs: Any) -> Any:
+    raise StateStoreError("state store write failed: database or disk is full")
+
+
+class TestStoreThatCannotWrite:
+    """Heartbeats never depend on the state store (issue 13): with every write the sink
+    makes refused, the node goes on beating on one connection."""
+
+    async def test_heartbeats_go_on_and_delivered_entries_are_not_resent(
+        self, agent: InProcessAgent, subscribed: Subscriber, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """outbox put and ack refused (a full disk): heartbeats keep coming with the same
+        birth number (the connection was never dropped), and an event delivered while the
+        store cannot delete it is delivered once, not again on every pass."""
+        runtime = await agent.start()
+        sink = runtime.sinks["mqtt"]
+        await until(lambda: sink.connected, what="connected")
+        bdseq = sink.bdseq
+        monkeypatch.setattr(sink.outbox, "put", always_fails)
+        monkeypatch.setattr(sink.outbox, "ack", always_fails)
+        event = Event(source="test", kind="probe", severity=Severity.INFO, message="full")
+        runtime.emit(event)
+        await until(lambda: event.id in subscribed.event_ids(), what="the event delivered")
+        seen = len(subscribed.on("/heartbeat"))
+        await until(lambda: len(subscribed.on("/heartbeat")) >= seen + 4, what="heartbeats")
+        assert subscribed.event_ids().count(event.id) == 1
+        beats = [m.json() for m in subscribed.on("/heartbeat")[seen:]]
+        assert {b["bdseq"] for b in beats} == {bdseq}
+        assert sink.connected and sink.bdseq == bdseq
+        monkeypatch.undo()
+        await until(lambda: not runtime.store.outbox_peek(10), what="the outbox emptied")
