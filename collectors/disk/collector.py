@@ -7,7 +7,10 @@ of one file system are reported once (see `select_mounts`).
 
 statvfs on a dead NFS server blocks in the kernel, so every statvfs goes through `ctx.call`
 with a per-mount key: a mount that does not answer in time is reported stuck and is not asked
-again until the hung call returns. One stuck mount never fails the round.
+again until the hung call returns. One stuck mount never fails the round. For network, cluster
+and FUSE file systems (`isolated_fs_types`) the statvfs itself runs in a helper process
+(collectors/disk/isolated.py): a thread stuck in the kernel there would keep the agent from
+exiting, even on SIGKILL, until the server answers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from agent.contracts.model import (
 )
 from agent.contracts.settings import setting
 from collectors._procfs import MountInfo, read_mountinfo
+from collectors.disk.isolated import DEFAULT_ISOLATED_TYPES, StatvfsHelpers
 from collectors.disk.levels import Level, Limits, used_percent
 
 G = MetricType.GAUGE
@@ -151,6 +155,12 @@ class DiskSettings(CollectorSettings):
     )
     fs_types_exclude: tuple[str, ...] = setting(
         DEFAULT_EXCLUDED_TYPES, help="glob patterns of file system types never watched"
+    )
+    isolated_fs_types: tuple[str, ...] = setting(
+        DEFAULT_ISOLATED_TYPES,
+        help="glob patterns of file system types (network, cluster, FUSE) whose statvfs runs "
+        "in a helper process, so that a dead server cannot keep the agent from stopping; "
+        "the others run in threads",
     )
     dedupe_bind_mounts: bool = setting(
         True, help="report a file system once, not once per bind mount"
@@ -295,11 +305,23 @@ class DiskCollector:
     name = "disk"
 
     def __init__(
-        self, settings: DiskSettings, deps: CollectorDeps, statvfs: Statvfs = os.statvfs
+        self,
+        settings: DiskSettings,
+        deps: CollectorDeps,
+        statvfs: Statvfs = os.statvfs,
+        isolated: Statvfs | None = None,
     ) -> None:
+        """`statvfs` answers for local mounts, `isolated` for `isolated_fs_types`: by
+        default helper processes, unless `statvfs` is a scripted one (tests), which then
+        answers for every mount."""
         self.settings = settings
         self.deps = deps
         self._statvfs = statvfs
+        self.helpers: StatvfsHelpers | None = None
+        if isolated is None and statvfs is os.statvfs:
+            self.helpers = StatvfsHelpers()
+            isolated = self.helpers.statvfs
+        self._isolated: Statvfs = statvfs if isolated is None else isolated
         self._stuck: set[str] = set()
         self._errors: dict[str, str] = {}
         self._read_only: dict[str, bool] = {}
@@ -361,10 +383,10 @@ class DiskCollector:
 
     async def _stat(self, ctx: CollectContext, mount: MountInfo) -> _Outcome:
         path = os.path.join(str(self.settings.rootfs), mount.mount_point.lstrip("/"))
+        isolated = _matches(mount.fs_type, self.settings.isolated_fs_types)
+        statvfs = self._isolated if isolated else self._statvfs
         try:
-            return await ctx.call(
-                f"statvfs:{mount.mount_point}", stat_filesystem, path, self._statvfs
-            )
+            return await ctx.call(f"statvfs:{mount.mount_point}", stat_filesystem, path, statvfs)
         except CallTimedOut as exc:
             # Not new if the previous hung call returned and this one hangs again: a mount
             # that always answers too late is one stuck spell, not a new alarm per hung call.
@@ -525,7 +547,8 @@ class DiskCollector:
         )
 
     async def close(self) -> None:
-        return None
+        if self.helpers is not None:
+            self.helpers.close()
 
 
 def _stuck_event(mount: MountInfo, seconds: float) -> Event:

@@ -34,6 +34,9 @@ class AgentProcess:
     env: dict[str, str] = field(default_factory=dict)
     repo: Path = REPO
     """The checkout whose agent runs (a benchmark runs another branch's for a before/after)."""
+    prefix: list[str] = field(default_factory=list)
+    """A command the agent's command line is handed to (it must exec it, so that the pid is
+    the agent's): a launcher of a private mount namespace, say."""
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -62,7 +65,7 @@ class AgentProcess:
         if "NOTIFY_SOCKET" not in self.env:
             env.pop("NOTIFY_SOCKET", None)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
+            [*self.prefix, sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
             cwd=self.repo,
             env=env,
             stdout=self.log_path.open("ab"),
