@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.contracts.settings import build
+from collectors.disk.collector import DiskCollector, DiskSettings
 from collectors.disk.isolated import COMMAND, StatvfsHelpers
+from tests.support.host import ProcTree, make_deps, pooled_caller, run_round, values
 from tests.support.waiting import wait_until
 
 STUCK_CHILD = """
@@ -112,3 +115,36 @@ class TestStuckAndDead:
             assert helpers.pids() != [pid]
         finally:
             helpers.close()
+
+
+class TestDiskCollector:
+    """Which mounts the real collector hands to helpers: `isolated_fs_types`, nothing else."""
+
+    @pytest.mark.parametrize(("isolated", "helpers_started"), [(None, 1), ([], 0)])
+    async def test_network_mounts_go_to_a_helper(
+        self, tmp_path: Path, isolated: list[str] | None, helpers_started: int
+    ) -> None:
+        root = tmp_path / "root"
+        for directory in ("data", "mnt/nfs"):
+            (root / directory).mkdir(parents=True)
+        tree = ProcTree(tmp_path / "proc")
+        tree.set_mountinfo(
+            "27 1 259:2 / /data rw - ext4 /dev/sda1 rw\n"
+            "30 27 0:45 / /mnt/nfs rw - nfs4 storage01:/export rw,hard\n"
+        )
+        changes: dict[str, object] = {"proc_root": str(tree.root), "rootfs": str(root)}
+        if isolated is not None:
+            changes["isolated_fs_types"] = isolated
+        collector = DiskCollector(build(DiskSettings, changes), make_deps())
+        assert collector.helpers is not None
+        try:
+            with pooled_caller() as caller:
+                collection = await run_round(collector, caller)
+            sizes = values(collection, "gpuwarden_filesystem_size_bytes")
+            want = os.statvfs(root)
+            assert sizes[("/mnt/nfs", "storage01:/export", "nfs4")] == want.f_blocks * want.f_frsize
+            assert ("/data", "/dev/sda1", "ext4") in sizes
+            assert collector.helpers.started == helpers_started
+        finally:
+            await collector.close()
+        assert collector.helpers.started == 0
