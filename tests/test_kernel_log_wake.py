@@ -9,6 +9,7 @@ only a wake-up can pass it; the bounds are gross, the figures are bench/kernel_l
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -20,12 +21,22 @@ from typing import Any
 
 import pytest
 
-from agent.contracts.collector import CollectContext, CollectorSettings, CollectorSpec
+from agent.contracts.collector import (
+    CollectContext,
+    CollectorDeps,
+    CollectorSettings,
+    CollectorSpec,
+    MemoryKeyValueStore,
+    SharedServices,
+)
 from agent.contracts.model import Collection, MetricFamily
 from agent.program import config_file, registry
+from agent.runtime.blocking import PooledCaller
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
+from collectors.kernel_log.collector import KernelLogCollector, KernelLogSettings
 from tests.support.collectors import ROUNDS
+from tests.support.kmsg import FakeKmsg, write_boot_id
 from tests.support.waiting import until
 
 INTERVAL = 30.0
@@ -207,3 +218,31 @@ class TestRuntimeWake:
             await until(lambda: collector.rounds >= 4, BOUND, "rounds on the interval")
         finally:
             await runtime.stop()
+
+
+class TestBoundedRead:
+    async def test_a_read_that_stopped_at_its_bound_does_not_wait(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """More records than one read takes: the rest is read at once, not an interval later."""
+        monkeypatch.setattr("collectors.kernel_log.kmsg.MAX_RECORDS_PER_READ", 10)
+        device = FakeKmsg.with_records([])
+        for n in range(25):
+            device.write(f"record {n}")
+        settings = KernelLogSettings(
+            path=Path("/dev/kmsg"), boot_id_path=write_boot_id(tmp_path / "boot_id", "boot-a")
+        )
+        deps = CollectorDeps("node", tmp_path, MemoryKeyValueStore(), SharedServices(), print)
+        collector = KernelLogCollector(settings, deps, io=device)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ctx = CollectContext(PooledCaller(pool, 5.0), time.time(), 0)
+            for _ in range(2):
+                await collector.collect(ctx)
+                await asyncio.wait_for(collector.wake(INTERVAL), BOUND)
+            await collector.collect(ctx)
+            assert collector.totals["records"] == 25
+            # All read, and a test double has no descriptor: the wait is the timeout's.
+            started = time.monotonic()
+            await collector.wake(0.2)
+            assert time.monotonic() - started >= 0.2
+        await collector.close()

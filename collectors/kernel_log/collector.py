@@ -171,6 +171,7 @@ class KernelLogCollector:
         self.totals: Counter[str] = Counter()
         self.suppressed: Counter[str] = Counter()
         self._holdoff: dict[tuple[str, str], _Holdoff] = {}
+        self._more = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (
@@ -204,6 +205,7 @@ class KernelLogCollector:
             self.reader = await ctx.call("kernel_log:open", self._open_reader)
         reader = self.reader
         batch = await ctx.call("kernel_log:read", reader.read)
+        self._more = batch.more
         self._prune_holdoff(ctx.now)
         events = self._process(batch, reader)
         # Every finding of the batch is in `events`, none waits in memory: the runtime stores
@@ -216,6 +218,9 @@ class KernelLogCollector:
         """Return when the log has something new to read, or after `timeout` seconds (the
         runtime's wait between rounds). Without a descriptor to wait on (a test double of
         /dev/kmsg, no inotify) it simply waits the timeout, as an interval would."""
+        if self._more:  # the last read stopped at its bound: read on at once
+            await asyncio.sleep(0)
+            return
         reader = self.reader
         fd = reader.wake_fd() if reader is not None else None
         if fd is None:

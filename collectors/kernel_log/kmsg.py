@@ -83,6 +83,8 @@ class ReadBatch:
     """Records already processed before a restart on this boot, skipped."""
     cursor: dict[str, object] | None = None
     """The cursor to persist once the batch is processed (see `commit`)."""
+    more: bool = False
+    """The read stopped at its bound with more left to read: the next round should not wait."""
 
 
 def read_boot_id(path: Path) -> str:
@@ -194,6 +196,7 @@ class KmsgReader:
             self._last_seq = seq
             batch.records.append(record)
         batch.cursor = {"boot_id": self._boot_id, "seq": self._last_seq}
+        batch.more = len(batch.records) >= MAX_RECORDS_PER_READ
         return batch
 
     def origin(self, record: LogRecord) -> tuple[str, str]:
