@@ -14,6 +14,10 @@ loopback. A writer thread appends `--records` Xid lines, each for its own GPU ad
   sink makes only after the PUBACK);
 - `record -> PUBACK`: the whole path.
 
+Then the cost of being woken: `--noise-seconds` of noise lines (200 a second, no finding
+among them) appended to the same file, and the agent's CPU time meanwhile (the process's,
+less the writer thread's own) and its kernel_log rounds a second.
+
 With `--baseline` the same script measures another checkout as well (it imports the agent
 from the tree it is given), side by side. /dev/kmsg and the NVML event thread with a real
 Xid are measured on a GPU host by bench/xid_gpu_latency.py.
@@ -118,7 +122,40 @@ def _writer(path: Path, records: int, timings: Timings, started: threading.Event
                 timings.written[(f"0000:{bus:02x}:00.0", code)] = time.time()
 
 
-async def _measure(tree: Path, work: Path, url: str, records: int) -> dict[str, Any]:
+NOISE_PER_SECOND = 200
+
+
+def _noise(path: Path, halt: threading.Event, spent: list[float]) -> None:
+    """Noise lines (a USB reset, no finding) at NOISE_PER_SECOND; its own CPU time in `spent`."""
+    start = time.thread_time()
+    with path.open("a", buffering=1) as handle:
+        n = 0
+        while not halt.wait(1 / NOISE_PER_SECOND):
+            handle.write(f"[{2000 + n * 0.005:10.4f}] usb 1-1: reset high-speed USB device {n}\n")
+            n += 1
+    spent.append(time.thread_time() - start)
+
+
+async def _noise_cost(runtime: Any, log: Path, seconds: float) -> dict[str, float]:
+    halt = threading.Event()
+    spent: list[float] = []
+    status = runtime.collectors["kernel_log"]
+    rounds, cpu = status.rounds_done, time.process_time()
+    writer = threading.Thread(target=_noise, args=(log, halt, spent), daemon=True)
+    writer.start()
+    await asyncio.sleep(seconds)
+    halt.set()
+    await asyncio.to_thread(writer.join, 5)
+    used = time.process_time() - cpu - sum(spent)
+    return {
+        "cpu_percent": 100 * used / seconds,
+        "rounds_per_s": (status.rounds_done - rounds) / seconds,
+    }
+
+
+async def _measure(
+    tree: Path, work: Path, url: str, records: int, noise_seconds: float
+) -> dict[str, Any]:
     sys.path.insert(0, str(tree))
     from agent.program import config_file, registry
     from agent.runtime import logs
@@ -156,6 +193,7 @@ async def _measure(tree: Path, work: Path, url: str, records: int) -> dict[str, 
         with timings.lock:
             if sum(1 for i in ids.values() if i in timings.acked) >= records:
                 break
+    noise = await _noise_cost(runtime, log, noise_seconds)
     await runtime.stop()
     store.close()
     ids = timings.xids()
@@ -170,13 +208,14 @@ async def _measure(tree: Path, work: Path, url: str, records: int) -> dict[str, 
         ]
     return {
         "records": len(rows),
+        "noise": noise,
         "record -> stored": [s - w for w, s, _ in rows if s is not None],
         "stored -> PUBACK": [a - s for _, s, a in rows if s is not None and a is not None],
         "record -> PUBACK": [a - w for w, _, a in rows if a is not None],
     }
 
 
-def run_one(tree: Path, records: int) -> dict[str, Any]:
+def run_one(tree: Path, records: int, noise_seconds: float) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     from tests.support.mosquitto import Broker
 
@@ -184,14 +223,24 @@ def run_one(tree: Path, records: int) -> dict[str, Any]:
         work = Path(tmp)
         broker = Broker(work / "broker").start()
         try:
-            return asyncio.run(_measure(tree, work, broker.url, records))
+            return asyncio.run(_measure(tree, work, broker.url, records, noise_seconds))
         finally:
             broker.stop()
 
 
-def _spawn(tree: Path, records: int) -> dict[str, Any]:
+def _spawn(tree: Path, records: int, noise_seconds: float) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, __file__, "--one", "--tree", str(tree), "--records", str(records)],
+        [
+            sys.executable,
+            __file__,
+            "--one",
+            "--tree",
+            str(tree),
+            "--records",
+            str(records),
+            "--noise-seconds",
+            str(noise_seconds),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -210,17 +259,18 @@ def _cells(result: dict[str, Any], stage: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=200)
+    parser.add_argument("--noise-seconds", type=float, default=10.0)
     parser.add_argument("--baseline", type=Path, help="another checkout, measured side by side")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", type=Path, default=HERE, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.tree.resolve(), args.records)))
+        print(json.dumps(run_one(args.tree.resolve(), args.records, args.noise_seconds)))
         return 0
     trees = {"this checkout": HERE}
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()
-    results = {name: _spawn(tree, args.records) for name, tree in trees.items()}
+    results = {name: _spawn(tree, args.records, args.noise_seconds) for name, tree in trees.items()}
     print(
         f"{args.records} Xid lines appended to a followed file, kernel_log at its default "
         "2 s interval, MQTT QoS 1 to mosquitto on loopback; seconds"
@@ -236,6 +286,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for r in results.values()
         )
     )
+    print(f"{NOISE_PER_SECOND} noise lines/s for {args.noise_seconds:g} s:")
+    for label, key, unit in (
+        ("agent CPU", "cpu_percent", "% of a core"),
+        ("rounds", "rounds_per_s", "a second"),
+    ):
+        cells = [f"{r['noise'][key]:.1f} {unit}" for r in results.values()]
+        print(f"{label:<18}" + "".join(f" | {cell:>26}" for cell in cells))
     return 0
 
 
