@@ -1,10 +1,11 @@
 """A real Xid on a GPU host: from the driver's record to the broker's PUBACK, through /dev/kmsg
 and through the NVML event thread.
 
-    python bench/xid_gpu_latency.py --recipe .devkit/xid31.py \\
-        --mosquitto .devkit/mosquitto/mosquitto [--runs 3]
+    python bench/xid_gpu_latency.py [--recipe .devkit/xid31.py]
+        [--mosquitto .devkit/mosquitto/mosquitto] [--mosquitto-lib .devkit/mosquitto/lib] [--runs 3]
 
-(on the lent H200: `LD_LIBRARY_PATH=.devkit/mosquitto/lib` for the broker; root, for /dev/kmsg.)
+(the defaults are shared/device/ copied to .devkit/, as its README says; run as root, for
+/dev/kmsg. The library folder is set for the broker's process only.)
 
 The agent's runtime runs here with the kernel_log collector on /dev/kmsg and the gpu collector
 with its NVML event thread (their default settings), and the MQTT sink publishing to a
@@ -44,13 +45,16 @@ CODE = 31
 WAIT_PER_RUN = 20.0
 
 
-def _broker(binary: str, work: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _broker(binary: str, lib: Path, work: Path) -> tuple[subprocess.Popen[bytes], str]:
     from tests.support.ports import free_port, wait_for_port
 
     port = free_port()
     conf = work / "mosquitto.conf"
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-    process = subprocess.Popen([binary, "-c", str(conf)], stderr=subprocess.DEVNULL)
+    env = dict(os.environ)
+    if lib.is_dir():
+        env["LD_LIBRARY_PATH"] = str(lib)
+    process = subprocess.Popen([binary, "-c", str(conf)], stderr=subprocess.DEVNULL, env=env)
     wait_for_port(port)
     return process, f"mqtt://127.0.0.1:{port}"
 
@@ -169,12 +173,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", type=Path, default=HERE / ".devkit" / "xid31.py")
     parser.add_argument("--mosquitto", default=str(HERE / ".devkit" / "mosquitto" / "mosquitto"))
+    parser.add_argument(
+        "--mosquitto-lib", type=Path, default=HERE / ".devkit" / "mosquitto" / "lib"
+    )
     parser.add_argument("--python", default=sys.executable, help="the python that has CuPy")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        broker, url = _broker(args.mosquitto, work)
+        broker, url = _broker(args.mosquitto, args.mosquitto_lib, work)
         try:
             rows = asyncio.run(_measure(args, url, work))
         finally:
