@@ -1,10 +1,15 @@
 """Xid correlation: the same Xid seen by the kernel log and by NVML events is one event.
 
 Both sources report `XidObservation`s to one shared `XidCorrelator` (through
-`deps.shared.get(XidCorrelator, XidCorrelator)`). An observation waits `window` seconds for its
-twin from the other source (same GPU, same code); then `drain` turns it into one event that
-lists the sources that saw it. Both the gpu and the kernel_log collectors call `drain` every
-round, so whichever runs first delivers the events, once.
+`deps.shared.get(XidCorrelator, XidCorrelator)`). The first source to see an Xid raises its
+event at once: `observe` returns it, and the caller hands it on in the same step (the
+kernel_log collector in the round that stores its cursor, the NVML thread through `emit`).
+Nothing waits in memory for a twin, so no unclean death can lose an Xid that was read.
+The other source's sighting within `window` seconds (same GPU, same code) is a follow-up
+event `xid_confirmed` that names the first event's id (`confirms`) and is counted; it is
+never a second alert. Where the driver's words make the Xid worse than the first event
+said (NVLink5 `Fatal`, Xid 154 to a reset), the follow-up is `xid_escalated`, at the worse
+severity.
 
 The catalog lookup lives in collectors/_xid_catalog.py; `build_xid_event` here is the default
 event builder (meaning, severity, action, which sources saw it), so the NVML side gets full
@@ -14,15 +19,14 @@ events whether or not the kernel_log collector runs. `set_builder` replaces it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Final, Literal
 
-from agent.contracts.model import AttributeValue, Event
+from agent.contracts.model import AttributeValue, Event, Severity, stable_event_id
 from collectors._xid_catalog import lookup_event
 
 XidSource = Literal["kmsg", "nvml"]
@@ -68,39 +72,29 @@ class XidObservation:
     """What the source said beyond the code: the MIG `gpu_instance` and `compute_instance`
     the driver attributed the Xid to, a fallen-off-the-bus message's facts. They go into the
     event's attributes (never replacing its own)."""
+    origin: tuple[str, ...] = ()
+    """Where the source saw it, stable when the same record is read again after a crash
+    (node, boot id and sequence number; a file's inode and line): the event id is derived
+    from it, so a re-read gives the same id. Empty: a fresh random id (NVML's events)."""
 
 
 @dataclass
-class _Pending:
+class _Incident:
+    """One Xid on one GPU, open for twins and repeats for `window` seconds after its first
+    sighting."""
+
     first: XidObservation
-    deadline: float
-    sources: set[XidSource] = field(default_factory=set)
-    texts: list[str] = field(default_factory=list)
+    event_id: str | None
+    """The event raised for it; None when the holdoff held it back."""
+    subject: str
+    severity: Severity
     per_source: dict[XidSource, int] = field(default_factory=dict)
-    worded: XidObservation | None = None
-    """The kernel-log line whose words judge the event worst (NVML's events carry none)."""
-
-    def keep_words(self, obs: XidObservation) -> None:
-        if obs.source != "kmsg":
-            return
-        if self.worded is None or _severity(obs) > _severity(self.worded):
-            self.worded = obs
-
-    def shown(self) -> XidObservation:
-        """The first observation, with the driver's words of the worst line, if any."""
-        if self.worded is None or self.worded is self.first:
-            return self.first
-        return dataclasses.replace(self.first, text=self.worded.text)
 
     @property
     def occurrences(self) -> int:
-        """Xids this entry stands for: the larger count of the two sources (the same Xid
+        """Xids this incident stands for: the larger count of the two sources (the same Xid
         seen by both counts once)."""
         return max(self.per_source.values(), default=0)
-
-
-def _severity(obs: XidObservation) -> int:
-    return int(lookup_event(obs.code, obs.text).severity)
 
 
 EventBuilder = Callable[[XidObservation, frozenset[XidSource], Mapping[str, str]], Event]
@@ -110,11 +104,9 @@ _SOURCE_NAMES: dict[str, str] = {"kmsg": "the kernel log", "nvml": "NVML"}
 
 
 def seen_by(sources: frozenset[XidSource]) -> str:
-    """`seen by kmsg and nvml` / `seen only by kmsg`, for messages and attributes."""
-    names = sorted(sources)
-    if len(names) == 1:
-        return f"seen only by {names[0]}"
-    return "seen by " + " and ".join(names)
+    """`seen by kmsg and nvml` / `seen by kmsg`, for messages and attributes (an event
+    raised at first sight names one source; `xid_confirmed` tells of the other)."""
+    return "seen by " + " and ".join(sorted(sources))
 
 
 def gpu_description(pci_bus_id: str, identity: Mapping[str, str]) -> str:
@@ -178,14 +170,19 @@ def build_xid_event(
     )
 
 
-class XidCorrelator:
-    """Thread-safe: the NVML event thread observes while the loop drains.
+CONFIRMED: Final = "xid_confirmed"
+ESCALATED: Final = "xid_escalated"
 
-    An Xid waits `window` seconds after it arrived for its twin from the other source (same
-    GPU, same code); repeats within the window join it. Xids that predate the agent (kernel-log
-    backlog) expect no twin: they are ready at once and merge per GPU and code, so a backlog of
-    500 identical lines is one event saying 500. A twin that arrives after its event went out
-    (within the window of the first) is counted in `late_twins`, not raised again.
+
+class XidCorrelator:
+    """Thread-safe: the NVML event thread observes while the loop's rounds do.
+
+    A live Xid raises its event at first sight. Within `window` seconds of that sighting
+    the same GPU and code from the other source is its twin (an `xid_confirmed` follow-up,
+    counted in `confirmations`), from the same source a repeat (counted; the next event
+    says how many). Xids that predate the agent (kernel-log backlog) expect no twin:
+    `observe_backlog` makes one event per GPU and code of a batch, so a backlog of 500
+    identical lines is one event saying 500.
     """
 
     def __init__(
@@ -206,13 +203,12 @@ class XidCorrelator:
         self._build_event: EventBuilder = build_event or build_xid_event
         self._clock = clock
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, int, bool], _Pending] = {}
-        self._ready: list[_Pending] = []
-        self._recent: dict[tuple[str, int], tuple[float, frozenset[XidSource]]] = {}
+        self._open: dict[tuple[str, int], _Incident] = {}
         self._identities: dict[str, dict[str, str]] = {}
         self.counts: dict[tuple[str, int], int] = {}
         """(pci_bus_id, code) -> Xids seen since start, a twin seen by both sources once."""
-        self.late_twins = 0
+        self.confirmations: dict[tuple[str, int], int] = {}
+        """(pci_bus_id, code) -> Xids the second source saw within the window of the first."""
 
     def set_builder(self, build_event: EventBuilder) -> None:
         with self._lock:
@@ -231,75 +227,153 @@ class XidCorrelator:
         with self._lock:
             return {k: dict(v) for k, v in self._identities.items()}
 
-    def observe(self, obs: XidObservation) -> None:
-        """Record an Xid. Repeats within the window (either source) join the pending one."""
-        key = (obs.pci_bus_id, obs.code, obs.predates_agent)
+    def observe(self, obs: XidObservation) -> Event | None:
+        """A live Xid: its event at first sight; a follow-up for the other source's twin or
+        for worse words; None for a repeat, or a new incident the holdoff holds back.
+
+        The caller hands the event on at once (the round's events, or emit)."""
+        if obs.predates_agent:
+            return next(iter(self.observe_backlog([obs])), None)
+        key = (obs.pci_bus_id, obs.code)
         with self._lock:
-            pending = self._pending.get(key)
-            if (
-                pending is not None
-                and not obs.predates_agent
-                and (abs(obs.time - pending.first.time) > self.window)
-            ):
-                self._ready.append(self._pending.pop(key))  # a new incident, not a twin
-                pending = None
-            if pending is None:
-                if self._is_late_twin(obs):
-                    self.late_twins += 1
-                    return
-                deadline = (
-                    -math.inf if obs.predates_agent else max(obs.time, self._clock()) + self.window
-                )
-                pending = self._pending[key] = _Pending(obs, deadline)
-            pending.sources.add(obs.source)
-            pending.keep_words(obs)
-            pending.per_source[obs.source] = pending.per_source.get(obs.source, 0) + 1
-            if obs.text and len(pending.texts) < 8:
-                pending.texts.append(obs.text)
+            incident = self._open.get(key)
+            if incident is not None and abs(obs.time - incident.first.time) > self.window:
+                del self._open[key]  # closed: this is a new incident, not a twin
+                incident = None
+            if incident is None:
+                return self._first_sight(key, obs)
+            return self._join(key, incident, obs)
 
-    def _is_late_twin(self, obs: XidObservation) -> bool:
-        recent = self._recent.get((obs.pci_bus_id, obs.code))
-        if recent is None or obs.predates_agent:
-            return False
-        first_time, sources = recent
-        return obs.source not in sources and abs(obs.time - first_time) <= self.window
+    def _first_sight(self, key: tuple[str, int], obs: XidObservation) -> Event | None:
+        self._prune(obs.time)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        identity = self._identities.get(obs.pci_bus_id, {})
+        last = self._last_event.get(key)
+        if last is not None and 0 <= obs.time - last < self.holdoff:
+            self._held[key] = self._held.get(key, 0) + 1
+            self.held_back += 1
+            self._open[key] = _Incident(
+                obs, None, identity.get("uuid") or obs.pci_bus_id, _word_severity(obs)
+            )
+            self._open[key].per_source[obs.source] = 1
+            return None
+        self._last_event[key] = obs.time
+        event = self._event(obs, frozenset({obs.source}), 1, self._held.pop(key, 0))
+        incident = self._open[key] = _Incident(obs, event.id, event.subject, event.severity)
+        incident.per_source[obs.source] = 1
+        return event
 
-    def drain(self, now: float) -> list[Event]:
-        """Events for every pending Xid whose correlation window has closed."""
-        out: list[Event] = []
-        with self._lock:
-            ready = [k for k, p in self._pending.items() if p.deadline <= now]
-            batch = self._ready + [self._pending.pop(k) for k in ready]
-            self._ready = []
-            for pending in batch:
-                event = self._finish(pending)
-                if event is not None:
-                    out.append(event)
-            self._recent = {k: v for k, v in self._recent.items() if now - v[0] <= 2 * self.window}
-        return out
+    def _join(self, key: tuple[str, int], incident: _Incident, obs: XidObservation) -> Event | None:
+        before = incident.occurrences
+        new_source = obs.source not in incident.per_source
+        incident.per_source[obs.source] = incident.per_source.get(obs.source, 0) + 1
+        grown = incident.occurrences - before
+        self.counts[key] = self.counts.get(key, 0) + grown
+        if new_source:
+            self.confirmations[key] = self.confirmations.get(key, 0) + 1
+        elif incident.event_id is not None:
+            # A repeat from the same source: counted now, told with the next event.
+            self._held[key] = self._held.get(key, 0) + grown
+        severity = _word_severity(obs)
+        worse = severity > incident.severity
+        if incident.event_id is None or not (new_source or worse):
+            return None
+        if worse:
+            incident.severity = severity
+        return self._follow_up(incident, obs, new_source, worse)
 
-    def _finish(self, pending: _Pending) -> Event | None:
-        first = pending.first
-        key = (first.pci_bus_id, first.code)
-        self.counts[key] = self.counts.get(key, 0) + pending.occurrences
-        sources = frozenset(pending.sources)
-        if first.predates_agent:
-            held = 0
-        else:
-            self._recent[key] = (first.time, sources)
-            last = self._last_event.get(key)
-            if last is not None and 0 <= first.time - last < self.holdoff:
-                self._held[key] = self._held.get(key, 0) + pending.occurrences
-                self.held_back += 1
-                return None
-            self._last_event[key] = first.time
-            held = self._held.pop(key, 0)
-        identity = self._identities.get(first.pci_bus_id, {})
-        event = self._build_event(pending.shown(), sources, identity)
+    def _event(
+        self,
+        obs: XidObservation,
+        sources: frozenset[XidSource],
+        occurrences: int,
+        held: int,
+        *,
+        texts: Sequence[str] = (),
+    ) -> Event:
+        identity = self._identities.get(obs.pci_bus_id, {})
+        event = self._build_event(obs, sources, identity)
         extra: dict[str, AttributeValue] = {
-            "occurrences": pending.occurrences,
+            "occurrences": occurrences,
             "repeats_since_last_event": held,
         }
-        if len(pending.texts) > 1:
-            extra["texts"] = " | ".join(pending.texts)
-        return dataclasses.replace(event, attributes={**event.attributes, **extra})
+        if len(texts) > 1:
+            extra["texts"] = " | ".join(texts)
+        changes: dict[str, object] = {"attributes": {**event.attributes, **extra}}
+        if obs.origin:
+            changes["id"] = stable_event_id(*obs.origin, "xid")
+        return dataclasses.replace(event, **changes)  # type: ignore[arg-type]
+
+    def _follow_up(
+        self, incident: _Incident, obs: XidObservation, new_source: bool, worse: bool
+    ) -> Event:
+        first = incident.first
+        identity = self._identities.get(first.pci_bus_id, {})
+        info = lookup_event(obs.code, obs.text)
+        delay = obs.time - first.time
+        where = gpu_description(first.pci_bus_id, identity)
+        said = _SOURCE_NAMES[obs.source]
+        if worse:
+            message = (
+                f"Xid {obs.code} on {where} is worse than first reported: {said} says "
+                f"{incident.severity.label} ({info.meaning})"
+            )
+        else:
+            message = (
+                f"Xid {obs.code} on {where} confirmed by {said} {delay:+.1f} s after "
+                f"{_SOURCE_NAMES[first.source]} reported it; not a new fault"
+            )
+        attributes: dict[str, AttributeValue] = {
+            "confirms": incident.event_id or "",
+            "xid": obs.code,
+            "pci_bus_id": first.pci_bus_id,
+            "gpu": identity.get("gpu", ""),
+            "uuid": identity.get("uuid", ""),
+            "model": identity.get("model", ""),
+            "first_source": first.source,
+            "source_now": obs.source,
+            "confirmed": new_source,
+            "sources": ",".join(sorted(incident.per_source)),
+            "delay_s": round(delay, 3),
+            "text": obs.text,
+            **info.attributes(),
+        }
+        kind = ESCALATED if worse else CONFIRMED
+        return Event(
+            source="gpu",
+            kind=kind,
+            severity=incident.severity if worse else Severity.INFO,
+            message=message,
+            subject=incident.subject,
+            action=info.action if worse else "",
+            attributes=attributes,
+            time=obs.time,
+            **({"id": stable_event_id(*obs.origin, kind)} if obs.origin else {}),
+        )
+
+    def observe_backlog(self, observations: Sequence[XidObservation]) -> list[Event]:
+        """Xids logged before the agent started (one read's worth): one event per GPU and
+        code, at once, standing for all of them; no twin is expected, no holdoff applies."""
+        groups: dict[tuple[str, int], list[XidObservation]] = {}
+        for obs in observations:
+            groups.setdefault((obs.pci_bus_id, obs.code), []).append(obs)
+        out: list[Event] = []
+        with self._lock:
+            for key, group in groups.items():
+                self.counts[key] = self.counts.get(key, 0) + len(group)
+                worst = max(group, key=_word_severity)  # the first of the worst words
+                shown = dataclasses.replace(group[0], text=worst.text)
+                sources = frozenset(o.source for o in group)
+                texts = [o.text for o in group if o.text][:8]
+                out.append(self._event(shown, sources, len(group), 0, texts=texts))
+        return out
+
+    def _prune(self, now: float) -> None:
+        """Forget incidents whose window closed (called under the lock)."""
+        for key in [k for k, i in self._open.items() if abs(now - i.first.time) > self.window]:
+            del self._open[key]
+
+
+def _word_severity(obs: XidObservation) -> Severity:
+    """How bad the catalog judges this sighting, with the driver's words on the line."""
+    return lookup_event(obs.code, obs.text).severity

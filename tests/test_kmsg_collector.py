@@ -110,7 +110,7 @@ class TestKernelLogCollector:
         assert xid.attributes["predates_agent"] is True
         assert xid.attributes["xid"] == 79
         assert xid.severity is Severity.CRITICAL
-        assert "seen only by kmsg" in xid.message
+        assert "seen by kmsg" in xid.message
         assert xid.subject == "GPU-5b3c1d2e"
         oom = next(e for e in events if e.kind == "oom_kill")
         assert oom.attributes["process"] == "python3"
@@ -208,39 +208,41 @@ class TestKernelLogCollector:
         assert "before the agent started" not in oom.message
         await h.collector.close()
 
-    async def test_live_xid_seen_by_both_sources_is_one_event(
+    async def test_live_xid_seen_by_both_sources_is_one_alert(
         self, tmp_path: Path, executor: concurrent.futures.Executor
     ) -> None:
-        """An Xid NVML reports and the kernel log writes at the same time: one event, both."""
+        """An Xid NVML reports and the kernel log writes at the same time: NVML's event, and
+        the kernel log's confirmation of it in the round that reads the line."""
         h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
         events, _ = await h.collect()
         assert events == []  # the H200 capture holds no findings
         correlator = h.shared.get(XidCorrelator, XidCorrelator)
         correlator.set_identity(PCI, IDENTITY)
         now = time.time()
-        correlator.observe(
+        first = correlator.observe(
             XidObservation(
                 source="nvml", pci_bus_id=PCI, code=48, time=now, text="NVML event: Xid 48"
             )
         )
+        assert first is not None and first.kind == "xid"
         h.device.write(
             "NVRM: Xid (PCI:0000:3b:00): 48, pid=77, name=sim, DBE",
             usec=int(time.monotonic() * 1e6),
         )
-        events, _ = await h.collect(now=now)
-        assert events == []  # the correlation window is open
-        events, samples = await h.collect(now=now + correlator.window + 1)
-        [event] = events
-        assert event.attributes["sources"] == "kmsg,nvml"
-        assert event.attributes["predates_agent"] is False
-        assert "seen by kmsg and nvml" in event.message
+        events, samples = await h.collect(now=now)
+        [confirmed] = events
+        assert confirmed.kind == "xid_confirmed"
+        assert confirmed.attributes["confirms"] == first.id
+        assert confirmed.attributes["sources"] == "kmsg,nvml"
+        assert confirmed.severity is Severity.INFO
         assert value(samples, "gpuwarden_xid_errors_total", xid="48") == 1
+        assert value(samples, "gpuwarden_xid_confirmed_total", xid="48") == 1
         await h.collector.close()
 
-    async def test_close_hands_on_waiting_xids(
+    async def test_a_live_xid_is_an_event_of_the_round_that_reads_it(
         self, tmp_path: Path, executor: concurrent.futures.Executor
     ) -> None:
-        """An Xid still inside its correlation window at shutdown is emitted, not lost."""
+        """Nothing waits for a twin past the round (and its cursor): close hands on nothing."""
         h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
         emitted: list[Event] = []
         h.collector.deps = CollectorDeps("node", tmp_path, h.store, h.shared, emitted.append)
@@ -249,9 +251,9 @@ class TestKernelLogCollector:
             "NVRM: Xid (PCI:0000:3b:00): 94, Contained", usec=int(time.monotonic() * 1e6)
         )
         events, _ = await h.collect()
-        assert events == []
+        assert [e.attributes["xid"] for e in events] == [94]
         await h.collector.close()
-        assert [e.attributes["xid"] for e in emitted] == [94]
+        assert emitted == []
 
     async def test_saved_file_source(
         self, tmp_path: Path, executor: concurrent.futures.Executor

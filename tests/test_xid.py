@@ -149,101 +149,79 @@ class TestNormalize:
 
 
 class TestCorrelator:
-    """The same Xid from the kernel log and NVML is one event that lists both."""
+    """The same Xid from the kernel log and NVML is one alert: the first sighting's event,
+    and a confirmation (tests/test_xid_delivery.py holds the first-sight class)."""
 
-    def test_both_sources_within_the_window(self) -> None:
-        """kmsg and nvml within the window: one event, both sources, counted once."""
-        clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=5.0, clock=clock)
+    def test_the_event_names_the_gpu(self) -> None:
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0))
         correlator.set_identity(PCI, IDENTITY)
-        correlator.observe(obs("nvml", 1000.0))
-        clock.now = 1002.0
-        correlator.observe(obs("kmsg", 999.8))
-        assert correlator.drain(1004.0) == []  # the window is still open
-        [event] = correlator.drain(1005.0)
-        assert event.attributes["sources"] == "kmsg,nvml"
-        assert "seen by kmsg and nvml" in event.message
+        event = correlator.observe(obs("nvml", 1000.0))
+        assert event is not None
+        assert "seen by nvml" in event.message
         assert event.subject == "GPU-5b3c1d2e"
         assert event.attributes["gpu"] == "3"
         assert event.attributes["model"] == "NVIDIA H200"
         assert event.severity is Severity.CRITICAL
         assert event.action == lookup(79).action
+        follow = correlator.observe(obs("kmsg", 999.8))
+        assert follow is not None and follow.kind == "xid_confirmed"
+        assert follow.subject == "GPU-5b3c1d2e"
         assert correlator.counts == {(PCI, 79): 1}
-        assert correlator.drain(2000.0) == []
 
-    def test_one_source_says_so(self) -> None:
-        """An Xid only the kernel log saw says `seen only by kmsg`; NVML-only likewise."""
-        clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=5.0, clock=clock)
-        correlator.observe(obs("kmsg", 1000.0))
-        correlator.observe(obs("nvml", 1000.0, code=48, pci="0000:86:00.0"))
-        events = sorted(correlator.drain(1010.0), key=lambda e: e.attributes["xid"] or 0)
-        assert [(e.attributes["xid"], e.attributes["sources"]) for e in events] == [
-            (48, "nvml"),
-            (79, "kmsg"),
-        ]
-        assert "seen only by nvml" in events[0].message
-        assert "seen only by kmsg" in events[1].message
-        assert events[1].attributes["gpu"] == ""
-        assert events[1].subject == PCI
+    def test_an_unknown_gpu_is_named_by_its_address(self) -> None:
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0))
+        event = correlator.observe(obs("kmsg", 1000.0))
+        assert event is not None
+        assert event.attributes["gpu"] == ""
+        assert event.subject == PCI
 
     def test_window_expiry_makes_two_incidents(self) -> None:
         """The same code on the same GPU far apart in time is two events."""
-        clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=5.0, clock=clock, holdoff=0.0)
-        correlator.observe(obs("kmsg", 1000.0))
-        clock.now = 1100.0
-        correlator.observe(obs("kmsg", 1100.0))
-        events = correlator.drain(1200.0)
-        assert len(events) == 2
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0), holdoff=0.0)
+        events = [correlator.observe(obs("kmsg", at)) for at in (1000.0, 1100.0)]
+        assert all(e is not None and e.kind == "xid" for e in events)
         assert correlator.counts == {(PCI, 79): 2}
 
     def test_holdoff_after_an_event(self) -> None:
         """New incidents soon after an event are counted, not raised; the next event says so."""
-        clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=5.0, clock=clock, holdoff=300.0)
-        events: list[Event] = []
-        for at in (1000.0, 1060.0, 1120.0, 1400.0):
-            clock.now = at
-            correlator.observe(obs("kmsg", at, code=13))
-            events += correlator.drain(at + 10)
-        assert [e.time for e in events] == [1000.0, 1400.0]
-        assert events[1].attributes["repeats_since_last_event"] == 2
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0), holdoff=300.0)
+        events = [correlator.observe(obs("kmsg", at, code=13)) for at in (1000, 1060, 1120, 1400)]
+        raised = [e for e in events if e is not None]
+        assert [e.time for e in raised] == [1000.0, 1400.0]
+        assert raised[1].attributes["repeats_since_last_event"] == 2
         assert correlator.counts == {(PCI, 13): 4}
         assert correlator.held_back == 2
 
-    def test_repeats_join_and_count(self) -> None:
-        """Three lines and three NVML events of one burst: one event standing for three."""
-        clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=5.0, clock=clock)
-        for source in ("kmsg", "nvml"):
-            for offset in (0.0, 0.5, 1.0):
-                correlator.observe(obs(source, 1000.0 + offset))
-        [event] = correlator.drain(1010.0)
-        assert event.attributes["occurrences"] == 3
-        assert correlator.counts == {(PCI, 79): 3}
+    def test_a_held_back_incident_confirmed_is_counted_not_raised(self) -> None:
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0), holdoff=300.0)
+        assert correlator.observe(obs("kmsg", 1000.0, code=13)) is not None
+        assert correlator.observe(obs("kmsg", 1060.0, code=13)) is None
+        assert correlator.observe(obs("nvml", 1060.2, code=13)) is None
+        assert correlator.confirmations == {(PCI, 13): 1}
+        assert correlator.counts == {(PCI, 13): 2}
 
-    def test_late_twin_is_not_a_second_event(self) -> None:
-        """A twin arriving just after its event went out is counted, not raised."""
-        clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=5.0, clock=clock)
-        correlator.observe(obs("nvml", 1000.0))
-        assert len(correlator.drain(1005.0)) == 1
-        clock.now = 1006.0
-        correlator.observe(obs("kmsg", 1001.0))
-        assert correlator.drain(1020.0) == []
-        assert correlator.late_twins == 1
+    def test_a_burst_of_both_sources_counts_the_larger(self) -> None:
+        """Three lines and three NVML events of one burst: three Xids, one event."""
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0))
+        raised = [
+            correlator.observe(obs(source, 1000.0 + offset))
+            for source in ("kmsg", "nvml")
+            for offset in (0.0, 0.5, 1.0)
+        ]
+        assert [e.kind for e in raised if e is not None] == ["xid", "xid_confirmed"]
+        assert correlator.counts == {(PCI, 79): 3}
 
     def test_predating_backlog_is_one_event_per_gpu_and_code(self) -> None:
         """500 old lines of the same Xid: one event at once, marked, saying 500."""
         correlator = XidCorrelator(window=5.0, clock=FakeClock(5000.0))
-        for i in range(500):
-            correlator.observe(obs("kmsg", 100.0 + i, code=13, predates=True))
-        [event] = correlator.drain(5000.0)
+        [event] = correlator.observe_backlog(
+            [obs("kmsg", 100.0 + i, code=13, predates=True) for i in range(500)]
+        )
         assert event.attributes["predates_agent"] is True
         assert "before the agent started" in event.message
         assert event.attributes["occurrences"] == 500
         assert event.time == 100.0
+        assert correlator.counts == {(PCI, 13): 500}
 
     def test_custom_builder(self) -> None:
         """set_builder replaces the default; occurrences are still added."""
@@ -253,8 +231,8 @@ class TestCorrelator:
                 source="t", kind="x", severity=Severity.INFO, message=f"{o.code} {sorted(s)}"
             )
         )
-        correlator.observe(obs("nvml", 0.0))
-        [event] = correlator.drain(1.0)
+        event = correlator.observe(obs("nvml", 0.0))
+        assert event is not None
         assert event.message == "79 ['nvml']"
         assert event.attributes["occurrences"] == 1
 
@@ -265,35 +243,24 @@ class TestCorrelator:
         assert event.attributes["known"] is False
 
     def test_thread_safety_smoke(self) -> None:
-        """Observers on threads and a draining loop lose nothing and count each Xid once."""
-        clock = FakeClock(1000.0)
-        correlator = XidCorrelator(window=0.0, clock=clock)
+        """Both sources on threads: each Xid is one event and one confirmation, counted once."""
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0))
         codes = range(40)
         events: list[Event] = []
-        stop = threading.Event()
-
-        def drainer() -> None:
-            while not stop.is_set():
-                events.extend(correlator.drain(1000.0))
+        lock = threading.Lock()
 
         def observer(source: XidSource) -> None:
             for code in codes:
-                correlator.observe(obs(source, 1000.0, code=code))
+                event = correlator.observe(obs(source, 1000.0, code=code))
+                if event is not None:
+                    with lock:
+                        events.append(event)
 
         threads = [threading.Thread(target=observer, args=(s,)) for s in ("kmsg", "nvml")]
-        drain_thread = threading.Thread(target=drainer)
-        drain_thread.start()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        stop.set()
-        drain_thread.join()
-        events.extend(correlator.drain(1000.0))
-        # Each code is one event with both sources, or (when drained between the two) one
-        # event plus a late twin: never two events for one code.
-        per_code = sorted(int(e.attributes["xid"] or 0) for e in events)
-        assert per_code == list(codes)
-        both = sum(1 for e in events if e.attributes["sources"] == "kmsg,nvml")
-        assert both + correlator.late_twins == len(codes)
-        assert sum(correlator.counts.values()) == len(codes)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        kinds = sorted(e.kind for e in events)
+        assert kinds == ["xid"] * len(codes) + ["xid_confirmed"] * len(codes)
+        assert correlator.counts == {(PCI, code): 1 for code in codes}

@@ -341,9 +341,13 @@ class TestDaemonEvents:
         """NVML's event carries no words; the kernel line that joins it decides the severity."""
         correlator = XidCorrelator(window=5.0, clock=lambda: 100.0)
         pci = "0000:04:00.0"
-        correlator.observe(XidObservation("nvml", pci, 149, 100.0, text="NVML Xid event"))
-        correlator.observe(XidObservation("kmsg", pci, 149, 100.1, text=nvlink5_line(149, "Fatal")))
-        [event] = correlator.drain(200.0)
+        first = correlator.observe(XidObservation("nvml", pci, 149, 100.0, text="NVML Xid event"))
+        event = correlator.observe(
+            XidObservation("kmsg", pci, 149, 100.1, text=nvlink5_line(149, "Fatal"))
+        )
+        assert first is not None and event is not None
+        assert event.kind == "xid_escalated"
+        assert event.attributes["confirms"] == first.id
         assert event.severity is Severity.CRITICAL
         assert event.attributes["sources"] == "kmsg,nvml"
 
@@ -351,7 +355,11 @@ class TestDaemonEvents:
         """Nonfatal then Fatal for the same GPU and code in one window: the event is critical."""
         correlator = XidCorrelator(window=5.0, clock=lambda: 100.0)
         pci = "0000:04:00.0"
-        for at, word in ((100.0, "Nonfatal"), (100.5, "Fatal")):
+        events = [
             correlator.observe(XidObservation("kmsg", pci, 145, at, text=nvlink5_line(145, word)))
-        [event] = correlator.drain(200.0)
-        assert event.severity is Severity.CRITICAL
+            for at, word in ((100.0, "Nonfatal"), (100.5, "Fatal"))
+        ]
+        assert [(e.kind, e.severity) for e in events if e is not None] == [
+            ("xid", Severity.WARNING),
+            ("xid_escalated", Severity.CRITICAL),
+        ]

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from agent.contracts.errors import CallStillHung, CallTimedOut  # noqa: F401 (re-exported)
 from agent.contracts.model import Collection, Event, MetricFamily
@@ -152,6 +152,19 @@ class Collector(Protocol):
 
     async def close(self) -> None:
         """Stop background threads, release handles. Called once, at shutdown or reload."""
+        ...
+
+
+@runtime_checkable
+class WakeableCollector(Collector, Protocol):
+    """A collector that can tell when a round has work (new kernel-log records): the runtime
+    waits on `wake` between rounds instead of sleeping, and runs the next round as soon as
+    it returns. Rounds still come at least every interval; woken rounds at most every
+    `agent.runtime.core.MIN_ROUND_GAP` seconds."""
+
+    async def wake(self, timeout: float) -> None:
+        """Return when there is something new for a round, or after `timeout` seconds at
+        the latest. Cancellable; must not block the event loop."""
         ...
 
 

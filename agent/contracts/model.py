@@ -126,6 +126,16 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
+_EVENT_ID_NAMESPACE: Final = uuid.UUID("6f1c2d4e-8a3b-5c7d-9e0f-1a2b3c4d5e6f")
+
+
+def stable_event_id(*origin: str) -> str:
+    """An event id derived from where the event was found (node, boot id and kernel-log
+    sequence number, a file's inode and line): an event made again from the same record
+    after a crash gets the same id, which consumers already deduplicate on."""
+    return uuid.uuid5(_EVENT_ID_NAMESPACE, "\x1f".join(origin)).hex
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """Something that happened. Durable: stored before any sink is told about it.

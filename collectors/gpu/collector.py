@@ -304,7 +304,6 @@ class GpuCollector:
             out.samples.append(
                 m.GPU_EVENT_THREAD_UP.sample(1 if thread is not None and thread.running else 0)
             )
-        out.events.extend(self.correlator.drain(ctx.now))
         return Collection(samples=out.samples, events=out.events)
 
     async def _collect_gpus(self, ctx: CollectContext, out: _Round) -> None:

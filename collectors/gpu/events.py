@@ -3,8 +3,8 @@
 One daemon thread waits on an NVML event set (`nvmlEventSetWait_v2` with a timeout, so it sees
 its stop flag at least once per timeout). Each GPU registers only the event types it supports
 (`nvmlDeviceGetSupportedEventTypes`; the lent H200 answers 0xff9f). Xids go to the shared
-`XidCorrelator`, which merges them with the same Xid from the kernel log; ECC events become
-Events through the runtime's thread-safe `emit`.
+`XidCorrelator`: the first sighting of an Xid is an event at once, the kernel log's twin a
+confirmation of it. Xid and ECC events go out through the runtime's thread-safe `emit`.
 """
 
 from __future__ import annotations
@@ -141,7 +141,9 @@ class GpuEventThread:
     def handle(self, record: NvmlEventRecord) -> None:
         now = time.time()
         if record.event_type & EVENT_XID:
-            self._correlator.observe(
+            # Raised at first sight, here and now: nothing waits for the kernel log's twin,
+            # which becomes a confirmation of this event if it comes.
+            event = self._correlator.observe(
                 XidObservation(
                     source="nvml",
                     pci_bus_id=record.pci_bus_id,
@@ -150,6 +152,8 @@ class GpuEventThread:
                     text=f"NVML Xid critical error event, Xid {record.data}",
                 )
             )
+            if event is not None:
+                self._emit(event)
         ecc = record.event_type & (EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC)
         if ecc:
             self._emit(self._ecc_event(record, now, double=bool(ecc & EVENT_DOUBLE_BIT_ECC)))

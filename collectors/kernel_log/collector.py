@@ -1,15 +1,23 @@
 """kernel_log: Xids, SXids, lost GPUs, disk and file-system errors, OOM kills and hung tasks from
 the kernel log (/dev/kmsg live, or a file of saved lines), read without replay across restarts.
 
-Xids go to the shared `XidCorrelator`, which pairs them with the NVML side's Xid events and
-turns each pair into one event; everything else becomes an event here. A storm of the same
-host finding (thousands of I/O errors on one disk) raises one event per `repeat_holdoff`; the
-counters count every line.
+Xids go to the shared `XidCorrelator`, which raises each at first sight and turns the NVML
+side's sighting of the same Xid into a confirmation, never a second alert; everything else
+becomes an event here. Every finding a read produced is an event of that same round, so the
+cursor the round stores (with its events, in one transaction: agent/runtime/store_guard.py)
+is never past a finding that is not stored. A storm of the same host finding (thousands of
+I/O errors on one disk) raises one event per `repeat_holdoff`; the counters count every line.
+
+Between rounds the collector waits on the log itself (`wake`): /dev/kmsg's descriptor
+polls readable when a record arrives, a followed file is watched with inotify; the runtime
+starts the next round then, not at the next interval.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
+import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +37,7 @@ from agent.contracts.model import (
     MetricFamily,
     MetricType,
     Sample,
+    stable_event_id,
 )
 from agent.contracts.settings import setting
 from collectors._xid import XidCorrelator, XidObservation, gpu_description
@@ -53,6 +62,13 @@ XID_ERRORS = MetricFamily(
     C,
     "Xid errors per GPU and code since the agent started (kernel log and NVML correlated: one "
     "Xid seen by both counts once); GPU labels empty when NVML does not know the GPU",
+    (*GPU_LABELS, "xid"),
+)
+XID_CONFIRMED = MetricFamily(
+    "gpuwarden_xid_confirmed_total",
+    C,
+    "Xids the second source (kernel log or NVML) saw within the correlation window of the "
+    "first, which had raised the event: confirmations, not new faults",
     (*GPU_LABELS, "xid"),
 )
 SXID_ERRORS = MetricFamily(
@@ -155,10 +171,12 @@ class KernelLogCollector:
         self.totals: Counter[str] = Counter()
         self.suppressed: Counter[str] = Counter()
         self._holdoff: dict[tuple[str, str], _Holdoff] = {}
+        self._more = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (
             XID_ERRORS,
+            XID_CONFIRMED,
             SXID_ERRORS,
             FINDINGS,
             RECORDS,
@@ -187,14 +205,41 @@ class KernelLogCollector:
             self.reader = await ctx.call("kernel_log:open", self._open_reader)
         reader = self.reader
         batch = await ctx.call("kernel_log:read", reader.read)
+        self._more = batch.more
         self._prune_holdoff(ctx.now)
         events = self._process(batch, reader)
-        # Never raises: the runtime keeps a cursor the disk refuses and writes it with, never
-        # before, this round's events, so a full disk loses no finding and a restart does not
-        # skip one.
+        # Every finding of the batch is in `events`, none waits in memory: the runtime stores
+        # them with (never after) this cursor, so no death of the process between here and
+        # the store loses a finding, and a restart does not skip one. Never raises.
         reader.commit(batch)
-        events.extend(self.correlator.drain(ctx.now))
         return Collection(samples=self._samples(), events=events)
+
+    async def wake(self, timeout: float) -> None:
+        """Return when the log has something new to read, or after `timeout` seconds (the
+        runtime's wait between rounds). Without a descriptor to wait on (a test double of
+        /dev/kmsg, no inotify) it simply waits the timeout, as an interval would."""
+        if self._more:  # the last read stopped at its bound: read on at once
+            await asyncio.sleep(0)
+            return
+        reader = self.reader
+        fd = reader.wake_fd() if reader is not None else None
+        if fd is None:
+            await asyncio.sleep(timeout)
+            return
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        try:
+            loop.add_reader(fd, ready.set)
+        except (OSError, ValueError):  # closed meanwhile (a stop or reload)
+            await asyncio.sleep(timeout)
+            return
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ready.wait(), timeout)
+        finally:
+            loop.remove_reader(fd)
+        if reader is not None:
+            reader.woken()
 
     def _process(self, batch: ReadBatch, reader: LogReader) -> list[Event]:
         for name, value in (
@@ -210,31 +255,51 @@ class KernelLogCollector:
         # is complete, and must not wait in memory past the cursor commit that follows.
         findings.extend(self.matchers.settle())
         events: list[Event] = []
+        backlog: list[XidObservation] = []
         for finding in findings:
+            origin = (self.deps.node_id, *reader.origin(finding.record))
             when = reader.record_time(finding.record)
-            event = self._handle(finding, when, batch.predates_agent)
+            xid = self._xid(finding, when, batch.predates_agent, origin)
+            if xid is None:
+                event = self._handle(finding, when, batch.predates_agent, origin)
+            elif batch.predates_agent:
+                backlog.append(xid)
+                continue
+            else:
+                event = self.correlator.observe(xid)
             if event is not None:
                 events.append(event)
+        events.extend(self.correlator.observe_backlog(backlog))
         return events
 
-    def _handle(self, finding: Finding, when: float, predates: bool) -> Event | None:
-        self.findings[finding.kind] += 1
-        if finding.kind == "xid" and finding.code is not None:
-            self.correlator.observe(
-                XidObservation(
-                    source="kmsg",
-                    pci_bus_id=finding.pci_bus_id,
-                    code=finding.code,
-                    time=when,
-                    text=finding.record.message,
-                    predates_agent=predates,
-                    details={k: v for k, v in finding.attributes.items() if k not in _XID_OWN},
-                )
-            )
+    def _xid(
+        self, finding: Finding, when: float, predates: bool, origin: tuple[str, ...]
+    ) -> XidObservation | None:
+        if finding.kind != "xid" or finding.code is None:
             return None
+        self.findings[finding.kind] += 1
+        return XidObservation(
+            source="kmsg",
+            pci_bus_id=finding.pci_bus_id,
+            code=finding.code,
+            time=when,
+            text=finding.record.message,
+            predates_agent=predates,
+            details={k: v for k, v in finding.attributes.items() if k not in _XID_OWN},
+            origin=origin,
+        )
+
+    def _handle(
+        self, finding: Finding, when: float, predates: bool, origin: tuple[str, ...]
+    ) -> Event | None:
+        self.findings[finding.kind] += 1
         if finding.kind == "sxid" and finding.code is not None:
             self.sxids[(finding.pci_bus_id, finding.device, finding.code)] += 1
-        return self._event(finding, when, predates)
+        event = self._event(finding, when, predates)
+        if event is None:
+            return None
+        # Found again from the same record after a crash, it is the same event: same id.
+        return dataclasses.replace(event, id=stable_event_id(*origin, finding.kind))
 
     def _event(self, finding: Finding, when: float, predates: bool) -> Event | None:
         identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
@@ -294,18 +359,28 @@ class KernelLogCollector:
                     str(code),
                 )
             )
+        for (pci, code), count in sorted(self.correlator.confirmations.items()):
+            labels = identities.get(pci, {})
+            samples.append(
+                XID_CONFIRMED.sample(
+                    count,
+                    labels.get("gpu", ""),
+                    labels.get("uuid", ""),
+                    labels.get("pci_bus_id", pci),
+                    labels.get("model", ""),
+                    str(code),
+                )
+            )
         for (pci, device, code), count in sorted(self.sxids.items()):
             samples.append(SXID_ERRORS.sample(count, pci, device, str(code)))
         return samples
 
     async def close(self) -> None:
-        """Release the descriptor and hand on Xids still waiting for a twin: the cursor is
-        already past them, so they would be lost with the process."""
+        """Release the descriptors. Nothing waits in memory: every finding read is already
+        one of a round's events."""
         if self.reader is not None:
             self.reader.close()
             self.reader = None
-        for event in self.correlator.drain(math.inf):
-            self.deps.emit(event)
 
     def _prune_holdoff(self, now: float) -> None:
         horizon = now - self.settings.repeat_holdoff

@@ -30,6 +30,7 @@ from collectors.kernel_log.parse import (
     parse_kmsg_record,
     parse_lines,
 )
+from collectors.kernel_log.wake import FileWatch
 
 READ_SIZE: Final = 8192
 """The kernel's largest record (CONSOLE_EXT_LOG_MAX); a smaller buffer can fail with EINVAL."""
@@ -82,6 +83,8 @@ class ReadBatch:
     """Records already processed before a restart on this boot, skipped."""
     cursor: dict[str, object] | None = None
     """The cursor to persist once the batch is processed (see `commit`)."""
+    more: bool = False
+    """The read stopped at its bound with more left to read: the next round should not wait."""
 
 
 def read_boot_id(path: Path) -> str:
@@ -193,7 +196,20 @@ class KmsgReader:
             self._last_seq = seq
             batch.records.append(record)
         batch.cursor = {"boot_id": self._boot_id, "seq": self._last_seq}
+        batch.more = len(batch.records) >= MAX_RECORDS_PER_READ
         return batch
+
+    def origin(self, record: LogRecord) -> tuple[str, str]:
+        """Where the record is, stable across restarts: this boot and its sequence number."""
+        return (f"kmsg:{self._boot_id}", str(record.seq if record.seq is not None else -1))
+
+    def wake_fd(self) -> int | None:
+        """The descriptor to poll for new records: /dev/kmsg polls readable when one arrives
+        (devkmsg_poll). None for a test double's pretend descriptor, or before the open."""
+        return self._fd if isinstance(self.io, OsKmsgIO) else None
+
+    def woken(self) -> None:
+        return None
 
     def record_time(self, record: LogRecord) -> float:
         """Wall-clock time of a record: boot time plus the kernel's stamp (seconds since boot)."""
@@ -238,6 +254,8 @@ class FileLogReader:
         self._cursor: dict[str, int] | None = None
         self._committed: dict[str, object] | None = None
         self._first_batch = backlog
+        self._watch: FileWatch | None = None
+        self._watch_tried = False
 
     def _load(self) -> dict[str, int]:
         saved = self.state.get(STATE_NAMESPACE, FILE_CURSOR_KEY)
@@ -246,6 +264,9 @@ class FileLogReader:
         return {"inode": -1, "offset": 0, "line": 0}
 
     def read(self) -> ReadBatch:
+        # Watched before the read: a line appended between the read and the next wait wakes
+        # that wait at once instead of waiting out the interval.
+        self._renew_watch()
         cursor = self._cursor if self._cursor is not None else self._load()
         try:
             with self.path.open("rb") as handle:
@@ -276,6 +297,25 @@ class FileLogReader:
         self._first_batch = False
         return batch
 
+    def _renew_watch(self) -> None:
+        if self._watch is None and not self._watch_tried:
+            self._watch_tried = True
+            self._watch = FileWatch.open(self.path)
+        if self._watch is not None:
+            self._watch.renew()
+
+    def origin(self, record: LogRecord) -> tuple[str, str]:
+        """Where the line is, stable across restarts: the file (path and inode) and its line."""
+        inode = self._cursor["inode"] if self._cursor is not None else -1
+        return (f"file:{self.path}:{inode}", str(record.line))
+
+    def wake_fd(self) -> int | None:
+        return self._watch.fd if self._watch is not None else None
+
+    def woken(self) -> None:
+        if self._watch is not None:
+            self._watch.drain()
+
     def record_time(self, record: LogRecord) -> float:
         return self._clock()  # saved lines' stamps are relative or local-time text: unreliable
 
@@ -285,11 +325,26 @@ class FileLogReader:
             self._committed = batch.cursor
 
     def close(self) -> None:
-        return None
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.close()
 
 
 class LogReader(Protocol):
     def read(self) -> ReadBatch: ...
+
+    def origin(self, record: LogRecord) -> tuple[str, ...]:
+        """Where a record of the last read is, the same when it is read again after a crash:
+        the event made from it keeps its id."""
+        ...
+
+    def wake_fd(self) -> int | None:
+        """A descriptor that polls readable when there is more to read; None: none to wait on."""
+        ...
+
+    def woken(self) -> None:
+        """The wait on `wake_fd` ended: clear what woke it (non-blocking)."""
+        ...
 
     def record_time(self, record: LogRecord) -> float: ...
 
