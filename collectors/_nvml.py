@@ -85,42 +85,57 @@ _NVLINK_ERROR_COUNTERS: Final = {
 }
 
 
+# The numbers below are nvml.h's, written out rather than read from pynvml: nvidia-ml-py
+# releases older than the driver lack the newest names (13.610 has no
+# NVML_GPU_RECOVERY_ACTION_BUS_RESET), and a missing name must cost one reading, never the
+# import of the whole agent. tests/test_nvml_constants.py holds them to pynvml's where it has them.
+
+FIELD_GPU_RECOVERY_ACTION: Final = 230
+"""NVML_FI_DEV_GET_GPU_RECOVERY_ACTION."""
+GPM_METRICS_GET_VERSION: Final = 1
+"""NVML_GPM_METRICS_GET_VERSION."""
+_HAS_GPM_API: Final = all(
+    hasattr(pynvml, name)
+    for name in ("c_nvmlGpmMetricsGet_t", "nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc")
+)
+"""The nvidia-ml-py in use knows GPM (older releases do not: then GPM reads are absent)."""
+
 # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION values (nvml.h, nvmlDeviceGpuRecoveryAction_t): what the
 # driver says to do with the GPU. Names are the metric's label values.
 RECOVERY_ACTIONS: Final[Mapping[int, str]] = {
-    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: "none",
-    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: "gpu_reset",
-    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: "node_reboot",
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: "drain_p2p",
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: "drain_and_reset",
+    0: "none",
+    1: "gpu_reset",
+    2: "node_reboot",
+    3: "drain_p2p",
+    4: "drain_and_reset",
     # Added by drivers after R570 (nvml.h of 580): the IMEX domain, a bus reset, a full
     # system (power) reboot rather than a warm one.
-    pynvml.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN: "recover_imex_domain",
-    pynvml.NVML_GPU_RECOVERY_ACTION_BUS_RESET: "bus_reset",
-    pynvml.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT: "system_reboot",
+    5: "recover_imex_domain",
+    6: "bus_reset",
+    7: "system_reboot",
 }
 
 # nvmlGpuFabricState_t; NOT_SUPPORTED (0) reads as absent.
 FABRIC_STATES: Final[Mapping[int, str]] = {
-    pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED: "not_started",
-    pynvml.NVML_GPU_FABRIC_STATE_IN_PROGRESS: "in_progress",
-    pynvml.NVML_GPU_FABRIC_STATE_COMPLETED: "completed",
+    1: "not_started",
+    2: "in_progress",
+    3: "completed",
 }
 
 # GPM metrics read (nvml.h, "GPM Metric Identifiers"): name -> id. Ratios are NVML percentages
 # (0-100) divided by 100; throughputs NVML MiB/s times 2**20.
 GPM_RATIOS: Final[Mapping[str, int]] = {
-    "graphics_active": pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL,
-    "sm_active": pynvml.NVML_GPM_METRIC_SM_UTIL,
-    "sm_occupancy": pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
-    "tensor_active": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
-    "dram_active": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+    "graphics_active": 1,
+    "sm_active": 2,
+    "sm_occupancy": 3,
+    "tensor_active": 5,
+    "dram_active": 10,
 }
 GPM_THROUGHPUTS: Final[Mapping[tuple[str, str], int]] = {
-    ("pcie", "tx"): pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC,
-    ("pcie", "rx"): pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC,
-    ("nvlink", "tx"): pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
-    ("nvlink", "rx"): pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
+    ("pcie", "tx"): 20,
+    ("pcie", "rx"): 21,
+    ("nvlink", "tx"): 61,
+    ("nvlink", "rx"): 60,
 }
 _GPM_IDS: Final = (*GPM_RATIOS.values(), *GPM_THROUGHPUTS.values())
 _MIB: Final = float(2**20)
@@ -521,6 +536,9 @@ class NvmlBackend:
         Two samples per GPU, swapped: never a sleep between two samples in one call."""
         state = self._gpm.get(index)
         if state is None:
+            if not _HAS_GPM_API:  # an nvidia-ml-py older than GPM: absent, as unsupported
+                self._gpm[index] = state = _GpmState(supported=False)
+                return None
             support = f.get("gpm_support", self.lib.nvmlGpmQueryDeviceSupport, h)
             state = _GpmState(supported=bool(support is not None and support.isSupportedDevice))
             self._gpm[index] = state
@@ -548,7 +566,7 @@ class NvmlBackend:
             # Built once per GPU: the struct holds NVML_GPM_METRIC_MAX entries, and making it
             # was most of a GPM read's Python cost (bench/gpu_round.py).
             request = state.request = pynvml.c_nvmlGpmMetricsGet_t()
-            request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+            request.version = GPM_METRICS_GET_VERSION
             request.numMetrics = len(_GPM_IDS)
             for i, metric_id in enumerate(_GPM_IDS):
                 request.metrics[i].metricId = metric_id
@@ -624,7 +642,7 @@ class NvmlBackend:
         """(memory temperature, recovery action) in one nvmlDeviceGetFieldValues call: only
         the field-values API exposes them, and one call costs what one field does."""
         names = ("temperature_memory", "recovery_action")
-        ids = [pynvml.NVML_FI_DEV_MEMORY_TEMP, pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION]
+        ids = [pynvml.NVML_FI_DEV_MEMORY_TEMP, FIELD_GPU_RECOVERY_ACTION]
         values = f.get("field_values", self.lib.nvmlDeviceGetFieldValues, h, ids)
         if values is None:
             return None, None
@@ -753,7 +771,10 @@ class NvmlBackend:
 
     def _fabric(self, h: Any, f: _Funnel) -> tuple[int | None, int | None]:
         """(state, status) of the GPU's NVLink fabric registration; absent without a fabric."""
-        info = pynvml.c_nvmlGpuFabricInfo_t()
+        struct = getattr(pynvml, "c_nvmlGpuFabricInfo_t", None)
+        if struct is None:  # an nvidia-ml-py older than fabric info: absent
+            return None, None
+        info = struct()
         done = f.get("fabric", self.lib.nvmlDeviceGetGpuFabricInfo, h, ctypes.byref(info))
         state = int(info.state)
         if done is None or state not in FABRIC_STATES:  # NOT_SUPPORTED (0) included
