@@ -23,6 +23,7 @@ from typing import Final, Protocol
 
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
+from collectors.kernel_log.lines import split_lines
 from collectors.kernel_log.parse import (
     LogRecord,
     MalformedLine,
@@ -38,6 +39,9 @@ KMSG_CURSOR_KEY: Final = "kmsg_cursor"
 FILE_CURSOR_KEY: Final = "file_cursor"
 MAX_RECORDS_PER_READ: Final = 50_000
 """Bounds one round's work; the ring buffer rarely holds more (a few MiB of short records)."""
+FILE_READ_BYTES: Final = 4 * 1024 * 1024
+"""Bounds one round's read of a saved-lines file (its memory and its time, so a round ends
+well inside the call timeout): a 300 MiB backlog is read over many rounds, never whole."""
 
 
 class KernelLogError(GpuwardenError):
@@ -82,6 +86,8 @@ class ReadBatch:
     """Records already processed before a restart on this boot, skipped."""
     cursor: dict[str, object] | None = None
     """The cursor to persist once the batch is processed (see `commit`)."""
+    more: bool = False
+    """The read stopped at its bound, not at the end of what the log holds: read again."""
 
 
 def read_boot_id(path: Path) -> str:
@@ -192,6 +198,8 @@ class KmsgReader:
             expected = seq + 1
             self._last_seq = seq
             batch.records.append(record)
+        else:
+            batch.more = True
         batch.cursor = {"boot_id": self._boot_id, "seq": self._last_seq}
         return batch
 
@@ -218,11 +226,28 @@ class KmsgReader:
             self.io.close(fd)
 
 
+_FILE_CURSOR_FIELDS: Final = ("inode", "offset", "line", "skipping")
+
+
+def _file_cursor(cursor: dict[str, object]) -> dict[str, int]:
+    out = {}
+    for key in _FILE_CURSOR_FIELDS:
+        value = cursor[key]
+        if not isinstance(value, int):
+            raise TypeError(f"file cursor {key}={value!r}: expected an integer")
+        out[key] = value
+    return out
+
+
 class FileLogReader:
     """A file of saved lines, read like `tail -f`: new complete lines since the last offset.
 
-    The cursor (inode, offset, line number) persists, so a restart does not replay the file; a
-    file replaced (new inode) or truncated is read again from its start.
+    The cursor (inode, offset, line number, and whether the offset is inside a line too long
+    to keep) persists, so a restart does not replay the file; a file replaced (new inode) or
+    truncated is read again from its start. Each read takes at most FILE_READ_BYTES and
+    MAX_RECORDS_PER_READ lines, so memory stays flat and a round stays short on a log of any
+    size. The reader moves on only at `commit`: a batch read but never handed on (the call
+    timed out and its result was dropped, the round failed) is read again, not lost.
     """
 
     def __init__(
@@ -237,49 +262,59 @@ class FileLogReader:
         self._clock = clock
         self._cursor: dict[str, int] | None = None
         self._committed: dict[str, object] | None = None
-        self._first_batch = backlog
+        self._backlog = backlog
 
     def _load(self) -> dict[str, int]:
         saved = self.state.get(STATE_NAMESPACE, FILE_CURSOR_KEY)
         if isinstance(saved, dict) and saved.get("path") == str(self.path):
-            return {k: int(saved[k]) for k in ("inode", "offset", "line")}
-        return {"inode": -1, "offset": 0, "line": 0}
+            cursor = {k: int(saved[k]) for k in ("inode", "offset", "line")}
+            # Cursors saved before long lines were skipped have no "skipping".
+            return {**cursor, "skipping": int(saved.get("skipping", 0))}
+        return {"inode": -1, "offset": 0, "line": 0, "skipping": 0}
 
     def read(self) -> ReadBatch:
-        cursor = self._cursor if self._cursor is not None else self._load()
+        if self._cursor is None:
+            self._cursor = self._load()
+        cursor = self._cursor
         try:
             with self.path.open("rb") as handle:
                 info = os.fstat(handle.fileno())
                 if info.st_ino != cursor["inode"] or info.st_size < cursor["offset"]:
-                    cursor = {"inode": info.st_ino, "offset": 0, "line": 0}
+                    cursor = {"inode": info.st_ino, "offset": 0, "line": 0, "skipping": 0}
                 handle.seek(cursor["offset"])
-                data = handle.read()
+                data = handle.read(FILE_READ_BYTES)
         except OSError as exc:
             raise KernelLogError(
                 f"cannot read the kernel log file {self.path}: {exc.strerror or exc}"
             ) from exc
-        complete = data[: data.rfind(b"\n") + 1]  # a half-written last line waits
-        lines = complete.decode("utf-8", errors="replace").splitlines()
+        split = split_lines(data, skipping=bool(cursor["skipping"]), max_lines=MAX_RECORDS_PER_READ)
         stats = ParseStats()
-        records = list(parse_lines(lines, stats, first_line=cursor["line"] + 1))
-        self._cursor = {
+        records = list(parse_lines(split.lines, stats, first_line=cursor["line"] + 1))
+        after = {
             "inode": cursor["inode"],
-            "offset": cursor["offset"] + len(complete),
-            "line": cursor["line"] + len(lines),
+            "offset": cursor["offset"] + split.consumed,
+            "line": cursor["line"] + len(split.lines),
+            "skipping": int(split.skipping),
         }
-        batch = ReadBatch(
+        return ReadBatch(
             records=records,
-            predates_agent=self._first_batch,
+            predates_agent=self._backlog,
             malformed=stats.malformed,
-            cursor={"path": str(self.path), **self._cursor},
+            cursor={"path": str(self.path), **after},
+            more=split.cut or len(data) == FILE_READ_BYTES,
         )
-        self._first_batch = False
-        return batch
 
     def record_time(self, record: LogRecord) -> float:
         return self._clock()  # saved lines' stamps are relative or local-time text: unreliable
 
     def commit(self, batch: ReadBatch) -> None:
+        """Move past `batch` (it was handed on), then persist the cursor. In memory first: a
+        failed write must not make the next round read the batch again (its findings would
+        be raised twice); the next commit saves the newer cursor."""
+        if batch.cursor is not None:
+            self._cursor = _file_cursor(batch.cursor)
+            if not batch.more:
+                self._backlog = False  # the backlog ends where a read first reached the end
         if batch.cursor is not None and batch.cursor != self._committed:
             self.state.put(STATE_NAMESPACE, FILE_CURSOR_KEY, batch.cursor)
             self._committed = batch.cursor

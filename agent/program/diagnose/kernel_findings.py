@@ -119,12 +119,15 @@ def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None
             else FileLogReader(path, store)
         )
         try:
+            # Read to the end in the readers' bounded batches, committing each to the
+            # in-memory cursor so the next read moves on.
             while True:
                 batch = reader.read()
+                reader.commit(batch)
                 scan.lost += batch.lost
-                if not batch.records:
-                    break
                 scan.records.extend(batch.records)
+                if not batch.more:
+                    break
         finally:
             reader.close()
     except (KernelLogError, OSError) as exc:
