@@ -19,6 +19,7 @@ from collectors.kernel_log.kmsg import (
     KmsgReader,
     OsKmsgIO,
 )
+from collectors.kernel_log.matchers import MatcherSet
 from tests.support.kmsg import (
     FakeKmsg,
     capture_records,
@@ -344,6 +345,39 @@ class TestFileSource:
             if not batch.more:
                 break
         assert [(r.line, r.message) for r in records] == [(3, XID79), (4, "last")]
+
+    def test_indented_lines_keep_their_records_trust_across_reads(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A user-space message of many lines, longer than a read, stays user space in the
+        next read; after a restart inside it, its further lines are not trusted either."""
+        monkeypatch.setattr("collectors.kernel_log.kmsg.FILE_READ_BYTES", 256)
+        pad = " " * 20
+        log = tmp_path / "kern.log"
+        log.write_text(
+            "Nov 29 18:10:02 gpu-host-17 python3[42]: a long message\n"
+            + "".join(f"{pad}line {i} of it\n" for i in range(12))
+            + f"{pad}{XID79}\n"
+        )
+        state = MemoryKeyValueStore()
+        reader = FileLogReader(log, state)
+        first = reader.read()
+        reader.commit(first)
+        assert first.more
+        restarted = FileLogReader(log, state)
+        records = []
+        while True:
+            batch = restarted.read()
+            restarted.commit(batch)
+            records += batch.records
+            if not batch.more:
+                break
+        assert records
+        assert not any(r.from_kernel for r in first.records + records)
+        assert records[-1].message == XID79
+        matchers = MatcherSet()
+        assert list(matchers.scan(records)) == []
+        assert matchers.ignored["xid"] == 1
 
     def test_only_newline_ends_a_line(self, tmp_path: Path) -> None:
         """\\r, \\x0b, \\x0c, \\x1c-\\x1e, \\x85 and U+2028/9 inside a line are text: one

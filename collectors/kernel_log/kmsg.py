@@ -23,11 +23,13 @@ from typing import Final, Protocol
 
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
-from collectors.kernel_log.lines import split_lines
+from collectors.kernel_log import lines
 from collectors.kernel_log.parse import (
+    UNKNOWN_RECORD,
     LogRecord,
     MalformedLine,
     ParseStats,
+    last_record_lines,
     parse_kmsg_record,
     parse_lines,
 )
@@ -88,6 +90,8 @@ class ReadBatch:
     """The cursor to persist once the batch is processed (see `commit`)."""
     more: bool = False
     """The read stopped at its bound, not at the end of what the log holds: read again."""
+    open_record: LogRecord | None = None
+    """Saved lines: the record that indented lines at the start of the next read continue."""
 
 
 def read_boot_id(path: Path) -> str:
@@ -229,6 +233,21 @@ class KmsgReader:
 _FILE_CURSOR_FIELDS: Final = ("inode", "offset", "line", "skipping")
 
 
+def _hold_back_last_record(
+    data: bytes, lines: list[str | None], consumed: int
+) -> tuple[list[str | None], int]:
+    """A read that stopped at its bound ends before its last record, whose indented lines
+    (raw ` KEY=value` fields, a message's further lines, which carry its facility) may be in
+    the next read: that read starts at the record's first line."""
+    held = last_record_lines(lines)
+    if held == 0 or held == len(lines):
+        return lines, consumed
+    end = consumed - 1  # the "\n" ending the last line kept so far
+    for _ in range(held):
+        end = data.rindex(b"\n", 0, end)
+    return lines[:-held], end + 1
+
+
 def _file_cursor(cursor: dict[str, object]) -> dict[str, int]:
     out = {}
     for key in _FILE_CURSOR_FIELDS:
@@ -263,6 +282,7 @@ class FileLogReader:
         self._cursor: dict[str, int] | None = None
         self._committed: dict[str, object] | None = None
         self._backlog = backlog
+        self._open_record: LogRecord | None = None
 
     def _load(self) -> dict[str, int]:
         saved = self.state.get(STATE_NAMESPACE, FILE_CURSOR_KEY)
@@ -275,25 +295,38 @@ class FileLogReader:
     def read(self) -> ReadBatch:
         if self._cursor is None:
             self._cursor = self._load()
-        cursor = self._cursor
+            # Restarted inside the file: what the first lines continue is not known.
+            self._open_record = UNKNOWN_RECORD if self._cursor["offset"] else None
+        cursor, previous = self._cursor, self._open_record
         try:
             with self.path.open("rb") as handle:
                 info = os.fstat(handle.fileno())
                 if info.st_ino != cursor["inode"] or info.st_size < cursor["offset"]:
                     cursor = {"inode": info.st_ino, "offset": 0, "line": 0, "skipping": 0}
+                    previous = None
                 handle.seek(cursor["offset"])
                 data = handle.read(FILE_READ_BYTES)
         except OSError as exc:
             raise KernelLogError(
                 f"cannot read the kernel log file {self.path}: {exc.strerror or exc}"
             ) from exc
-        split = split_lines(data, skipping=bool(cursor["skipping"]), max_lines=MAX_RECORDS_PER_READ)
+        split = lines.split_lines(
+            data,
+            skipping=bool(cursor["skipping"]),
+            max_lines=MAX_RECORDS_PER_READ,
+            # A line that cannot fit one read would be read again forever: it is too long.
+            max_line=min(lines.MAX_LINE_BYTES, FILE_READ_BYTES - 1),
+        )
+        more = split.cut or len(data) == FILE_READ_BYTES
+        kept, consumed = split.lines, split.consumed
+        if more and not split.skipping:
+            kept, consumed = _hold_back_last_record(data, kept, consumed)
         stats = ParseStats()
-        records = list(parse_lines(split.lines, stats, first_line=cursor["line"] + 1))
+        records = list(parse_lines(kept, stats, cursor["line"] + 1, previous))
         after = {
             "inode": cursor["inode"],
-            "offset": cursor["offset"] + split.consumed,
-            "line": cursor["line"] + len(split.lines),
+            "offset": cursor["offset"] + consumed,
+            "line": cursor["line"] + len(kept),
             "skipping": int(split.skipping),
         }
         return ReadBatch(
@@ -301,7 +334,8 @@ class FileLogReader:
             predates_agent=self._backlog,
             malformed=stats.malformed,
             cursor={"path": str(self.path), **after},
-            more=split.cut or len(data) == FILE_READ_BYTES,
+            more=more,
+            open_record=stats.open_record,
         )
 
     def record_time(self, record: LogRecord) -> float:
@@ -313,6 +347,7 @@ class FileLogReader:
         be raised twice); the next commit saves the newer cursor."""
         if batch.cursor is not None:
             self._cursor = _file_cursor(batch.cursor)
+            self._open_record = batch.open_record
             if not batch.more:
                 self._backlog = False  # the backlog ends where a read first reached the end
         if batch.cursor is not None and batch.cursor != self._committed:

@@ -27,7 +27,7 @@ is malformed: counted and skipped.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
 
@@ -398,6 +398,9 @@ class ParseStats:
     holes: int = 0
     """Lines holding NUL bytes (a file-system hole left by a crash): the text around them
     was parsed."""
+    open_record: LogRecord | None = None
+    """At the end: the record an indented line after the last one would continue (None when
+    the last line ended it), for a reader that goes on with the next lines later."""
 
     def count_malformed(self, line: int, why: str) -> None:
         self.malformed += 1
@@ -406,6 +409,9 @@ class ParseStats:
 
 
 TOO_LONG: Final = "line too long to be a kernel record, skipped"
+UNKNOWN_RECORD: Final = LogRecord(message="", format="continued", facility=USER_FACILITY)
+"""What came before a read position when it is not known (a reader restarted in the middle
+of a file): the indented lines that continue it are counted but not trusted."""
 
 
 def _continued(previous: LogRecord, text: str, line: int) -> LogRecord:
@@ -421,6 +427,18 @@ def _continued(previous: LogRecord, text: str, line: int) -> LogRecord:
         timestamp=previous.timestamp,
         unreadable_timestamp=previous.unreadable_timestamp,
     )
+
+
+def last_record_lines(lines: Sequence[str | None]) -> int:
+    """How many lines at the end of `lines` are the last record: its first line and the
+    indented lines after it (a raw record's ` KEY=value`, a message's further lines), which
+    may go on in lines not read yet. 0 when the last line is no record's."""
+    index = len(lines) - 1
+    while index >= 0 and (text := lines[index]) is not None and text[:1] == " ":
+        index -= 1
+    if index < 0 or lines[index] is None:
+        return 0
+    return len(lines) - index
 
 
 class _Pending:
@@ -469,7 +487,10 @@ def _records(text: str | None, number: int, stats: ParseStats) -> list[LogRecord
 
 
 def parse_lines(
-    lines: Iterable[str | None], stats: ParseStats | None = None, first_line: int = 1
+    lines: Iterable[str | None],
+    stats: ParseStats | None = None,
+    first_line: int = 1,
+    previous: LogRecord | None = None,
 ) -> Iterator[LogRecord]:
     """Records from saved lines in any mix of shapes; malformed lines are counted in `stats`.
 
@@ -477,10 +498,10 @@ def parse_lines(
     keep: counted as malformed, and it still takes its line number). Continuation lines
     (` KEY=value`) attach to the raw record just before them, which is yielded once they are
     complete; other indented lines continue the record before them (see `_continued`).
+    `previous`: the record before the first line (`stats.open_record` of the lines before).
     """
     stats = stats if stats is not None else ParseStats()
     pending: _Pending | None = None
-    previous: LogRecord | None = None
     for number, text in enumerate(lines, start=first_line):
         stats.lines += 1
         if text is not None and text[:1] == " " and previous is not None and text.strip():
@@ -503,5 +524,6 @@ def parse_lines(
             pending = _Pending(record) if record.format == "kmsg" else None
             if pending is None:
                 yield record
+    stats.open_record = previous
     if pending is not None:
         yield pending.done()
