@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Final
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final, NamedTuple
 
 from agent.contracts.errors import GpuwardenError
 
@@ -68,13 +69,18 @@ MAX_PRIORITY: Final = 255 * 8 + 7
 """printk keeps the facility in a u8 (struct printk_info) and the level in 3 bits."""
 
 
-@dataclass(frozen=True, slots=True)
-class LogRecord:
+NO_FIELDS: Final[Mapping[str, str]] = MappingProxyType({})
+
+
+class LogRecord(NamedTuple):
     """One kernel-log message, whatever shape it was saved in.
 
     `line` is the 1-based line number in a file (the header line for a raw record), or the
     record's sequence number when read live from /dev/kmsg. `facility` is None when the shape
     does not carry one (dmesg, dmesg -T, bare lines): such lines are taken as given.
+
+    A named tuple, not a frozen dataclass: as immutable, and one is made for every line of a
+    log, which a frozen dataclass's __init__ made cost about three times as much.
     """
 
     message: str
@@ -87,7 +93,7 @@ class LogRecord:
     """Microseconds since boot (raw records), as the kernel stamped the record."""
     timestamp: str = ""
     """The time as the saved line wrote it, unparsed."""
-    fields: Mapping[str, str] = field(default_factory=dict)
+    fields: Mapping[str, str] = NO_FIELDS
     unreadable_timestamp: str = ""
     """The stamp as written when it could not be read (then `timestamp` is empty)."""
 
@@ -130,13 +136,18 @@ def unescape_kmsg(text: str) -> str:
     return "".join(out)
 
 
-_KMSG = re.compile(r"(\d{1,4}),(\d{1,20}),([^,;]*),([^,;]*)(?:,[^;]*)?;(.*)", re.DOTALL | re.ASCII)
+# priority, seq, then the usec field: a number (3) or whatever else it holds (4); the text (5).
+_KMSG = re.compile(
+    r"(\d{1,4}),(\d{1,20}),(?:(\d{1,20})|([^,;]*)),[^,;]*(?:,[^;]*)?;(.*)", re.DOTALL | re.ASCII
+)
 _KMSG_LIKE = re.compile(r"\d+,[^;\s]*;", re.ASCII)
 _CONTINUATION = re.compile(r" ([A-Z_][A-Z0-9_]*)=(.*)", re.DOTALL)
-_DIGITS = re.compile(r"\d{1,20}", re.ASCII)
 
 # dmesg's own stamp, the common case, tried first.
 _DMESG = re.compile(r"\[ *(\d+\.\d+)\] ?(.*)", re.DOTALL | re.ASCII)
+_DMESG_T = re.compile(
+    r"\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4})\] ?(.*)", re.DOTALL | re.ASCII
+)
 # Any bracketed prefix; what is inside decides whether it is a stamp (64 characters is more
 # than any dmesg stamp, and keeps an unclosed `[` from scanning a whole line).
 _BRACKET = re.compile(r"\[([^\]\n]{0,64})\] ?(.*)", re.DOTALL)
@@ -160,6 +171,10 @@ _ISO = re.compile(
 )
 # journalctl short / short-precise, and syslog's traditional stamp.
 _BSD = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (.*)", re.DOTALL | re.ASCII)
+_BSD_KERNEL = re.compile(
+    r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (?:[^\s:\[\]]+ )?kernel: ?(.*)",
+    re.DOTALL | re.ASCII,
+)
 # journalctl short-full: `Sun 2026-11-29 18:10:02 UTC`.
 _FULL = re.compile(
     r"([A-Z][a-z]{2} \d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? [A-Za-z0-9+-]{1,8}) (.*)",
@@ -177,14 +192,6 @@ _DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
 _JOURNAL_META = re.compile(r"-- .* --")
 
 
-def _kmsg_time(usec_text: str) -> tuple[int | None, str, str]:
-    """(usec, stamp text, unreadable stamp) from a raw record's timestamp field."""
-    if _DIGITS.fullmatch(usec_text):
-        usec = int(usec_text)
-        return usec, f"{usec // 1_000_000}.{usec % 1_000_000:06d}", ""
-    return None, "", usec_text or "(empty)"
-
-
 def parse_kmsg_header(text: str, line: int = 0) -> LogRecord:
     """One raw record's first line (`priority,seq,usec,flags;message`) -> LogRecord.
 
@@ -196,17 +203,23 @@ def parse_kmsg_header(text: str, line: int = 0) -> LogRecord:
     priority, seq = int(match[1]), int(match[2])
     if priority > MAX_PRIORITY:
         raise MalformedLine(f"kmsg priority out of range: {priority} (at most {MAX_PRIORITY})")
-    usec, stamp, unreadable = _kmsg_time(match[3])
+    usec: int | None = None
+    stamp, unreadable = "", match[4] or "(empty)"
+    if match[3] is not None:
+        usec = int(match[3])
+        stamp, unreadable = f"{usec // 1_000_000}.{usec % 1_000_000:06d}", ""
+    text = match[5]
     return LogRecord(
-        message=unescape_kmsg(match[5]),
-        line=line or seq,
-        format="kmsg",
-        facility=priority >> 3,
-        level=priority & 7,
-        seq=seq,
-        monotonic_usec=usec,
-        timestamp=stamp,
-        unreadable_timestamp=unreadable,
+        unescape_kmsg(text),
+        line or seq,
+        "kmsg",
+        priority >> 3,
+        priority & 7,
+        seq,
+        usec,
+        stamp,
+        NO_FIELDS,
+        unreadable,
     )
 
 
@@ -221,7 +234,7 @@ def parse_kmsg_record(data: bytes) -> LogRecord:
         if match is not None:
             fields[match[1]] = unescape_kmsg(match[2])
     if fields:
-        record = replace(record, fields=fields)
+        record = record._replace(fields=fields)
     return record
 
 
@@ -257,6 +270,9 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
     match = _DMESG.match(text)
     if match is not None:
         return _after_stamp(match[1], match[2], line, "dmesg")
+    match = _DMESG_T.match(text)
+    if match is not None:
+        return _after_stamp(match[1], match[2], line, "dmesg-T")
     match = _BRACKET.match(text)
     if match is None:
         if _STAMP_LIKE.match(text):
@@ -277,7 +293,7 @@ def _after_stamp(
 ) -> LogRecord | None:
     if rest[:1] == "[" and (caller := _CALLER.match(rest)) is not None:
         rest = rest[caller.end() :]  # CONFIG_PRINTK_CALLER's `[  T1234]`
-    if fmt == "dmesg" and ("kernel: " in rest[:80] or "]: " in rest[:100]):
+    if fmt == "dmesg" and (rest.find("kernel: ", 0, 80) >= 0 or rest.find("]: ", 0, 100) >= 0):
         journal = _journal(stamp, rest, line, strict=True)  # journalctl -o short-monotonic
         if journal is not None:
             return journal
@@ -315,6 +331,10 @@ def _digit_first(text: str, line: int) -> LogRecord:
 
 
 def _upper_first(text: str, line: int) -> LogRecord:
+    kernel = _BSD_KERNEL.match(text)
+    if kernel is not None:  # the common journal line, in one expression
+        message = _kernel_text(kernel[2])
+        return LogRecord(message, line, "journal", KERNEL_FACILITY, None, None, None, kernel[1])
     stamped = _BSD.match(text) or _FULL.match(text)
     if stamped is not None:
         record = _journal(stamped[1], stamped[2], line, strict=False)
@@ -331,7 +351,7 @@ def _decoded(text: str, line: int) -> LogRecord:
     inner = _timed(rest, line)
     if inner is None:
         return LogRecord(rest, line, "decode", facility, level)
-    return replace(inner, format="decode+" + inner.format, facility=facility, level=level)
+    return inner._replace(format="decode+" + inner.format, facility=facility, level=level)
 
 
 def _prioritised(text: str, line: int) -> LogRecord:
@@ -347,7 +367,7 @@ def _prioritised(text: str, line: int) -> LogRecord:
     facility = priority >> 3
     if inner.facility is not None and inner.facility != KERNEL_FACILITY:
         facility = inner.facility
-    return replace(inner, format="prio+" + inner.format, facility=facility, level=priority & 7)
+    return inner._replace(format="prio+" + inner.format, facility=facility, level=priority & 7)
 
 
 def _body(text: str, line: int) -> LogRecord | None:
@@ -441,49 +461,38 @@ def last_record_lines(lines: Sequence[str | None]) -> int:
     return len(lines) - index
 
 
-class _Pending:
-    """A raw record waiting for its ` KEY=value` lines (the record's device metadata)."""
+def _fields(text: str) -> tuple[str, str] | None:
+    """A raw record's ` KEY=value` line, or None."""
+    match = _CONTINUATION.fullmatch(text.rstrip("\r"))
+    return None if match is None else (match[1], unescape_kmsg(match[2]))
 
-    __slots__ = ("fields", "record")
 
-    def __init__(self, record: LogRecord) -> None:
-        self.record = record
-        self.fields: dict[str, str] = {}
+def _with_fields(record: LogRecord, fields: dict[str, str] | None) -> LogRecord:
+    return record if not fields else record._replace(fields=fields)
 
-    def take(self, text: str) -> bool:
-        match = _CONTINUATION.fullmatch(text.rstrip("\r"))
-        if match is None:
-            return False
-        self.fields[match[1]] = unescape_kmsg(match[2])
-        return True
 
-    def done(self) -> LogRecord:
-        return replace(self.record, fields=self.fields) if self.fields else self.record
+def _parse_counted(text: str, number: int, stats: ParseStats) -> LogRecord | None:
+    try:
+        record = parse_line(text, number)
+    except MalformedLine as exc:
+        stats.count_malformed(number, str(exc))
+        return None
+    if record is not None:
+        stats.records += 1
+        if record.unreadable_timestamp:
+            stats.bad_timestamps += 1
+    return record
 
 
 def _records(text: str | None, number: int, stats: ParseStats) -> list[LogRecord]:
-    """The records on one line (two where a hole of NUL bytes cut it), counted in `stats`."""
+    """The records on a line that is no plain line: too long (None), or cut by NUL bytes (a
+    hole) into up to two messages."""
     if text is None:
         stats.count_malformed(number, TOO_LONG)
         return []
-    if "\x00" in text:
-        stats.holes += 1
-        parts = [part for part in text.split("\x00") if part.strip()]
-    else:
-        parts = [text]
-    records = []
-    for part in parts:
-        try:
-            record = parse_line(part, number)
-        except MalformedLine as exc:
-            stats.count_malformed(number, str(exc))
-            continue
-        if record is not None:
-            stats.records += 1
-            if record.unreadable_timestamp:
-                stats.bad_timestamps += 1
-            records.append(record)
-    return records
+    stats.holes += 1
+    parts = (_parse_counted(part, number, stats) for part in text.split("\x00") if part.strip())
+    return [record for record in parts if record is not None]
 
 
 def parse_lines(
@@ -501,29 +510,37 @@ def parse_lines(
     `previous`: the record before the first line (`stats.open_record` of the lines before).
     """
     stats = stats if stats is not None else ParseStats()
-    pending: _Pending | None = None
+    pending: LogRecord | None = None  # a raw record, until its KEY=value lines are complete
+    fields: dict[str, str] | None = None
     for number, text in enumerate(lines, start=first_line):
         stats.lines += 1
         if text is not None and text[:1] == " " and previous is not None and text.strip():
-            if pending is not None and pending.take(text):
+            if pending is not None and (field_ := _fields(text)) is not None:
+                fields = fields or {}
+                fields[field_[0]] = field_[1]
                 continue
             if pending is not None:
-                yield pending.done()
-                pending = None
+                yield _with_fields(pending, fields)
+                pending, fields = None, None
             stats.records += 1
             yield _continued(previous, text, number)
             continue
         if pending is not None:
-            yield pending.done()
-            pending = None
+            yield _with_fields(pending, fields)
+            pending, fields = None, None
+        if text is not None and "\x00" not in text:  # a plain line: the common case
+            record = _parse_counted(text, number, stats)
+            found: Sequence[LogRecord] = () if record is None else (record,)
+        else:
+            found = _records(text, number, stats)
         previous = None
-        for record in _records(text, number, stats):
+        for record in found:
             if pending is not None:
-                yield pending.done()
+                yield pending
             previous = record
-            pending = _Pending(record) if record.format == "kmsg" else None
+            pending = record if record.format == "kmsg" else None
             if pending is None:
                 yield record
     stats.open_record = previous
     if pending is not None:
-        yield pending.done()
+        yield _with_fields(pending, fields)
