@@ -1,5 +1,6 @@
-"""Reading a saved kernel log of any size keeps memory flat: the followed-file reader and
-`gpuwarden scan`, each in a child process that reports its own peak RSS (a gross bound: the
+"""Reading a saved kernel log of any size keeps memory flat: the followed-file reader,
+`gpuwarden scan` and check/diag's kernel-log part, each in a child process that reports its
+own peak RSS (a gross bound: the
 machine is noisy, the difference between a bounded and a whole-file read is hundreds of MiB)."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ sys.path.insert(0, {root!r})
 from pathlib import Path
 from agent.contracts.collector import MemoryKeyValueStore
 from agent.program.commands.scan import scan_stream
+from agent.program.diagnose.kernel_findings import scan_kernel_log
+from collectors.kernel_log.collector import KernelLogSettings
 from collectors.kernel_log.kmsg import FileLogReader
 from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import ParseStats
@@ -43,6 +46,10 @@ if how == "follow":
         kinds += [(f.line, f.kind) for f in matchers.scan(batch.records)]
         if not batch.more:
             break
+elif how == "check":
+    found = scan_kernel_log(KernelLogSettings(path=path))
+    kinds = [(f.line, f.kind) for f in found.findings]
+    records, malformed = found.records_read, found.malformed
 else:
     stats = ParseStats()
     with path.open("rb") as handle:
@@ -92,7 +99,7 @@ def run_child(path: Path, how: str) -> dict[str, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["follow", "scan"])
+@pytest.mark.parametrize("how", ["follow", "scan", "check"])
 def test_big_log_is_read_in_flat_memory(how: str, many_lines: tuple[Path, int]) -> None:
     """Every line read, the Xid at the very end found, RSS growth bounded."""
     path, lines = many_lines
@@ -104,7 +111,7 @@ def test_big_log_is_read_in_flat_memory(how: str, many_lines: tuple[Path, int]) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["follow", "scan"])
+@pytest.mark.parametrize("how", ["follow", "scan", "check"])
 def test_long_line_is_skipped_in_flat_memory(how: str, one_long_line: tuple[Path, int]) -> None:
     """The 150 MiB line is one malformed line, never held whole; the Xid after it is found on
     its own line number."""
