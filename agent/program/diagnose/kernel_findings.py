@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,47 +118,40 @@ def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None
             if io is not None or is_character_device(path)
             else FileLogReader(path, store)
         )
-        matchers = MatcherSet()
         raw: deque[LogRecord] = deque(maxlen=MAX_RAW_LINES)
+        matchers = MatcherSet()
         try:
-            # Read to the end in the readers' bounded batches, committing each to the
-            # in-memory cursor so the next read moves on; match as they come.
-            while True:
-                batch = reader.read()
-                reader.commit(batch)
-                scan.lost += batch.lost
-                scan.malformed += batch.malformed
-                scan.records_read += len(batch.records)
-                _match(batch.records, matchers, scan.findings, raw)
-                if not batch.more:
-                    break
+            scan.findings = list(matchers.scan(_records(reader, scan, raw)))
         finally:
             reader.close()
     except (KernelLogError, OSError) as exc:
         scan.error = str(exc)
         return scan
-    scan.findings.extend(matchers.flush())
     scan.ignored = dict(matchers.ignored)
     scan.raw = _with_finding_records(raw, scan.findings)
     return scan
 
 
-def _match(
-    records: Sequence[LogRecord],
-    matchers: MatcherSet,
-    findings: list[LogFinding],
-    raw: deque[LogRecord],
-) -> None:
-    for record in records:
-        found = matchers.feed(record)
-        findings.extend(found)
-        if found or RAW_LINE.search(record.message):
-            raw.append(record)
+def _records(reader: LogReader, scan: KernelLogScan, raw: deque[LogRecord]) -> Iterator[LogRecord]:
+    """Every record to the end, in the reader's bounded batches (each committed to the
+    in-memory cursor so the next read moves on), counted in `scan`; the ones worth showing
+    kept in `raw` as they pass."""
+    while True:
+        batch = reader.read()
+        reader.commit(batch)
+        scan.lost += batch.lost
+        scan.malformed += batch.malformed
+        scan.records_read += len(batch.records)
+        for record in batch.records:
+            if RAW_LINE.search(record.message):
+                raw.append(record)
+            yield record
+        if not batch.more:
+            return
 
 
 def _with_finding_records(raw: deque[LogRecord], findings: Sequence[LogFinding]) -> list[LogRecord]:
-    """`raw` and every finding's own record (a multi-line finding names its first line,
-    matched before the finding came), in log order."""
+    """`raw` and every finding's own record, in log order."""
     kept = {id(r) for r in raw}
     extra = {id(f.record): f.record for f in findings if id(f.record) not in kept}
     return sorted([*raw, *extra.values()], key=lambda r: r.line)
