@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.contracts.collector import MemoryKeyValueStore
+from agent.program.commands.scan import scan_lines
 from collectors.kernel_log import lines as line_reader
 from collectors.kernel_log.kmsg import FileLogReader
 from collectors.kernel_log.matchers import MatcherSet
@@ -149,6 +150,21 @@ class TestEveryShapeAndKind:
         data = as_text(log).encode()
         records = list(parse_lines(line_reader.iter_lines(io.BytesIO(data), chunk)))
         assert seen(records) == expected(log)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(entries(), min_size=1, max_size=12))
+    def test_scan_prefilter_finds_and_ignores_what_parsing_everything_does(
+        self, log: list[Entry]
+    ) -> None:
+        """scan skips lines without a trigger word before parsing; what it finds, and the
+        user-space look-alikes it counts, are those of every line parsed and matched."""
+        lines = as_text(log).split("\n")[:-1]
+        fast = MatcherSet()
+        found = scan_lines(lines, ParseStats(), fast)
+        full = MatcherSet(prefilter=False)
+        expected_findings = list(full.scan(parse_lines(lines)))
+        assert [f.to_dict() for f in found] == [f.to_dict() for f in expected_findings]
+        assert +fast.ignored == +full.ignored
 
     @settings(max_examples=60, deadline=None)
     @given(st.lists(entries(), min_size=1, max_size=12), st.integers(0, 300))

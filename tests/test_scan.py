@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from agent.program.cli import main as cli_main
 from agent.program.commands.scan import exit_code, scan_lines, scan_stream
 from collectors._xid_catalog import catalog_version
+from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import ParseStats
 from tests.support.kmsg import FIXTURES, H200_CAPTURE
 
@@ -200,6 +201,36 @@ class TestReading:
         assert [(f.line, f.kind) for f in findings] == [(3, "hung_task")]
         # `start` holds no trigger word: counted as a line, never parsed (scan's prefilter).
         assert (stats.lines, stats.records, stats.malformed) == (3, 1, 1)
+
+
+class TestPrefilterKeepsTrust:
+    """scan parses only the lines holding a trigger word; an indented line that does still
+    belongs to the record above it, trigger word or not (class 9 of issue 12)."""
+
+    @pytest.mark.parametrize(
+        "head",
+        [
+            "<14>[   13.000000] hello from a job",
+            "user  :info  : [   13.000000] hello from a job",
+            "Nov 29 18:10:02 gpu-host-17 python3[42]: hello from a job",
+        ],
+    )
+    def test_forged_second_line_is_not_trusted(self, head: str) -> None:
+        forged = " " * 19 + "NVRM: Xid (PCI:0000:86:00): 79, pid=1, name=fake, its second line"
+        lines = ["[    1.000000] usb 1-1: new device", head, forged, "[    2.0] tail"]
+        stats, matchers = ParseStats(), MatcherSet()
+        assert scan_lines(lines, stats, matchers) == []
+        assert matchers.ignored["xid"] == 1
+        assert stats.lines == 4
+
+    def test_kernel_second_line_is_still_the_kernels(self) -> None:
+        """A kernel message's second line under a first line the prefilter skips is still
+        the kernel's."""
+        lines = [
+            "[   12.345678] somedrv 0000:01:00.0: the first line of two",
+            "               NVRM: Xid (PCI:0000:86:00): 79, pid=1, name=x, its second line",
+        ]
+        assert [(f.line, f.kind) for f in scan_lines(lines)] == [(2, "xid")]
 
 
 class TestProperties:

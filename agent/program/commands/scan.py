@@ -27,7 +27,13 @@ from agent.contracts.model import Severity
 from collectors._xid_catalog import CatalogError, catalog
 from collectors.kernel_log.lines import iter_lines
 from collectors.kernel_log.matchers import Finding, MatcherSet
-from collectors.kernel_log.parse import LogRecord, ParseStats, parse_lines
+from collectors.kernel_log.parse import (
+    LogRecord,
+    MalformedLine,
+    ParseStats,
+    parse_line,
+    parse_lines,
+)
 
 EXIT_CLEAN = 0
 EXIT_WARNINGS = 1
@@ -75,23 +81,43 @@ def _candidate_records(
 ) -> Iterator[LogRecord]:
     """Parsed records of the lines that can matter, each run of them parsed together (so a
     raw record keeps its ` KEY=value` continuation lines) with its own line numbers. A line
-    too long to keep (None) goes to the parser, which counts it as malformed."""
+    too long to keep (None) goes to the parser, which counts it as malformed. A run that
+    starts with an indented line continues the record whose first line was skipped: that
+    line is parsed too, for the run's trust (a process's message cannot make its second line
+    the kernel's by keeping the trigger words off its first)."""
     candidate = matchers.candidate_line
     run: list[str | None] = []
     start = skipped = 0
+    head: str | None = None  # the last line that starts a record
+    previous: LogRecord | None = None
     for number, text in enumerate(lines, 1):
-        if text is None or candidate(text) or (run and text.startswith(" ")):
+        indented = text is not None and text.startswith(" ")
+        if text is None or candidate(text) or (run and indented):
             if not run:
                 start = number
+                previous = _head_record(head) if indented else None
             run.append(text)
+            if not indented:
+                head = text
             continue
         skipped += 1
+        if not indented:
+            head = text
         if run:
-            yield from parse_lines(run, stats, first_line=start)
+            yield from parse_lines(run, stats, first_line=start, previous=previous)
             run = []
     if run:
-        yield from parse_lines(run, stats, first_line=start)
+        yield from parse_lines(run, stats, first_line=start, previous=previous)
     stats.lines += skipped
+
+
+def _head_record(text: str | None) -> LogRecord | None:
+    if text is None:
+        return None
+    try:
+        return parse_line(text)
+    except MalformedLine:
+        return None
 
 
 def scan_stream(
