@@ -3,6 +3,7 @@ after a restart, and one event for an Xid both the kernel log and NVML saw."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from collections.abc import Iterator
@@ -11,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from agent.contracts.collector import CollectContext, CollectorDeps, SharedServices
+from agent.contracts.errors import CallTimedOut
 from agent.contracts.model import Event, Sample, Severity
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.state import StateStore
 from collectors._xid import XidCorrelator, XidObservation
 from collectors.kernel_log.collector import SPEC, KernelLogCollector, KernelLogSettings
+from collectors.kernel_log.kmsg import FileLogReader, ReadBatch
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
 from tests.support.stores import StateOnDisk
 
@@ -273,6 +276,42 @@ class TestKernelLogCollector:
         assert [(e.kind, e.attributes["predates_agent"]) for e in result.events] == [
             ("hung_task", False)
         ]
+        await collector.close()
+        store.close()
+
+    async def test_read_outliving_its_timeout_loses_no_finding(
+        self,
+        tmp_path: Path,
+        executor: concurrent.futures.Executor,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """A read of a saved log that outlives the call timeout fails that round; the batch
+        it read is dropped by the runtime, and the next round reads it again: the finding is
+        raised, once."""
+        log = tmp_path / "kern.log"
+        log.write_text(f"[  1.0] {IO_ERROR}\n")
+        store = StateStore.open(tmp_path / "state")
+        deps = CollectorDeps("node", tmp_path, store, SharedServices(), lambda e: None)
+        collector = SPEC.make(SPEC.defaults().replace(path=log), deps)
+        real_read = FileLogReader.read
+        slow = [True]
+
+        def read(reader: FileLogReader) -> ReadBatch:
+            batch = real_read(reader)
+            if slow:  # the first read only: a huge file on a slow disk
+                slow.clear()
+                time.sleep(0.6)
+            return batch
+
+        monkeypatch.setattr(FileLogReader, "read", read)
+        ctx = CollectContext(PooledCaller(executor, 0.2), time.time(), 0)
+        with pytest.raises(CallTimedOut):
+            await collector.collect(ctx)
+        await asyncio.sleep(0.8)  # the hung read finishes; its result goes nowhere
+        result = await collector.collect(ctx)
+        assert [e.kind for e in result.events] == ["io_error"]
+        result = await collector.collect(ctx)
+        assert result.events == []
         await collector.close()
         store.close()
 

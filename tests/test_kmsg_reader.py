@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent.contracts.collector import MemoryKeyValueStore
+from agent.contracts.errors import StateStoreError
 from agent.runtime.state import StateStore
 from collectors.kernel_log.kmsg import (
     KMSG_CURSOR_KEY,
@@ -18,6 +19,7 @@ from collectors.kernel_log.kmsg import (
     KmsgReader,
     OsKmsgIO,
 )
+from collectors.kernel_log.matchers import MatcherSet
 from tests.support.kmsg import (
     FakeKmsg,
     capture_records,
@@ -245,6 +247,154 @@ class TestFileSource:
         replacement.write_text("[   9.0] rotated\n")
         os.replace(replacement, log)
         assert [r.message for r in restarted.read().records] == ["rotated"]
+
+    def test_batch_not_committed_is_read_again(self, tmp_path: Path) -> None:
+        """A read whose batch was never handed on (the call outlived its timeout and the
+        runtime dropped the result, or the round failed) loses nothing: the next read gives
+        the same records; after commit, only what is new."""
+        log = tmp_path / "kern.log"
+        log.write_text(f"[   1.0] first\n[   2.0] {XID79}\n")
+        reader = FileLogReader(log, MemoryKeyValueStore())
+        dropped = reader.read()
+        again = reader.read()
+        assert [(r.line, r.message) for r in again.records] == [(1, "first"), (2, XID79)]
+        assert again.records == dropped.records
+        assert again.predates_agent
+        reader.commit(again)
+        with log.open("a") as handle:
+            handle.write("[   3.0] third\n")
+        assert [(r.line, r.message) for r in reader.read().records] == [(3, "third")]
+
+    def test_failed_cursor_write_does_not_read_the_batch_again(self, tmp_path: Path) -> None:
+        """The batch was handed on even if saving the cursor failed: no second copy."""
+        log = tmp_path / "kern.log"
+        log.write_text(f"[   1.0] {XID79}\n")
+
+        class FullDisk(MemoryKeyValueStore):
+            def put(self, namespace: str, key: str, value: object) -> None:
+                raise StateStoreError("database or disk is full")
+
+        reader = FileLogReader(log, FullDisk())
+        batch = reader.read()
+        with pytest.raises(StateStoreError):
+            reader.commit(batch)
+        assert reader.read().records == []
+
+    def test_reads_are_bounded(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Each read takes at most FILE_READ_BYTES and MAX_RECORDS_PER_READ lines, says there
+        is more, and the reads together give every line once, numbered in file order."""
+        monkeypatch.setattr("collectors.kernel_log.kmsg.FILE_READ_BYTES", 4096)
+        monkeypatch.setattr("collectors.kernel_log.kmsg.MAX_RECORDS_PER_READ", 50)
+        log = tmp_path / "kern.log"
+        log.write_text(
+            "".join(f"[{i:8d}.000000] line {i} {'x' * (i % 70)}\n" for i in range(1, 2001))
+        )
+        reader = FileLogReader(log, MemoryKeyValueStore())
+        seen: list[tuple[int, str]] = []
+        backlog: list[bool] = []
+        batches = 0
+        while True:
+            batch = reader.read()
+            reader.commit(batch)
+            batches += 1
+            backlog.append(batch.predates_agent)
+            assert len(batch.records) <= 50
+            seen += [(r.line, r.message.split(" ")[1]) for r in batch.records]
+            if not batch.more:
+                break
+        assert seen == [(i, str(i)) for i in range(1, 2001)]
+        assert batches >= log.stat().st_size // 4096
+        assert backlog == [True] * batches  # the whole file was there before the agent
+        with log.open("a") as handle:
+            handle.write("[    2001.0] new\n")
+        later = reader.read()
+        assert ([r.line for r in later.records], later.predates_agent) == ([2001], False)
+
+    def test_line_longer_than_a_read_is_counted_once(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A line without a newline longer than a read (or than any kernel record) is counted
+        as malformed once, skipped across reads without being read again, and the lines after
+        it keep their numbers; a restart in the middle of it goes on skipping."""
+        monkeypatch.setattr("collectors.kernel_log.kmsg.FILE_READ_BYTES", 4096)
+        monkeypatch.setattr("collectors.kernel_log.lines.MAX_LINE_BYTES", 1024)
+        log = tmp_path / "kern.log"
+        log.write_bytes(b"[   1.0] before\n" + b"z" * 20_000)
+        state = MemoryKeyValueStore()
+        reader = FileLogReader(log, state)
+        first = reader.read()
+        assert ([r.message for r in first.records], first.malformed) == (["before"], 1)
+        reader.commit(first)
+        offsets: list[object] = []
+        for _ in range(3):  # the writer is still writing the long line: skip, do not count
+            batch = reader.read()
+            reader.commit(batch)
+            assert (batch.records, batch.malformed) == ([], 0)
+            assert batch.cursor is not None
+            offsets.append(batch.cursor["offset"])
+        assert offsets == [8192, 12288, 16384]  # each read moves on by a whole read
+        with log.open("ab") as handle:
+            handle.write(b"z" * 9000 + f"\n[   3.0] {XID79}\n[   4.0] last\n".encode())
+        restarted = FileLogReader(log, state)
+        records = []
+        while True:
+            batch = restarted.read()
+            restarted.commit(batch)
+            assert batch.malformed == 0
+            records += batch.records
+            if not batch.more:
+                break
+        assert [(r.line, r.message) for r in records] == [(3, XID79), (4, "last")]
+
+    def test_indented_lines_keep_their_records_trust_across_reads(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A user-space message of many lines, longer than a read, stays user space in the
+        next read; after a restart inside it, its further lines are not trusted either."""
+        monkeypatch.setattr("collectors.kernel_log.kmsg.FILE_READ_BYTES", 256)
+        pad = " " * 20
+        log = tmp_path / "kern.log"
+        log.write_text(
+            "Nov 29 18:10:02 gpu-host-17 python3[42]: a long message\n"
+            + "".join(f"{pad}line {i} of it\n" for i in range(12))
+            + f"{pad}{XID79}\n"
+        )
+        state = MemoryKeyValueStore()
+        reader = FileLogReader(log, state)
+        first = reader.read()
+        reader.commit(first)
+        assert first.more
+        restarted = FileLogReader(log, state)
+        records = []
+        while True:
+            batch = restarted.read()
+            restarted.commit(batch)
+            records += batch.records
+            if not batch.more:
+                break
+        assert records
+        assert not any(r.from_kernel for r in first.records + records)
+        assert records[-1].message == XID79
+        matchers = MatcherSet()
+        assert list(matchers.scan(records)) == []
+        assert matchers.ignored["xid"] == 1
+
+    def test_only_newline_ends_a_line(self, tmp_path: Path) -> None:
+        """\\r, \\x0b, \\x0c, \\x1c-\\x1e, \\x85 and U+2028/9 inside a line are text: one
+        record per line, line numbers are the newline count (a CRLF file loses only the \\r)."""
+        inner = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+        text = (
+            "".join(f"[   {i}.0] rec {i}{inner}tail\n" for i in range(1, 6))
+            + f"[   6.0] {XID79}\r\n"
+        )
+        log = tmp_path / "kern.log"
+        log.write_text(text, encoding="utf-8", newline="")
+        batch = FileLogReader(log, MemoryKeyValueStore()).read()
+        assert [r.line for r in batch.records] == [1, 2, 3, 4, 5, 6]
+        assert [r.message for r in batch.records][:5] == [
+            f"rec {i}{inner}tail" for i in range(1, 6)
+        ]
+        assert batch.records[5].message == XID79
 
     def test_missing_file_is_a_clear_error(self, tmp_path: Path) -> None:
         """A path that does not exist fails the round with the path in the message."""

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import (
     LogRecord,
     MalformedLine,
@@ -124,14 +125,17 @@ class TestShapes:
         "line",
         [
             "6,notanumber,17,-;broken",
+            "6,,17,-;no sequence number",
             "99999,1,1,-;priority too large",
-            "[   17.5 never closes",
-            "[Sun Nov 29 17:42 never closes",
+            "2048,1,1,-;priority too large for a u8 facility",
             "a\x00b",
         ],
     )
     def test_malformed(self, line: str) -> None:
-        """Lines that start like a shape but break it raise MalformedLine."""
+        """Lines that cannot carry a message raise MalformedLine: a raw record without its
+        identity (sequence number) or with a priority the kernel cannot write; a NUL byte
+        (`parse_lines` cuts lines at NULs first). A broken stamp is not among them: see
+        TestUnreadableTimestamps."""
         with pytest.raises(MalformedLine):
             parse_line(line)
 
@@ -210,11 +214,14 @@ class TestProperties:
 
     @given(st.lists(st.text(max_size=120), max_size=30))
     def test_parse_lines_never_raises(self, lines: list[str]) -> None:
-        """Every line is a record, skipped, malformed or a continuation: none is lost."""
+        """Every line is a record, skipped, malformed or a continuation: none is lost. A line
+        with NUL bytes (a file-system hole) may hold one message on each side of them."""
         stats = ParseStats()
         records = list(parse_lines(lines, stats))
         assert stats.lines == len(lines)
-        assert len(records) == stats.records <= len(lines) - stats.malformed
+        pieces = sum(max(1, len([p for p in line.split("\x00") if p.strip()])) for line in lines)
+        assert len(records) == stats.records <= pieces - stats.malformed
+        assert stats.holes == sum(1 for line in lines if "\x00" in line)
 
     @given(st.binary(max_size=300))
     def test_parse_kmsg_record_on_any_bytes(self, data: bytes) -> None:
@@ -276,3 +283,230 @@ class TestRealH200Shapes:
         nvrm = [r for r in raw if r.message.startswith("NVRM:")]
         assert nvrm
         assert all(r.facility == 0 for r in nvrm)
+
+
+class TestLinesWithoutHostName:
+    """Class 2: `journalctl --no-hostname` and syslog with the host redacted. The identifier
+    right after the stamp is the program ("kernel"), never the host, and a driver's own prefix
+    ("NVRM:") after the stamp is the driver's message, not a program name."""
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            f"May 18 19:02:39 kernel: {XID}",
+            f"Nov  9 17:42:14.172835 kernel: {XID}",
+            f"2026-11-29T17:42:14+0000 kernel: {XID}",
+            f"2026-11-29T17:42:14.172835+00:00 kernel: {XID}",
+            f"Sun 2026-11-29 17:42:14 UTC kernel: {XID}",
+            f"[   11.172835] kernel: {XID}",
+            f"1764438134.172835 kernel: {XID}",
+            f"Sun 2026-11-29 17:42:14 UTC gpu-host-17 kernel: {XID}",
+            f"[   11.172835] gpu-host-17 kernel: {XID}",
+            f"1764438134.172835 gpu-host-17 kernel: {XID}",
+            f"Jun 17 02:44:10 gpu-host-17 kernel: [ 4007.321459] {XID}",
+            f"May 18 19:02:39 kernel: [ 4007.321459] {XID}",
+        ],
+    )
+    def test_kernel_line_is_the_kernels_message(self, line: str) -> None:
+        """Host or not, every journal/syslog output mode: the message is the driver's line,
+        marked as the kernel's (rsyslog's kern.log keeps the kernel's own stamp in the text)."""
+        record = parse_line(line, 3)
+        assert record is not None
+        assert (record.message, record.facility, record.from_kernel) == (XID, 0, True)
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            f"May 18 19:02:39 {XID}",
+            f"May 18 19:02:39 gpu-host-17 {XID}",
+            "May 18 19:02:39 nvidia-nvswitch3: SXid (PCI:0000:c7:00.0): 20034, Fatal, Link 44",
+        ],
+    )
+    def test_driver_prefix_is_not_a_program_name(self, line: str) -> None:
+        """With the `kernel:` tag lost, `NVRM:` (or the NVSwitch driver's prefix) still starts
+        the message; such a line is taken as given, like a bare dmesg line."""
+        record = parse_line(line)
+        assert record is not None
+        message = line.split(" ", 3)[3]
+        if message.startswith("gpu-host-17 "):
+            message = message.split(" ", 1)[1]
+        assert (record.message, record.from_kernel) == (message, True)
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            f"May 18 19:02:39 python3[4242]: {XID}",
+            f"May 18 19:02:39 logger: {XID}",
+            f"2026-11-29T17:42:14+0000 root[42]: {XID}",
+            f"May 18 19:02:39 gpu-host-17 kernel[42]: {XID}",
+        ],
+    )
+    def test_user_space_line_without_host_is_counted_not_trusted(self, line: str) -> None:
+        """A program's line is a record, not from the kernel, and keeps the driver's words, so
+        the matchers count it as ignored instead of losing it (`kernel[pid]` is `logger -t
+        kernel --id`: the kernel's lines never carry a pid)."""
+        record = parse_line(line)
+        assert record is not None
+        assert (record.message, record.from_kernel) == (XID, False)
+        matchers = MatcherSet()
+        assert matchers.feed(record) == []
+        assert matchers.ignored["xid"] == 1
+
+
+class TestUnreadableTimestamps:
+    """Class 3: a stamp that cannot be read is a missing stamp; the message is still a message."""
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            f"[123] {XID}",
+            f"[  240.] {XID}",
+            f"[  .5] {XID}",
+            f"[ 12:30] {XID}",
+            f"[Sun Nov 29 17:42 2026] {XID}",
+            f"[Sun Nov 29 17:42:14] {XID}",
+            f"kern  :err   : [123] {XID}",
+            f"<4>[  240.] {XID}",
+            f"4,1005,,-;{XID}",
+            f"4,1005,12.5,-;{XID}",
+        ],
+    )
+    def test_message_survives_a_broken_stamp(self, line: str) -> None:
+        """The record carries the message whole, no timestamp, and says the stamp was bad."""
+        stats = ParseStats()
+        [record] = list(parse_lines([line], stats))
+        assert (record.message, record.timestamp, record.monotonic_usec) == (XID, "", None)
+        assert record.unreadable_timestamp
+        assert (stats.records, stats.malformed, stats.bad_timestamps) == (1, 0, 1)
+
+    @pytest.mark.parametrize(
+        "line", [f"[   17.5 {XID}", f"[Sun Nov 29 17:42 {XID}", f"[  +0.5 <1.0 {XID}"]
+    )
+    def test_unclosed_stamp_keeps_the_whole_line(self, line: str) -> None:
+        """No `]`: nothing says where the stamp ends, so the line is the message."""
+        stats = ParseStats()
+        [record] = list(parse_lines([line], stats))
+        assert record.message == line
+        assert (stats.malformed, stats.bad_timestamps) == (0, 1)
+
+    @pytest.mark.parametrize(
+        ("line", "stamp"),
+        [
+            (f"[   12.345678 <    0.000012>] {XID}", "12.345678 <    0.000012>"),
+            (f"[<    0.000012>] {XID}", "<    0.000012>"),
+            (f"[  +0.000123] {XID}", "+0.000123"),
+            (f"[Nov29 18:10] {XID}", "Nov29 18:10"),
+            (
+                f"[Sun Nov 29 17:42:14 2026 <    0.000012>] {XID}",
+                "Sun Nov 29 17:42:14 2026 <    0.000012>",
+            ),
+        ],
+    )
+    def test_other_dmesg_stamps_are_read(self, line: str, stamp: str) -> None:
+        """`dmesg -d`, `-e` and `-T -d` stamps are stamps, not damage."""
+        stats = ParseStats()
+        [record] = list(parse_lines([line], stats))
+        assert (record.message, record.timestamp, stats.bad_timestamps) == (XID, stamp, 0)
+
+    @pytest.mark.parametrize("line", ["[drm] Initialized nvidia-drm 0.0.0", "[Firmware Bug]: TSC"])
+    def test_bracketed_words_are_messages(self, line: str) -> None:
+        """A message that starts with `[word]` has no stamp to be broken."""
+        stats = ParseStats()
+        [record] = list(parse_lines([line], stats))
+        assert (record.message, stats.bad_timestamps) == (line, 0)
+
+    def test_printk_caller_id_is_not_part_of_the_message(self) -> None:
+        """CONFIG_PRINTK_CALLER adds `[  T1234]` after the stamp; the message follows it."""
+        record = parse_line(f"[10163.739261] [   T9326] {XID}")
+        assert record is not None
+        assert (record.message, record.timestamp) == (XID, "10163.739261")
+
+
+class TestForgedLines:
+    """Class 9: what user space wrote into the kernel log, saved by `dmesg -r`, `dmesg -x`, the
+    journal or as raw records, is counted and never trusted."""
+
+    @pytest.mark.parametrize(
+        ("line", "facility", "level"),
+        [
+            (f"<14>[   12.345678] {XID}", 1, 6),
+            (f"<12>{XID}", 1, 4),
+            (f"<191>[   12.345678] {XID}", 23, 7),
+            (f"2047,9,1,-;{XID}", 255, 7),
+            (f"1030,9,1,-;{XID}", 128, 6),
+        ],
+    )
+    def test_user_space_facility_is_not_trusted(self, line: str, facility: int, level: int) -> None:
+        """`dmesg -r`'s `<N>` prefix and a raw record's priority carry the facility; anything
+        above 0 came from a process (the kernel keeps up to 255: printk's facility is a u8)."""
+        stats = ParseStats()
+        [record] = list(parse_lines([line], stats))
+        assert (record.message, record.facility, record.level) == (XID, facility, level)
+        assert not record.from_kernel
+        assert stats.malformed == 0
+
+    def test_kernel_facility_in_raw_dmesg_is_trusted(self) -> None:
+        """`<4>`: facility 0, the kernel's own record."""
+        record = parse_line(f"<4>[   12.345678] {XID}")
+        assert record is not None
+        assert (record.message, record.facility, record.level, record.timestamp) == (
+            XID,
+            0,
+            4,
+            "12.345678",
+        )
+
+    @pytest.mark.parametrize(
+        "first",
+        [
+            "<14>[   12.345678] hello",
+            "user  :info  : [   12.345678] hello",
+            "Nov 29 17:42:14 gpu-host-17 python3[42]: hello",
+        ],
+    )
+    def test_indented_line_under_a_user_record_is_that_record(self, first: str) -> None:
+        """dmesg and journalctl write a message's further lines indented under its first; a
+        process that embeds a newline and a driver line cannot make that line the kernel's."""
+        forged = " " * 20 + XID
+        stats = ParseStats()
+        records = list(parse_lines([first, forged], stats))
+        assert [(r.line, r.message, r.from_kernel) for r in records] == [
+            (1, "hello", False),
+            (2, XID, False),
+        ]
+        matchers = MatcherSet()
+        assert list(matchers.scan(records)) == []
+        assert matchers.ignored["xid"] == 1
+
+    def test_indented_line_under_a_kernel_record_stays_the_kernels(self) -> None:
+        """md's `Disk failure ... / Operation continuing ...` is one printk of two lines."""
+        records = list(
+            parse_lines(
+                [
+                    "[   12.345678] md/raid1:md0: Disk failure on sdb1, disabling device.",
+                    "               md/raid1:md0: Operation continuing on 1 devices.",
+                ]
+            )
+        )
+        assert [(r.message, r.from_kernel, r.timestamp) for r in records] == [
+            ("md/raid1:md0: Disk failure on sdb1, disabling device.", True, "12.345678"),
+            ("md/raid1:md0: Operation continuing on 1 devices.", True, "12.345678"),
+        ]
+
+
+class TestHoles:
+    """A log file written through a crash can hold a run of NUL bytes where unwritten blocks
+    were: what is before and after them on that line is still text."""
+
+    def test_text_around_a_hole_is_parsed(self) -> None:
+        stats = ParseStats()
+        line = "May 18 19:02:39 gpu-host-17 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pi"
+        line += "\x00" * 4096 + f"May 18 19:09:01 gpu-host-17 kernel: {XID}"
+        records = list(parse_lines(["[  1.0] before", line, "[  2.0] after"], stats))
+        assert [(r.line, r.message) for r in records] == [
+            (1, "before"),
+            (2, "NVRM: Xid (PCI:0000:3b:00): 79, pi"),
+            (2, XID),
+            (3, "after"),
+        ]
+        assert (stats.lines, stats.records, stats.malformed, stats.holes) == (3, 4, 0, 1)

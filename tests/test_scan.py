@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.program.cli import main as cli_main
-from agent.program.commands.scan import exit_code, scan_lines
+from agent.program.commands.scan import exit_code, scan_lines, scan_stream
 from collectors._xid_catalog import catalog_version
+from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import ParseStats
 from tests.support.kmsg import FIXTURES, H200_CAPTURE
 
@@ -161,6 +162,75 @@ class TestExitCodes:
         helptext = " ".join(capsys.readouterr().out.split())
         assert f"Xid catalog {catalog_version()}" in helptext
         assert "595.45.04" in helptext
+
+
+class TestReading:
+    """The file is read as bytes, cut at \\n only, in bounded pieces."""
+
+    def test_only_newline_ends_a_line(self, tmp_path: Path) -> None:
+        """\\r and the other characters splitlines() breaks at, inside a line, are text: the
+        Xid after them is on the line the file says (standard input and a file alike)."""
+        inner = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+        text = "".join(f"[   {i}.0] noise {i}{inner}more\n" for i in range(1, 8))
+        text += "[   9.0] NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.\r\n"
+        path = tmp_path / "kern.log"
+        path.write_bytes(text.encode())
+        for args in (["--json", str(path)], ["--json", "-"]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "agent", "scan", *args],
+                cwd=ROOT,
+                input=text.encode(),
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+            [finding] = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+            assert (finding["line"], finding["xid"]) == (8, 79)
+            assert "0 malformed" not in proc.stderr.decode()
+            assert "in 8 line(s)" in proc.stderr.decode()
+
+    def test_line_longer_than_a_chunk(self, tmp_path: Path) -> None:
+        """A line of 3 MiB without a newline is one malformed line; what follows is read."""
+        path = tmp_path / "kern.log"
+        with path.open("wb") as handle:
+            handle.write(b"[   1.0] start\n" + b"y" * (3 * 1024 * 1024) + b"\n")
+            handle.write(b"[   2.0] INFO: task python3:55012 blocked for more than 245 seconds.\n")
+        stats = ParseStats()
+        with path.open("rb") as handle:
+            findings = scan_stream(handle, stats)
+        assert [(f.line, f.kind) for f in findings] == [(3, "hung_task")]
+        # `start` holds no trigger word: counted as a line, never parsed (scan's prefilter).
+        assert (stats.lines, stats.records, stats.malformed) == (3, 1, 1)
+
+
+class TestPrefilterKeepsTrust:
+    """scan parses only the lines holding a trigger word; an indented line that does still
+    belongs to the record above it, trigger word or not (class 9 of issue 12)."""
+
+    @pytest.mark.parametrize(
+        "head",
+        [
+            "<14>[   13.000000] hello from a job",
+            "user  :info  : [   13.000000] hello from a job",
+            "Nov 29 18:10:02 gpu-host-17 python3[42]: hello from a job",
+        ],
+    )
+    def test_forged_second_line_is_not_trusted(self, head: str) -> None:
+        forged = " " * 19 + "NVRM: Xid (PCI:0000:86:00): 79, pid=1, name=fake, its second line"
+        lines = ["[    1.000000] usb 1-1: new device", head, forged, "[    2.0] tail"]
+        stats, matchers = ParseStats(), MatcherSet()
+        assert scan_lines(lines, stats, matchers) == []
+        assert matchers.ignored["xid"] == 1
+        assert stats.lines == 4
+
+    def test_kernel_second_line_is_still_the_kernels(self) -> None:
+        """A kernel message's second line under a first line the prefilter skips is still
+        the kernel's."""
+        lines = [
+            "[   12.345678] somedrv 0000:01:00.0: the first line of two",
+            "               NVRM: Xid (PCI:0000:86:00): 79, pid=1, name=x, its second line",
+        ]
+        assert [(f.line, f.kind) for f in scan_lines(lines)] == [(2, "xid")]
 
 
 class TestProperties:

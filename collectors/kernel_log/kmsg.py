@@ -23,10 +23,13 @@ from typing import Final, Protocol
 
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
+from collectors.kernel_log import lines
 from collectors.kernel_log.parse import (
+    UNKNOWN_RECORD,
     LogRecord,
     MalformedLine,
     ParseStats,
+    last_record_lines,
     parse_kmsg_record,
     parse_lines,
 )
@@ -39,6 +42,9 @@ KMSG_CURSOR_KEY: Final = "kmsg_cursor"
 FILE_CURSOR_KEY: Final = "file_cursor"
 MAX_RECORDS_PER_READ: Final = 50_000
 """Bounds one round's work; the ring buffer rarely holds more (a few MiB of short records)."""
+FILE_READ_BYTES: Final = 4 * 1024 * 1024
+"""Bounds one round's read of a saved-lines file (its memory and its time, so a round ends
+well inside the call timeout): a 300 MiB backlog is read over many rounds, never whole."""
 
 
 class KernelLogError(GpuwardenError):
@@ -84,7 +90,10 @@ class ReadBatch:
     cursor: dict[str, object] | None = None
     """The cursor to persist once the batch is processed (see `commit`)."""
     more: bool = False
-    """The read stopped at its bound with more left to read: the next round should not wait."""
+    """The read stopped at its bound, not at the end of what the log holds: read again at once
+    (the next round does not wait)."""
+    open_record: LogRecord | None = None
+    """Saved lines: the record that indented lines at the start of the next read continue."""
 
 
 def read_boot_id(path: Path) -> str:
@@ -195,8 +204,9 @@ class KmsgReader:
             expected = seq + 1
             self._last_seq = seq
             batch.records.append(record)
+        else:
+            batch.more = True  # stopped at the bound, not at the end of the ring
         batch.cursor = {"boot_id": self._boot_id, "seq": self._last_seq}
-        batch.more = len(batch.records) >= MAX_RECORDS_PER_READ
         return batch
 
     def origin(self, record: LogRecord) -> tuple[str, str]:
@@ -234,11 +244,43 @@ class KmsgReader:
             self.io.close(fd)
 
 
+_FILE_CURSOR_FIELDS: Final = ("inode", "offset", "line", "skipping")
+
+
+def _hold_back_last_record(
+    data: bytes, lines: list[str | None], consumed: int
+) -> tuple[list[str | None], int]:
+    """A read that stopped at its bound ends before its last record, whose indented lines
+    (raw ` KEY=value` fields, a message's further lines, which carry its facility) may be in
+    the next read: that read starts at the record's first line."""
+    held = last_record_lines(lines)
+    if held == 0 or held == len(lines):
+        return lines, consumed
+    end = consumed - 1  # the "\n" ending the last line kept so far
+    for _ in range(held):
+        end = data.rindex(b"\n", 0, end)
+    return lines[:-held], end + 1
+
+
+def _file_cursor(cursor: dict[str, object]) -> dict[str, int]:
+    out = {}
+    for key in _FILE_CURSOR_FIELDS:
+        value = cursor[key]
+        if not isinstance(value, int):
+            raise TypeError(f"file cursor {key}={value!r}: expected an integer")
+        out[key] = value
+    return out
+
+
 class FileLogReader:
     """A file of saved lines, read like `tail -f`: new complete lines since the last offset.
 
-    The cursor (inode, offset, line number) persists, so a restart does not replay the file; a
-    file replaced (new inode) or truncated is read again from its start.
+    The cursor (inode, offset, line number, and whether the offset is inside a line too long
+    to keep) persists, so a restart does not replay the file; a file replaced (new inode) or
+    truncated is read again from its start. Each read takes at most FILE_READ_BYTES and
+    MAX_RECORDS_PER_READ lines, so memory stays flat and a round stays short on a log of any
+    size. The reader moves on only at `commit`: a batch read but never handed on (the call
+    timed out and its result was dropped, the round failed) is read again, not lost.
     """
 
     def __init__(
@@ -253,49 +295,70 @@ class FileLogReader:
         self._clock = clock
         self._cursor: dict[str, int] | None = None
         self._committed: dict[str, object] | None = None
-        self._first_batch = backlog
+        self._backlog = backlog
+        self._open_record: LogRecord | None = None
+        self._read_inode = -1
+        """The inode of the file the last read came from (origin() names records by it)."""
         self._watch: FileWatch | None = None
         self._watch_tried = False
 
     def _load(self) -> dict[str, int]:
         saved = self.state.get(STATE_NAMESPACE, FILE_CURSOR_KEY)
         if isinstance(saved, dict) and saved.get("path") == str(self.path):
-            return {k: int(saved[k]) for k in ("inode", "offset", "line")}
-        return {"inode": -1, "offset": 0, "line": 0}
+            cursor = {k: int(saved[k]) for k in ("inode", "offset", "line")}
+            # Cursors saved before long lines were skipped have no "skipping".
+            return {**cursor, "skipping": int(saved.get("skipping", 0))}
+        return {"inode": -1, "offset": 0, "line": 0, "skipping": 0}
 
     def read(self) -> ReadBatch:
         # Watched before the read: a line appended between the read and the next wait wakes
         # that wait at once instead of waiting out the interval.
         self._renew_watch()
-        cursor = self._cursor if self._cursor is not None else self._load()
+        if self._cursor is None:
+            self._cursor = self._load()
+            # Restarted inside the file: what the first lines continue is not known.
+            self._open_record = UNKNOWN_RECORD if self._cursor["offset"] else None
+        cursor, previous = self._cursor, self._open_record
         try:
             with self.path.open("rb") as handle:
                 info = os.fstat(handle.fileno())
                 if info.st_ino != cursor["inode"] or info.st_size < cursor["offset"]:
-                    cursor = {"inode": info.st_ino, "offset": 0, "line": 0}
+                    cursor = {"inode": info.st_ino, "offset": 0, "line": 0, "skipping": 0}
+                    previous = None
                 handle.seek(cursor["offset"])
-                data = handle.read()
+                data = handle.read(FILE_READ_BYTES)
+                self._read_inode = info.st_ino
         except OSError as exc:
             raise KernelLogError(
                 f"cannot read the kernel log file {self.path}: {exc.strerror or exc}"
             ) from exc
-        complete = data[: data.rfind(b"\n") + 1]  # a half-written last line waits
-        lines = complete.decode("utf-8", errors="replace").splitlines()
-        stats = ParseStats()
-        records = list(parse_lines(lines, stats, first_line=cursor["line"] + 1))
-        self._cursor = {
-            "inode": cursor["inode"],
-            "offset": cursor["offset"] + len(complete),
-            "line": cursor["line"] + len(lines),
-        }
-        batch = ReadBatch(
-            records=records,
-            predates_agent=self._first_batch,
-            malformed=stats.malformed,
-            cursor={"path": str(self.path), **self._cursor},
+        split = lines.split_lines(
+            data,
+            skipping=bool(cursor["skipping"]),
+            max_lines=MAX_RECORDS_PER_READ,
+            # A line that cannot fit one read would be read again forever: it is too long.
+            max_line=min(lines.MAX_LINE_BYTES, FILE_READ_BYTES - 1),
         )
-        self._first_batch = False
-        return batch
+        more = split.cut or len(data) == FILE_READ_BYTES
+        kept, consumed = split.lines, split.consumed
+        if more and not split.skipping:
+            kept, consumed = _hold_back_last_record(data, kept, consumed)
+        stats = ParseStats()
+        records = list(parse_lines(kept, stats, cursor["line"] + 1, previous))
+        after = {
+            "inode": cursor["inode"],
+            "offset": cursor["offset"] + consumed,
+            "line": cursor["line"] + len(kept),
+            "skipping": int(split.skipping),
+        }
+        return ReadBatch(
+            records=records,
+            predates_agent=self._backlog,
+            malformed=stats.malformed,
+            cursor={"path": str(self.path), **after},
+            more=more,
+            open_record=stats.open_record,
+        )
 
     def _renew_watch(self) -> None:
         if self._watch is None and not self._watch_tried:
@@ -306,8 +369,7 @@ class FileLogReader:
 
     def origin(self, record: LogRecord) -> tuple[str, str]:
         """Where the line is, stable across restarts: the file (path and inode) and its line."""
-        inode = self._cursor["inode"] if self._cursor is not None else -1
-        return (f"file:{self.path}:{inode}", str(record.line))
+        return (f"file:{self.path}:{self._read_inode}", str(record.line))
 
     def wake_fd(self) -> int | None:
         return self._watch.fd if self._watch is not None else None
@@ -320,6 +382,14 @@ class FileLogReader:
         return self._clock()  # saved lines' stamps are relative or local-time text: unreliable
 
     def commit(self, batch: ReadBatch) -> None:
+        """Move past `batch` (it was handed on), then persist the cursor. In memory first: a
+        failed write must not make the next round read the batch again (its findings would
+        be raised twice); the next commit saves the newer cursor."""
+        if batch.cursor is not None:
+            self._cursor = _file_cursor(batch.cursor)
+            self._open_record = batch.open_record
+            if not batch.more:
+                self._backlog = False  # the backlog ends where a read first reached the end
         if batch.cursor is not None and batch.cursor != self._committed:
             self.state.put(STATE_NAMESPACE, FILE_CURSOR_KEY, batch.cursor)
             self._committed = batch.cursor

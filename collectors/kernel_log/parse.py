@@ -1,25 +1,36 @@
 """Kernel-log lines in the shapes they are saved in, parsed into one `LogRecord` type.
 
-Shapes recognised, per line (a file may mix them):
+Shapes recognised, per line (a file may mix them; where each comes from is in
+tests/fixtures/kernel_log/corpus/SOURCES.md):
 
 - raw /dev/kmsg records: `priority,seq,usec,flags[,...];message`, followed by continuation
   lines ` KEY=value` (the record's device metadata);
-- `dmesg`: `[   12.345678] message`;
+- `dmesg`: `[   12.345678] message`, also with `-d` (`[ 12.3 <  0.000012>]`), `-e`
+  (`[  +0.000123]`, `[Nov29 18:10]`) and a printk caller id after the stamp (`[  T1234]`);
 - `dmesg -T`: `[Sun Nov 29 18:10:02 2026] message`;
+- `dmesg -r`: `<priority>[   12.345678] message` (the priority carries the facility);
 - `dmesg --decode` (optionally `--time-format iso`): `kern  :err   : 2026-11-29T18:10:02,123456+00:00 message`;
-- `journalctl -k` (short, short-precise, short-iso): `Nov 29 18:10:02 host kernel: message`;
+- `journalctl -k` in its short output modes (short, -precise, -iso, -iso-precise, -full,
+  -monotonic, -unix), with or without the host name (`--no-hostname`), and syslog files
+  (rsyslog's traditional and RFC 3339 formats, the host redacted or not):
+  `Nov 29 18:10:02 host kernel: message`;
 - anything else that is printable text: taken as a bare message (`dmesg -t` prints these).
 
-A line that starts like one of the structured shapes but breaks it (a raw record with a
-non-numeric sequence, an unclosed `[` timestamp, a NUL byte) is malformed: counted and skipped.
+A record's further lines, which dmesg and journalctl indent under its first, are records of
+their own with the first line's facility and stamp (a process cannot make the second line of
+its message pass for the kernel's). A stamp that cannot be read is a missing stamp: the
+record keeps its message and says so (`unreadable_timestamp`). Only a line that cannot carry
+a message at all (a raw record without a sequence number, a NUL byte given to `parse_line`)
+is malformed: counted and skipped.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from types import MappingProxyType
+from typing import Final, NamedTuple
 
 from agent.contracts.errors import GpuwardenError
 
@@ -54,15 +65,22 @@ LEVELS: Final = ("emerg", "alert", "crit", "err", "warn", "notice", "info", "deb
 
 KERNEL_FACILITY: Final = 0
 USER_FACILITY: Final = 1
+MAX_PRIORITY: Final = 255 * 8 + 7
+"""printk keeps the facility in a u8 (struct printk_info) and the level in 3 bits."""
 
 
-@dataclass(frozen=True, slots=True)
-class LogRecord:
+NO_FIELDS: Final[Mapping[str, str]] = MappingProxyType({})
+
+
+class LogRecord(NamedTuple):
     """One kernel-log message, whatever shape it was saved in.
 
     `line` is the 1-based line number in a file (the header line for a raw record), or the
     record's sequence number when read live from /dev/kmsg. `facility` is None when the shape
     does not carry one (dmesg, dmesg -T, bare lines): such lines are taken as given.
+
+    A named tuple, not a frozen dataclass: as immutable, and one is made for every line of a
+    log, which a frozen dataclass's __init__ made cost about three times as much.
     """
 
     message: str
@@ -75,14 +93,17 @@ class LogRecord:
     """Microseconds since boot (raw records), as the kernel stamped the record."""
     timestamp: str = ""
     """The time as the saved line wrote it, unparsed."""
-    fields: Mapping[str, str] = field(default_factory=dict)
+    fields: Mapping[str, str] = NO_FIELDS
+    unreadable_timestamp: str = ""
+    """The stamp as written when it could not be read (then `timestamp` is empty)."""
 
     @property
     def from_kernel(self) -> bool:
         """False when the record says it came from user space (facility >= 1).
 
         Any root process can write into /dev/kmsg; what it writes arrives with the user
-        facility (1) or above, while the kernel and its drivers (NVRM among them) write with
+        facility (1) or above (kernel/printk/printk.c, devkmsg_write: a prefix asking for
+        facility 0 is ignored), while the kernel and its drivers (NVRM among them) write with
         facility 0. A record without a facility is taken as given.
         """
         return self.facility is None or self.facility == KERNEL_FACILITY
@@ -115,51 +136,90 @@ def unescape_kmsg(text: str) -> str:
     return "".join(out)
 
 
-_KMSG = re.compile(r"^(\d{1,4}),(\d{1,20}),(\d{1,20}),([^,;]*)(?:,[^;]*)?;(.*)$", re.DOTALL)
-_KMSG_LIKE = re.compile(r"^\d+,[^;\s]*;")
-_CONTINUATION = re.compile(r"^ ([A-Z_][A-Z0-9_]*)=(.*)$")
-_DMESG = re.compile(r"^\[\s*(\d+\.\d+)\] ?(.*)$", re.DOTALL)
+# priority, seq, then the usec field: a number (3) or whatever else it holds (4); the text (5).
+_KMSG = re.compile(
+    r"(\d{1,4}),(\d{1,20}),(?:(\d{1,20})|([^,;]*)),[^,;]*(?:,[^;]*)?;(.*)", re.DOTALL | re.ASCII
+)
+_KMSG_LIKE = re.compile(r"\d+,[^;\s]*;", re.ASCII)
+_CONTINUATION = re.compile(r" ([A-Z_][A-Z0-9_]*)=(.*)", re.DOTALL)
+
+# dmesg's own stamp, the common case, tried first.
+_DMESG = re.compile(r"\[ *(\d+\.\d+)\] ?(.*)", re.DOTALL | re.ASCII)
 _DMESG_T = re.compile(
-    r"^\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4})\] ?(.*)$", re.DOTALL
+    r"\[([A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4})\] ?(.*)", re.DOTALL | re.ASCII
 )
-# Starts like a dmesg stamp (`[  12.3`, `[Sun Nov`) but did not parse as one.
-_BRACKET_LIKE = re.compile(r"^\[\s*\d|^\[[A-Z][a-z]{2} [A-Z][a-z]{2} ")
-_DECODE = re.compile(r"^([a-z0-9]+)\s*:([a-z]+)\s*: ?(.*)$", re.DOTALL)
+# Any bracketed prefix; what is inside decides whether it is a stamp (64 characters is more
+# than any dmesg stamp, and keeps an unclosed `[` from scanning a whole line).
+_BRACKET = re.compile(r"\[([^\]\n]{0,64})\] ?(.*)", re.DOTALL)
+_STAMPS = re.compile(
+    r"(?P<dmesg> *\d+\.\d+(?: <\s*\d+\.\d+>)?)"
+    r"|(?P<ctime>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}(?: <\s*\d+\.\d+>)?)"
+    r"|(?P<delta> *[+-]\d+\.\d+|[A-Z][a-z]{2}\d\d \d\d:\d\d|<\s*\d+\.\d+>)",
+    re.ASCII,
+)
+_FORMATS: Final = {"dmesg": "dmesg", "ctime": "dmesg-T", "delta": "dmesg-delta"}
+# Starts like a dmesg stamp (`[  12.3`, `[123`, `[Sun Nov`, `[Nov29`) but is none of the above:
+# an unreadable stamp, not a message that happens to start with `[word]`.
+_STAMP_LIKE = re.compile(r"\[ *[\d.+<-]|\[[A-Z][a-z]{2}(?: [A-Z][a-z]{2} |\d\d )", re.ASCII)
+_CALLER = re.compile(r"\[ *[TC]\d+\] ?", re.ASCII)
+_PRIORITY = re.compile(r"<(\d{1,10})>", re.ASCII)
+_DECODE = re.compile(r"([a-z0-9]+)\s*:([a-z]+)\s*: ?(.*)", re.DOTALL)
+
 _ISO = re.compile(
-    r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (.*)$", re.DOTALL
+    r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (.*)",
+    re.DOTALL | re.ASCII,
 )
-# journalctl short / short-precise: `Nov 29 18:10:02[.123456] host ident[pid]: message`.
-_JOURNAL = re.compile(
-    r"^([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (\S+) ([^\s:\[]+)(?:\[\d+\])?: ?(.*)$",
-    re.DOTALL,
+# journalctl short / short-precise, and syslog's traditional stamp.
+_BSD = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (.*)", re.DOTALL | re.ASCII)
+_BSD_KERNEL = re.compile(
+    r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (?:[^\s:\[\]]+ )?kernel: ?(.*)",
+    re.DOTALL | re.ASCII,
 )
-# journalctl short-iso. An ISO stamp also starts `dmesg --time-format iso` lines, so the
-# journal reading needs `kernel:` or an `ident[pid]:` to be sure (`usb 1-1: ...` is dmesg).
-_JOURNAL_ISO = re.compile(
-    r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (\S+) "
-    r"(kernel|[^\s:\[]+(?=\[\d+\]))(?:\[\d+\])?: ?(.*)$",
-    re.DOTALL,
+# journalctl short-full: `Sun 2026-11-29 18:10:02 UTC`.
+_FULL = re.compile(
+    r"([A-Z][a-z]{2} \d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? [A-Za-z0-9+-]{1,8}) (.*)",
+    re.DOTALL | re.ASCII,
 )
-_JOURNAL_META = re.compile(r"^-- .* --$|^-- No entries --$")
+# journalctl short-unix: `1764439802.123456`.
+_UNIX = re.compile(r"(\d{9,12}\.\d{6}) (.*)", re.DOTALL | re.ASCII)
+# What follows a journal/syslog stamp: `[host ]ident[[pid]]: message`. Neither a host name nor
+# an identifier holds a colon, so `kernel: NVRM: ...` is host-less (ident `kernel`), never
+# host `kernel:` with ident `NVRM`.
+_TAIL = re.compile(r"(?:([^\s:\[\]]+) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTALL | re.ASCII)
+# The NVIDIA drivers' own message prefixes: after a stamp (the `kernel:` tag lost with the
+# host), they start the driver's message; no program of that name logs without a pid.
+_DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
+_JOURNAL_META = re.compile(r"-- .* --")
 
 
 def parse_kmsg_header(text: str, line: int = 0) -> LogRecord:
-    """One raw record's first line (`priority,seq,usec,flags;message`) -> LogRecord."""
+    """One raw record's first line (`priority,seq,usec,flags;message`) -> LogRecord.
+
+    The sequence number is the record's identity: without it the line is malformed. A
+    timestamp field that is not a number is a missing timestamp."""
     match = _KMSG.match(text)
     if match is None:
         raise MalformedLine(f"not a kmsg record: {text[:60]!r}")
-    priority, seq, usec = int(match[1]), int(match[2]), int(match[3])
-    if priority > 1023:  # facility fits in 7 bits, level in 3
-        raise MalformedLine(f"kmsg priority out of range: {priority}")
+    priority, seq = int(match[1]), int(match[2])
+    if priority > MAX_PRIORITY:
+        raise MalformedLine(f"kmsg priority out of range: {priority} (at most {MAX_PRIORITY})")
+    usec: int | None = None
+    stamp, unreadable = "", match[4] or "(empty)"
+    if match[3] is not None:
+        usec = int(match[3])
+        stamp, unreadable = f"{usec // 1_000_000}.{usec % 1_000_000:06d}", ""
+    text = match[5]
     return LogRecord(
-        message=unescape_kmsg(match[5]),
-        line=line or seq,
-        format="kmsg",
-        facility=priority >> 3,
-        level=priority & 7,
-        seq=seq,
-        monotonic_usec=usec,
-        timestamp=f"{usec // 1_000_000}.{usec % 1_000_000:06d}",
+        unescape_kmsg(text),
+        line or seq,
+        "kmsg",
+        priority >> 3,
+        priority & 7,
+        seq,
+        usec,
+        stamp,
+        NO_FIELDS,
+        unreadable,
     )
 
 
@@ -170,83 +230,179 @@ def parse_kmsg_record(data: bytes) -> LogRecord:
     record = parse_kmsg_header(head)
     fields = {}
     for extra in rest:
-        match = _CONTINUATION.match(extra)
+        match = _CONTINUATION.fullmatch(extra)
         if match is not None:
             fields[match[1]] = unescape_kmsg(match[2])
     if fields:
-        record = _with_fields(record, fields)
+        record = record._replace(fields=fields)
     return record
 
 
-def _with_fields(record: LogRecord, fields: Mapping[str, str]) -> LogRecord:
-    return LogRecord(
-        message=record.message,
-        line=record.line,
-        format=record.format,
-        facility=record.facility,
-        level=record.level,
-        seq=record.seq,
-        monotonic_usec=record.monotonic_usec,
-        timestamp=record.timestamp,
-        fields=dict(fields),
-    )
+def _journal(stamp: str, rest: str, line: int, *, strict: bool) -> LogRecord | None:
+    """A journal or syslog line's record from what follows its stamp; None when `strict` and
+    the tail does not say `kernel:` or `host ident[pid]:` (monotonic and unix stamps can also
+    start dmesg lines, whose `usb 1-1: ...` is not host `usb` and program `1-1`)."""
+    match = _TAIL.match(rest)
+    if match is None:
+        return None if strict else LogRecord(rest, line, "journal", timestamp=stamp)
+    host, ident, pid, message = match[1], match[2], match[3], match[4]
+    if ident == "kernel" and pid is None:
+        return LogRecord(_kernel_text(message), line, "journal", KERNEL_FACILITY, timestamp=stamp)
+    if strict and (pid is None or host is None):
+        return None  # `IOAPIC[0]: ...`, `python3[42]: segfault at ...` are kernel messages
+    if pid is None and _DRIVER_IDENT.fullmatch(ident):
+        return LogRecord(rest[match.start(2) :], line, "journal", timestamp=stamp)
+    # `kernel[42]:` is `logger -t kernel --id`: the kernel's own lines carry no pid.
+    return LogRecord(message, line, "journal", USER_FACILITY, timestamp=stamp)
 
 
-def _parse_timed(text: str, line: int, fmt_prefix: str = "") -> LogRecord | None:
-    """dmesg, dmesg -T and ISO-stamped text; None when `text` has none of these stamps."""
-    for pattern, name in ((_DMESG, "dmesg"), (_DMESG_T, "dmesg-T"), (_ISO, "dmesg-iso")):
-        match = pattern.match(text)
-        if match is not None:
-            return LogRecord(
-                message=match[2], line=line, format=fmt_prefix + name, timestamp=match[1]
-            )
-    if _BRACKET_LIKE.match(text):
-        raise MalformedLine(f"unclosed or broken [timestamp]: {text[:60]!r}")
+def _kernel_text(message: str) -> str:
+    """rsyslog's kern.log keeps the kernel's stamp in the text: `kernel: [ 12.3] message`."""
+    if message[:1] == "[":
+        inner = _DMESG.match(message)
+        if inner is not None:
+            return inner[2]
+    return message
+
+
+def _bracketed(text: str, line: int) -> LogRecord | None:
+    """A line that starts with `[`: a dmesg stamp (read, unreadable) or a bare message."""
+    match = _DMESG.match(text)
+    if match is not None:
+        return _after_stamp(match[1], match[2], line, "dmesg")
+    match = _DMESG_T.match(text)
+    if match is not None:
+        return _after_stamp(match[1], match[2], line, "dmesg-T")
+    match = _BRACKET.match(text)
+    if match is None:
+        if _STAMP_LIKE.match(text):
+            # Unclosed: nothing says where the stamp ends, so the whole line is the message.
+            return LogRecord(text, line, "dmesg", unreadable_timestamp=text[:24])
+        return None
+    inside, rest = match[1], match[2]
+    stamp = _STAMPS.fullmatch(inside)
+    if stamp is not None:
+        return _after_stamp(inside.strip(), rest, line, _FORMATS[stamp.lastgroup or "dmesg"])
+    if _STAMP_LIKE.match(text):
+        return _after_stamp("", rest, line, "dmesg", unreadable=inside)
     return None
 
 
-def _parse_decoded(match: re.Match[str], line: int) -> LogRecord:
-    facility, level = FACILITIES.index(match[1]), LEVELS.index(match[2])
-    rest = match[3]
-    inner = _parse_timed(rest, line, "decode+")
-    record = inner or LogRecord(message=rest, line=line, format="decode")
-    return LogRecord(
-        message=record.message,
-        line=line,
-        format=record.format,
-        facility=facility,
-        level=level,
-        timestamp=record.timestamp,
-    )
+def _after_stamp(
+    stamp: str, rest: str, line: int, fmt: str, unreadable: str = ""
+) -> LogRecord | None:
+    if rest[:1] == "[" and (caller := _CALLER.match(rest)) is not None:
+        rest = rest[caller.end() :]  # CONFIG_PRINTK_CALLER's `[  T1234]`
+    if fmt == "dmesg" and (rest.find("kernel: ", 0, 80) >= 0 or rest.find("]: ", 0, 100) >= 0):
+        journal = _journal(stamp, rest, line, strict=True)  # journalctl -o short-monotonic
+        if journal is not None:
+            return journal
+    return LogRecord(rest, line, fmt, timestamp=stamp, unreadable_timestamp=unreadable)
+
+
+def _timed(text: str, line: int) -> LogRecord | None:
+    """What `dmesg --decode` writes after its facility and level: a stamp and the message."""
+    first = text[:1]
+    if first == "[":
+        return _bracketed(text, line)
+    if first.isdigit() and (iso := _ISO.match(text)) is not None:
+        return LogRecord(iso[2], line, "dmesg-iso", timestamp=iso[1])
+    return None
+
+
+def _digit_first(text: str, line: int) -> LogRecord:
+    if _KMSG_LIKE.match(text):
+        return parse_kmsg_header(text, line)
+    stamped = _ISO.match(text)
+    if stamped is not None:
+        # dmesg writes its ISO stamps with a comma before the microseconds; journalctl and
+        # syslog daemons never do.
+        if "," not in stamped[1]:
+            journal = _journal(stamped[1], stamped[2], line, strict=False)
+            if journal is not None:
+                return journal
+        return LogRecord(stamped[2], line, "dmesg-iso", timestamp=stamped[1])
+    stamped = _UNIX.match(text)
+    if stamped is not None:
+        journal = _journal(stamped[1], stamped[2], line, strict=True)
+        if journal is not None:
+            return journal
+    return LogRecord(text, line, "plain")
+
+
+def _upper_first(text: str, line: int) -> LogRecord:
+    kernel = _BSD_KERNEL.match(text)
+    if kernel is not None:  # the common journal line, in one expression
+        message = _kernel_text(kernel[2])
+        return LogRecord(message, line, "journal", KERNEL_FACILITY, None, None, None, kernel[1])
+    stamped = _BSD.match(text) or _FULL.match(text)
+    if stamped is not None:
+        record = _journal(stamped[1], stamped[2], line, strict=False)
+        if record is not None:
+            return record
+    return LogRecord(text, line, "plain")
+
+
+def _decoded(text: str, line: int) -> LogRecord:
+    match = _DECODE.match(text)
+    if match is None or match[1] not in FACILITIES or match[2] not in LEVELS:
+        return LogRecord(text, line, "plain")
+    facility, level, rest = FACILITIES.index(match[1]), LEVELS.index(match[2]), match[3]
+    inner = _timed(rest, line)
+    if inner is None:
+        return LogRecord(rest, line, "decode", facility, level)
+    return inner._replace(format="decode+" + inner.format, facility=facility, level=level)
+
+
+def _prioritised(text: str, line: int) -> LogRecord:
+    """`dmesg -r`: `<priority>` (facility << 3 | level) before the stamp. A facility the inner
+    shape gives (a journal identifier other than `kernel`) can only make it less trusted."""
+    match = _PRIORITY.match(text)
+    if match is None:
+        return LogRecord(text, line, "plain")
+    priority, rest = int(match[1]), text[match.end() :]
+    inner = _body(rest, line) if rest.strip() else None
+    if inner is None:
+        inner = LogRecord(rest, line, "plain")
+    facility = priority >> 3
+    if inner.facility is not None and inner.facility != KERNEL_FACILITY:
+        facility = inner.facility
+    return inner._replace(format="prio+" + inner.format, facility=facility, level=priority & 7)
+
+
+def _body(text: str, line: int) -> LogRecord | None:
+    """Every shape but `<priority>`, dispatched on the first character (most lines of a log
+    are one shape, and each test below is one regular expression at most)."""
+    first = text[0]
+    if first == "[":
+        return _bracketed(text, line) or LogRecord(text, line, "plain")
+    if first.isdigit():
+        return _digit_first(text, line)
+    if first.isupper():
+        return _upper_first(text, line)
+    if first.islower():
+        return _decoded(text, line)
+    if first == "-" and _JOURNAL_META.fullmatch(text):
+        return None
+    if first.isspace() and not text.strip():
+        return None
+    return LogRecord(text, line, "plain")
 
 
 def parse_line(text: str, line: int = 0) -> LogRecord | None:
     """One saved line -> a record; None for blank lines and journal banners.
 
-    Raises MalformedLine for a line that starts like a structured shape but breaks it.
+    Raises MalformedLine for a line that cannot carry a message (a broken raw record header,
+    a NUL byte: `parse_lines` cuts a line at its NUL bytes before it comes here).
     """
     text = text.rstrip("\r\n")
+    if not text:
+        return None
     if "\x00" in text:
         raise MalformedLine("NUL byte in line")
-    if not text.strip() or _JOURNAL_META.match(text):
-        return None
-    if _KMSG_LIKE.match(text):
-        return parse_kmsg_header(text, line)
-    journal = _JOURNAL.match(text) or _JOURNAL_ISO.match(text)
-    if journal is not None:
-        # journalctl -k shows the kernel's own lines as `kernel:`; any other identifier was
-        # written from user space and is marked so (it cannot be trusted as a driver message).
-        facility = KERNEL_FACILITY if journal[3] == "kernel" else USER_FACILITY
-        return LogRecord(
-            message=journal[4], line=line, format="journal", facility=facility, timestamp=journal[1]
-        )
-    timed = _parse_timed(text, line)
-    if timed is not None:
-        return timed
-    decoded = _DECODE.match(text)
-    if decoded is not None and decoded[1] in FACILITIES and decoded[2] in LEVELS:
-        return _parse_decoded(decoded, line)
-    return LogRecord(message=text, line=line, format="plain")
+    if text[0] == "<":
+        return _prioritised(text, line)
+    return _body(text, line)
 
 
 @dataclass
@@ -257,6 +413,14 @@ class ParseStats:
     records: int = 0
     malformed: int = 0
     malformed_examples: list[tuple[int, str]] = field(default_factory=list)
+    bad_timestamps: int = 0
+    """Records whose stamp could not be read (kept, without a timestamp)."""
+    holes: int = 0
+    """Lines holding NUL bytes (a file-system hole left by a crash): the text around them
+    was parsed."""
+    open_record: LogRecord | None = None
+    """At the end: the record an indented line after the last one would continue (None when
+    the last line ended it), for a reader that goes on with the next lines later."""
 
     def count_malformed(self, line: int, why: str) -> None:
         self.malformed += 1
@@ -264,37 +428,119 @@ class ParseStats:
             self.malformed_examples.append((line, why))
 
 
+TOO_LONG: Final = "line too long to be a kernel record, skipped"
+UNKNOWN_RECORD: Final = LogRecord(message="", format="continued", facility=USER_FACILITY)
+"""What came before a read position when it is not known (a reader restarted in the middle
+of a file): the indented lines that continue it are counted but not trusted."""
+
+
+def _continued(previous: LogRecord, text: str, line: int) -> LogRecord:
+    """An indented line under `previous`: a further line of the same message."""
+    return LogRecord(
+        message=text.lstrip(" ").rstrip("\r"),
+        line=line,
+        format=previous.format,
+        facility=previous.facility,
+        level=previous.level,
+        seq=previous.seq,
+        monotonic_usec=previous.monotonic_usec,
+        timestamp=previous.timestamp,
+        unreadable_timestamp=previous.unreadable_timestamp,
+    )
+
+
+def last_record_lines(lines: Sequence[str | None]) -> int:
+    """How many lines at the end of `lines` are the last record: its first line and the
+    indented lines after it (a raw record's ` KEY=value`, a message's further lines), which
+    may go on in lines not read yet. 0 when the last line is no record's."""
+    index = len(lines) - 1
+    while index >= 0 and (text := lines[index]) is not None and text[:1] == " ":
+        index -= 1
+    if index < 0 or lines[index] is None:
+        return 0
+    return len(lines) - index
+
+
+def _fields(text: str) -> tuple[str, str] | None:
+    """A raw record's ` KEY=value` line, or None."""
+    match = _CONTINUATION.fullmatch(text.rstrip("\r"))
+    return None if match is None else (match[1], unescape_kmsg(match[2]))
+
+
+def _with_fields(record: LogRecord, fields: dict[str, str] | None) -> LogRecord:
+    return record if not fields else record._replace(fields=fields)
+
+
+def _parse_counted(text: str, number: int, stats: ParseStats) -> LogRecord | None:
+    try:
+        record = parse_line(text, number)
+    except MalformedLine as exc:
+        stats.count_malformed(number, str(exc))
+        return None
+    if record is not None:
+        stats.records += 1
+        if record.unreadable_timestamp:
+            stats.bad_timestamps += 1
+    return record
+
+
+def _records(text: str | None, number: int, stats: ParseStats) -> list[LogRecord]:
+    """The records on a line that is no plain line: too long (None), or cut by NUL bytes (a
+    hole) into up to two messages."""
+    if text is None:
+        stats.count_malformed(number, TOO_LONG)
+        return []
+    stats.holes += 1
+    parts = (_parse_counted(part, number, stats) for part in text.split("\x00") if part.strip())
+    return [record for record in parts if record is not None]
+
+
 def parse_lines(
-    lines: Iterable[str], stats: ParseStats | None = None, first_line: int = 1
+    lines: Iterable[str | None],
+    stats: ParseStats | None = None,
+    first_line: int = 1,
+    previous: LogRecord | None = None,
 ) -> Iterator[LogRecord]:
     """Records from saved lines in any mix of shapes; malformed lines are counted in `stats`.
 
-    Continuation lines (` KEY=value`) attach to the raw record just before them; a raw
-    record is yielded once its continuation lines are complete.
+    `lines` are the text between two `\\n` (a line reader gives None for a line too long to
+    keep: counted as malformed, and it still takes its line number). Continuation lines
+    (` KEY=value`) attach to the raw record just before them, which is yielded once they are
+    complete; other indented lines continue the record before them (see `_continued`).
+    `previous`: the record before the first line (`stats.open_record` of the lines before).
     """
     stats = stats if stats is not None else ParseStats()
-    pending: LogRecord | None = None
-    pending_fields: dict[str, str] = {}
+    pending: LogRecord | None = None  # a raw record, until its KEY=value lines are complete
+    fields: dict[str, str] | None = None
     for number, text in enumerate(lines, start=first_line):
         stats.lines += 1
-        continuation = _CONTINUATION.match(text.rstrip("\r\n"))
-        if continuation is not None and pending is not None:
-            pending_fields[continuation[1]] = unescape_kmsg(continuation[2])
+        if text is not None and text[:1] == " " and previous is not None and text.strip():
+            if pending is not None and (field_ := _fields(text)) is not None:
+                fields = fields or {}
+                fields[field_[0]] = field_[1]
+                continue
+            if pending is not None:
+                yield _with_fields(pending, fields)
+                pending, fields = None, None
+            stats.records += 1
+            yield _continued(previous, text, number)
             continue
         if pending is not None:
-            yield _with_fields(pending, pending_fields) if pending_fields else pending
-            pending, pending_fields = None, {}
-        try:
-            record = parse_line(text, number)
-        except MalformedLine as exc:
-            stats.count_malformed(number, str(exc))
-            continue
-        if record is None:
-            continue
-        stats.records += 1
-        if record.format == "kmsg":
-            pending = record
+            yield _with_fields(pending, fields)
+            pending, fields = None, None
+        if text is not None and "\x00" not in text:  # a plain line: the common case
+            record = _parse_counted(text, number, stats)
+            found: Sequence[LogRecord] = () if record is None else (record,)
         else:
-            yield record
+            found = _records(text, number, stats)
+        previous = None
+        for record in found:
+            if pending is not None:
+                yield pending
+            previous = record
+            pending = record if record.format == "kmsg" else None
+            if pending is None:
+                yield record
+    stats.open_record = previous
     if pending is not None:
-        yield _with_fields(pending, pending_fields) if pending_fields else pending
+        yield _with_fields(pending, fields)

@@ -57,7 +57,7 @@ def sequence_gaps(records: Sequence[bytes]) -> int:
 def capture_records(path: Path = H200_CAPTURE) -> list[bytes]:
     """The H200 capture's records, each with its continuation lines, as read() returns them."""
     records: list[list[str]] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().decode("utf-8").split("\n")[:-1]:  # only \n ends a line
         if line.startswith(" ") and records:
             records[-1].append(line)
         else:

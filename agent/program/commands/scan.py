@@ -1,10 +1,12 @@
 """List the findings in a saved kernel log: Xids, SXids, GPUs fallen off the bus, disk, file
 system and NVMe errors, OOM kills and hung tasks, each with its meaning and what to do.
 
-FILE may be raw /dev/kmsg records, `dmesg`, `dmesg -T`, `dmesg --decode --time-format iso` or
-`journalctl -k` output (shapes may be mixed; `-` reads standard input). Lines that are not
-findings print nothing; malformed lines are counted and skipped. Lines that say they were
-written from user space (facility >= 1) are not trusted as findings and are counted instead.
+FILE may be raw /dev/kmsg records, `dmesg` (also -T, -r, -x, --time-format iso), `journalctl -k`
+(any short output mode, with or without host names) or a syslog file (shapes may be mixed; `-`
+reads standard input). Lines that are not findings print nothing; malformed lines are counted
+and skipped; a line with an unreadable timestamp is still read. Lines that say they were
+written from user space (facility >= 1, a program's name instead of `kernel:`) are not trusted
+as findings and are counted instead. The file is read in bounded pieces: any size will do.
 
 Exit codes: 0 no findings; 1 findings, none worse than warning; 2 a critical (or fatal)
 finding, or the file could not be read.
@@ -19,12 +21,19 @@ import sys
 import textwrap
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from agent.contracts.model import Severity
 from collectors._xid_catalog import CatalogError, catalog
+from collectors.kernel_log.lines import iter_lines
 from collectors.kernel_log.matchers import Finding, MatcherSet
-from collectors.kernel_log.parse import LogRecord, ParseStats, parse_lines
+from collectors.kernel_log.parse import (
+    LogRecord,
+    MalformedLine,
+    ParseStats,
+    parse_line,
+    parse_lines,
+)
 
 EXIT_CLEAN = 0
 EXIT_WARNINGS = 1
@@ -51,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def scan_lines(
-    lines: Iterable[str], stats: ParseStats | None = None, matchers: MatcherSet | None = None
+    lines: Iterable[str | None],
+    stats: ParseStats | None = None,
+    matchers: MatcherSet | None = None,
 ) -> list[Finding]:
     """Every finding in saved log lines, in line order.
 
@@ -66,26 +77,55 @@ def scan_lines(
 
 
 def _candidate_records(
-    lines: Iterable[str], stats: ParseStats, matchers: MatcherSet
+    lines: Iterable[str | None], stats: ParseStats, matchers: MatcherSet
 ) -> Iterator[LogRecord]:
     """Parsed records of the lines that can matter, each run of them parsed together (so a
-    raw record keeps its ` KEY=value` continuation lines) with its own line numbers."""
+    raw record keeps its ` KEY=value` continuation lines) with its own line numbers. A line
+    too long to keep (None) goes to the parser, which counts it as malformed. A run that
+    starts with an indented line continues the record whose first line was skipped: that
+    line is parsed too, for the run's trust (a process's message cannot make its second line
+    the kernel's by keeping the trigger words off its first)."""
     candidate = matchers.candidate_line
-    run: list[str] = []
+    run: list[str | None] = []
     start = skipped = 0
+    head: str | None = None  # the last line that starts a record
+    previous: LogRecord | None = None
     for number, text in enumerate(lines, 1):
-        if candidate(text) or (run and text.startswith(" ")):
+        indented = text is not None and text.startswith(" ")
+        if text is None or candidate(text) or (run and indented):
             if not run:
                 start = number
+                previous = _head_record(head) if indented else None
             run.append(text)
+            if not indented:
+                head = text
             continue
         skipped += 1
+        if not indented:
+            head = text
         if run:
-            yield from parse_lines(run, stats, first_line=start)
+            yield from parse_lines(run, stats, first_line=start, previous=previous)
             run = []
     if run:
-        yield from parse_lines(run, stats, first_line=start)
+        yield from parse_lines(run, stats, first_line=start, previous=previous)
     stats.lines += skipped
+
+
+def _head_record(text: str | None) -> LogRecord | None:
+    if text is None:
+        return None
+    try:
+        return parse_line(text)
+    except MalformedLine:
+        return None
+
+
+def scan_stream(
+    stream: BinaryIO, stats: ParseStats | None = None, matchers: MatcherSet | None = None
+) -> list[Finding]:
+    """Every finding in a saved log read from `stream` in bounded chunks, lines cut at `\\n`
+    only (collectors/kernel_log/lines.py)."""
+    return scan_lines(iter_lines(stream), stats, matchers)
 
 
 def exit_code(findings: Sequence[Finding]) -> int:
@@ -135,16 +175,21 @@ def _summary(findings: Sequence[Finding], stats: ParseStats, matchers: MatcherSe
     if stats.malformed:
         first = stats.malformed_examples[0][0]
         notes.append(f"{stats.malformed} malformed line(s) skipped, first at line {first}")
+    if stats.bad_timestamps:
+        notes.append(f"{stats.bad_timestamps} record(s) with an unreadable timestamp, read")
+    if stats.holes:
+        notes.append(f"{stats.holes} line(s) with NUL bytes, the text around them read")
     ignored = sum(matchers.ignored.values())
     if ignored:
         notes.append(f"{ignored} finding(s) from user-space lines ignored (facility >= 1)")
     return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def _open(name: str) -> TextIO:
+def _open(name: str) -> BinaryIO:
+    # Bytes, not text: a text stream would end lines at \r as well as \n.
     if name == "-":
-        return sys.stdin
-    return Path(name).open(encoding="utf-8", errors="replace")
+        return sys.stdin.buffer
+    return Path(name).open("rb")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -152,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         handle = _open(args.file)
         with handle:
-            findings = scan_lines(handle, stats, matchers)
+            findings = scan_stream(handle, stats, matchers)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         print(f"gpuwarden scan: cannot read {args.file}: {reason}", file=sys.stderr)

@@ -10,7 +10,8 @@ findings (user-space lines written into /dev/kmsg are not trusted, as in the dae
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,28 +48,27 @@ MAX_RAW_LINES = 20_000
 @dataclass
 class KernelLogScan:
     source: str
-    records: list[LogRecord] = field(default_factory=list)
+    records_read: int = 0
+    raw: list[LogRecord] = field(default_factory=list)
+    """The records worth a support engineer's eyes (RAW_LINE, or a finding's), in log order,
+    the latest MAX_RAW_LINES: not every record, so a saved log of any size fits in memory."""
     findings: list[LogFinding] = field(default_factory=list)
     ignored: dict[str, int] = field(default_factory=dict)
     lost: int = 0
+    malformed: int = 0
     error: str = ""
 
     def raw_lines(self) -> list[str]:
         """The matching records as `[seconds.micro] message` lines (at most MAX_RAW_LINES,
         the latest kept)."""
-        finding_lines = {id(f.record) for f in self.findings}
-        lines = [
-            format_record(r)
-            for r in self.records
-            if id(r) in finding_lines or RAW_LINE.search(r.message)
-        ]
-        return lines[-MAX_RAW_LINES:]
+        return [format_record(r) for r in self.raw][-MAX_RAW_LINES:]
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
-            "records_read": len(self.records),
+            "records_read": self.records_read,
             "records_lost": self.lost,
+            "records_malformed": self.malformed,
             "error": self.error,
             "ignored_user_space_findings": self.ignored,
             "xid_catalog": xid_catalog_info(),
@@ -118,22 +118,43 @@ def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None
             if io is not None or is_character_device(path)
             else FileLogReader(path, store)
         )
+        raw: deque[LogRecord] = deque(maxlen=MAX_RAW_LINES)
+        matchers = MatcherSet()
         try:
-            while True:
-                batch = reader.read()
-                scan.lost += batch.lost
-                if not batch.records:
-                    break
-                scan.records.extend(batch.records)
+            scan.findings = list(matchers.scan(_records(reader, scan, raw)))
         finally:
             reader.close()
     except (KernelLogError, OSError) as exc:
         scan.error = str(exc)
         return scan
-    matchers = MatcherSet()
-    scan.findings = list(matchers.scan(scan.records))
     scan.ignored = dict(matchers.ignored)
+    scan.raw = _with_finding_records(raw, scan.findings)
     return scan
+
+
+def _records(reader: LogReader, scan: KernelLogScan, raw: deque[LogRecord]) -> Iterator[LogRecord]:
+    """Every record to the end, in the reader's bounded batches (each committed to the
+    in-memory cursor so the next read moves on), counted in `scan`; the ones worth showing
+    kept in `raw` as they pass."""
+    while True:
+        batch = reader.read()
+        reader.commit(batch)
+        scan.lost += batch.lost
+        scan.malformed += batch.malformed
+        scan.records_read += len(batch.records)
+        for record in batch.records:
+            if RAW_LINE.search(record.message):
+                raw.append(record)
+            yield record
+        if not batch.more:
+            return
+
+
+def _with_finding_records(raw: deque[LogRecord], findings: Sequence[LogFinding]) -> list[LogRecord]:
+    """`raw` and every finding's own record, in log order."""
+    kept = {id(r) for r in raw}
+    extra = {id(f.record): f.record for f in findings if id(f.record) not in kept}
+    return sorted([*raw, *extra.values()], key=lambda r: r.line)
 
 
 def _group_key(finding: LogFinding) -> tuple[str, int | None, str]:
@@ -164,7 +185,7 @@ def classify_kernel_log(scan: KernelLogScan) -> list[Finding]:
                 "kernel log",
                 Status.OK,
                 f"no Xid, lost GPU, disk, RAID, file-system, OOM, crash or hardware-error "
-                f"findings in {len(scan.records)} "
+                f"findings in {scan.records_read} "
                 f"records of {scan.source}{note}",
             )
         ]
