@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -576,8 +577,11 @@ class NvmlBackend:
         values: dict[int, float] = {}
         for i, metric_id in enumerate(_GPM_IDS):
             metric = request.metrics[i]
-            if int(metric.nvmlReturn) == pynvml.NVML_SUCCESS:
-                values[metric_id] = float(metric.value)
+            number = float(metric.value)
+            # SUCCESS with a value no activity or rate can have (NaN, infinite, negative) is
+            # absent: never a sample the model refuses, which would fail the GPU's round.
+            if int(metric.nvmlReturn) == pynvml.NVML_SUCCESS and 0.0 <= number < math.inf:
+                values[metric_id] = number
         return GpmReading(
             ratios={n: values[i] / 100.0 for n, i in GPM_RATIOS.items() if i in values},
             throughputs={k: values[i] * _MIB for k, i in GPM_THROUGHPUTS.items() if i in values},

@@ -136,6 +136,30 @@ class TestGpm:
         assert ("nvlink", "tx") not in buses
         assert ("nvlink", "rx") in buses
 
+    @pytest.mark.parametrize("odd", [float("nan"), float("inf"), -1.0])
+    async def test_a_value_nvml_cannot_mean_is_absent(self, odd: float) -> None:
+        """NVML answers SUCCESS with a value no activity can have (the GPM part of a GPU round
+        failed on the lent H200, inside the samples): that one metric is absent, the round
+        and every other series stand."""
+        rig = gpm_rig(gpus=1)
+        gpm = rig.fake.gpus[0].gpm
+        assert gpm is not None
+        gpm[pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC] = odd
+        gpm[pynvml.NVML_GPM_METRIC_SM_UTIL] = odd
+        try:
+            await rig.collect(advance=30)
+            result = await rig.collect(advance=30)
+        finally:
+            await rig.close()
+        assert activity(result, "0", "sm_active") is None
+        assert activity(result, "0", "tensor_active") == pytest.approx(0.6)
+        buses = {
+            (s.labels["bus"], s.labels["direction"])
+            for s in find(result, "gpuwarden_gpu_throughput_bytes_per_second")
+        }
+        assert ("nvlink", "tx") not in buses
+        assert ("pcie", "rx") in buses
+
     async def test_disabled_with_zero(self) -> None:
         rig = gpm_rig(gpus=1, interval=0.0)
         try:

@@ -19,19 +19,11 @@ from agent.contracts.model import Severity
 from agent.program.diagnose.collect_once import CollectorResult
 from agent.program.diagnose.findings import Status
 from agent.program.diagnose.gpu_findings import classify_gpus
+from collectors import _nvml
 from tests.support.nvml import GpuRig, fake_gpus, find, kinds
 from tests.support.nvml_fake import FakeFabric, FakeNvml
 
-ACTIONS = {
-    pynvml.NVML_GPU_RECOVERY_ACTION_NONE: "none",
-    pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET: "gpu_reset",
-    pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT: "node_reboot",
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: "drain_p2p",
-    pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET: "drain_and_reset",
-    pynvml.NVML_GPU_RECOVERY_ACTION_RECOVER_IMEX_DOMAIN: "recover_imex_domain",
-    pynvml.NVML_GPU_RECOVERY_ACTION_BUS_RESET: "bus_reset",
-    pynvml.NVML_GPU_RECOVERY_ACTION_SYSTEM_REBOOT: "system_reboot",
-}
+ACTIONS = dict(_nvml.RECOVERY_ACTIONS)  # nvml.h numbers (tests/test_nvml_constants.py)
 
 
 @pytest.fixture
