@@ -37,11 +37,6 @@ class GpuRig:
     round: int = 0
 
     def __post_init__(self) -> None:
-        if self.settings.sysfs_root == GpuSettings().sysfs_root:
-            # The fake's GPUs are not the host's: on a GPU host (the lent H200) the real PCI bus
-            # would disagree with the fake's count and fail tests of other things. A test of the
-            # PCI comparison names its fixture tree.
-            self.settings = dataclasses.replace(self.settings, sysfs_root="/nonexistent-sysfs")
         self.executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-call")
         self.caller = PooledCaller(self.executor, self.timeout)
         self.backend = NvmlBackend(self.fake)
@@ -53,6 +48,11 @@ class GpuRig:
         return self.shared.get(XidCorrelator, XidCorrelator)
 
     def new_collector(self) -> GpuCollector:
+        if self.settings.sysfs_root == GpuSettings().sysfs_root:
+            # The fake's GPUs are not the host's: on a GPU host (the lent H200) the real PCI bus
+            # would disagree with the fake's count and fail tests of other things. A test of the
+            # PCI comparison names its fixture tree.
+            self.settings = dataclasses.replace(self.settings, sysfs_root="/nonexistent-sysfs")
         deps = CollectorDeps(
             "test-node", Path("/nonexistent"), self.state, self.shared, self.emitted.append
         )
