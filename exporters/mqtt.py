@@ -122,6 +122,8 @@ class MqttSink:
         self._last_drop: float | None = None
         self.backoff = Backoff.of(settings)
         self._produce_backoff = Backoff.of(settings)
+        self._stopping = False
+        """stop() began: the retained heartbeat is being, or has been, cleared."""
         self._store_failing: set[str] = set()
         """Tasks ("connection", "produce") whose last state store access failed."""
         self._beats_in_flight = 0
@@ -154,13 +156,20 @@ class MqttSink:
                 task.cancel()
 
     async def stop(self) -> None:
-        """Say `offline` (retained, QoS 1) while still connected, then disconnect."""
+        """Say `offline` (retained, QoS 1) while still connected, clear the retained
+        heartbeat, then disconnect."""
+        self._stopping = True  # heartbeats still draining go out unretained, after the clear
         publisher = self._publisher
         if publisher is not None and self.connected:
             payload = status_payload("offline", self.bdseq, time.time(), reason="shutdown")
             try:
                 await publisher.publish_acked(self.topic("status"), payload, 1, True, timeout=2.0)
                 log.info("published offline", bdseq=self.bdseq)
+                # A retained heartbeat outlives the node: a watcher restarted after the node
+                # was retired would see it again. The status says `offline` now; the next
+                # start publishes a heartbeat at once. So a decommission is one command (clear
+                # the status), and nothing of a stopped node pretends to beat.
+                await publisher.publish_acked(self.topic("heartbeat"), b"", 1, True, timeout=2.0)
             except aiomqtt.MqttError as exc:
                 log.warning("could not publish offline before stopping", error=str(exc))
         for task in self._tasks:
@@ -440,9 +449,8 @@ class MqttSink:
     def _publish(self, publisher: Publisher, entry: OutboxEntry) -> None:
         leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)
         qos = self.settings.metrics_qos if entry.kind == "metrics" else 1
-        publisher.publish_tracked(
-            entry.seq, self.topic(leaf), entry.payload, qos, entry.kind == "heartbeat"
-        )
+        retain = entry.kind == "heartbeat" and not self._stopping
+        publisher.publish_tracked(entry.seq, self.topic(leaf), entry.payload, qos, retain)
 
     async def _maybe_enforce(self) -> None:
         """The bounds, at most every ENFORCE_EVERY seconds, in the store thread (cheap while
