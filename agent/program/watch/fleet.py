@@ -71,8 +71,9 @@ class State(enum.StrEnum):
     MISSING = "missing"
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
+    # slots: a fleet holds up to max_nodes of these (bench/watch_fleet.py).
     node: str
     in_inventory: bool = False
     online: bool | None = None
@@ -232,7 +233,7 @@ class Fleet:
         if node is None and self.has_inventory:
             return self._ignore("outside_inventory")  # counted, never in the table
         if node is None:
-            if len(self.nodes) >= self.max_nodes and not self._make_room(parsed, now):
+            if len(self.nodes) >= self.max_nodes and not self._make_room(parsed):
                 return self._ignore("node_limit")
             node = self.nodes[where.node] = Node(where.node)
         if isinstance(parsed, Status):
@@ -274,7 +275,7 @@ class Fleet:
         else:
             del self.nodes[node.node]
 
-    def _make_room(self, parsed: Status | Heartbeat, now: float) -> bool:
+    def _make_room(self, parsed: Status | Heartbeat) -> bool:
         """The table is full. Only a birth may push others out (a heartbeat-only newcomer
         could not raise an alert anyway, and the node's birth comes first): the oldest
         heartbeat-only nodes, then those offline longest, then those born and never beating.
