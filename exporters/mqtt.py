@@ -123,7 +123,8 @@ class MqttSink:
         self.backoff = Backoff.of(settings)
         self._produce_backoff = Backoff.of(settings)
         self._stopping = False
-        """stop() began: the retained heartbeat is being, or has been, cleared."""
+        """stop() began: the retained heartbeat is being, or has been, cleared, so no
+        heartbeat is sent any more."""
         self._store_failing: set[str] = set()
         """Tasks ("connection", "produce") whose last state store access failed."""
         self._beats_in_flight = 0
@@ -158,7 +159,7 @@ class MqttSink:
     async def stop(self) -> None:
         """Say `offline` (retained, QoS 1) while still connected, clear the retained
         heartbeat, then disconnect."""
-        self._stopping = True  # heartbeats still draining go out unretained, after the clear
+        self._stopping = True  # no heartbeat after the clear below
         publisher = self._publisher
         if publisher is not None and self.connected:
             payload = status_payload("offline", self.bdseq, time.time(), reason="shutdown")
@@ -213,8 +214,8 @@ class MqttSink:
         is nobody to tell, and the next connection starts with a fresh one. Nothing here
         touches the state store: the depth and drops are kept in memory."""
         publisher = self._publisher
-        if publisher is None or not self.connected:
-            return
+        if publisher is None or not self.connected or self._stopping:
+            return  # stopping: the retained heartbeat is being cleared, none may follow it
         self.heartbeat_seq += 1
         payload = heartbeat_payload(
             self.runtime,
@@ -449,8 +450,9 @@ class MqttSink:
     def _publish(self, publisher: Publisher, entry: OutboxEntry) -> None:
         leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)
         qos = self.settings.metrics_qos if entry.kind == "metrics" else 1
-        retain = entry.kind == "heartbeat" and not self._stopping
-        publisher.publish_tracked(entry.seq, self.topic(leaf), entry.payload, qos, retain)
+        publisher.publish_tracked(
+            entry.seq, self.topic(leaf), entry.payload, qos, entry.kind == "heartbeat"
+        )
 
     async def _maybe_enforce(self) -> None:
         """The bounds, at most every ENFORCE_EVERY seconds, in the store thread (cheap while
