@@ -369,8 +369,10 @@ class TestMetricsBoundedAndOffTheLoop:
 class TestBrokerOutageIsOneAlert:
     """Broker down and back, agents reconnecting after the watcher: one alert, nothing else.
 
-    Real agents: their outboxes hold the heartbeats made during the outage, each saying
-    "sink mqtt has not delivered", and they come back later than the watcher (their backoff).
+    Real agents: they come back later than the watcher (their backoff), and mosquitto sends
+    their Wills as it shuts down. (Agents before e8d9535 also delivered the heartbeats queued
+    during the outage, each saying "sink mqtt has not delivered": TestOutageAftermath in
+    tests/test_watch_fleet.py holds the watcher to ignoring that.)
     """
 
     @pytest.mark.slow
@@ -409,9 +411,6 @@ class TestBrokerOutageIsOneAlert:
             # the watcher's settling and k intervals: they come back after it has judged.
             await asyncio.sleep(6.0)
             await asyncio.to_thread(broker.start)
-            beats = await asyncio.to_thread(
-                Subscriber(broker.port, topic_filter=f"{P}/+/heartbeat").start
-            )
             await until(
                 lambda: watcher.saw(False, "broker_unreachable"),
                 timeout=40,
@@ -423,9 +422,6 @@ class TestBrokerOutageIsOneAlert:
                 timeout=30,
                 what="a few heartbeats after the outage",
             )
-            beats.stop()
-            # The case in point: heartbeats that say the sink had not delivered did arrive.
-            assert any(b"sink mqtt has not delivered" in m.payload for m in beats.messages)
             raised = [c.alert.key for c in watcher.changes if c.raised]
             assert raised == [("broker_unreachable", "")], (
                 [(c.at, c.raised, c.alert.key, c.alert.message) for c in watcher.changes],
