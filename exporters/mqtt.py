@@ -122,6 +122,9 @@ class MqttSink:
         self._last_drop: float | None = None
         self.backoff = Backoff.of(settings)
         self._produce_backoff = Backoff.of(settings)
+        self._stopping = False
+        """stop() began: the retained heartbeat is being, or has been, cleared, so no
+        heartbeat is sent any more."""
         self._store_failing: set[str] = set()
         """Tasks ("connection", "produce") whose last state store access failed."""
         self._beats_in_flight = 0
@@ -154,13 +157,20 @@ class MqttSink:
                 task.cancel()
 
     async def stop(self) -> None:
-        """Say `offline` (retained, QoS 1) while still connected, then disconnect."""
+        """Say `offline` (retained, QoS 1) while still connected, clear the retained
+        heartbeat, then disconnect."""
+        self._stopping = True  # no heartbeat after the clear below
         publisher = self._publisher
         if publisher is not None and self.connected:
             payload = status_payload("offline", self.bdseq, time.time(), reason="shutdown")
             try:
                 await publisher.publish_acked(self.topic("status"), payload, 1, True, timeout=2.0)
                 log.info("published offline", bdseq=self.bdseq)
+                # A retained heartbeat outlives the node: a watcher restarted after the node
+                # was retired would see it again. The status says `offline` now; the next
+                # start publishes a heartbeat at once. So a decommission is one command (clear
+                # the status), and nothing of a stopped node pretends to beat.
+                await publisher.publish_acked(self.topic("heartbeat"), b"", 1, True, timeout=2.0)
             except aiomqtt.MqttError as exc:
                 log.warning("could not publish offline before stopping", error=str(exc))
         for task in self._tasks:
@@ -204,8 +214,8 @@ class MqttSink:
         is nobody to tell, and the next connection starts with a fresh one. Nothing here
         touches the state store: the depth and drops are kept in memory."""
         publisher = self._publisher
-        if publisher is None or not self.connected:
-            return
+        if publisher is None or not self.connected or self._stopping:
+            return  # stopping: the retained heartbeat is being cleared, none may follow it
         self.heartbeat_seq += 1
         payload = heartbeat_payload(
             self.runtime,

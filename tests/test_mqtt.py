@@ -116,18 +116,25 @@ class TestTopics:
         assert not sub.on("/events")[-1].retain
         metrics = sub.on("/metrics")[-1].json()["metrics"]
         assert metrics["gpuwarden_build_info"]["labels"] == ["version", "python"]
+        # retained: a late subscriber sees the last status and heartbeat
+        running = Subscriber(broker.port).start()
+        await until(lambda: bool(running.on("/status")) and bool(running.on("/heartbeat")))
+        assert running.on("/heartbeat")[0].retain
+        running.stop()
         await first.stop()
         await until(
             lambda: any(m.json()["state"] == "offline" for m in sub.on("/status")), what="offline"
         )
         offline = [m.json() for m in sub.on("/status")][-1]
         assert offline["bdseq"] == online["bdseq"]
-        # retained: a late subscriber still sees the last status and heartbeat
+        # after a clean stop, the status stays retained and the heartbeat is cleared (an empty
+        # retained publish), so that a retired node's last beat does not outlive it
+        assert sub.on("/heartbeat")[-1].payload == b""
         late = Subscriber(broker.port).start()
-        await until(lambda: bool(late.on("/status")) and bool(late.on("/heartbeat")))
+        await until(lambda: bool(late.on("/status")))
         assert late.on("/status")[0].retain
-        assert late.on("/heartbeat")[0].retain
         assert late.on("/status")[0].json()["state"] == "offline"
+        assert not late.on("/heartbeat")
         # a second run has a higher birth number
         second = agent({"url": broker.url})
         await second.start()

@@ -235,8 +235,9 @@ class TestBroker:
         fleet.broker_connected(T0 + 101)
         for name in ("a", "b", "c"):  # retained heartbeats, published while we were away
             beat(fleet, name, T0 + 101, retained=True, ts=T0 + 99, seq=9)
-        assert cleared(fleet.evaluate(T0 + 101)) == {("broker_unreachable", "")}
-        assert fleet.evaluate(T0 + 101 + SETTLE_SECONDS) == []
+        # Back, and every node heard again: the outage is over once the watcher has settled.
+        assert fleet.evaluate(T0 + 101) == []
+        assert cleared(fleet.evaluate(T0 + 101 + SETTLE_SECONDS)) == {("broker_unreachable", "")}
 
     def test_never_connected(self) -> None:
         fleet = Fleet(now=T0, broker_grace=10.0)
@@ -341,7 +342,7 @@ class TestHostileInput:
         for name in ("a", "b", "c"):
             beat(fleet, name, T0)
         assert sorted(fleet.nodes) == ["a", "b"]
-        assert fleet.counters.malformed == {"bad_topic": 1}
+        assert fleet.counters.ignored == {"node_limit": 1}
 
     @settings(max_examples=200)
     @given(
@@ -374,3 +375,148 @@ class TestHostileInput:
             fleet.evaluate(now)
         assert set(fleet.nodes) <= {"a", "b"}
         assert all(v.state in State for v in fleet.views(now))
+
+
+class TestBirthOrder:
+    """A birth that goes back (replay, forgery) is ignored and counted; the node lives on."""
+
+    @given(st.integers(0, 9), st.integers(1, 10))
+    def test_older_births_change_nothing(self, low: int, gap: int) -> None:
+        fleet = connected_fleet()
+        status(fleet, "a", "online", low + gap, T0)
+        beat(fleet, "a", T0)
+        assert not status(fleet, "a", "online", low, T0 + 1)
+        assert not status(fleet, "a", "offline", low, T0 + 1)
+        assert fleet.nodes["a"].bdseq == low + gap
+        assert fleet.state_of(fleet.nodes["a"], T0 + 1) is State.ONLINE
+        assert fleet.counters.ignored == {"old_birth": 1}
+        assert fleet.counters.ignored_old_births == 1
+
+    def test_a_birth_repeated_after_its_will_is_not_a_revival(self) -> None:
+        fleet = connected_fleet()
+        status(fleet, "a", "online", 3, T0)
+        status(fleet, "a", "offline", 3, T0 + 1)
+        assert not status(fleet, "a", "online", 3, T0 + 2)
+        assert fleet.state_of(fleet.nodes["a"], T0 + 2) is State.DEAD
+        assert status(fleet, "a", "online", 4, T0 + 3)  # the next connection is believed
+
+
+class TestForgetting:
+    """Nodes nothing says exist any more are forgotten, not paged for."""
+
+    def test_heartbeat_only_nodes_never_alert_and_expire(self) -> None:
+        fleet = connected_fleet(default_interval=10.0)
+        beat(fleet, "ghost", T0, retained=True, interval=86400.0, health=["disk full"])
+        assert fleet.evaluate(T0 + 29) == []
+        assert "ghost" in fleet.nodes
+        assert fleet.evaluate(T0 + 31) == []  # k x min(its interval, the default): gone
+        assert "ghost" not in fleet.nodes
+        assert fleet.counters.forgotten == {"heartbeat_only": 1}
+
+    def test_a_status_makes_a_heartbeat_only_node_real(self) -> None:
+        fleet = connected_fleet(default_interval=10.0)
+        beat(fleet, "a", T0)
+        status(fleet, "a", "online", 1, T0 + 1)
+        assert raised(fleet.evaluate(T0 + 35)) == {("node_stale", "a")}
+
+    def test_offline_and_silent_for_the_limit(self) -> None:
+        for inventory in ([], ["a"]):
+            fleet = connected_fleet(forget_offline_after=100.0, inventory=inventory)
+            status(fleet, "a", "online", 1, T0)
+            status(fleet, "a", "offline", 1, T0 + 1)
+            assert raised(fleet.evaluate(T0 + 2)) == {("node_dead", "a")}
+            assert fleet.evaluate(T0 + 100) == []
+            if inventory:  # the inventory's nodes are never forgotten
+                assert fleet.evaluate(T0 + 101) == []
+            else:
+                assert cleared(fleet.evaluate(T0 + 101)) == {("node_dead", "a")}
+                assert fleet.nodes == {}
+
+
+class TestJunk:
+    """Invented ids cannot page, and cannot keep a real node out of a full table."""
+
+    def test_inventory_outsiders_are_counted_only(self) -> None:
+        fleet = connected_fleet(inventory=["a"])
+        for i in range(50):
+            status(fleet, f"junk{i}", "offline", 1, T0)
+            beat(fleet, f"junk{i}", T0)
+        assert set(fleet.nodes) == {"a"}
+        assert fleet.counters.ignored == {"outside_inventory": 100}
+
+    def test_a_birth_pushes_out_the_least_believable(self) -> None:
+        fleet = connected_fleet(max_nodes=4)
+        status(fleet, "real", "online", 1, T0)
+        beat(fleet, "real", T0)
+        status(fleet, "unbeaten", "online", 1, T0)
+        status(fleet, "gone", "offline", 1, T0)
+        beat(fleet, "ghost", T0)
+        for name, evicted in (("n1", "ghost"), ("n2", "gone"), ("n3", "unbeaten")):
+            assert status(fleet, name, "online", 1, T0 + 1)
+            beat(fleet, name, T0 + 1)
+            assert evicted not in fleet.nodes
+        assert not status(fleet, "n4", "online", 1, T0 + 2)  # all born and beating: full
+        assert set(fleet.nodes) == {"real", "n1", "n2", "n3"}
+        assert fleet.counters.ignored == {"node_limit": 1}
+        assert fleet.counters.forgotten == {"evicted": 3}
+
+
+class TestOutageAftermath:
+    """A broker outage and its aftermath are one alert."""
+
+    def fleet_of_three(self) -> Fleet:
+        fleet = connected_fleet(broker_grace=1.0, reconnect_grace=60.0)
+        for name in ("a", "b", "c"):
+            status(fleet, name, "online", 1, T0)
+            beat(fleet, name, T0, interval=1.0)
+        return fleet
+
+    def test_nodes_slower_than_the_watcher_are_not_stale(self) -> None:
+        fleet = self.fleet_of_three()
+        fleet.broker_disconnected(T0 + 1)
+        assert raised(fleet.evaluate(T0 + 3)) == {("broker_unreachable", "")}
+        fleet.broker_connected(T0 + 30)
+        for t in (31, 35, 40):
+            assert fleet.evaluate(T0 + t) == []  # no fleet_quiet, no node_stale
+        beat(fleet, "a", T0 + 41, seq=2, interval=1.0)
+        beat(fleet, "b", T0 + 42, seq=2, interval=1.0)
+        assert fleet.evaluate(T0 + 42) == []  # c is not back yet: the outage goes on
+        beat(fleet, "c", T0 + 43, seq=2, interval=1.0)
+        assert cleared(fleet.evaluate(T0 + 43)) == {("broker_unreachable", "")}
+
+    def test_a_node_that_never_comes_back_is_alerted_after_the_grace(self) -> None:
+        fleet = self.fleet_of_three()
+        fleet.broker_disconnected(T0 + 1)
+        fleet.evaluate(T0 + 3)
+        fleet.broker_connected(T0 + 30)
+        for t in range(31, 90):
+            beat(fleet, "a", T0 + t, seq=t, interval=1.0)
+            beat(fleet, "b", T0 + t, seq=t, interval=1.0)
+            fleet.evaluate(T0 + t)
+        changes = fleet.evaluate(T0 + 90.5)
+        assert ("node_stale", "c") in raised(changes)
+
+    def test_wills_sent_as_the_broker_goes_away_wait_for_the_reconnection(self) -> None:
+        fleet = self.fleet_of_three()
+        for name in ("a", "b", "c"):  # mosquitto publishes every Will as it shuts down
+            status(fleet, name, "offline", 1, T0 + 1)
+        fleet.broker_disconnected(T0 + 1.01)
+        fleet.evaluate(T0 + 3)
+        fleet.broker_connected(T0 + 30)
+        assert fleet.evaluate(T0 + 35) == []
+        for name in ("a", "b", "c"):
+            status(fleet, name, "online", 2, T0 + 36)
+            beat(fleet, name, T0 + 36, seq=2, interval=1.0)
+        assert cleared(fleet.evaluate(T0 + 36)) == {("broker_unreachable", "")}
+        assert not any(c.raised for c in fleet.evaluate(T0 + 37))
+
+    def test_delivery_problems_disproved_by_the_heartbeat_itself(self) -> None:
+        fleet = connected_fleet()
+        status(fleet, "a", "online", 1, T0)
+        stale_sink = "sink mqtt has not delivered for 40 s (connection_lost)"
+        beat(fleet, "a", T0, health=[stale_sink])
+        assert fleet.evaluate(T0 + 1) == []
+        beat(fleet, "a", T0 + 2, seq=2, health=[stale_sink, "collector gpu stale for 60 s"])
+        changes = fleet.evaluate(T0 + 2)
+        assert raised(changes) == {("node_unhealthy", "a")}
+        assert "mqtt" not in fleet.active[("node_unhealthy", "a")].message

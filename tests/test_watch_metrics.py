@@ -17,8 +17,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 T0 = 1_700_000_000.0
 
 
-def fleet_with_nodes() -> Fleet:
-    fleet = Fleet(now=T0, inventory=["spare"])
+def fleet_with_nodes(inventory: tuple[str, ...] = ("a", "b", "spare")) -> Fleet:
+    fleet = Fleet(now=T0, inventory=inventory)
     fleet.broker_connected(T0 - SETTLE_SECONDS)
     for node in ("a", "b"):
         fleet.ingest(
@@ -60,7 +60,7 @@ class TestExposition:
         )
 
     def test_forgotten_node_leaves_no_series(self) -> None:
-        fleet = fleet_with_nodes()
+        fleet = fleet_with_nodes(inventory=())
         fleet.ingest("gpuwarden/v1/b/status", b"", True, T0 + 21)
         assert 'node="b"' not in exposition(fleet, T0 + 21)
 

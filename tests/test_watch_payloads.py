@@ -76,7 +76,7 @@ class TestStatus:
     def test_hostile(self) -> None:
         cases = {
             b"not json": "not_json",
-            b"\xff\xfe": "not_json",
+            b"\xff\xfe": "not_utf8",
             b"[1,2]": "not_object",
             b'{"state":"online","bdseq":true}': "bad_field",
             b'{"state":"online","bdseq":-1}': "bad_field",
@@ -114,6 +114,47 @@ class TestStatus:
     @given(st.binary(max_size=300))
     def test_any_bytes(self, raw: bytes) -> None:
         assert isinstance(payloads.parse_status(raw), (Status, Malformed))
+
+
+VALID_STATUS = '{"state":"offline","bdseq":7,"ts":1700000000}'
+VALID_BEAT = '{"seq":1,"ts":1700000000,"interval_s":15,"health":"ok"}'
+OTHER_SPELLINGS = ("utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le")
+
+
+class TestStrictJson:
+    """One spelling of a payload: UTF-8 JSON objects, no BOM, no key given twice. Each
+    case is a valid document in a spelling json.loads(bytes) would also have accepted."""
+
+    def test_utf8_is_accepted(self) -> None:
+        assert isinstance(payloads.parse_status(VALID_STATUS.encode()), Status)
+        assert isinstance(payloads.parse_heartbeat(VALID_BEAT.encode()), Heartbeat)
+
+    def test_other_encodings_and_a_bom_are_refused(self) -> None:
+        for encoding in OTHER_SPELLINGS:
+            for parse, text in (
+                (payloads.parse_status, VALID_STATUS),
+                (payloads.parse_heartbeat, VALID_BEAT),
+            ):
+                raw = text.encode(encoding)
+                assert isinstance(json.loads(raw), dict), encoding  # lenient json took it
+                result = parse(raw)
+                assert isinstance(result, Malformed), encoding
+                assert result.reason == "not_utf8", encoding
+
+    @given(st.sampled_from(["state", "bdseq", "ts", "version", "reason"]), json_values)
+    def test_a_key_given_twice_is_refused(self, key: str, value: object) -> None:
+        doc = VALID_STATUS[:-1] + f',"{key}":{json.dumps(value)}}}'
+        if key not in json.loads(VALID_STATUS):
+            doc = doc[:-1] + f',"{key}":{json.dumps(value)}}}'
+        result = payloads.parse_status(doc.encode())
+        assert isinstance(result, Malformed)
+        assert result.reason == "duplicate_key"
+
+    def test_a_nested_key_given_twice_is_refused(self) -> None:
+        doc = b'{"seq":1,"ts":1.0,"interval_s":1,"health":{"ok":true,"ok":false}}'
+        result = payloads.parse_heartbeat(doc)
+        assert isinstance(result, Malformed)
+        assert result.reason == "duplicate_key"
 
 
 class TestHeartbeat:

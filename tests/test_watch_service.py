@@ -67,7 +67,9 @@ def watch_settings(broker: Broker, **overrides: object) -> WatchSettings:
 
 @pytest.fixture
 async def watcher(broker: Broker) -> AsyncIterator[RecordingWatcher]:
-    instance = RecordingWatcher(watch_settings(broker), inventory=["never-seen"])
+    # With an inventory only its nodes are watched: every node these tests start is in it.
+    inventory = ["never-seen", "n1", "n2", "hung", "talker", "q0", "q1", "q2", "b1", "good"]
+    instance = RecordingWatcher(watch_settings(broker), inventory=inventory)
     stop = asyncio.Event()
     task = asyncio.create_task(instance.run(stop))
     await until(lambda: instance.fleet.connected, what="the watcher to connect")

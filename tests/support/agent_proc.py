@@ -38,6 +38,7 @@ class AgentProcess:
     """A command the agent's command line is handed to (it must exec it, so that the pid is
     the agent's): a launcher of a private mount namespace, say."""
     process: subprocess.Popen[bytes] | None = None
+    node_id: str = "test-node"
 
     @property
     def config_path(self) -> Path:
@@ -54,7 +55,7 @@ class AgentProcess:
     def write_config(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         head = (
-            f'node_id = "test-node"\nstate_dir = "{self.workdir / "state"}"\n'
+            f'node_id = "{self.node_id}"\nstate_dir = "{self.workdir / "state"}"\n'
             f'[prometheus]\nlisten = "127.0.0.1:{self.port}"\n'
         )
         self.config_path.write_text(head + self.config_text)

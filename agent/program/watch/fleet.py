@@ -10,18 +10,34 @@ A node is
 - **missing**: in the inventory and never seen.
 
 Birth numbers: an offline with a bdseq older than the last online is a Will of an earlier
-connection delivered late, and is ignored. Only status messages change online/offline;
-heartbeats only refresh the age.
+connection delivered late, and is ignored; so is a birth older than the current one (an agent
+counts up on every connection, so only a replay or a forgery goes back). Only status messages
+change online/offline; heartbeats only refresh the age.
+
+Nodes are forgotten, not paged for, when nothing says they exist any more: a node known only
+through heartbeats (no status: a decommissioned node's leftover retained heartbeat, or an
+invented id) raises no alert and is forgotten once silent; a node offline and silent for
+`forget_offline_after` seconds is forgotten. With an inventory, nodes outside it are counted
+and never enter the table. The table is bounded (`max_nodes`); when full, a newcomer with a
+birth takes the place of the least believable nodes (heartbeat-only, then long offline, then
+born but never beating): a node that is born and beating is never pushed out, so junk cannot
+keep a real node out.
 
 Broker-level silence is one alert, not N: while the watcher has no broker the node alerts are
 frozen as they were (a silent broker says nothing about the nodes) and `broker_unreachable`
-is raised after a grace; when every node still alive falls silent within `quiet_window`
-seconds of the others, their stale and dead alerts are replaced by one `fleet_quiet` alert.
+is raised after a grace. After a reconnection, the nodes not yet heard again keep their
+alerts as they were for up to `reconnect_grace` seconds (they are reconnecting too, with their
+own backoff), and `broker_unreachable` stays raised until they are back or the grace is over:
+an outage and its aftermath are one alert. When every node still alive falls silent within
+`quiet_window` seconds of the others, their stale and dead alerts are replaced by one
+`fleet_quiet` alert.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -33,6 +49,18 @@ OVERDUE_INTERVALS = 1.5
 """A node that missed a beat (silent for 1.5 intervals) counts as silent for the fleet check."""
 SETTLE_SECONDS = 3.0
 """After (re)connecting, retained messages arrive within milliseconds; wait a little anyway."""
+BROKER_KEY = ("broker_unreachable", "")
+NODE_KINDS = ("node_dead", "node_stopped", "node_missing", "node_stale", "node_unhealthy")
+DISPROVED_BY_ARRIVAL = re.compile(r"sink mqtt has not delivered\b")
+"""A heartbeat's problem that its own arrival disproves: it came through the MQTT sink. The
+heartbeats an agent queued while its broker was away all say so, and are delivered after the
+reconnection; the agent's health itself clears at the next one (agent/runtime/core.py)."""
+OUTAGE_WILL_SECONDS = 5.0
+"""Wills that arrive this close before the watcher loses the broker are the broker's own
+going: mosquitto publishes every client's Will as it shuts down, then closes the watcher's
+connection too. They are judged after the reconnection, like the nodes' silence."""
+EVICT_FRACTION = 100
+"""A full table makes room for 1/100 of its size at once: one scan per that many newcomers."""
 
 
 class State(enum.StrEnum):
@@ -43,8 +71,9 @@ class State(enum.StrEnum):
     MISSING = "missing"
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
+    # slots: a fleet holds up to max_nodes of these (bench/watch_fleet.py).
     node: str
     in_inventory: bool = False
     online: bool | None = None
@@ -56,12 +85,21 @@ class Node:
     offline_at: float | None = None
     heartbeat_at: float | None = None
     """When the watcher got the last heartbeat, on its own clock."""
+    heard_at: float | None = None
+    outage_will: bool = False
+    """Its Will came as the broker went away (OUTAGE_WILL_SECONDS): not yet a death."""
+    """When the watcher last heard the node itself: a new heartbeat or a live status."""
     heartbeat_ts: float | None = None
     """That heartbeat's `ts`, on the node's clock: with `seq`, it names the beat."""
     seq: int | None = None
     interval: float | None = None
     health_ok: bool | None = None
     problems: tuple[str, ...] = ()
+
+    @property
+    def heartbeat_only(self) -> bool:
+        """Known from heartbeats alone: no status says the node exists."""
+        return self.online is None and not self.in_inventory
 
     def last_sign(self) -> float | None:
         times = [t for t in (self.heartbeat_at, self.born_at) if t is not None]
@@ -109,6 +147,11 @@ class Counters:
     messages: dict[str, int] = field(default_factory=lambda: {"status": 0, "heartbeat": 0})
     malformed: dict[str, int] = field(default_factory=dict)
     ignored_old_births: int = 0
+    """Offline messages (Wills) older than the current birth: `stale_wills` in /metrics."""
+    ignored: dict[str, int] = field(default_factory=dict)
+    """Messages not taken, by reason: old_birth, outside_inventory, node_limit."""
+    forgotten: dict[str, int] = field(default_factory=dict)
+    """Nodes dropped from the table, by reason: cleared, heartbeat_only, offline_silent, evicted."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +177,8 @@ class Fleet:
         broker_grace: float = 10.0,
         max_payload_bytes: int = 65536,
         max_nodes: int = 100_000,
+        reconnect_grace: float = 90.0,
+        forget_offline_after: float = 7 * 86400.0,
         inventory: Iterable[str] = (),
         now: float = 0.0,
     ) -> None:
@@ -145,6 +190,8 @@ class Fleet:
         self.broker_grace = broker_grace
         self.max_payload_bytes = max_payload_bytes
         self.max_nodes = max_nodes
+        self.reconnect_grace = reconnect_grace
+        self.forget_offline_after = forget_offline_after
         self.started_at = now
         self.nodes: dict[str, Node] = {}
         self.counters = Counters()
@@ -157,6 +204,7 @@ class Fleet:
         """Members of a fleet silence that ended: no node alert for them until this time."""
         for node in inventory:
             self.nodes[node] = Node(node, in_inventory=True)
+        self.has_inventory = bool(self.nodes)
 
     # -- input ------------------------------------------------------------------------------
 
@@ -170,9 +218,10 @@ class Fleet:
         self.counters.messages[where.kind] += 1
         node = self.nodes.get(where.node)
         if not payload:
-            # An empty retained status is how an operator removes a decommissioned node.
+            # An empty retained status is how an operator removes a decommissioned node (an
+            # empty heartbeat, how an agent clears its own on a clean stop: nothing to do).
             if where.kind == "status" and node is not None:
-                self._forget(node)
+                self._forget(node, "cleared")
             return False
         parsed: Status | Heartbeat | Malformed
         if where.kind == "status":
@@ -181,15 +230,27 @@ class Fleet:
             parsed = payloads.parse_heartbeat(payload, self.max_payload_bytes)
         if isinstance(parsed, Malformed):
             return self._malformed(parsed)
+        if node is None and self.has_inventory:
+            return self._ignore("outside_inventory")  # counted, never in the table
         if node is None:
-            if len(self.nodes) >= self.max_nodes:
-                return self._malformed(Malformed("bad_topic", "too many nodes"))
+            if len(self.nodes) >= self.max_nodes and not self._make_room(parsed):
+                return self._ignore("node_limit")
             node = self.nodes[where.node] = Node(where.node)
+        if isinstance(parsed, Status):
+            return self._status_message(node, parsed, retained, now)
+        return self._heartbeat_message(node, parsed, retained, now)
+
+    def _status_message(self, node: Node, status: Status, retained: bool, now: float) -> bool:
         # A retained status is as old as its `ts` says (bounded by now: a node's clock ahead
         # of ours must not make it look younger than fresh); a live message is as old as now.
-        if isinstance(parsed, Status):
-            at = min(now, parsed.ts) if retained and parsed.ts is not None else now
-            return self._status(node, parsed, at)
+        at = min(now, status.ts) if retained and status.ts is not None else now
+        if not self._status(node, status, at):
+            return False
+        if not retained:
+            node.heard_at = now
+        return True
+
+    def _heartbeat_message(self, node: Node, parsed: Heartbeat, retained: bool, now: float) -> bool:
         if retained and self._held(node, parsed):
             return True  # sent again on resubscription: its age runs on from when we got it
         # A retained heartbeat new to us is dated on arrival, not by its `ts`: a node whose
@@ -203,16 +264,50 @@ class Fleet:
         self.counters.malformed[bad.reason] = self.counters.malformed.get(bad.reason, 0) + 1
         return False
 
-    def _forget(self, node: Node) -> None:
+    def _ignore(self, reason: str) -> bool:
+        self.counters.ignored[reason] = self.counters.ignored.get(reason, 0) + 1
+        return False
+
+    def _forget(self, node: Node, reason: str) -> None:
+        self.counters.forgotten[reason] = self.counters.forgotten.get(reason, 0) + 1
         if node.in_inventory:
             self.nodes[node.node] = Node(node.node, in_inventory=True)
         else:
             del self.nodes[node.node]
 
+    def _make_room(self, parsed: Status | Heartbeat) -> bool:
+        """The table is full. Only a birth may push others out (a heartbeat-only newcomer
+        could not raise an alert anyway, and the node's birth comes first): the oldest
+        heartbeat-only nodes, then those offline longest, then those born and never beating.
+        A batch at a time, so that a flood costs one scan per batch, not one per message."""
+        if not isinstance(parsed, Status):
+            return False
+        candidates: list[tuple[int, float, str]] = []
+        for node in self.nodes.values():
+            if node.in_inventory:
+                continue
+            if node.heartbeat_only:
+                candidates.append((0, node.heard_at or 0.0, node.node))
+            elif node.online is False:
+                candidates.append((1, node.offline_at or 0.0, node.node))
+            elif node.heartbeat_at is None:
+                candidates.append((2, node.born_at or 0.0, node.node))
+        if not candidates:
+            return False
+        for _, _, name in heapq.nsmallest(max(1, self.max_nodes // EVICT_FRACTION), candidates):
+            self._forget(self.nodes[name], "evicted")
+        return True
+
     def _status(self, node: Node, status: Status, at: float) -> bool:
         if status.online:
-            # A birth is always believed: it is the node speaking now.
+            # An agent counts its births up and never repeats one after its Will or clean
+            # stop: a birth that goes back is a replay or a forgery (counted, not believed).
+            if node.bdseq is not None and (
+                status.bdseq < node.bdseq or (status.bdseq == node.bdseq and node.online is False)
+            ):
+                return self._ignore("old_birth")
             node.online, node.bdseq, node.born_at = True, status.bdseq, at
+            node.outage_will = False
             node.version, node.clean_stop, node.offline_at = status.version, False, None
             return True
         if node.bdseq is not None and status.bdseq < node.bdseq:
@@ -230,14 +325,25 @@ class Fleet:
         return beat.seq <= node.seq and beat.ts <= node.heartbeat_ts
 
     def _heartbeat(self, node: Node, beat: Heartbeat, at: float) -> None:
-        node.heartbeat_at, node.heartbeat_ts = at, beat.ts
+        node.heartbeat_at, node.heard_at, node.heartbeat_ts = at, at, beat.ts
         node.seq, node.interval = beat.seq, beat.interval_s
-        node.health_ok, node.problems = beat.health_ok, beat.problems
+        problems = tuple(p for p in beat.problems if not DISPROVED_BY_ARRIVAL.match(p))
+        healthy = beat.health_ok is False and bool(beat.problems) and not problems
+        node.health_ok, node.problems = (True if healthy else beat.health_ok), problems
 
     def broker_connected(self, now: float) -> None:
         self.connected, self.connected_at, self.disconnected_since = True, now, None
 
     def broker_disconnected(self, now: float) -> None:
+        if self.connected:
+            for node in self.nodes.values():
+                if (
+                    node.online is False
+                    and not node.clean_stop
+                    and node.offline_at is not None
+                    and now - node.offline_at <= OUTAGE_WILL_SECONDS
+                ):
+                    node.outage_will = True
         if self.connected or self.disconnected_since is None:
             self.disconnected_since = now
         self.connected = False
@@ -273,6 +379,8 @@ class Fleet:
 
     def evaluate(self, now: float) -> list[AlertChange]:
         """Compare what should be alerting now with what is, and return the differences."""
+        if self._settled(now):
+            self._sweep(now)
         desired = self._desired(now)
         changes: list[AlertChange] = []
         for key, alert in desired.items():
@@ -283,25 +391,84 @@ class Fleet:
             changes.append(AlertChange(False, self.active.pop(key), now))
         return changes
 
-    def _desired(self, now: float) -> dict[tuple[str, str], Alert]:
-        settled = (
+    def _settled(self, now: float) -> bool:
+        return (
             self.connected
             and self.connected_at is not None
             and now - self.connected_at >= SETTLE_SECONDS
         )
-        if not settled:
-            # Nothing can be learnt about nodes now: keep their alerts as they were.
-            out = {k: a for k, a in self.active.items() if a.kind != "broker_unreachable"}
-            down = self.disconnected_since
-            if down is not None and now - down >= self.broker_grace:
-                alert = _broker_alert(down, now)
-                out[alert.key] = alert
-            return out
-        out = {}
+
+    def _sweep(self, now: float) -> None:
+        """Forget the nodes nothing says exist any more (their alerts clear with them)."""
+        gone = [
+            (node, why) for node in self.nodes.values() if (why := self._forgettable(node, now))
+        ]
+        for node, why in gone:
+            self._forget(node, why)
+
+    def _forgettable(self, node: Node, now: float) -> str:
+        if node.in_inventory:
+            return ""
+        if node.heartbeat_only:
+            # Its own interval is the sender's say: a junk id announcing a day must not stay
+            # a day. A real node is heartbeat-only only until its status arrives.
+            interval = min(self.interval_of(node), self.default_interval)
+            last = node.heard_at or node.heartbeat_at or now
+            return "heartbeat_only" if now - last > self.k * interval else ""
+        if node.online is False:
+            last = max(node.offline_at or now, node.heard_at or 0.0)
+            return "offline_silent" if now - last >= self.forget_offline_after else ""
+        return ""
+
+    def _waiting(self, node: Node) -> bool:
+        """Born (or dead only by the outage's Will), and not heard since the watcher's
+        reconnection: probably reconnecting too."""
+        since = self.connected_at or 0.0
+        alive = node.online is True or node.outage_will
+        return alive and (node.heard_at is None or node.heard_at < since)
+
+    def _aftermath(self, now: float) -> bool:
+        """The time after a reconnection while some nodes have not come back yet."""
+        if self.connected_at is None or now >= self.connected_at + self.reconnect_grace:
+            return False
+        return any(self._waiting(node) for node in self.nodes.values())
+
+    def _unsettled(self, now: float) -> dict[tuple[str, str], Alert]:
+        """Nothing can be learnt about nodes now: keep their alerts as they were."""
+        out = {k: a for k, a in self.active.items() if k != BROKER_KEY}
+        down = self.disconnected_since
+        if down is not None and now - down >= self.broker_grace:
+            alert = _broker_alert(down, now)
+            out[alert.key] = alert
+        elif BROKER_KEY in self.active:
+            out[BROKER_KEY] = self.active[BROKER_KEY]  # back, still settling
+        return out
+
+    def _node_alerts(self, now: float, aftermath: bool) -> dict[tuple[str, str], Alert]:
+        out: dict[tuple[str, str], Alert] = {}
         for node in self.nodes.values():
+            if aftermath and self._waiting(node):
+                # Silent since before the outage: no news, so its alerts stay as they were.
+                for kind in NODE_KINDS:
+                    if (kind, node.node) in self.active:
+                        out[(kind, node.node)] = self.active[(kind, node.node)]
+                continue
             node_alert = self._node_alert(node, now)
             if node_alert is not None:
                 out[node_alert.key] = node_alert
+        return out
+
+    def _desired(self, now: float) -> dict[tuple[str, str], Alert]:
+        if not self._settled(now):
+            return self._unsettled(now)
+        aftermath = self._aftermath(now)
+        out = self._node_alerts(now, aftermath)
+        if aftermath:
+            # The outage's one alert lasts until the fleet is back; no fleet verdict meanwhile.
+            for key in (BROKER_KEY, ("fleet_quiet", "")):
+                if key in self.active:
+                    out[key] = self.active[key]
+            return self._spare(out, (), now)
         quiet = self._quiet_group(now)
         if quiet:
             self._quiet_members, self._recovering = set(quiet), {}
@@ -314,8 +481,14 @@ class Fleet:
                 if name in self.nodes:
                     self._recovering[name] = now + self.k * self.interval_of(self.nodes[name])
             self._quiet_members = set()
+        return self._spare(out, quiet, now)
+
+    def _spare(
+        self, out: dict[tuple[str, str], Alert], names: Iterable[str], now: float
+    ) -> dict[tuple[str, str], Alert]:
+        """No stale or dead alert for members of a fleet silence, or those coming back."""
         self._recovering = {n: t for n, t in self._recovering.items() if now < t}
-        for name in [*quiet, *self._recovering]:
+        for name in [*names, *self._recovering]:
             out.pop(("node_stale", name), None)
             out.pop(("node_dead", name), None)
         return out
@@ -324,6 +497,8 @@ class Fleet:
         """Nodes that fell silent together, if no live node is left talking; else []."""
         silent: list[tuple[float, str, State]] = []
         for node in self.nodes.values():
+            if node.heartbeat_only:
+                continue  # not a member: its silence, or its talk, proves nothing
             state = self.state_of(node, now)
             last = node.last_sign()
             if state in (State.STOPPED, State.MISSING) or last is None:
@@ -345,6 +520,8 @@ class Fleet:
         return [name for name, _ in group]
 
     def _node_alert(self, node: Node, now: float) -> Alert | None:
+        if node.heartbeat_only:
+            return None  # nothing says this node exists: forgotten once silent, never paged
         state = self.state_of(node, now)
         name = node.node
         if state is State.DEAD:

@@ -25,7 +25,16 @@ MAX_INTERVAL = 86400.0
 SHUTDOWN_REASONS = frozenset({"shutdown", "stop", "stopped", "clean"})
 """`reason` values of an offline status published by the agent itself on a clean stop."""
 
-Reason = Literal["bad_topic", "bad_node_id", "too_large", "not_json", "not_object", "bad_field"]
+Reason = Literal[
+    "bad_topic",
+    "bad_node_id",
+    "too_large",
+    "not_utf8",
+    "not_json",
+    "duplicate_key",
+    "not_object",
+    "bad_field",
+]
 Kind = Literal["status", "heartbeat"]
 
 
@@ -75,13 +84,47 @@ def parse_topic(topic: str, prefix: str) -> Topic | Malformed | None:
     return Topic(node, "status" if kind == "status" else "heartbeat")
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """object_pairs_hook: a key given twice is refused. With the last one winning, a payload
+    could say one thing to this parser and another to a first-wins one on the way."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKey(key)
+        data[key] = value
+    return data
+
+
+def _text(payload: bytes) -> str | Malformed:
+    """The payload as UTF-8 (RFC 8259 says JSON between systems is UTF-8). json.loads(bytes)
+    would also take UTF-16 and UTF-32 and skip a BOM: one document, several spellings."""
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Malformed("not_utf8", f"not UTF-8 at byte {exc.start} (UTF-16 or UTF-32?)")
+    if text.startswith("\ufeff"):
+        return Malformed("not_utf8", "starts with a byte order mark")
+    if "\x00" in text:
+        return Malformed("not_utf8", "NUL characters (UTF-16 or UTF-32 without a BOM?)")
+    return text
+
+
 def _load_object(payload: bytes, limit: int) -> dict[str, Any] | Malformed:
     if len(payload) > limit:
         return Malformed("too_large", f"{len(payload)} bytes > {limit}")
+    text = _text(payload)
+    if isinstance(text, Malformed):
+        return text
     try:
-        data = json.loads(payload)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        return Malformed("duplicate_key", f"key {str(exc)[:64]!r} given twice")
     except (ValueError, RecursionError) as exc:
-        # ValueError covers bad UTF-8, bad JSON and integers past Python's digit limit;
+        # ValueError covers bad JSON and integers past Python's digit limit;
         # RecursionError, nesting deeper than the parser's stack.
         return Malformed("not_json", type(exc).__name__)
     if not isinstance(data, dict):

@@ -56,6 +56,9 @@ def fleet_from(settings: WatchSettings, inventory: list[str], now: float) -> Fle
         quiet_min_nodes=settings.quiet_min_nodes,
         broker_grace=settings.broker_grace,
         max_payload_bytes=settings.max_payload_bytes,
+        max_nodes=settings.max_nodes,
+        reconnect_grace=settings.reconnect_grace,
+        forget_offline_after=settings.forget_offline_after,
         inventory=inventory,
         now=now,
     )
@@ -127,7 +130,9 @@ class Watcher:
     async def run(self, stop: asyncio.Event, notifier: Notifier | None = None) -> None:
         if self.settings.listen:
             host, port = parse_listen(self.settings.listen, "watch.listen")
-            self.metrics = MetricsServer(self.fleet, host, port, self.clock)
+            self.metrics = MetricsServer(
+                self.fleet, host, port, self.clock, node_limit=self.settings.metrics_node_limit
+            )
             await self.metrics.start()
             log.info("serving metrics", listen=f"{host}:{self.metrics.port}")
         notifier = notifier or Notifier()

@@ -44,7 +44,8 @@ def load_inventory(path: Path, key: str = "watch.inventory_file") -> list[str]:
 class WatchSettings(BrokerSettings):
     inventory_file: Path | None = setting(
         None,
-        help="nodes that must exist, one id a line, # comments; unset: only nodes seen",
+        help="the nodes, one id a line, # comments; others are counted, not watched; "
+        "unset: every node seen",
         file="readable",
         content=read_inventory,
     )
@@ -77,6 +78,33 @@ class WatchSettings(BrokerSettings):
         minimum=0.0,
         maximum=3600.0,
         help="seconds without the broker before the broker alert is raised",
+    )
+    reconnect_grace: float = setting(
+        90.0,
+        minimum=0.0,
+        maximum=86400.0,
+        help="after a reconnection, nodes not heard again yet keep their alerts as they were "
+        "(and broker_unreachable stays) for up to this many seconds: they are reconnecting too",
+    )
+    forget_offline_after: float = setting(
+        7 * 86400.0,
+        minimum=1.0,
+        maximum=366 * 86400.0,
+        help="a node offline (dead or stopped) and silent this long is forgotten, its alert cleared",
+    )
+    max_nodes: int = setting(
+        100_000,
+        minimum=1,
+        maximum=10_000_000,
+        help="nodes held at most; when full, a new birth replaces heartbeat-only, then long "
+        "offline nodes, never one born and beating",
+    )
+    metrics_node_limit: int = setting(
+        10_000,
+        minimum=0,
+        maximum=10_000_000,
+        help="/metrics has per-node series for at most this many nodes (those in trouble "
+        "first); fleet totals always",
     )
     alerts_topic: str = setting(
         "", help="where alerts are published; empty: <prefix>/_watch/alerts"
