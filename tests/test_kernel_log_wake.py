@@ -246,3 +246,33 @@ class TestBoundedRead:
             await collector.wake(0.2)
             assert time.monotonic() - started >= 0.2
         await collector.close()
+
+
+def _inotify_descriptors() -> int:
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if "inotify" in str(_readlink(fd)))
+
+
+def _readlink(fd: Path) -> str:
+    try:
+        return os.readlink(fd)
+    except OSError:
+        return ""
+
+
+def test_a_watch_dropped_without_close_gives_its_descriptor_back(tmp_path: Path) -> None:
+    """inotify instances are few per user (128 by default): a reader dropped without close()
+    must not hold one, or later watches fall back to polling on the interval."""
+    import gc
+
+    from collectors.kernel_log.wake import FileWatch
+
+    log = tmp_path / "kern.log"
+    log.write_text("")
+    before = _inotify_descriptors()
+    watches = [FileWatch.open(log) for _ in range(20)]
+    assert all(w is not None for w in watches)
+    assert _inotify_descriptors() == before + 20
+    del watches
+    gc.collect()
+    assert _inotify_descriptors() == before

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import weakref
 from pathlib import Path
 from typing import Final
 
@@ -58,6 +59,10 @@ class FileWatch:
         self._libc = libc
         self.fd = fd
         self.path = path
+        # A reader dropped without close() (a failed start, a test) must not keep its inotify
+        # instance: they are few per user (fs.inotify.max_user_instances, 128 by default), and
+        # once they run out every later watch falls back to the interval.
+        self._release = weakref.finalize(self, os.close, fd)
 
     @classmethod
     def open(cls, path: Path) -> FileWatch | None:
@@ -93,4 +98,4 @@ class FileWatch:
                 return
 
     def close(self) -> None:
-        os.close(self.fd)
+        self._release()  # closes the descriptor once, however often close() is called
