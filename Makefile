@@ -11,7 +11,7 @@ TEST_STAMP := $(VENV)/.gpuwarden-test
 TORCH ?= torch==2.13.0
 # Debian packages the tests run for real: a broker, promtool and Prometheus, systemd-analyze,
 # and node_exporter for the side-by-side benchmarks.
-DEBS := mosquitto mosquitto-clients prometheus prometheus-node-exporter systemd openssl libfuse2 fuse
+DEBS := mosquitto mosquitto-clients prometheus prometheus-node-exporter systemd openssl libfuse2 fuse slurm-wlm munge
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 

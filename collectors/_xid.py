@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from agent.contracts.model import AttributeValue, Event, Severity, stable_event_id
+from agent.contracts.model import AttributeValue, Event, RepairAction, Severity, stable_event_id
+from collectors._repair import clears_for, repair_for
 from collectors._xid_catalog import lookup_event
 
 XidSource = Literal["kmsg", "nvml"]
@@ -165,6 +166,8 @@ def build_xid_event(
         message=message,
         subject=identity.get("uuid") or obs.pci_bus_id,
         action=info.action,
+        repair_action=repair_for(info),
+        clears=clears_for(info),
         attributes=attributes,
         time=obs.time,
     )
@@ -339,17 +342,21 @@ class XidCorrelator:
             **info.attributes(),
         }
         kind = ESCALATED if worse else CONFIRMED
-        return Event(
+        event = Event(
             source="gpu",
             kind=kind,
             severity=incident.severity if worse else Severity.INFO,
+            # Worse: the same fault, now with the line's worse repair; confirmed: nothing new.
+            repair_action=repair_for(info) if worse else RepairAction.NONE,
             message=message,
             subject=incident.subject,
             action=info.action if worse else "",
             attributes=attributes,
             time=obs.time,
-            **({"id": stable_event_id(*obs.origin, kind)} if obs.origin else {}),
         )
+        if obs.origin:  # the same record gives the same id after a restart
+            event = dataclasses.replace(event, id=stable_event_id(*obs.origin, kind))
+        return event
 
     def observe_backlog(self, observations: Sequence[XidObservation]) -> list[Event]:
         """Xids logged before the agent started (one read's worth): one event per GPU and

@@ -25,7 +25,15 @@ from agent.contracts.collector import (
     CollectorSpec,
 )
 from agent.contracts.errors import CallStillHung, CallTimedOut, GpuwardenError
-from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.model import (
+    Collection,
+    Event,
+    MetricFamily,
+    MetricType,
+    RepairAction,
+    Sample,
+    Severity,
+)
 from agent.contracts.settings import setting
 
 MIB = 1024 * 1024
@@ -229,11 +237,27 @@ class IoProbeCollector:
                         source=SOURCE,
                         kind=f"io_probe_{reason}",
                         severity=Severity.INFO if reason == "refused" else Severity.WARNING,
+                        repair_action=RepairAction.NONE
+                        if reason == "refused"
+                        else RepairAction.CHECK_STORAGE,
                         subject=directory,
                         message=problem,
                         action="check the file system and the device behind it"
                         if reason != "refused"
                         else "free space there or lower size_mib / free_margin_mib",
+                    )
+                )
+            if not problem and self._last_problem.get(directory):
+                # The all-clear: the requirement the failed or hung probe raised ends here.
+                events.append(
+                    Event(
+                        source=SOURCE,
+                        kind="io_probe_recovered",
+                        severity=Severity.INFO,
+                        repair_action=RepairAction.NONE,
+                        clears=("io_probe_failed", "io_probe_hung", "io_probe_refused"),
+                        subject=directory,
+                        message=f"{directory}: the write probe succeeds again",
                     )
                 )
             self._last_problem[directory] = problem

@@ -25,7 +25,15 @@ from agent.contracts.collector import (
     CollectorSettings,
     CollectorSpec,
 )
-from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.model import (
+    Collection,
+    Event,
+    MetricFamily,
+    MetricType,
+    RepairAction,
+    Sample,
+    Severity,
+)
 from agent.contracts.settings import setting
 from collectors._procfs import ProcStat, find_thread_in_state, read_all_stats, read_wchan
 
@@ -203,6 +211,8 @@ class ProcessesCollector:
                             source=SOURCE,
                             kind="process_d_state_ended",
                             severity=Severity.INFO,
+                            repair_action=RepairAction.NONE,
+                            clears=("process_stuck_d_state",),
                             subject=f"pid {key[0]}",
                             message=f"pid {key[0]} left D state (or exited) after at least "
                             f"{now - since:.0f} s",
@@ -245,6 +255,7 @@ class ProcessesCollector:
             source=SOURCE,
             kind="process_stuck_d_state",
             severity=Severity.CRITICAL if gpu else Severity.WARNING,
+            repair_action=RepairAction.INVESTIGATE,
             subject=f"pid {stat.pid}",
             message=f"{who} has been in uninterruptible sleep "
             f"(D state) for at least {seconds:.0f} s, waiting {where}",
@@ -301,6 +312,7 @@ def _zombie_event(parent: ZombieParent) -> Event:
         source=SOURCE,
         kind="zombies_accumulating",
         severity=Severity.WARNING,
+        repair_action=RepairAction.INVESTIGATE,
         subject=f"pid {parent.ppid}",
         message=f"{parent.count} zombie processes wait for their parent {name} "
         f"(pid {parent.ppid}) to reap them",
@@ -314,6 +326,8 @@ def _zombies_reaped(ppid: int, name: str) -> Event:
         source=SOURCE,
         kind="zombies_reaped",
         severity=Severity.INFO,
+        repair_action=RepairAction.NONE,
+        clears=("zombies_accumulating",),
         subject=f"pid {ppid}",
         message=f"the zombies of {name or 'the parent'} (pid {ppid}) have been reaped "
         "(or the parent exited)",

@@ -20,7 +20,15 @@ from agent.contracts.collector import (
     CollectorSpec,
     JSONValue,
 )
-from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.model import (
+    Collection,
+    Event,
+    MetricFamily,
+    MetricType,
+    RepairAction,
+    Sample,
+    Severity,
+)
 from agent.contracts.settings import setting
 from collectors._procfs import read_boot_id
 
@@ -173,6 +181,7 @@ def _reboot_event(
         source="system",
         kind="host_rebooted",
         severity=Severity.WARNING,
+        repair_action=RepairAction.NONE,
         subject=current,
         message=f"the host rebooted since the agent last ran: it booted at {boot_text}{gap}",
         action="if nobody planned this reboot, look for its cause in the previous boot's log "

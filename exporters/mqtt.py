@@ -31,7 +31,7 @@ import aiomqtt
 import structlog
 
 from agent.contracts.errors import ConfigError, StateStoreError
-from agent.contracts.model import Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.model import Event, MetricFamily, MetricType, RepairAction, Sample, Severity
 from agent.contracts.sink import OutboxEntry, SinkContext, SinkSpec
 from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
 from exporters.mqtt_client import (
@@ -319,6 +319,7 @@ class MqttSink:
                     source="mqtt",
                     kind="broker_connected",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
                     subject=self.settings.url,
                     message=f"mqtt: connected to {self.settings.url} again (birth number {bdseq}); "
                     "the outbox is being delivered",
@@ -338,6 +339,7 @@ class MqttSink:
                 source="mqtt",
                 kind=f"broker_{kind}",
                 severity=Severity.WARNING,
+                repair_action=RepairAction.NONE,
                 subject=self.settings.url,
                 message=message,
                 action=action,
@@ -480,6 +482,7 @@ class MqttSink:
                     source="mqtt",
                     kind="outbox_drops_stopped",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
                     subject="outbox",
                     message="mqtt: the outbox is within its bounds again",
                     attributes={f"dropped_{k}": v for k, v in sorted(self.outbox.dropped.items())},
@@ -502,6 +505,7 @@ class MqttSink:
                 source="mqtt",
                 kind="outbox_dropped",
                 severity=Severity.CRITICAL if dropped.get("event") else Severity.WARNING,
+                repair_action=RepairAction.NONE,
                 subject="outbox",
                 message=f"mqtt: the outbox is full or too old and dropped undelivered entries "
                 f"({counts}); limits {limits.max_entries} entries, {limits.max_bytes} bytes, "

@@ -48,6 +48,71 @@ class Severity(enum.IntEnum):
             raise ModelError(f"unknown severity {text!r}; expected one of {names}") from None
 
 
+class RepairAction(enum.StrEnum):
+    """What must be done about an event, as data: a small fixed set that a scheduler, a pager
+    or a remediator can act on. It follows NVIDIA's Xid catalog resolution buckets
+    (collectors/_xid_catalog.json, `buckets`) and its GPU recovery actions (Xid 154), plus the
+    few the host collectors need; `action` is the same advice for a person. README, "Repair
+    actions", says which bucket maps to which value.
+
+    `none` is no requirement (an all-clear, an observation). Every other value is required
+    until cleared (agent/runtime/repairs.py)."""
+
+    NONE = "none"
+    RESTART_APPLICATION = "restart_application"
+    RESTART_VM = "restart_vm"
+    RESET_GPU = "reset_gpu"
+    DRAIN_AND_RESET = "drain_and_reset"
+    DRAIN_P2P = "drain_p2p"
+    RECOVER_IMEX = "recover_imex"
+    REBOOT_NODE = "reboot_node"
+    RESET_FABRIC = "reset_fabric"
+    HARDWARE_INSPECTION = "hardware_inspection"
+    CHECK_COOLING = "check_cooling"
+    CHECK_STORAGE = "check_storage"
+    UPDATE_SOFTWARE = "update_software"
+    CONTACT_SUPPORT = "contact_support"
+    INVESTIGATE = "investigate"
+    """Look at it: no published remedy (a code without guidance, a stuck process, the agent's
+    own delivery or collection failing)."""
+
+    @property
+    def required(self) -> bool:
+        return self is not RepairAction.NONE
+
+    @property
+    def cleared_by_reboot(self) -> bool:
+        """A restart of the node performs this action (a reboot resets every GPU and the
+        fabric and restarts every application); inspection, support, storage and software
+        outlive it."""
+        return self in _CLEARED_BY_REBOOT
+
+    @classmethod
+    def parse(cls, text: str) -> RepairAction:
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            names = ", ".join(a.value for a in cls)
+            raise ModelError(f"unknown repair action {text!r}; expected one of {names}") from None
+
+
+_CLEARED_BY_REBOOT: Final = frozenset(
+    {
+        RepairAction.RESTART_APPLICATION,
+        RepairAction.RESTART_VM,
+        RepairAction.RESET_GPU,
+        RepairAction.DRAIN_AND_RESET,
+        RepairAction.DRAIN_P2P,
+        RepairAction.RECOVER_IMEX,
+        RepairAction.REBOOT_NODE,
+        RepairAction.RESET_FABRIC,
+    }
+)
+
+CLEARS_ALL: Final = "*"
+"""In `Event.clears`: every requirement on the event's subject from the event's source."""
+
+
 class MetricType(enum.StrEnum):
     GAUGE = "gauge"
     COUNTER = "counter"
@@ -143,6 +208,11 @@ class Event:
     `time` is seconds since the epoch (UTC). `node` is filled in by the runtime if the
     collector leaves it empty. `subject` names what the event is about: a GPU UUID or PCI bus
     id, a mount point, a pid, a sink.
+
+    `repair_action` is what must be done, as data; `action` says it to a person. An event
+    with a required repair action makes it active for (source, kind, subject) until an event
+    of the same source and subject lists that kind in `clears` (or `CLEARS_ALL`), or a reboot
+    performs it (agent/runtime/repairs.py).
     """
 
     source: str
@@ -151,6 +221,8 @@ class Event:
     message: str
     subject: str = ""
     action: str = ""
+    repair_action: RepairAction = RepairAction.NONE
+    clears: tuple[str, ...] = ()
     attributes: Mapping[str, AttributeValue] = field(default_factory=dict)
     node: str = ""
     time: float = field(default_factory=time.time)
@@ -163,6 +235,10 @@ class Event:
             raise ModelError(f"event {self.source}/{self.kind} needs a message")
         if not isinstance(self.severity, Severity):
             raise ModelError(f"event severity must be a Severity, got {self.severity!r}")
+        if not isinstance(self.repair_action, RepairAction):
+            raise ModelError(
+                f"event repair_action must be a RepairAction, got {self.repair_action!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -175,6 +251,8 @@ class Event:
             "subject": self.subject,
             "message": self.message,
             "action": self.action,
+            "repair_action": self.repair_action.value,
+            "clears": list(self.clears),
             "attributes": dict(self.attributes),
         }
 
@@ -197,10 +275,78 @@ class Event:
                 subject=str(data.get("subject", "")),
                 message=str(data["message"]),
                 action=str(data.get("action", "")),
+                # Payloads and stored events from before repair actions have neither key.
+                repair_action=RepairAction.parse(str(data.get("repair_action") or "none")),
+                clears=_clears(data.get("clears")),
                 attributes=dict(attributes),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"not an event: {exc}") from exc
+
+
+def _clears(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ModelError("clears must be a list of event kinds")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveRepair:
+    """A repair action required and not yet cleared: what the repair gauge shows, what an
+    action (a Slurm drain) acts on, and what clears again (agent/runtime/repairs.py)."""
+
+    action: RepairAction
+    source: str
+    kind: str
+    subject: str
+    severity: Severity
+    since: float
+    """When the requirement was first raised (seconds since the epoch)."""
+    event_id: str
+    """The event that raised it last."""
+    message: str
+    fault: str = ""
+    """The catalog's `fault` for an Xid (application, node, either, unknown); empty otherwise."""
+    boot: str = ""
+    """The boot it was raised in (a reboot performs some actions, and so clears them)."""
+
+    @property
+    def key(self) -> str:
+        return "\x1f".join((self.action.value, self.source, self.kind, self.subject))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action.value,
+            "source": self.source,
+            "kind": self.kind,
+            "subject": self.subject,
+            "severity": self.severity.label,
+            "since": self.since,
+            "event_id": self.event_id,
+            "message": self.message,
+            "fault": self.fault,
+            "boot": self.boot,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ActiveRepair:
+        try:
+            return cls(
+                action=RepairAction.parse(str(data["action"])),
+                source=str(data["source"]),
+                kind=str(data["kind"]),
+                subject=str(data["subject"]),
+                severity=Severity.parse(str(data["severity"])),
+                since=float(data["since"]),
+                event_id=str(data["event_id"]),
+                message=str(data["message"]),
+                fault=str(data.get("fault", "")),
+                boot=str(data.get("boot", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelError(f"not an active repair: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)

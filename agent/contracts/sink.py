@@ -14,7 +14,7 @@ from typing import Generic, ParamSpec, Protocol, TypeVar
 
 from agent.contracts.collector import CollectorSettings, KeyValueStore
 from agent.contracts.heartbeat import HeartbeatSettings
-from agent.contracts.model import Event, MetricFamily, Sample
+from agent.contracts.model import ActiveRepair, Event, MetricFamily, Sample
 
 S = TypeVar("S")
 P = ParamSpec("P")
@@ -164,7 +164,14 @@ class SinkContext(Protocol):
         """From now on every event is also queued in the outbox (a durable sink drains it)."""
         ...
 
-    def subscribe(self, listener: EventListener) -> None: ...
+    def subscribe(self, listener: EventListener) -> None:
+        """`listener(event)` for each new event, on the loop, after the event is stored and
+        the repair ledger has taken it in (so `repairs()` already reflects it)."""
+        ...
+
+    def repairs(self) -> Sequence[ActiveRepair]:
+        """The repair actions required now and not cleared (agent/runtime/repairs.py)."""
+        ...
 
     def emit(self, event: Event) -> None: ...
 

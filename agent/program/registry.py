@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from actions import sink as actions
 from agent.contracts.collector import CollectorSpec
 from agent.contracts.config import TOP_LEVEL_TABLES
 from agent.contracts.heartbeat import HeartbeatSettings
@@ -40,7 +41,7 @@ COLLECTORS: Final[Mapping[str, CollectorSpec[Any]]] = {
 }
 
 SINKS: Final[Mapping[str, SinkSpec[Any]]] = {
-    spec.name: spec for spec in (prometheus.SPEC, mqtt.SPEC)
+    spec.name: spec for spec in (prometheus.SPEC, mqtt.SPEC, actions.SPEC)
 }
 
 SECTIONS: Final[Mapping[str, type[Any]]] = {

@@ -35,11 +35,12 @@ from agent.contracts.collector import (
 from agent.contracts.config import Config
 from agent.contracts.errors import StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
-from agent.contracts.model import Event, MetricFamily, Sample, Severity
+from agent.contracts.model import ActiveRepair, Event, MetricFamily, RepairAction, Sample, Severity
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
 from agent.runtime import logs
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
+from agent.runtime.repairs import RepairLedger
 from agent.runtime.rounds import CollectorPool, Failure, collector_pool, run_round
 from agent.runtime.state import StateStore
 from agent.runtime.store_guard import RETRY_EVERY, CollectorState, StoreGuard
@@ -149,6 +150,7 @@ class Runtime:
         *,
         collectors: Mapping[str, CollectorSpec[Any]],
         sinks: Mapping[str, SinkSpec[Any]],
+        boot_id: str = "",
     ) -> None:
         """`collectors` and `sinks`: every component that may run, by name (the program's
         registry; tests hand in their own). Which of them run is the configuration's say.
@@ -156,7 +158,8 @@ class Runtime:
         `config` is what runs: its core settings and sections stay as started (a reload
         applies only collector settings and log_level), its collectors are the last configured
         ones. `configured` is the last file loaded; `collectors` what actually runs, and
-        `start_failures` the configured collectors that could not be built."""
+        `start_failures` the configured collectors that could not be built. `boot_id`: this
+        boot's (the program reads it); the repair ledger drops what a reboot performed."""
         self.config = config
         self.configured = config
         self.pools: dict[str, CollectorPool] = {}
@@ -181,6 +184,7 @@ class Runtime:
         self.outbox_enabled = False
         """Events are queued in the outbox too: a durable sink asked for it (enable_outbox)."""
         self.first_round = asyncio.Event()
+        self.repair_ledger = RepairLedger(store, boot_id)
         self.metrics = RuntimeMetrics(self)
         self._listeners: list[EventListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,6 +211,7 @@ class Runtime:
                     source="state",
                     kind=problem.kind,
                     severity=Severity.CRITICAL,
+                    repair_action=RepairAction.NONE,
                     message=problem.message,
                     action=problem.action,
                     subject=str(config.state_dir),
@@ -223,6 +228,9 @@ class Runtime:
 
     def subscribe(self, listener: EventListener) -> None:
         self._listeners.append(listener)
+
+    def repairs(self) -> list[ActiveRepair]:
+        return self.repair_ledger.active()
 
     def emit(self, event: Event) -> None:
         """Record an event. Thread-safe: background threads may call it."""
@@ -326,8 +334,11 @@ class Runtime:
             severity=event.severity.label,
             subject=event.subject,
             action=event.action,
+            repair_action=event.repair_action.value,
             event_id=event.id,
         )
+        # Before the listeners: an action (Slurm's resume) reads the set this event changed.
+        self.repair_ledger.apply(event)
         for listener in self._listeners:
             try:
                 listener(event)
@@ -365,6 +376,7 @@ class Runtime:
                     source="runtime",
                     kind="collector_start_failed",
                     severity=Severity.WARNING if runs_on else Severity.CRITICAL,
+                    repair_action=RepairAction.NONE,
                     subject=name,
                     message=f"collector {name} could not be started: {error}"
                     + ("; it runs on with its previous settings" if runs_on else ""),
@@ -770,6 +782,7 @@ class Runtime:
                         source="runtime",
                         kind=f"{item.kind}_stale",
                         severity=Severity.WARNING,
+                        repair_action=RepairAction.NONE,
                         subject=item.name,
                         message=item.problem(),
                         action=(
@@ -787,6 +800,7 @@ class Runtime:
                         source="runtime",
                         kind=f"{item.kind}_recovered",
                         severity=Severity.INFO,
+                        repair_action=RepairAction.NONE,
                         subject=item.name,
                         message=f"{item.kind} {item.name} is delivering again",
                     )

@@ -143,6 +143,21 @@ STALE = MetricFamily(
     ("kind", "name"),
 )
 
+REPAIR_REQUIRED = MetricFamily(
+    "gpuwarden_repair_required",
+    G,
+    "1 per repair action required on a subject (GPU UUID, mount point, host) and not yet "
+    "cleared; the series goes away when it is cleared",
+    ("action", "subject"),
+)
+REPAIR_SINCE = MetricFamily(
+    "gpuwarden_repair_required_since_timestamp_seconds",
+    G,
+    "When the repair action was first required on the subject, seconds since the epoch",
+    ("action", "subject"),
+    "seconds",
+)
+
 
 class RuntimeMetrics:
     def __init__(self, runtime: Runtime) -> None:
@@ -175,6 +190,8 @@ class RuntimeMetrics:
             SINK_LAST_DELIVERY,
             SINK_FAILURES,
             STALE,
+            REPAIR_REQUIRED,
+            REPAIR_SINCE,
         )
 
     def samples(self) -> Iterator[Sample]:
@@ -221,3 +238,13 @@ class RuntimeMetrics:
         for name, sink_obj in rt.sinks.items():
             if sink_obj.expected_interval is not None:
                 yield STALE.sample(1 if ("sink", name) in stale else 0, "sink", name)
+        yield from self._repairs()
+
+    def _repairs(self) -> Iterator[Sample]:
+        since: dict[tuple[str, str], float] = {}
+        for repair in self._runtime.repairs():  # several kinds may need one action of one subject
+            key = (repair.action.value, repair.subject)
+            since[key] = min(since.get(key, repair.since), repair.since)
+        for (action, subject), first in sorted(since.items()):
+            yield REPAIR_REQUIRED.sample(1, action, subject)
+            yield REPAIR_SINCE.sample(first, action, subject)

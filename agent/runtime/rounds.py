@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from agent.contracts.collector import CollectContext, Collector, CollectorSettings
 from agent.contracts.errors import CallStillHung, CallTimedOut
-from agent.contracts.model import Event, Sample, Severity
+from agent.contracts.model import Event, RepairAction, Sample, Severity
 from agent.runtime.blocking import PooledCaller
 
 THREAD_POOL_SIZE = 8
@@ -80,6 +80,7 @@ def _hung_event(name: str, key: str, timeout: float) -> Event:
         source=name,
         kind="call_hung",
         severity=Severity.WARNING,
+        repair_action=RepairAction.NONE,
         subject=key,
         message=f"{name}: call {key} did not return within {timeout:g} s; "
         "it is not retried until it returns",
@@ -92,6 +93,7 @@ def _recovered_event(name: str, key: str, took: float) -> Event:
         source=name,
         kind="call_recovered",
         severity=Severity.INFO,
+        repair_action=RepairAction.NONE,
         subject=key,
         message=f"{name}: call {key} returned after {took:.1f} s",
     )

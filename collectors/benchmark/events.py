@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from agent.contracts.collector import KeyValueStore
-from agent.contracts.model import AttributeValue, Event, Severity
+from agent.contracts.model import AttributeValue, Event, RepairAction, Severity
 from collectors.benchmark.gpus import GpuIdentity
 from collectors.benchmark.history import BaselinePolicy, BenchmarkRecord, regressed
 from collectors.benchmark.runner import FAILURE_MESSAGES, ChildOutcome
@@ -49,6 +49,7 @@ def failure_event(gpu: GpuIdentity, outcome: ChildOutcome) -> Event:
         source=SOURCE,
         kind="benchmark_failed",
         severity=Severity.WARNING,
+        repair_action=RepairAction.INVESTIGATE,
         subject=gpu.uuid,
         message=f"{_where(gpu)}: {what}{detail}"
         + (" (this affects every GPU of the host)" if host_wide else ""),
@@ -71,6 +72,8 @@ def recovered_event(gpu: GpuIdentity, previous: str) -> Event:
         source=SOURCE,
         kind="benchmark_recovered",
         severity=Severity.INFO,
+        repair_action=RepairAction.NONE,
+        clears=("benchmark_failed",),
         subject=gpu.uuid,
         message=f"{_where(gpu)}: the benchmark runs again (it had failed: {previous})",
         attributes={"previous_reason": previous, "gpu": gpu.index},
@@ -83,6 +86,7 @@ def wrong_result_event(gpu: GpuIdentity, record: BenchmarkRecord) -> Event:
         source=SOURCE,
         kind="benchmark_wrong_result",
         severity=Severity.CRITICAL,
+        repair_action=RepairAction.RESET_GPU,
         subject=gpu.uuid,
         message=f"{_where(gpu)} computed a wrong matrix product ({error} against a float64 "
         f"reference, tolerance {record.tolerance:g} for {record.profile}): possible "
@@ -138,6 +142,7 @@ def judge_events(
                 source=SOURCE,
                 kind="benchmark_regression",
                 severity=Severity.WARNING,
+                repair_action=RepairAction.INVESTIGATE,
                 subject=gpu.uuid,
                 message=f"{_where(gpu)} is slow: {tflops}, {record.baseline_ratio:.2f} of its "
                 f"baseline for {policy.regression_runs} runs in a row "
@@ -153,6 +158,8 @@ def judge_events(
                 source=SOURCE,
                 kind="benchmark_regression_cleared",
                 severity=Severity.INFO,
+                repair_action=RepairAction.NONE,
+                clears=("benchmark_regression",),
                 subject=gpu.uuid,
                 message=f"{_where(gpu)} is back at its baseline: {tflops}",
                 attributes={**attrs, "baseline_ratio": record.baseline_ratio},
@@ -168,6 +175,7 @@ def judge_events(
                     source=SOURCE,
                     kind="benchmark_peer_slow",
                     severity=Severity.WARNING,
+                    repair_action=RepairAction.INVESTIGATE,
                     subject=gpu.uuid,
                     message=f"{_where(gpu)} is slower than its peers: {tflops}, "
                     f"{record.peer_ratio:.2f} of the median of {peers} other {gpu.name} "
@@ -183,6 +191,8 @@ def judge_events(
                     source=SOURCE,
                     kind="benchmark_peer_cleared",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=("benchmark_peer_slow",),
                     subject=gpu.uuid,
                     message=f"{_where(gpu)} is level with its peers again: {tflops}",
                     attributes={**attrs, "peer_ratio": record.peer_ratio},

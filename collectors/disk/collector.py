@@ -35,6 +35,7 @@ from agent.contracts.model import (
     Event,
     MetricFamily,
     MetricType,
+    RepairAction,
     Sample,
     Severity,
 )
@@ -421,6 +422,8 @@ class DiskCollector:
                     source=SOURCE,
                     kind="mount_recovered",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=("mount_stuck",),
                     subject=mp,
                     message=f"mount {mp} ({mount.fs_type} from {mount.source}) answers again",
                 )
@@ -433,6 +436,7 @@ class DiskCollector:
                         source=SOURCE,
                         kind="mount_error",
                         severity=Severity.WARNING,
+                        repair_action=RepairAction.CHECK_STORAGE,
                         subject=mp,
                         message=f"statvfs on {mp} ({mount.fs_type} from {mount.source}) failed: "
                         f"{outcome.error}",
@@ -442,7 +446,19 @@ class DiskCollector:
                 )
             self._errors[mp] = outcome.error
             return
-        self._errors.pop(mp, None)
+        if self._errors.pop(mp, None) is not None:
+            # The all-clear of mount_error: its check_storage requirement ends here.
+            events.append(
+                Event(
+                    source=SOURCE,
+                    kind="mount_error_cleared",
+                    severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=("mount_error",),
+                    subject=mp,
+                    message=f"statvfs on {mp} ({mount.fs_type} from {mount.source}) works again",
+                )
+            )
         samples.append(ERROR.sample(0, *labels))
         self._report_values(mount, outcome, labels, samples, events)
 
@@ -501,6 +517,7 @@ class DiskCollector:
                     source=SOURCE,
                     kind="filesystem_readonly",
                     severity=Severity.CRITICAL,
+                    repair_action=RepairAction.CHECK_STORAGE,
                     subject=mp,
                     message=f"{mp} ({mount.source}, {mount.fs_type}) turned read-only while the agent "
                     "was watching it: every write there now fails",
@@ -516,6 +533,8 @@ class DiskCollector:
                     source=SOURCE,
                     kind="filesystem_writable",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=("filesystem_readonly",),
                     subject=mp,
                     message=f"{mp} ({mount.source}) is writable again",
                 )
@@ -557,6 +576,7 @@ def _stuck_event(mount: MountInfo, seconds: float) -> Event:
         source=SOURCE,
         kind="mount_stuck",
         severity=Severity.CRITICAL,
+        repair_action=RepairAction.CHECK_STORAGE,
         subject=mp,
         message=f"mount {mp} ({mount.fs_type} from {mount.source}) did not answer statvfs "
         f"within {seconds:g} s: it hangs, and so will every process that touches it",
@@ -594,6 +614,8 @@ def _level_event(
             source=SOURCE,
             kind=f"filesystem_{what}_ok",
             severity=Severity.INFO,
+            repair_action=RepairAction.NONE,
+            clears=(f"filesystem_{what}_low",),
             subject=mp,
             attributes=attributes,
             message=f"{mp}: {what} back to normal ({used:.1f} % used, {amount})",
@@ -614,6 +636,7 @@ def _level_event(
         source=SOURCE,
         kind=f"filesystem_{what}_low",
         severity=severity,
+        repair_action=RepairAction.CHECK_STORAGE,
         subject=mp,
         attributes=attributes,
         action=action,

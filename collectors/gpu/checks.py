@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from agent.contracts.collector import JSONValue, KeyValueStore
-from agent.contracts.model import AttributeValue, Event, Severity
+from agent.contracts.model import AttributeValue, Event, RepairAction, Severity
 from collectors._nvml import (
     CLOCK_EVENT_REASONS,
     RECOVERY_ACTIONS,
@@ -40,6 +40,7 @@ class CounterSpec:
     severity: Severity
     action: str
     volatile: bool = True
+    repair: RepairAction = RepairAction.NONE
     """Restarts at 0 with the driver: after a reset its whole value is new. False for counts
     kept in the InfoROM (remapped rows, retired pages), where a lower value says nothing new."""
 
@@ -60,6 +61,7 @@ FAST_COUNTERS: Final = (
         "restart the job that used this GPU; "
         + RESET_GPU_IF_REPEATS
         + "; check for a pending row remap",
+        repair=RepairAction.RESTART_APPLICATION,
     ),
     CounterSpec(
         "remapped_rows_correctable",
@@ -75,6 +77,7 @@ FAST_COUNTERS: Final = (
         "reset the GPU when it is idle so that the remap takes effect; "
         "repeated remaps: have the GPU inspected",
         volatile=False,
+        repair=RepairAction.RESET_GPU,
     ),
 )
 SLOW_COUNTERS: Final = (
@@ -83,6 +86,7 @@ SLOW_COUNTERS: Final = (
         "PCIe replays",
         Severity.WARNING,
         "check the PCIe link (riser, slot, cable) if the count keeps rising",
+        repair=RepairAction.INVESTIGATE,
     ),
     CounterSpec(
         "retired_pages_single_bit",
@@ -90,6 +94,7 @@ SLOW_COUNTERS: Final = (
         Severity.WARNING,
         "reset the GPU to apply the retirement; repeated: inspect hardware",
         volatile=False,
+        repair=RepairAction.RESET_GPU,
     ),
     CounterSpec(
         "retired_pages_double_bit",
@@ -97,6 +102,7 @@ SLOW_COUNTERS: Final = (
         Severity.CRITICAL,
         "reset the GPU to apply the retirement; repeated: inspect hardware",
         volatile=False,
+        repair=RepairAction.RESET_GPU,
     ),
 )
 
@@ -233,6 +239,7 @@ def counter_events(
                     source=SOURCE,
                     kind="counter_reset",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
                     subject=uuid,
                     message=f"{where(labels)}: counter {name} restarted (was {previous}, now {new}); "
                     "the host rebooted, the driver was reloaded or the GPU reset. "
@@ -248,6 +255,7 @@ def counter_events(
                     source=SOURCE,
                     kind=f"{name}_increase",
                     severity=spec.severity,
+                    repair_action=spec.repair,
                     subject=uuid,
                     message=f"{where(labels)}: {delta} new {spec.what} (now {new}"
                     + (", since the counter reset)" if what == "reset" else ")"),
@@ -264,6 +272,7 @@ class ConditionSpec:
     severity: Severity
     message: str
     action: str
+    repair: RepairAction
 
 
 HW_SLOWDOWN_MASK: Final = (
@@ -280,18 +289,21 @@ CONDITIONS: Final = {
             Severity.WARNING,
             "a memory row remap is pending; it takes effect at the next GPU reset",
             "drain the GPU and reset it (or reboot) when convenient",
+            RepairAction.RESET_GPU,
         ),
         ConditionSpec(
             "row_remap_failure",
             Severity.CRITICAL,
             "a memory row remap failed: the bank has no spare rows left",
             "drain the node and have the GPU inspected or replaced",
+            RepairAction.HARDWARE_INSPECTION,
         ),
         ConditionSpec(
             "retired_pages_pending",
             Severity.WARNING,
             "a page retirement is pending; it takes effect at the next GPU reset",
             "drain the GPU and reset it (or reboot) when convenient",
+            RepairAction.RESET_GPU,
         ),
         ConditionSpec(
             "pcie_link_degraded",
@@ -299,6 +311,7 @@ CONDITIONS: Final = {
             "the PCIe link runs below its maximum generation or width",
             "reseat the GPU or its riser, check the slot and BIOS PCIe settings; "
             "compare with the other GPUs of the host",
+            RepairAction.HARDWARE_INSPECTION,
         ),
         # What the driver says to do (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): one condition per
         # action, so that a change from one action to another is news too.
@@ -307,42 +320,49 @@ CONDITIONS: Final = {
             Severity.CRITICAL,
             "the driver asks for a GPU reset",
             "drain the GPU, then reset it (nvidia-smi -r -i <gpu>) or reboot the node",
+            RepairAction.RESET_GPU,
         ),
         ConditionSpec(
             "recovery_action_node_reboot",
             Severity.CRITICAL,
             "the driver asks for a node reboot",
             "drain the node and reboot it",
+            RepairAction.REBOOT_NODE,
         ),
         ConditionSpec(
             "recovery_action_drain_p2p",
             Severity.WARNING,
             "the driver asks to drain peer-to-peer traffic (NVLink/P2P is unusable)",
             "let no new multi-GPU job start on this node; reset the GPU when its jobs end",
+            RepairAction.DRAIN_P2P,
         ),
         ConditionSpec(
             "recovery_action_drain_and_reset",
             Severity.CRITICAL,
             "the driver asks to drain the GPU and reset it",
             "let running jobs end or move them, then reset the GPU (nvidia-smi -r) or reboot",
+            RepairAction.DRAIN_AND_RESET,
         ),
         ConditionSpec(
             "recovery_action_recover_imex_domain",
             Severity.CRITICAL,
             "the driver asks to recover the IMEX domain",
             "restart the IMEX daemon of the NVLink domain (nvidia-imex) as NVIDIA documents",
+            RepairAction.RECOVER_IMEX,
         ),
         ConditionSpec(
             "recovery_action_bus_reset",
             Severity.CRITICAL,
             "the driver asks for a PCIe bus reset of the GPU",
             "drain the node; reset the GPU's bus or reboot the node",
+            RepairAction.RESET_GPU,
         ),
         ConditionSpec(
             "recovery_action_system_reboot",
             Severity.CRITICAL,
             "the driver asks for a full system reboot (power cycle)",
             "drain the node and power-cycle it (a warm reboot is not enough)",
+            RepairAction.REBOOT_NODE,
         ),
         ConditionSpec(
             "recovery_action_unknown",
@@ -350,12 +370,14 @@ CONDITIONS: Final = {
             "the driver asks for a recovery action this gpuwarden does not know",
             "read gpuwarden_gpu_recovery_action_code and NVIDIA's nvml.h for the driver in use; "
             "drain the node",
+            RepairAction.REBOOT_NODE,
         ),
         ConditionSpec(
             "hardware_slowdown",
             Severity.WARNING,
             "the hardware is holding the clocks down (thermal, power brake or HW slowdown)",
             "check cooling (inlet temperature, fans) and power supplies",
+            RepairAction.CHECK_COOLING,
         ),
     )
 }
@@ -432,6 +454,7 @@ def condition_events(
                     source=SOURCE,
                     kind=name,
                     severity=spec.severity,
+                    repair_action=spec.repair,
                     subject=uuid,
                     message=f"{where(labels)}: {spec.message}{detail}",
                     action=spec.action,
@@ -444,6 +467,8 @@ def condition_events(
                     source=SOURCE,
                     kind=f"{name}_cleared",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=(name,),
                     subject=uuid,
                     message=f"{where(labels)}: no longer {name.replace('_', ' ')}",
                     attributes=dict(labels),

@@ -37,7 +37,7 @@ from agent.contracts.collector import (
     CollectorSpec,
 )
 from agent.contracts.errors import CallStillHung, CallTimedOut
-from agent.contracts.model import Collection, Event, MetricFamily, Sample, Severity
+from agent.contracts.model import Collection, Event, MetricFamily, RepairAction, Sample, Severity
 from agent.contracts.settings import setting
 from collectors._nvml import (
     GpmReading,
@@ -50,6 +50,7 @@ from collectors._nvml import (
     NvmlUnavailable,
 )
 from collectors._procfs import ProcessOwner, read_boot_id, read_owner
+from collectors._repair import shared_recurrence
 from collectors._xid import XidCorrelator
 from collectors.gpu import metrics as m
 from collectors.gpu.checks import (
@@ -206,6 +207,7 @@ class GpuCollector:
         self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
         self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
         self.boot_id = _boot_id()
+        self.recurrence = shared_recurrence(deps, lambda: read_boot_id(Path("/proc")))
         self.counters = CounterTracker(deps.state, self.boot_id)
         self.conditions = ConditionTracker(deps.state)
         self.gpus: dict[int, _Gpu] = {}
@@ -251,6 +253,8 @@ class GpuCollector:
                     source=SOURCE,
                     kind="nvml_available",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=("nvml_unavailable",),
                     subject=HOST_SUBJECT,
                     message="NVML answers again: GPU monitoring resumed",
                 )
@@ -268,6 +272,9 @@ class GpuCollector:
                     source=SOURCE,
                     kind="nvml_unavailable",
                     severity=Severity.CRITICAL if expected else Severity.WARNING,
+                    repair_action=RepairAction.REBOOT_NODE
+                    if expected
+                    else RepairAction.INVESTIGATE,
                     subject=HOST_SUBJECT,
                     message=f"NVML is not available ({reason}): no NVIDIA driver is loaded or "
                     "libnvidia-ml.so.1 is missing, so no GPU is monitored"
@@ -305,6 +312,11 @@ class GpuCollector:
                 m.GPU_EVENT_THREAD_UP.sample(1 if thread is not None and thread.running else 0)
             )
         return Collection(samples=out.samples, events=out.events)
+
+    def _emit_escalated(self, event: Event) -> None:
+        """The NVML event thread's emit: an Xid that came back after two reboots says so (in
+        that thread: the recurrence reads the state store)."""
+        self.deps.emit(self.recurrence.escalate(event))
 
     async def _collect_gpus(self, ctx: CollectContext, out: _Round) -> None:
         # The count is read on the slow interval, not every round: each blocking call is a
@@ -392,6 +404,8 @@ class GpuCollector:
                     source=SOURCE,
                     kind="gpu_recovered",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=("gpu_lost", "gpu_unresponsive"),
                     subject=labels["uuid"],
                     attributes=dict(labels),
                     message=f"{where(labels)} answers NVML again (was {gpu.error})",
@@ -590,6 +604,7 @@ class GpuCollector:
                 source=SOURCE,
                 kind="gpu_lost",
                 severity=Severity.CRITICAL,
+                repair_action=RepairAction.REBOOT_NODE,
                 subject=labels["uuid"] or labels["gpu"],
                 attributes=dict(labels),
                 message=f"{where(labels)} is lost: NVML says the GPU has fallen off the bus or "
@@ -601,6 +616,7 @@ class GpuCollector:
             source=SOURCE,
             kind="gpu_unresponsive",
             severity=Severity.CRITICAL,
+            repair_action=RepairAction.RESET_GPU,
             subject=labels["uuid"] or labels["gpu"],
             attributes=dict(labels),
             message=f"{where(labels)} does not answer NVML within "
@@ -628,6 +644,7 @@ class GpuCollector:
                         source=SOURCE,
                         kind="gpu_count_dropped",
                         severity=Severity.CRITICAL,
+                        repair_action=RepairAction.REBOOT_NODE,
                         subject=HOST_SUBJECT,
                         attributes={"visible": count, "before": highest},
                         message=f"{count} GPUs visible, {highest} at an earlier start of the agent",
@@ -645,6 +662,7 @@ class GpuCollector:
                     source=SOURCE,
                     kind="gpu_count_dropped",
                     severity=Severity.CRITICAL,
+                    repair_action=RepairAction.REBOOT_NODE,
                     subject=HOST_SUBJECT,
                     attributes={"visible": count, "before": previous},
                     message=f"{count} GPUs visible, {previous} a round ago",
@@ -659,6 +677,8 @@ class GpuCollector:
                         source=SOURCE,
                         kind="gpus_missing" if started else "gpus_missing_cleared",
                         severity=Severity.CRITICAL if started else Severity.INFO,
+                        repair_action=RepairAction.REBOOT_NODE if started else RepairAction.NONE,
+                        clears=() if started else ("gpus_missing", "gpu_count_dropped"),
                         subject=HOST_SUBJECT,
                         attributes={"visible": count, "expected": expected},
                         message=f"{count} GPUs visible, {expected} expected"
@@ -697,6 +717,7 @@ class GpuCollector:
                     source=SOURCE,
                     kind="nvml_event_thread_stopped",
                     severity=Severity.WARNING,
+                    repair_action=RepairAction.NONE,
                     subject=HOST_SUBJECT,
                     attributes={"reason": reason},
                     message=f"the NVML event thread stopped ({reason}): Xid and ECC events are "
@@ -722,7 +743,7 @@ class GpuCollector:
         thread = GpuEventThread(
             self.backend,
             self.correlator,
-            self.deps.emit,
+            self._emit_escalated,
             gpus,
             self._identities,
             wait_ms=self.settings.event_wait_ms,

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import structlog
 
-from agent.contracts.model import Event, Severity
+from agent.contracts.model import Event, RepairAction, Severity
 from collectors._nvml import (
     EVENT_DOUBLE_BIT_ECC,
     EVENT_SINGLE_BIT_ECC,
@@ -166,6 +166,7 @@ class GpuEventThread:
                 source="gpu",
                 kind="ecc_double_bit_event",
                 severity=Severity.CRITICAL,
+                repair_action=RepairAction.RESET_GPU,
                 subject=labels.get("uuid", record.pci_bus_id),
                 time=now,
                 message=f"{name}: NVML reported a double-bit (uncorrectable) ECC error",
@@ -177,6 +178,7 @@ class GpuEventThread:
             source="gpu",
             kind="ecc_single_bit_event",
             severity=Severity.INFO,
+            repair_action=RepairAction.NONE,
             subject=labels.get("uuid", record.pci_bus_id),
             time=now,
             message=f"{name}: NVML reported a single-bit (corrected) ECC error",

@@ -40,6 +40,7 @@ from agent.contracts.model import (
     stable_event_id,
 )
 from agent.contracts.settings import setting
+from collectors._repair import shared_recurrence
 from collectors._xid import XidCorrelator, XidObservation, gpu_description
 from collectors.kernel_log.kmsg import (
     FileLogReader,
@@ -48,6 +49,7 @@ from collectors.kernel_log.kmsg import (
     LogReader,
     ReadBatch,
     is_character_device,
+    read_boot_id,
 )
 from collectors.kernel_log.matchers import GPU_KINDS, KINDS, Finding, MatcherSet
 
@@ -164,6 +166,7 @@ class KernelLogCollector:
         self.deps = deps
         self.io = io
         self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
+        self.recurrence = shared_recurrence(deps, lambda: read_boot_id(settings.boot_id_path))
         self.matchers = MatcherSet()
         self.reader: LogReader | None = None
         self.findings: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
@@ -268,8 +271,8 @@ class KernelLogCollector:
             else:
                 event = self.correlator.observe(xid)
             if event is not None:
-                events.append(event)
-        events.extend(self.correlator.observe_backlog(backlog))
+                events.append(self.recurrence.escalate(event))
+        events.extend(self.recurrence.escalate(e) for e in self.correlator.observe_backlog(backlog))
         return events
 
     def _xid(
@@ -329,6 +332,8 @@ class KernelLogCollector:
             message=_message(finding, identity, predates),
             subject=subject,
             action=finding.action,
+            repair_action=finding.repair_action,
+            clears=finding.clears,
             attributes=attributes,
             time=when,
         )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from agent.contracts.model import AttributeValue, Severity
+from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors._xid import normalize_pci_bus_id
 from collectors.kernel_log.parse import LogRecord
 
@@ -42,6 +42,10 @@ class Finding:
     """The Xid or SXid code."""
     name: str = ""
     """A short name: the catalog's for an Xid, the fault's for the others."""
+    repair_action: RepairAction = RepairAction.NONE
+    """What must be done, as data (agent/contracts/model.py); every matcher sets it."""
+    clears: tuple[str, ...] = ()
+    """Kinds this finding clears for its subject (Xid 154 to None: `*`), see Event.clears."""
     attributes: dict[str, AttributeValue] = field(default_factory=dict)
 
     @property
@@ -58,6 +62,7 @@ class Finding:
             "severity": self.severity.label,
             "meaning": self.meaning,
             "action": self.action,
+            "repair_action": self.repair_action.value,
             "line": self.line,
             "message": self.record.message,
         }

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from agent.contracts.model import AttributeValue, Severity
+from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors.kernel_log.finding import (
     Finding,
     Matcher,
@@ -41,6 +41,29 @@ HOST_KINDS: Final = (
     "machine_check",
     "hardware_error",
 )
+
+R = RepairAction
+HOST_REPAIR: Final[dict[str, RepairAction]] = {
+    "io_error": R.CHECK_STORAGE,
+    "fs_error": R.CHECK_STORAGE,
+    "nvme_error": R.CHECK_STORAGE,
+    "raid_member_failed": R.CHECK_STORAGE,
+    "oom_kill": R.RESTART_APPLICATION,  # the job's memory, not the node
+    "hung_task": R.INVESTIGATE,
+    # The kernel itself may be unstable from here on: the node needs a restart.
+    "kernel_panic": R.REBOOT_NODE,
+    "kernel_oops": R.REBOOT_NODE,
+    "cpu_lockup": R.INVESTIGATE,
+}
+"""The repair of each host kind; machine_check and hardware_error depend on the record
+(`_hardware_repair`). A test holds that every kind has one."""
+
+
+def _hardware_repair(severity: Severity) -> RepairAction:
+    """An uncorrected machine check or a fatal firmware error: the part must be looked at;
+    a corrected one is to watch."""
+    return R.HARDWARE_INSPECTION if severity >= Severity.CRITICAL else R.INVESTIGATE
+
 
 _DEV: Final = r"[\w.:/-]+"
 
@@ -378,6 +401,7 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
     return Finding(
         kind=rule.kind,
         severity=rule.severity,
+        repair_action=HOST_REPAIR[rule.kind],
         record=record,
         meaning=rule.meaning.format_map(_Blank(values)),
         action=rule.action.format_map(_Blank(values)),
@@ -421,6 +445,7 @@ def _oom_finding(
     return Finding(
         kind="oom_kill",
         severity=Severity.WARNING,
+        repair_action=HOST_REPAIR["oom_kill"],
         meaning=f"the kernel's OOM killer killed {process} (pid {pid}) to free memory{scope}",
         action=f"find out why {process} ran out of memory (its limits, the host's memory); "
         "rerun the job with more memory or a smaller batch",
@@ -499,6 +524,7 @@ class _Beyond:
         return Finding(
             kind="io_error",
             severity=Severity.CRITICAL,
+            repair_action=HOST_REPAIR["io_error"],
             meaning=f"an I/O to {device} asked for sectors past its end and failed (a file "
             "system larger than its device, a corrupted one, or a volume that shrank)",
             action=f"compare the file system's size with {device}'s (blockdev --getsize64, the "
@@ -575,6 +601,7 @@ class _Oops:
         return Finding(
             kind="kernel_oops",
             severity=Severity.CRITICAL,
+            repair_action=HOST_REPAIR["kernel_oops"],
             meaning=f"the kernel hit a fault in its own code ({what}) and killed the task that "
             "ran it; the kernel may be unstable from here on",
             action="keep the log from this line to the end of the Call Trace (it names the "
@@ -668,6 +695,9 @@ class _Mce:
         return Finding(
             kind="machine_check",
             severity=Severity.CRITICAL if self.uncorrected else Severity.WARNING,
+            repair_action=_hardware_repair(
+                Severity.CRITICAL if self.uncorrected else Severity.WARNING
+            ),
             meaning=meaning,
             action=action,
             record=self.record,
@@ -777,6 +807,7 @@ class _Cper:
         return Finding(
             kind="hardware_error",
             severity=severity,
+            repair_action=_hardware_repair(severity),
             meaning=f"the firmware reported a {told} {what} error (APEI/CPER record)",
             action=action,
             record=self.record,

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from agent.contracts.model import AttributeValue, Severity
+from agent.contracts.model import AttributeValue, RepairAction, Severity
+from collectors._repair import clears_for, repair_for
 from collectors._xid_catalog import lookup, lookup_event, lookup_sxid
 from collectors.kernel_log.finding import (
     Finding,
@@ -122,6 +123,8 @@ class XidMatcher:
             severity=info.severity,
             meaning=info.meaning,
             action=info.action,
+            repair_action=repair_for(info),
+            clears=clears_for(info),
             record=record,
             pci_bus_id=pci,
             code=code,
@@ -214,6 +217,7 @@ class SxidMatcher:
             severity=info.severity,
             meaning=info.meaning,
             action=info.action,
+            repair_action=repair_for(info),
             record=record,
             pci_bus_id=pci_or_empty(match["pci"]),
             device=device,
@@ -302,6 +306,7 @@ class FallenOffBusMatcher:
             severity=Severity.CRITICAL,
             meaning=_BUS_MEANING,
             action=_BUS_ACTION,
+            repair_action=RepairAction.REBOOT_NODE,
             record=record,
             pci_bus_id=pci,
             name="GPU fallen off the bus",

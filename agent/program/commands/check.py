@@ -17,6 +17,8 @@ import textwrap
 from pathlib import Path
 from typing import TextIO
 
+from actions.settings import ActionsSettings
+from actions.slurm import check_reason, health_check
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program.diagnose.check import CheckOptions, CheckReport, run_check
@@ -58,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="interpreter whose torch is checked (default: this one)",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch child process")
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run as Slurm's HealthCheckProgram: print one line (the reason), drain this node "
+        "on a FAIL with that reason, resume it when the check passes again if [actions.slurm] "
+        "resume = when_cleared and the drain was check's own",
+    )
 
 
 def use_colour(stream: TextIO) -> bool:
@@ -92,6 +101,31 @@ def render_table(report: CheckReport, colour: bool, width: int = 100) -> str:
     return "\n".join(lines)
 
 
+def slurm_line(report: CheckReport) -> str | None:
+    """The scontrol reason for a failed check; None when nothing failed."""
+    failed = [
+        (f.name, f.detail, f.repair_action.value)
+        for f in report.findings
+        if f.status is Status.FAIL
+    ]
+    return check_reason(failed) if failed else None
+
+
+def _slurm(cfg: config_module.Config, report: CheckReport) -> int:
+    """HealthCheckProgram: slurmd ignores the exit code and the output; the program must drain
+    the node itself (Slurm's documentation of HealthCheckProgram). One line says what was
+    found and done; the exit code is check's own."""
+    reason = slurm_line(report)
+    settings = cfg.section("actions", ActionsSettings).slurm
+    try:
+        done = asyncio.run(health_check(settings, reason))
+    except (RuntimeError, ValueError) as exc:
+        print(f"{reason or 'gpuwarden: check: ok'}; scontrol failed: {exc}")
+        return max(report.exit_code, 2) if reason else 2
+    print(f"{reason or 'gpuwarden: check: ok'} ({done})")
+    return report.exit_code
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         cfg = config_module.load(args.config)
@@ -109,7 +143,10 @@ def main(args: argparse.Namespace) -> int:
         torch=not args.no_torch,
     )
     report = asyncio.run(run_check(cfg, options))
-    if args.json:
+    code = report.exit_code
+    if args.slurm:
+        code = _slurm(cfg, report)
+    elif args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         width = min(os.get_terminal_size().columns, 120) if sys.stdout.isatty() else 100
@@ -119,5 +156,5 @@ def main(args: argparse.Namespace) -> int:
         # worker threads at exit: leave without waiting, the findings are already printed.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(report.exit_code)
-    return report.exit_code
+        os._exit(code)
+    return code

@@ -23,6 +23,7 @@ from agent.runtime import logs
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 from agent.runtime.systemd import Notifier, run_watchdog, watchdog_interval
+from collectors._procfs import read_boot_id
 
 log = structlog.get_logger(component="run")
 
@@ -69,7 +70,9 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     loop = asyncio.get_running_loop()
     log.info("starting", config=cfg.source, node=cfg.node_id, state_dir=str(cfg.state_dir))
     store = await asyncio.to_thread(StateStore.open, cfg.state_dir)
-    runtime = Runtime(cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS)
+    runtime = Runtime(
+        cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS, boot_id=_boot_id()
+    )
     notifier = Notifier()
     stop = asyncio.Event()
     reloads: asyncio.Queue[None] = asyncio.Queue()
@@ -114,6 +117,15 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     hung = runtime.calls_outstanding()
     log.info("stopped", seconds=round(time.monotonic() - began, 3), hung_calls=hung)
     return 0, hung
+
+
+def _boot_id() -> str:
+    """This boot's id: the repair ledger drops what a reboot performed. Empty where /proc
+    lacks it (then nothing is taken as done by a reboot)."""
+    try:
+        return read_boot_id(Path("/proc"))
+    except OSError:
+        return ""
 
 
 async def _first_round_or_stop(runtime: Runtime, stop: asyncio.Event) -> bool:

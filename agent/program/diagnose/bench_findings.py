@@ -96,5 +96,6 @@ def judge(result: RunResult) -> Finding:
             Status.from_severity(worst.severity),
             f"{worst.message}; {detail}",
             worst.action,
+            worst.repair_action,
         )
     return Finding(AREA, name, Status.OK, detail)

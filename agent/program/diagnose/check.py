@@ -260,7 +260,10 @@ async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Fi
     if result.error:
         return [Finding("io", name, Status.WARN, result.error, "check the file system behind it")]
     if result.events:
-        return [Finding("io", name, Status.WARN, e.message, e.action) for e in result.events]
+        return [
+            Finding("io", name, Status.WARN, e.message, e.action, e.repair_action)
+            for e in result.events
+        ]
     throughput = result.values(io_probe.THROUGHPUT.name)
     latency = result.values(io_probe.SYNC_LATENCY.name)
     if not throughput:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from agent.contracts.model import Severity
+from agent.contracts.model import RepairAction, Severity
 
 
 class Status(enum.Enum):
@@ -35,6 +35,8 @@ class Finding:
     status: Status
     detail: str
     action: str = ""
+    repair_action: RepairAction = RepairAction.NONE
+    """As data, as on the event the finding comes from (agent/contracts/model.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +45,7 @@ class Finding:
             "status": self.status.value,
             "detail": self.detail,
             "action": self.action,
+            "repair_action": self.repair_action.value,
         }
 
 

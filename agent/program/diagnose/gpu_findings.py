@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from agent.contracts.model import GPU_LABELS, Event, Sample, Severity
+from agent.contracts.model import GPU_LABELS, Event, RepairAction, Sample, Severity
 from agent.program.diagnose.collect_once import CollectorResult
 from agent.program.diagnose.findings import Finding, Status
 from collectors.gpu import metrics as m
@@ -92,7 +92,12 @@ def _from_events(view: GpuView, topic: str, name: str, ok_detail: str) -> Findin
     worst = max(events, key=lambda e: e.severity)
     detail = "; ".join(e.message for e in events)
     return Finding(
-        AREA, f"{view.title} {name}", Status.from_severity(worst.severity), detail, worst.action
+        AREA,
+        f"{view.title} {name}",
+        Status.from_severity(worst.severity),
+        detail,
+        worst.action,
+        worst.repair_action,
     )
 
 
@@ -434,6 +439,7 @@ def classify_gpus(
             Status.from_severity(event.severity),
             event.message,
             event.action,
+            event.repair_action,
         )
         for event in result.events
         if event.severity >= Severity.WARNING
@@ -466,6 +472,7 @@ def gpu_count(
                 Status.FAIL,
                 "NVML answers but sees no GPU",
                 "check lspci for NVIDIA devices and the kernel log for NVRM errors",
+                RepairAction.REBOOT_NODE,
             )
         return Finding(AREA, "GPU count", Status.OK, f"{visible} visible")
     if visible < expected:
@@ -476,6 +483,7 @@ def gpu_count(
             f"{visible} visible, {expected} expected",
             "look for Xid 79 / 'fallen off the bus' in the kernel log and GPUs missing "
             "from lspci; reboot; if still missing, have the hardware inspected",
+            RepairAction.REBOOT_NODE,
         )
     if visible > expected:
         return Finding(

@@ -17,7 +17,12 @@ LEVEL_STATUS = {0: Status.OK, 1: Status.WARN, 2: Status.FAIL}
 def _events(result: CollectorResult, folded: set[str]) -> list[Finding]:
     return [
         Finding(
-            result.name, e.subject or e.kind, Status.from_severity(e.severity), e.message, e.action
+            result.name,
+            e.subject or e.kind,
+            Status.from_severity(e.severity),
+            e.message,
+            e.action,
+            e.repair_action,
         )
         for e in result.events
         if e.severity >= Severity.WARNING and e.kind not in folded
@@ -159,6 +164,7 @@ def classify_processes(result: CollectorResult, observed_seconds: float) -> list
                 Status.WARN,
                 "; ".join(e.message for e in zombie_events),
                 worst.action,
+                worst.repair_action,
             )
         )
     else:

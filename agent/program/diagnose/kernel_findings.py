@@ -207,4 +207,5 @@ def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -
     times = f" ({len(found)} times)" if len(found) > 1 else ""
     label = f"{first.name}: " if first.name else ""
     detail = f"{label}{first.meaning}{times}. First: {format_record(first.record)[:200]}"
-    return Finding(AREA, name, Status.from_severity(worst), detail, first.action)
+    repair = max(found, key=lambda f: f.severity).repair_action
+    return Finding(AREA, name, Status.from_severity(worst), detail, first.action, repair)

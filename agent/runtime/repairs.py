@@ -1,0 +1,128 @@
+"""Which repair actions are required now: raised by events, cleared by events or a reboot.
+
+An event with a required `repair_action` makes it active for (action, source, kind, subject);
+the same again refreshes it (a file system going from low to critical). It is cleared by
+
+- an event of the same source and subject that lists the kind in `clears` (`*`: every kind),
+  the all-clear its collector raises (gpu_recovered, row_remap_pending_cleared, Xid 154 to
+  None, filesystem_space_ok, benchmark_recovered ...);
+- a reboot, for the actions a reboot performs (`RepairAction.cleared_by_reboot`): entries of
+  an earlier boot are dropped when the agent starts.
+
+`restart_application` is never held: the application has already died of it, the node needs
+nothing, and nothing would ever say it was done.
+
+The ledger persists in the state store (namespace `repairs`), so an agent restart neither
+forgets a requirement nor (for Slurm's `resume = "when_cleared"`) takes its end for granted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Final
+
+import structlog
+
+from agent.contracts.collector import KeyValueStore
+from agent.contracts.errors import GpuwardenError
+from agent.contracts.model import CLEARS_ALL, ActiveRepair, Event, RepairAction
+
+log = structlog.get_logger(component="repairs")
+
+NAMESPACE: Final = "repairs"
+NOT_HELD: Final = frozenset({RepairAction.NONE, RepairAction.RESTART_APPLICATION})
+
+
+class RepairLedger:
+    def __init__(self, store: KeyValueStore, boot_id: str = "") -> None:
+        self._store = store
+        self._boot = boot_id
+        self._active: dict[str, ActiveRepair] = {}
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            stored = self._store.items(NAMESPACE)
+        except GpuwardenError as exc:
+            log.warning("repair ledger not read; starting empty", error=str(exc))
+            return
+        for key, value in stored.items():
+            try:
+                if not isinstance(value, dict):
+                    raise ValueError(f"expected an object, got {type(value).__name__}")
+                entry = ActiveRepair.from_dict(value)
+            except (ValueError, GpuwardenError) as exc:
+                log.warning("stored repair unreadable; dropped", key=key, error=str(exc))
+                self._forget([key])
+                continue
+            if self._rebooted_since(entry):
+                log.info(
+                    "repair cleared by the reboot",
+                    action=entry.action.value,
+                    subject=entry.subject,
+                    kind=entry.kind,
+                )
+                self._forget([key])
+                continue
+            self._active[entry.key] = entry
+
+    def _rebooted_since(self, entry: ActiveRepair) -> bool:
+        known = bool(self._boot and entry.boot)
+        return known and entry.boot != self._boot and entry.action.cleared_by_reboot
+
+    def active(self) -> list[ActiveRepair]:
+        return sorted(self._active.values(), key=lambda e: (e.since, e.key))
+
+    def apply(self, event: Event) -> bool:
+        """Take in one event; True when the active set changed."""
+        changed = self._clear(event)
+        if event.repair_action not in NOT_HELD:
+            changed = self._raise(event) or changed
+        return changed
+
+    def _clear(self, event: Event) -> bool:
+        if not event.clears:
+            return False
+        gone = [
+            key
+            for key, entry in self._active.items()
+            if entry.source == event.source
+            and entry.subject == event.subject
+            and (CLEARS_ALL in event.clears or entry.kind in event.clears)
+        ]
+        for key in gone:
+            del self._active[key]
+        self._forget(gone)
+        return bool(gone)
+
+    def _raise(self, event: Event) -> bool:
+        fault = event.attributes.get("fault")
+        entry = ActiveRepair(
+            action=event.repair_action,
+            source=event.source,
+            kind=event.kind,
+            subject=event.subject,
+            severity=event.severity,
+            since=event.time,
+            event_id=event.id,
+            message=event.message,
+            fault=fault if isinstance(fault, str) else "",
+            boot=self._boot,
+        )
+        old = self._active.get(entry.key)
+        if old is not None:  # refreshed: keep when it began, take the latest words
+            entry = dataclasses.replace(entry, since=old.since)
+        self._active[entry.key] = entry
+        try:
+            self._store.put(NAMESPACE, entry.key, entry.to_dict())
+        except GpuwardenError as exc:  # held in memory all the same
+            log.warning("repair not stored", key=entry.key, error=str(exc))
+        return old is None or old.severity != entry.severity
+
+    def _forget(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            try:
+                self._store.delete(NAMESPACE, key)
+            except GpuwardenError as exc:
+                log.warning("cleared repair not removed from the store", key=key, error=str(exc))

@@ -1,0 +1,164 @@
+"""From the Xid catalog's buckets to an event's repair action, and the escalation of an Xid
+that a reset did not cure.
+
+The catalog (collectors/_xid_catalog.json) gives every Xid and SXid one of a fixed set of
+buckets (NVIDIA's resolution buckets in gpuwarden's words); an event carries one of the smaller
+set `RepairAction` (agent/contracts/model.py), which a scheduler or a remediator acts on. Two
+buckets are decided per line: NVLink5 Xids by the driver's Fatal or Nonfatal, Xid 154 by the
+recovery action it names.
+
+Escalation: an Xid whose repair is a reset or a reboot, seen again after two reboots, did not
+go away with them; it becomes `hardware_inspection`. The boots each (GPU, code) was seen in are
+kept in the collector's KeyValueStore, so the count survives the agent's restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import Final
+
+import structlog
+
+from agent.contracts.collector import CollectorDeps, KeyValueStore
+from agent.contracts.model import AttributeValue, Event, RepairAction
+from collectors._xid_catalog import BUCKETS, NVLINK5_BUCKET, RECOVERY_BUCKET, XidInfo, catalog
+
+log = structlog.get_logger(component="repair")
+
+R = RepairAction
+
+BUCKET_REPAIR: Final[Mapping[str, RepairAction]] = {
+    "ignore": R.NONE,
+    "restart_application": R.RESTART_APPLICATION,
+    "restart_vm": R.RESTART_VM,
+    "reset_gpu": R.RESET_GPU,
+    "reboot_node": R.REBOOT_NODE,
+    "reset_fabric": R.RESET_FABRIC,
+    "hardware_inspection": R.HARDWARE_INSPECTION,
+    "check_cooling": R.CHECK_COOLING,
+    "update_software": R.UPDATE_SOFTWARE,
+    # A reset only where UVM or vGPU is in use: a person decides, the node is not drained.
+    "check_uvm": R.INVESTIGATE,
+    "contact_support": R.CONTACT_SUPPORT,
+    # Xid 45 follows other errors (their own events carry the action); alone it is noise.
+    "workflow_xid45": R.NONE,
+    # Uncorrectable ECC: NVIDIA's workflow resets the GPU (row remapping happens on reset).
+    "workflow_xid48": R.RESET_GPU,
+    "workflow_nvlink": R.RESET_GPU,
+    # Decided per line (repair_for): these are the readings without the driver's word.
+    NVLINK5_BUCKET: R.INVESTIGATE,
+    RECOVERY_BUCKET: R.INVESTIGATE,
+    "not_given": R.INVESTIGATE,
+}
+"""Every catalog bucket's repair action (a test holds that it covers `BUCKETS`)."""
+
+RECOVERY_REPAIR: Final[Mapping[str, RepairAction]] = {
+    # the driver's NV2080_CTRL_GPU_RECOVERY_ACTION names, as in the catalog's recovery_actions
+    "none": R.NONE,
+    "gpu reset required": R.RESET_GPU,
+    "node reboot required": R.REBOOT_NODE,
+    "drain p2p": R.DRAIN_P2P,
+    "drain and reset": R.DRAIN_AND_RESET,
+    "recover imex domain": R.RECOVER_IMEX,
+}
+
+RECURRING_REPAIRS: Final = frozenset({R.RESET_GPU, R.DRAIN_AND_RESET, R.REBOOT_NODE})
+"""Repairs a reboot performs: the same Xid after them means the hardware."""
+ESCALATE_AFTER_REBOOTS: Final = 2
+BOOTS_KEPT: Final = 8
+NAMESPACE: Final = "xid_boots"
+
+
+def repair_for(info: XidInfo) -> RepairAction:
+    """The repair action of one Xid or SXid line, as the catalog (and the line) says."""
+    details = dict(info.details)
+    if info.bucket == RECOVERY_BUCKET and "recovery_action" in details:
+        return RECOVERY_REPAIR.get(details["recovery_action"].strip().lower(), R.INVESTIGATE)
+    if info.bucket == NVLINK5_BUCKET and "driver_severity" in details:
+        fatal = not details["driver_severity"].lower().startswith("non")
+        return R.RESET_GPU if fatal else R.INVESTIGATE
+    return BUCKET_REPAIR.get(info.bucket, R.INVESTIGATE)
+
+
+def clears_for(info: XidInfo) -> tuple[str, ...]:
+    """Xid 154 moving to `None`: the GPU needs no recovery any more, whatever its Xids said."""
+    details = dict(info.details)
+    if info.bucket == RECOVERY_BUCKET and details.get("recovery_action", "").lower() == "none":
+        return ("*",)
+    return ()
+
+
+def check_mapping() -> None:
+    """Every bucket and every recovery action of the catalog has a repair action."""
+    missing = [b for b in BUCKETS if b not in BUCKET_REPAIR]
+    missing += [
+        a.name for a in catalog().recovery_actions.values() if a.name.lower() not in RECOVERY_REPAIR
+    ]
+    if missing:
+        raise LookupError(f"no repair action for catalog entries: {', '.join(missing)}")
+
+
+class XidRecurrence:
+    """Per (GPU, code): the boots an Xid with a reset/reboot repair was seen in; from the
+    third boot on (seen again after two reboots) its events say `hardware_inspection`.
+
+    Shared by the collectors that drain the Xid correlator (one per process). Thread-safe."""
+
+    def __init__(self, store: KeyValueStore, boot_id: Callable[[], str]) -> None:
+        self._store = store
+        self._read_boot_id = boot_id
+        self._boot: str | None = None
+        self._lock = threading.Lock()
+
+    def _current_boot(self) -> str | None:
+        if self._boot is None:
+            try:
+                self._boot = self._read_boot_id()
+            except Exception as exc:  # no boot id: no escalation, but the event still goes out
+                log.warning("boot id unreadable; Xid recurrence not tracked", error=str(exc))
+                return None
+        return self._boot
+
+    def escalate(self, event: Event) -> Event:
+        if event.kind != "xid" or event.repair_action not in RECURRING_REPAIRS:
+            return event
+        boot = self._current_boot()
+        code = event.attributes.get("xid")
+        if boot is None or code is None:
+            return event
+        key = f"{event.subject}:{code}"
+        with self._lock:
+            try:
+                boots = self._seen(key, boot)
+            except Exception as exc:  # the store failing must not lose the event
+                log.warning("Xid recurrence not stored", key=key, error=str(exc))
+                return event
+        reboots = len(boots) - 1
+        attributes: dict[str, AttributeValue] = {**event.attributes, "boots_seen": len(boots)}
+        if reboots < ESCALATE_AFTER_REBOOTS:
+            return dataclasses.replace(event, attributes=attributes)
+        attributes["escalated_from"] = event.repair_action.value
+        return dataclasses.replace(
+            event,
+            repair_action=R.HARDWARE_INSPECTION,
+            action=f"Xid {code} came back after {reboots} reboots, which should have cleared "
+            f"it ({event.repair_action.value}): take the GPU out of service and have its "
+            f"hardware inspected (NVIDIA: CHECK_MECHANICALS, then contact support); "
+            f"then: {event.action}",
+            attributes=attributes,
+        )
+
+    def _seen(self, key: str, boot: str) -> list[str]:
+        raw = self._store.get(NAMESPACE, key)
+        boots = [b for b in raw if isinstance(b, str)] if isinstance(raw, list) else []
+        if boot not in boots:
+            boots = [*boots, boot][-BOOTS_KEPT:]
+            self._store.put(NAMESPACE, key, list(boots))
+        return boots
+
+
+def shared_recurrence(deps: CollectorDeps, boot_id: Callable[[], str]) -> XidRecurrence:
+    """The process's one XidRecurrence (the collectors that drain Xids share it)."""
+    return deps.shared.get(XidRecurrence, lambda: XidRecurrence(deps.state, boot_id))
