@@ -353,8 +353,8 @@ async def health_check(settings: SlurmSettings, reason: str | None) -> str:
     if reason is not None:
         if state.drained and not state.reason.startswith(REASON_PREFIX):
             return f"already drained by someone else ({state.reason}); not touched"
-        if state.drained and state.reason == reason:
-            return "already drained for this"
+        if state.drained:  # by gpuwarden (the daemon or an earlier check): leave its reason
+            return f"already drained ({state.reason})"
         done = await process.run(
             [settings.scontrol, "update", f"nodename={node}", "state=drain", f"reason={reason}"],
             settings.timeout,

@@ -44,10 +44,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 @pytest.fixture
 def node(slurm: SlurmCluster) -> Iterator[SlurmCluster]:
-    slurm.health_flag.unlink(missing_ok=True)
+    slurm.stop_health_checks()
     slurm.resume()
     yield slurm
-    slurm.health_flag.unlink(missing_ok=True)
+    slurm.stop_health_checks()
     slurm.resume()
 
 
@@ -65,7 +65,9 @@ class KernelLog:
             handle.write(f"4,{self.seq},{self.seq * 1000},-;{message}\n")
 
 
-def start_agent(tmp_path: Path, slurm: SlurmCluster, resume: str) -> tuple[AgentProcess, KernelLog]:
+def start_agent(
+    tmp_path: Path, slurm: SlurmCluster, resume: str, scontrol: Path | None = None
+) -> tuple[AgentProcess, KernelLog]:
     log = KernelLog(tmp_path / "kern.log")
     boot = tmp_path / "boot_id"
     boot.write_text("11111111-2222-3333-4444-555555555555\n")
@@ -79,7 +81,8 @@ def start_agent(tmp_path: Path, slurm: SlurmCluster, resume: str) -> tuple[Agent
         + f'[collectors.kernel_log]\npath = "{log.path}"\nboot_id_path = "{boot}"\n'
         + "interval = 0.2\n"
         + f'[actions.slurm]\nenabled = true\nnode_name = "{slurm.node}"\n'
-        + f'scontrol = "{slurm.scontrol}"\nresume = "{resume}"\nretry_initial = 0.2\n',
+        + f'scontrol = "{scontrol or slurm.scontrol}"\nresume = "{resume}"\n'
+        + "retry_initial = 0.2\nretry_max = 0.5\n",
     )
     return agent.start(), log
 
@@ -199,3 +202,33 @@ def test_check_slurm_prints_one_line_and_exits_as_check(node: SlurmCluster, tmp_
     assert done.returncode in (0, 1), done.stdout + done.stderr
     assert "resumed" in done.stdout
     wait_until(lambda: not node.drained(), 20, "the node to be resumed")
+
+
+def test_a_failing_scontrol_is_retried_and_reported_once(
+    node: SlurmCluster, tmp_path: Path
+) -> None:
+    # The controller cannot be reached for the first three runs (as when slurmctld restarts).
+    calls = tmp_path / "calls"
+    flaky = tmp_path / "scontrol"
+    flaky.write_text(
+        "#!/bin/sh\n"
+        f'echo x >> "{calls}"\n'
+        f'if [ "$(wc -l < "{calls}")" -le 3 ]; then\n'
+        '  echo "slurm_load_node error: Unable to contact slurm controller" >&2; exit 1\n'
+        "fi\n"
+        f'exec "{node.scontrol}" "$@"\n'
+    )
+    flaky.chmod(0o755)
+    agent, log = start_agent(tmp_path, node, resume="never", scontrol=flaky)
+    try:
+        log.append(XID79)
+        assert "Xid 79" in wait_drained(node)
+        failed = metric(
+            agent, r'^gpuwarden_slurm_operations_total\{operation="show",outcome="failed"'
+        )
+        assert failed and float(failed[0].rsplit(" ", 1)[1]) == 3
+        reported = metric(agent, r'^gpuwarden_events_total\{.*kind="slurm_action_failed"')
+        assert len(reported) == 1
+        assert reported[0].endswith(" 1.0") or reported[0].endswith(" 1")
+    finally:
+        agent.stop()

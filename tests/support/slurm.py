@@ -86,6 +86,22 @@ class SlurmCluster:
     def drain(self, reason: str) -> None:
         self.run("scontrol", "update", f"nodename={self.node}", "state=drain", f"reason={reason}")
 
+    def health_checks_running(self) -> bool:
+        """A `gpuwarden check` that slurmd started for this cluster is still running."""
+        marker = str(self.health_config).encode()
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                continue
+        return False
+
+    def stop_health_checks(self) -> None:
+        """No new health check acts, and none started before is still running."""
+        self.health_flag.unlink(missing_ok=True)
+        wait_until(lambda: not self.health_checks_running(), 60, "health checks to end")
+
     def resume(self) -> None:
         if self.drained():
             self.run("scontrol", "update", f"nodename={self.node}", "state=resume")
@@ -121,7 +137,7 @@ class SlurmCluster:
     def _idle(self) -> bool:
         for proc in self.processes:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{self.logs()}")
+                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}:\n{self.logs()}")
         try:
             return self.state().lower().startswith("idle")
         except (RuntimeError, subprocess.TimeoutExpired):

@@ -1,0 +1,186 @@
+"""The repair ledger (which actions are required now) and the escalation of an Xid that two
+reboots did not cure, on the real state store and the real kernel_log collector."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.contracts.collector import MemoryKeyValueStore
+from agent.contracts.model import Event, RepairAction, Severity
+from agent.program import config_file as config
+from agent.program import registry
+from agent.runtime.core import Runtime
+from agent.runtime.repairs import RepairLedger
+from agent.runtime.state import StateStore
+from collectors._repair import XidRecurrence
+from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
+from tests.test_kmsg_collector import Harness
+
+R = RepairAction
+
+
+def ev(
+    kind: str,
+    repair: RepairAction = R.NONE,
+    *,
+    subject: str = "GPU-1",
+    clears: tuple[str, ...] = (),
+    source: str = "gpu",
+    severity: Severity = Severity.CRITICAL,
+    **attributes: str | int,
+) -> Event:
+    return Event(
+        source,
+        kind,
+        severity,
+        f"{kind} on {subject}",
+        subject=subject,
+        repair_action=repair,
+        clears=clears,
+        attributes=attributes,
+    )
+
+
+def active(ledger: RepairLedger) -> set[tuple[str, str, str]]:
+    return {(r.action.value, r.kind, r.subject) for r in ledger.active()}
+
+
+class TestLedger:
+    def test_raised_until_its_all_clear_on_the_same_subject(self) -> None:
+        ledger = RepairLedger(MemoryKeyValueStore(), "boot-a")
+        assert ledger.apply(ev("gpu_lost", R.REBOOT_NODE))
+        assert ledger.apply(ev("gpu_lost", R.REBOOT_NODE, subject="GPU-2"))
+        assert not ledger.apply(ev("gpu_recovered", clears=("gpu_lost",), subject="GPU-3"))
+        assert not ledger.apply(ev("gpu_recovered", clears=("gpu_lost",), source="disk"))
+        assert ledger.apply(ev("gpu_recovered", clears=("gpu_lost",)))
+        assert active(ledger) == {("reboot_node", "gpu_lost", "GPU-2")}
+
+    def test_every_kind_of_the_subject_clears_with_a_star(self) -> None:
+        ledger = RepairLedger(MemoryKeyValueStore(), "boot-a")
+        ledger.apply(ev("xid", R.REBOOT_NODE, xid=79))
+        ledger.apply(ev("xid", R.RESET_GPU, xid=48))
+        ledger.apply(ev("row_remap_failure", R.HARDWARE_INSPECTION))
+        ledger.apply(ev("xid", R.RESET_GPU, subject="GPU-2"))
+        ledger.apply(ev("xid", clears=("*",)))
+        assert active(ledger) == {("reset_gpu", "xid", "GPU-2")}
+
+    def test_an_application_fault_and_no_action_are_never_held(self) -> None:
+        ledger = RepairLedger(MemoryKeyValueStore(), "boot-a")
+        assert not ledger.apply(ev("xid", R.RESTART_APPLICATION, fault="application"))
+        assert not ledger.apply(ev("xid", R.NONE))
+        assert ledger.active() == []
+
+    def test_a_restart_keeps_it_and_a_reboot_clears_what_it_performs(self, tmp_path: Path) -> None:
+        store = StateStore.open(tmp_path / "state")
+        ledger = RepairLedger(store, "boot-a")
+        ledger.apply(ev("gpu_lost", R.REBOOT_NODE))
+        ledger.apply(ev("xid", R.RESET_GPU, subject="GPU-2"))
+        ledger.apply(ev("row_remap_failure", R.HARDWARE_INSPECTION))
+        ledger.apply(ev("filesystem_space_low", R.CHECK_STORAGE, subject="/data", source="disk"))
+        store.close()
+        store = StateStore.open(tmp_path / "state")
+        assert len(RepairLedger(store, "boot-a").active()) == 4  # the agent restarted
+        after_reboot = RepairLedger(store, "boot-b")
+        assert {a for a, _, _ in active(after_reboot)} == {"hardware_inspection", "check_storage"}
+        store.close()
+
+    def test_a_worse_repeat_refreshes_it_keeping_when_it_began(self) -> None:
+        ledger = RepairLedger(MemoryKeyValueStore(), "boot-a")
+        first = ev("filesystem_space_low", R.CHECK_STORAGE, severity=Severity.WARNING)
+        ledger.apply(first)
+        worse = dataclasses.replace(
+            ev("filesystem_space_low", R.CHECK_STORAGE), time=first.time + 60
+        )
+        assert ledger.apply(worse)
+        (entry,) = ledger.active()
+        assert entry.severity is Severity.CRITICAL
+        assert entry.since == first.time
+
+
+async def test_metrics_show_one_series_per_required_action_and_subject() -> None:
+    cfg = dataclasses.replace(config.parse({"prometheus": {"enabled": False}}), collectors={})
+    rt = Runtime(cfg, StateStore.in_memory(), collectors={}, sinks=registry.SINKS)
+    await rt.start()
+    try:
+
+        def series() -> dict[tuple[str, ...], float]:
+            return {
+                s.label_values: s.value
+                for s in rt.samples()
+                if s.family.name == "gpuwarden_repair_required"
+            }
+
+        rt.emit(ev("xid", R.REBOOT_NODE, xid=79))
+        rt.emit(ev("gpu_lost", R.REBOOT_NODE))  # the same action of the same GPU: one series
+        rt.emit(ev("row_remap_failure", R.HARDWARE_INSPECTION, subject="GPU-2"))
+        rt.flush_events()
+        assert series() == {("reboot_node", "GPU-1"): 1, ("hardware_inspection", "GPU-2"): 1}
+        rt.emit(ev("xid", clears=("*",)))
+        rt.flush_events()
+        assert series() == {("hardware_inspection", "GPU-2"): 1}
+    finally:
+        await rt.stop()
+
+
+class TestEscalation:
+    def test_a_reset_xid_back_after_two_reboots_needs_inspection(self) -> None:
+        store = MemoryKeyValueStore()
+        repairs = []
+        for boot in ("boot-a", "boot-b", "boot-c", "boot-c"):
+            recurrence = XidRecurrence(store, functools.partial(str, boot))  # one per agent start
+            escalated = recurrence.escalate(ev("xid", R.RESET_GPU, xid=48))
+            repairs.append(escalated.repair_action)
+        assert repairs == [R.RESET_GPU, R.RESET_GPU, R.HARDWARE_INSPECTION, R.HARDWARE_INSPECTION]
+
+    def test_other_gpus_codes_and_repairs_count_apart(self) -> None:
+        store = MemoryKeyValueStore()
+        for boot in ("boot-a", "boot-b", "boot-c"):
+            recurrence = XidRecurrence(store, functools.partial(str, boot))
+            app = recurrence.escalate(ev("xid", R.RESTART_APPLICATION, xid=31))
+            other = recurrence.escalate(ev("xid", R.RESET_GPU, subject=f"GPU-{boot}", xid=48))
+        assert app.repair_action is R.RESTART_APPLICATION
+        assert other.repair_action is R.RESET_GPU
+
+    def test_no_boot_id_no_escalation_and_no_loss(self) -> None:
+        def broken() -> str:
+            raise OSError("no /proc")
+
+        event = ev("xid", R.RESET_GPU, xid=48)
+        assert XidRecurrence(MemoryKeyValueStore(), broken).escalate(event) == event
+
+
+@pytest.fixture
+def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    yield pool
+    pool.shutdown(wait=True)
+
+
+async def test_the_kernel_log_collector_escalates_across_boots(
+    tmp_path: Path, executor: concurrent.futures.Executor
+) -> None:
+    """Xid 79 in three boots, the agent restarted each time on the same state store."""
+
+    def device() -> FakeKmsg:
+        kmsg = FakeKmsg.with_records(capture_records())
+        kmsg.write("NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.")
+        return kmsg
+
+    h = Harness(tmp_path, device(), executor)
+    seen = []
+    for boot in ("boot-a", "boot-b", "boot-c"):
+        write_boot_id(h.boot_id, boot)
+        h.device = device()
+        await h.restart()
+        events, _ = await h.collect()
+        (xid,) = [e for e in events if e.kind == "xid"]
+        seen.append((xid.repair_action, xid.attributes["boots_seen"]))
+    await h.collector.close()
+    h.store.close()
+    assert seen == [(R.REBOOT_NODE, 1), (R.REBOOT_NODE, 2), (R.HARDWARE_INSPECTION, 3)]
