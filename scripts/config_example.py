@@ -64,7 +64,7 @@ def table_lines(obj: Any, skip: frozenset[str] = frozenset()) -> list[str]:
             continue
         value = getattr(obj, spec.name)
         if dataclasses.is_dataclass(hints[spec.name]):
-            continue  # nested tables are rare; none today
+            continue  # a nested table follows its parent (section_lines)
         help_text = str(spec.metadata.get("help", "")).strip()
         if help_text:
             lines.append(f"# {help_text}")
@@ -75,6 +75,17 @@ def table_lines(obj: Any, skip: frozenset[str] = frozenset()) -> list[str]:
             else f"#{spec.name} = ...   # unset by default"
         )
     return lines
+
+
+def section_lines(name: str, obj: Any) -> list[str]:
+    """[name] and its keys, then each nested settings table ([actions.slurm]) after it."""
+    lines = table_lines(obj)
+    out = ["", f"[{name}]", *lines] if lines else []
+    for spec in dataclasses.fields(obj):
+        value = getattr(obj, spec.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out += section_lines(f"{name}.{spec.name}", value)
+    return out
 
 
 def render() -> str:
@@ -95,7 +106,7 @@ def render() -> str:
         for line in core
     ]
     for name in sorted(defaults.sections):
-        out += ["", f"[{name}]", *table_lines(defaults.sections[name])]
+        out += section_lines(name, defaults.sections[name])
     for name in sorted(defaults.collectors):
         out += ["", f"[collectors.{name}]", *table_lines(defaults.collectors[name])]
     return "\n".join(out) + "\n"
