@@ -125,9 +125,9 @@ class SlurmAction:
         self._retry_delay = 0.0
         self._failing = False
         self._foreign_reason = ""
-        stored = context.store.get(STATE_NAMESPACE, self.node)
-        self.ours: dict[str, object] | None = stored if isinstance(stored, dict) else None
-        """What gpuwarden drained the node with: its reason and the findings (ledger keys)."""
+        self.ours: dict[str, object] | None = None
+        """What gpuwarden drained the node with: its reason and the findings (ledger keys);
+        read from the state store when run() starts (off the loop)."""
 
     # -- events ------------------------------------------------------------------------------
 
@@ -139,6 +139,10 @@ class SlurmAction:
         return [r for r in self.context.repairs() if qualifies(r, self.settings)]
 
     async def run(self) -> None:
+        stored = await self.context.in_store_thread(
+            self.context.state.get, STATE_NAMESPACE, self.node
+        )
+        self.ours = stored if isinstance(stored, dict) else None
         self._wake.set()  # findings raised before a restart are still active: look at once
         while True:
             timeout = self._retry_delay if self._failing else None
@@ -263,9 +267,9 @@ class SlurmAction:
         self.ours = value
         try:
             if value is None:
-                self.context.store.delete(STATE_NAMESPACE, self.node)
+                self.context.state.delete(STATE_NAMESPACE, self.node)
             else:
-                self.context.store.put(STATE_NAMESPACE, self.node, value)
+                self.context.state.put(STATE_NAMESPACE, self.node, value)
         except Exception as exc:  # held in memory; a restart may then drain once more
             log.warning("Slurm drain state not stored", error=str(exc))
 

@@ -13,6 +13,7 @@ is most of the agent's figure.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -41,10 +42,8 @@ def agent_runs(slurm: SlurmCluster, work: Path, runs: int) -> tuple[list[float],
         (work / f"agent{n}").mkdir()
         agent, log = start_agent(work / f"agent{n}", slurm, resume="when_cleared")
         try:
-            drains.append(timed(lambda log=log: log.append(XID79), slurm.drained))
-            resumes.append(
-                timed(lambda log=log: log.append(RECOVERED), lambda: not slurm.drained())
-            )
+            drains.append(timed(functools.partial(log.append, XID79), slurm.drained))
+            resumes.append(timed(functools.partial(log.append, RECOVERED), slurm.undrained))
         finally:
             agent.stop()
     return drains, resumes

@@ -111,6 +111,23 @@ class XidRecurrence:
         self._read_boot_id = boot_id
         self._boot: str | None = None
         self._lock = threading.Lock()
+        self._seen_in: dict[str, list[str]] = {}
+        self.loaded = False
+        """The stored boots are in memory (`load`): `escalate` then only writes, and a
+        write to a collector's state is held in memory until the runtime stores it."""
+
+    def load(self) -> None:
+        """Read every stored (GPU, code) once (blocking: the state store). Thread-safe."""
+        try:
+            stored = self._store.items(NAMESPACE)
+        except Exception as exc:  # escalate reads per key instead
+            log.warning("Xid recurrence not read", error=str(exc))
+            return
+        with self._lock:
+            for key, raw in stored.items():
+                if isinstance(raw, list):
+                    self._seen_in.setdefault(key, [b for b in raw if isinstance(b, str)])
+            self.loaded = True
 
     def _current_boot(self) -> str | None:
         if self._boot is None:
@@ -151,11 +168,15 @@ class XidRecurrence:
         )
 
     def _seen(self, key: str, boot: str) -> list[str]:
-        raw = self._store.get(NAMESPACE, key)
-        boots = [b for b in raw if isinstance(b, str)] if isinstance(raw, list) else []
+        boots = self._seen_in.get(key)
+        if boots is None and not self.loaded:
+            raw = self._store.get(NAMESPACE, key)
+            boots = [b for b in raw if isinstance(b, str)] if isinstance(raw, list) else []
+        boots = boots or []
         if boot not in boots:
             boots = [*boots, boot][-BOOTS_KEPT:]
             self._store.put(NAMESPACE, key, list(boots))
+        self._seen_in[key] = boots
         return boots
 
 

@@ -3,9 +3,11 @@ reboots did not cure, on the real state store and the real kernel_log collector.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +186,42 @@ async def test_the_kernel_log_collector_escalates_across_boots(
     await h.collector.close()
     h.store.close()
     assert seen == [(R.REBOOT_NODE, 1), (R.REBOOT_NODE, 2), (R.HARDWARE_INSPECTION, 3)]
+
+
+async def test_the_ledger_writes_no_statement_on_the_loop(tmp_path: Path) -> None:
+    """Requirements raised and cleared while the agent runs: the ledger's writes go through
+    the store writer's thread, none runs on the event loop."""
+    cfg = dataclasses.replace(config.parse({"prometheus": {"enabled": False}}), collectors={})
+    store = StateStore.open(tmp_path / "state")
+    rt = Runtime(cfg, store, collectors={}, sinks=registry.SINKS, boot_id="boot-a")
+    await rt.start()
+    loop_thread = threading.get_ident()
+    on_loop: list[str] = []
+
+    def trace(sql: str) -> None:
+        if threading.get_ident() == loop_thread:
+            on_loop.append(sql)
+
+    try:
+        with store._lock:
+            store._conn.set_trace_callback(trace)
+        for n in range(5):
+            rt.emit(ev("gpu_lost", R.REBOOT_NODE, subject=f"GPU-{n}"))
+            rt.emit(ev("gpu_recovered", clears=("gpu_lost",), subject=f"GPU-{n}"))
+            rt.emit(ev("row_remap_failure", R.HARDWARE_INSPECTION, subject=f"GPU-{n}"))
+            await asyncio.sleep(0.05)
+        for _ in range(200):  # read from a thread: the test must not run SQL on the loop
+            if len(await asyncio.to_thread(store.items, "repairs")) == 5:
+                break
+            await asyncio.sleep(0.05)
+        assert on_loop == []
+    finally:
+        with store._lock:
+            store._conn.set_trace_callback(None)
+        await rt.stop()
+        store.close()
+    reopened = StateStore.open(tmp_path / "state")
+    assert {r.subject for r in RepairLedger(reopened, "boot-a").active()} == {
+        f"GPU-{n}" for n in range(5)
+    }
+    reopened.close()

@@ -184,7 +184,6 @@ class Runtime:
         self.outbox_enabled = False
         """Events are queued in the outbox too: a durable sink asked for it (enable_outbox)."""
         self.first_round = asyncio.Event()
-        self.repair_ledger = RepairLedger(store, boot_id)
         self.metrics = RuntimeMetrics(self)
         self._listeners: list[EventListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -192,6 +191,9 @@ class Runtime:
         self._pending_events: list[Event] = []
         self.guard = StoreGuard(store, config.state_dir)
         """What waits to be written, and the policy for a store that cannot write."""
+        self.repair_ledger = RepairLedger(self.guard, boot_id)
+        """The repair actions required now (read before the loop runs; writes are held by the
+        guard and stored by the store writer, never on the loop)."""
         self._store_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="gpuwarden-state"
         )

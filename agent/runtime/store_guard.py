@@ -30,7 +30,7 @@ import structlog
 
 from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
-from agent.contracts.model import Event, Severity
+from agent.contracts.model import Event, RepairAction, Severity
 from agent.runtime.state import KvChanges, StateStore
 
 log = structlog.get_logger(component="state")
@@ -211,6 +211,7 @@ class StoreGuard:
             source="state",
             kind="state_store_write_failing",
             severity=Severity.CRITICAL,
+            repair_action=RepairAction.NONE,  # the agent's own health, not a repair
             subject=str(self.state_dir),
             message=f"the state store cannot write ({error}); events and state are kept in "
             f"memory (up to {self.max_events} events) and written once it can",
@@ -223,6 +224,7 @@ class StoreGuard:
             source="state",
             kind="state_store_write_recovered",
             severity=Severity.INFO,
+            repair_action=RepairAction.NONE,  # the agent's own health, not a repair
             subject=str(self.state_dir),
             message=f"the state store writes again after {seconds:.0f} s; what waited in "
             "memory is stored",
@@ -234,6 +236,7 @@ class StoreGuard:
             source="state",
             kind="events_dropped",
             severity=Severity.CRITICAL,
+            repair_action=RepairAction.NONE,  # the agent's own health, not a repair
             subject=str(self.state_dir),
             message=f"{count} events were dropped undelivered: the state store could not "
             f"write and more than {self.max_events} waited in memory (they are in the "

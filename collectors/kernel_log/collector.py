@@ -210,6 +210,8 @@ class KernelLogCollector:
         batch = await ctx.call("kernel_log:read", reader.read)
         self._more = batch.more
         self._prune_holdoff(ctx.now)
+        if not self.recurrence.loaded:  # its boots in memory: escalation reads no SQL here
+            await ctx.call("kernel_log:xid_boots", self.recurrence.load)
         events = self._process(batch, reader)
         # Every finding of the batch is in `events`, none waits in memory: the runtime stores
         # them with (never after) this cursor, so no death of the process between here and

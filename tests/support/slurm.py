@@ -83,6 +83,9 @@ class SlurmCluster:
     def drained(self) -> bool:
         return "drain" in self.state().lower()
 
+    def undrained(self) -> bool:
+        return not self.drained()
+
     def drain(self, reason: str) -> None:
         self.run("scontrol", "update", f"nodename={self.node}", "state=drain", f"reason={reason}")
 
