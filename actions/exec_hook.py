@@ -93,6 +93,7 @@ class ExecHook:
     def _record(self, event: Event, outcome: process.Outcome) -> None:
         if outcome.ok:
             self.outcomes["ok"] += 1
+            self.context.record_delivery("actions")
             if self._failing:
                 log.info("exec hook succeeds again")
             self._failing = False
@@ -101,6 +102,7 @@ class ExecHook:
         self.outcomes[reason] += 1
         why = outcome.describe()
         log.warning("exec hook failed", error=why, event_id=event.id, kind=event.kind)
+        self.context.record_failure("actions", f"exec hook: {why}")
         if self._failing:
             return
         self._failing = True

@@ -170,6 +170,8 @@ class SlurmAction:
         outcome = await process.run([self.settings.scontrol, *args], self.settings.timeout)
         key = (operation, "ok" if outcome.ok else "failed")
         self.counts[key] = self.counts.get(key, 0) + 1
+        if outcome.ok:  # the ledger's "actions" entry: up, and when it last worked
+            self.context.record_delivery("actions")
         return outcome
 
     async def _show(self) -> NodeState | None:

@@ -223,9 +223,19 @@ class SlurmCluster:
 
 
 def cluster(root: Path) -> Iterator[SlurmCluster]:
-    slurm = SlurmCluster(root)
+    """A started cluster. A start that fails (a daemon that exits at once: a port that a
+    free_port() answer lost to another process meanwhile) is tried once more on new ports."""
+    slurm = SlurmCluster(root / "1")
     try:
-        slurm.start()
+        try:
+            slurm.start()
+        except RuntimeError as first:
+            slurm.stop()
+            slurm = SlurmCluster(root / "2")
+            try:
+                slurm.start()
+            except RuntimeError as second:
+                raise RuntimeError(f"{second}\n(first attempt: {first})") from None
         yield slurm
     finally:
         slurm.stop()
