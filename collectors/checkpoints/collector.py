@@ -22,7 +22,15 @@ from agent.contracts.collector import (
     KeyValueStore,
 )
 from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
-from agent.contracts.model import Collection, Event, MetricFamily, MetricType, Sample, Severity
+from agent.contracts.model import (
+    Collection,
+    Event,
+    MetricFamily,
+    MetricType,
+    RepairAction,
+    Sample,
+    Severity,
+)
 from collectors.checkpoints.detect import Observed, scan_location
 from collectors.checkpoints.judge import STATUSES, Judge, JudgeSettings, RoundOutcome, Verdict
 from collectors.checkpoints.offnode import Comparison, OffnodeCopy, make_copy
@@ -455,6 +463,8 @@ def _event(
         source=SOURCE,
         kind=kind,
         severity=severity,
+        # A checkpoint is the job's: what to do is in `action`, the node needs nothing.
+        repair_action=RepairAction.NONE,
         subject=location,
         message=message,
         action=action,

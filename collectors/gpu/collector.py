@@ -538,6 +538,8 @@ class GpuCollector:
                     source=SOURCE,
                     kind="gpu_not_enumerated_cleared",
                     severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    clears=("gpu_not_enumerated",),
                     subject=address,
                     attributes={"pci_bus_id": address},
                     message=f"the GPU at {address} is visible to NVML again",
@@ -782,6 +784,7 @@ def _not_enumerated_event(function: Any, on_bus: int, visible: int) -> Event:
         source=SOURCE,
         kind="gpu_not_enumerated",
         severity=Severity.CRITICAL,
+        repair_action=RepairAction.REBOOT_NODE,  # a GPU missing from NVML
         subject=function.address,
         attributes={
             "pci_bus_id": function.address,
