@@ -101,3 +101,55 @@ def test_old_payloads_without_repair_action_still_read() -> None:
     old = {k: v for k, v in data.items() if k not in ("repair_action", "clears")}
     assert Event.from_dict(old).repair_action is RepairAction.NONE
     assert Event.from_dict(old).clears == ()
+
+
+def test_every_host_kind_of_the_kernel_log_has_a_repair() -> None:
+    from collectors.kernel_log import host
+
+    per_record = {"machine_check", "hardware_error"}  # decided by the record's severity
+    assert set(host.HOST_KINDS) == set(host.HOST_REPAIR) | per_record
+    assert host._hardware_repair(Severity.CRITICAL) is RepairAction.HARDWARE_INSPECTION
+    assert host._hardware_repair(Severity.WARNING) is RepairAction.INVESTIGATE
+
+
+def test_scan_json_names_the_repair_of_each_finding(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    log = tmp_path / "kern.log"
+    log.write_text(
+        "4,1,1,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.\n"
+        "4,2,2,-;NVRM: Xid (PCI:0000:86:00): 31, pid=4411, name=train.py, Ch 00000008, "
+        "MMU Fault\n"
+        "3,3,3,-;I/O error, dev sdb, sector 2048 op 0x1:(WRITE) flags 0x800 phys_seg 1 prio "
+        "class 2\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "agent", "scan", "--json", str(log)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    found = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(f["kind"], f["repair_action"]) for f in found] == [
+        ("xid", "reboot_node"),
+        ("xid", "restart_application"),
+        ("io_error", "check_storage"),
+    ]
+
+
+async def test_check_json_names_the_repair_of_each_finding(tmp_path: Path) -> None:
+    from agent.program.diagnose.check import CheckOptions, run_check
+    from tests.support.diag import load, make_proc_tree, write_config
+
+    saved = ROOT / "tests" / "fixtures" / "kernel_log" / "kmsg.txt"
+    extra = f'[collectors.kernel_log]\npath = "{saved}"\n'
+    cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc"), extra=extra))
+    report = await run_check(cfg, CheckOptions(torch=False, expect_gpus=0, process_gap=0.05))
+    findings = report.to_dict()["findings"]
+    assert all("repair_action" in f for f in findings)
+    xid79 = [f for f in findings if f["area"] == "kernel" and f["name"].startswith("Xid 79")]
+    assert [f["repair_action"] for f in xid79] == ["reboot_node"]
