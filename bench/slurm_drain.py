@@ -4,8 +4,7 @@ HealthCheckProgram (HealthCheckInterval=2 here; 300 s is common in production, a
 wait adds to it), and from the all-clear (Xid 154 to None) to the resume.
 
 A real one-node Slurm (munged, slurmctld, slurmd on free loopback ports, tests/support/slurm.py)
-and a real agent process; the Xid correlator waits 5 s for NVML's twin of a kernel-log Xid, which
-is most of the agent's figure.
+and a real agent process (an Xid is an event at first sight, the reader woken by the append).
 
     python bench/slurm_drain.py [--runs 3]
 """
