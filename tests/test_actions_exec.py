@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from actions.sink import ActionsSink
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import Event, Severity
 from agent.program import config_file as config
 from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
+from exporters.actions.sink import ActionsSink
 from tests.support.waiting import until
 
 

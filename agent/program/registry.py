@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from actions import sink as actions
 from agent.contracts.collector import CollectorSpec
 from agent.contracts.config import TOP_LEVEL_TABLES
 from agent.contracts.heartbeat import HeartbeatSettings
@@ -25,6 +24,7 @@ from collectors.disk import collector as disk
 from collectors.gpu import collector as gpu
 from collectors.kernel_log import collector as kernel_log
 from exporters import mqtt, prometheus
+from exporters.actions import sink as actions
 
 COLLECTORS: Final[Mapping[str, CollectorSpec[Any]]] = {
     spec.name: spec

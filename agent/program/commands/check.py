@@ -17,13 +17,13 @@ import textwrap
 from pathlib import Path
 from typing import TextIO
 
-from actions.settings import ActionsSettings
-from actions.slurm import check_reason, health_check
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program.diagnose.check import CheckOptions, CheckReport, run_check
 from agent.program.diagnose.findings import Status
 from agent.program.diagnose.kernel_findings import xid_catalog_line
+from exporters.actions.settings import ActionsSettings
+from exporters.actions.slurm import check_reason, health_check
 
 COLOURS = {
     Status.OK: "32",

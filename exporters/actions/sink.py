@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 
-from actions.exec_hook import ExecHook
-from actions.settings import ActionsSettings
-from actions.slurm import SlurmAction
 from agent.contracts.model import MetricFamily, Sample
 from agent.contracts.sink import SinkContext, SinkSpec
+from exporters.actions.exec_hook import ExecHook
+from exporters.actions.settings import ActionsSettings
+from exporters.actions.slurm import SlurmAction
 
 
 class ActionsSink:

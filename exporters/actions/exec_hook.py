@@ -18,10 +18,10 @@ from typing import Final
 
 import structlog
 
-from actions import process
-from actions.settings import ExecSettings
 from agent.contracts.model import Event, MetricFamily, MetricType, RepairAction, Sample, Severity
 from agent.contracts.sink import SinkContext
+from exporters.actions import process
+from exporters.actions.settings import ExecSettings
 
 log = structlog.get_logger(component="exec_hook")
 

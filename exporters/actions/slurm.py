@@ -27,8 +27,6 @@ from typing import Final
 
 import structlog
 
-from actions import process
-from actions.settings import SlurmSettings
 from agent.contracts.model import (
     ActiveRepair,
     Event,
@@ -39,6 +37,8 @@ from agent.contracts.model import (
     Severity,
 )
 from agent.contracts.sink import SinkContext
+from exporters.actions import process
+from exporters.actions.settings import SlurmSettings
 
 log = structlog.get_logger(component="slurm")
 
