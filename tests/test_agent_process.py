@@ -16,7 +16,15 @@ class TestAgentProcess:
         assert status == 200
         assert 'gpuwarden_collector_success{collector="system"} 1.0' in body
         assert "gpuwarden_build_info{" in body
-        status, text = http_get(agent_process.metrics_url.replace("/metrics", "/healthz"))
+        # /metrics answers as soon as the endpoint is up; /healthz says 503 "starting" until every
+        # collector's first round is done (slower on a loaded machine), then 200.
+        healthz = agent_process.metrics_url.replace("/metrics", "/healthz")
+        deadline = time.monotonic() + 20.0
+        status, text = http_get(healthz)
+        while (status, text) != (200, "ok\n") and time.monotonic() < deadline:
+            assert (status, text.split(":")[0]) == (503, "starting"), (status, text)
+            time.sleep(0.2)
+            status, text = http_get(healthz)
         assert (status, text) == (200, "ok\n")
         began = time.monotonic()
         agent_process.signal(signal.SIGTERM)
