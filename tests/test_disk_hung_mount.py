@@ -122,7 +122,11 @@ class TestDeadFileServer:
             return metric_value(body, "gpuwarden_mount_stuck", **labels) == 1
 
         wait_until(stuck, timeout=20, what="the mount reported stuck")
-        assert "mount_stuck" in agent_process.log()
+        # The series comes with the round; the event's log line once the store thread has
+        # stored it (events are stored before anyone hears of them), a moment later.
+        wait_until(
+            lambda: "mount_stuck" in agent_process.log(), timeout=10, what="mount_stuck logged"
+        )
         assert state.read_text().count("statfs") == 1  # asked once, never again while stuck
         daemon = int(Path(f"{state}.pid").read_text())
         helpers = [c for c in children(process.pid) if "statvfs_child" in cmdline(c)]
