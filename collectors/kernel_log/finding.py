@@ -279,6 +279,25 @@ class OpenRecords(Generic[B]):
         self.open.clear()
         self._closed.clear()
 
+    def flush(self) -> list[Finding]:
+        """The end of a log: every open record's finding, and nothing remembered after."""
+        found = self.settle()
+        self.reset()
+        return found
+
+
+class Assembling(Generic[B]):
+    """A matcher whose findings span several records, held in `_open` until complete: its
+    `settle` and `flush` are those of its open records."""
+
+    _open: OpenRecords[B]
+
+    def settle(self) -> list[Finding]:
+        return self._open.settle()
+
+    def flush(self) -> list[Finding]:
+        return self._open.flush()
+
 
 @dataclass
 class Ready:

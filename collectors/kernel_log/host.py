@@ -19,6 +19,7 @@ from typing import Final
 
 from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors.kernel_log.finding import (
+    Assembling,
     Finding,
     Matcher,
     OpenRecords,
@@ -457,7 +458,7 @@ def _oom_finding(
     )
 
 
-class OomMatcher:
+class OomMatcher(Assembling[Ready]):
     """OOM kills: the summary line and the kill line of one kill are one finding."""
 
     triggers: Final = ("oom-kill:", "Killed process ")
@@ -496,14 +497,6 @@ class OomMatcher:
             attributes["cgroup"] = True
         yield _oom_finding(record, pid, kill["process"], attributes)
 
-    def settle(self) -> list[Finding]:
-        return self._open.settle()
-
-    def flush(self) -> list[Finding]:
-        found = self._open.settle()
-        self._open.reset()
-        return found
-
 
 # block/blk-core.c handle_bad_sector, one printk over two lines: 5.12+
 #   python3: attempt to access beyond end of device
@@ -537,7 +530,7 @@ class _Beyond:
         )
 
 
-class BeyondEndMatcher:
+class BeyondEndMatcher(Assembling[_Beyond]):
     triggers: Final = ("attempt to access beyond end of device", ": rw=")
 
     def __init__(self) -> None:
@@ -562,14 +555,6 @@ class BeyondEndMatcher:
             found = self._open.close("beyond")
             if found is not None:
                 yield found
-
-    def settle(self) -> list[Finding]:
-        return self._open.settle()
-
-    def flush(self) -> list[Finding]:
-        found = self._open.settle()
-        self._open.reset()
-        return found
 
 
 # A kernel oops: what went wrong first (arch/x86/mm/fault.c `BUG: kernel NULL pointer
@@ -613,7 +598,7 @@ class _Oops:
         )
 
 
-class OopsMatcher:
+class OopsMatcher(Assembling[_Oops]):
     triggers: Final = (
         "BUG: unable to handle",
         "BUG: kernel NULL pointer",
@@ -641,14 +626,6 @@ class OopsMatcher:
         state.what, state.count = what, int(die["n"])
         self._open.drop("oops")
         yield state.finding()
-
-    def settle(self) -> list[Finding]:
-        return self._open.settle()
-
-    def flush(self) -> list[Finding]:
-        found = self._open.settle()
-        self._open.reset()
-        return found
 
 
 # arch/x86/kernel/cpu/mce/core.c print_mce, every line `mce: [Hardware Error]: ...`:
@@ -706,7 +683,7 @@ class _Mce:
         )
 
 
-class MachineCheckMatcher:
+class MachineCheckMatcher(Assembling[_Mce]):
     triggers: Final = ("[Hardware Error]",)
 
     def __init__(self) -> None:
@@ -738,14 +715,6 @@ class MachineCheckMatcher:
             yield _Mce(record, [text], uncorrected=False).finding()
         elif (reason := _MCE_REASON.match(text)) is not None:
             yield _Mce(record, [text], True, {"reason": reason["reason"]}).finding()
-
-    def settle(self) -> list[Finding]:
-        return self._open.settle()
-
-    def flush(self) -> list[Finding]:
-        found = self._open.settle()
-        self._open.reset()
-        return found
 
 
 # drivers/acpi/apei/ghes.c: a firmware-reported error record (CPER), every line prefixed with
@@ -816,7 +785,7 @@ class _Cper:
         )
 
 
-class CperMatcher:
+class CperMatcher(Assembling[_Cper]):
     triggers: Final = ("[Hardware Error]",)
 
     def __init__(self) -> None:
@@ -839,14 +808,6 @@ class CperMatcher:
         state = _Cper(record, [])
         state.add(text)
         yield from self._open.hold(seq, state)
-
-    def settle(self) -> list[Finding]:
-        return self._open.settle()
-
-    def flush(self) -> list[Finding]:
-        found = self._open.settle()
-        self._open.reset()
-        return found
 
 
 class HostRulesMatcher:

@@ -25,6 +25,7 @@ from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors._repair import clears_for, repair_for
 from collectors._xid_catalog import lookup, lookup_event, lookup_sxid
 from collectors.kernel_log.finding import (
+    Assembling,
     Finding,
     Matcher,
     OpenRecords,
@@ -187,7 +188,7 @@ class _Sxid:
         return False
 
 
-class SxidMatcher:
+class SxidMatcher(Assembling[_Sxid]):
     """NVSwitch SXid records: switch device, its PCI address, code, fatal or not, and the
     severity, engine instance and data of the lines that follow the header."""
 
@@ -241,14 +242,9 @@ class SxidMatcher:
         self._device_key[device] = key
         yield from self._open.hold(key, state)
 
-    def settle(self) -> list[Finding]:
-        return self._open.settle()
-
     def flush(self) -> list[Finding]:
-        found = self._open.settle()
-        self._open.reset()
         self._device_key.clear()
-        return found
+        return super().flush()
 
 
 # The driver's three-line form, with no Xid line (osapi.c, one printk with newlines in it):
