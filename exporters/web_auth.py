@@ -44,9 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import bcrypt
 import structlog
-import yaml
 
 from agent.contracts.errors import ConfigError, GpuwardenError
 from agent.contracts.settings import check_files, read_regular, setting
@@ -162,32 +160,6 @@ _UNSUPPORTED_TLS = (
 _MIN_VERSIONS = {"TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """YAML without duplicate keys (the last would win silently) and without aliases (an
-    alias bomb; a web config needs none)."""
-
-    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()  # type: ignore[no-untyped-call]
-            raise yaml.constructor.ConstructorError(
-                None, None, "aliases (*name) are not accepted here", event.start_mark
-            )
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[object] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, str | int | float | bool):
-                continue  # unhashable: the constructor below refuses it, with its line
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def _table(data: object, source: str, key: str) -> Mapping[str, Any]:
     if data is None:
         return {}
@@ -257,13 +229,15 @@ def _web_tls(data: object, source: str, base: Path) -> WebConfig:
 def parse_web_config(text: str, source: str, base: Path) -> WebConfig:
     """A web-config.yml's text -> WebConfig, or UsersFileError naming `source`, the key (or
     line) and what was expected."""
+    from exporters import _web_yaml  # noqa: PLC0415 (yaml loads only for a web config)
+
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.MarkedYAMLError as exc:
+        data = _web_yaml.load(text)
+    except _web_yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         raise UsersFileError(f"{source}{where}: not valid YAML: {exc.problem}") from None
-    except yaml.YAMLError as exc:
+    except _web_yaml.YAMLError as exc:
         raise UsersFileError(f"{source}: not valid YAML: {exc}") from None
     top = _table(data, source, "the file")
     for key, value in top.items():
@@ -319,6 +293,8 @@ def parse_authorization(header: str) -> tuple[str, str] | None:
 
 
 def _dummy(cost: int) -> bytes:
+    import bcrypt  # noqa: PLC0415 (loads with the first users file: tests/test_daemon_imports.py)
+
     return bcrypt.hashpw(secrets.token_bytes(16), bcrypt.gensalt(cost))
 
 
@@ -371,6 +347,8 @@ class BasicAuth:
 
 
 def _checkpw(password: bytes, hashed: bytes) -> bool:
+    import bcrypt  # noqa: PLC0415 (a module already loaded: a dictionary look-up)
+
     try:
         return bcrypt.checkpw(password, hashed)
     except ValueError:  # a malformed stored hash
