@@ -582,8 +582,19 @@ class NvmlBackend:
             # absent: never a sample the model refuses, which would fail the GPU's round.
             if int(metric.nvmlReturn) == pynvml.NVML_SUCCESS and 0.0 <= number < math.inf:
                 values[metric_id] = number
+        ratios: dict[str, float] = {}
+        for name, metric_id in GPM_RATIOS.items():
+            percent = values.get(metric_id)
+            if percent is None:
+                continue
+            if percent > 100.0:
+                # NVML documents these as 0-100 %; the lent H200 gave 377 % and 833 % for
+                # windows spanning a benchmark run: no share of the GPU's time, so no reading.
+                f.errors[f"gpm_{name}"] = f"NVML gave {percent:.1f} % (more than the whole)"
+                continue
+            ratios[name] = percent / 100.0
         return GpmReading(
-            ratios={n: values[i] / 100.0 for n, i in GPM_RATIOS.items() if i in values},
+            ratios=ratios,
             throughputs={k: values[i] * _MIB for k, i in GPM_THROUGHPUTS.items() if i in values},
             errors=f.errors,
         )

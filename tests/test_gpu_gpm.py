@@ -160,6 +160,46 @@ class TestGpm:
         assert ("nvlink", "tx") not in buses
         assert ("pcie", "rx") in buses
 
+    @pytest.mark.parametrize("percent", [100.5, 377.0, 833.3])
+    async def test_a_share_over_100_percent_is_absent_and_flagged(self, percent: float) -> None:
+        """On the lent H200 a GPM window spanning a benchmark run gave tensor activity 833 %
+        and DRAM activity 377 % (NVML documents 0-100): a share over the whole is no reading
+        (the series would say the GPU was busier than busy). That metric is absent and named
+        in the field errors; the rest of the round, and throughputs (not shares), stand."""
+        rig = gpm_rig(gpus=1)
+        gpm = rig.fake.gpus[0].gpm
+        assert gpm is not None
+        gpm[pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL] = percent
+        gpm[pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL] = percent
+        gpm[pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC] = 1000 * percent  # MiB/s: no ceiling
+        try:
+            await rig.collect(advance=30)
+            result = await rig.collect(advance=30)
+        finally:
+            await rig.close()
+        assert activity(result, "0", "tensor_active") is None
+        assert activity(result, "0", "dram_active") is None
+        assert activity(result, "0", "sm_active") == pytest.approx(0.80)
+        flagged = {s.labels["field"] for s in find(result, "gpuwarden_gpu_field_error")}
+        assert flagged == {"gpm_tensor_active", "gpm_dram_active"}
+        rx = find(
+            result, "gpuwarden_gpu_throughput_bytes_per_second", bus="pcie", direction="rx"
+        )
+        assert [s.value for s in rx] == [pytest.approx(1000 * percent * MiB)]
+
+    async def test_a_full_share_is_a_reading(self) -> None:
+        rig = gpm_rig(gpus=1)
+        gpm = rig.fake.gpus[0].gpm
+        assert gpm is not None
+        gpm[pynvml.NVML_GPM_METRIC_SM_UTIL] = 100.0
+        try:
+            await rig.collect(advance=30)
+            result = await rig.collect(advance=30)
+        finally:
+            await rig.close()
+        assert activity(result, "0", "sm_active") == pytest.approx(1.0)
+        assert find(result, "gpuwarden_gpu_field_error") == []
+
     async def test_disabled_with_zero(self) -> None:
         rig = gpm_rig(gpus=1, interval=0.0)
         try:
