@@ -182,9 +182,7 @@ class TestGpm:
         assert activity(result, "0", "sm_active") == pytest.approx(0.80)
         flagged = {s.labels["field"] for s in find(result, "gpuwarden_gpu_field_error")}
         assert flagged == {"gpm_tensor_active", "gpm_dram_active"}
-        rx = find(
-            result, "gpuwarden_gpu_throughput_bytes_per_second", bus="pcie", direction="rx"
-        )
+        rx = find(result, "gpuwarden_gpu_throughput_bytes_per_second", bus="pcie", direction="rx")
         assert [s.value for s in rx] == [pytest.approx(1000 * percent * MiB)]
 
     async def test_a_full_share_is_a_reading(self) -> None:
