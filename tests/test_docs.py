@@ -60,6 +60,16 @@ def anchors(path: Path) -> frozenset[str]:
     )
 
 
+@cache
+def python_classes() -> frozenset[str]:
+    return frozenset(
+        name
+        for top in ("agent", "collectors", "exporters")
+        for source in (ROOT / top).rglob("*.py")
+        for name in re.findall(r"^class (\w+)", source.read_text(), re.MULTILINE)
+    )
+
+
 def inside_repo(path: Path) -> bool:
     return path.resolve().is_relative_to(ROOT)
 
@@ -123,6 +133,20 @@ def test_the_alerts_doc_names_exactly_the_rules() -> None:
     named = set(re.findall(r"`(Gpuwarden[A-Z]\w*)`", (DOCS / "alerts.md").read_text()))
     assert rules - named == set(), f"docs/alerts.md lacks {sorted(rules - named)}"
     assert named - rules == set(), f"docs/alerts.md names no such rule: {sorted(named - rules)}"
+
+
+@pytest.mark.parametrize("doc", documents(), ids=doc_id)
+def test_every_alert_named_is_a_rule(doc: Path) -> None:
+    """`GpuwardenX` names a rule; `GpuwardenX*` names at least one (a group of rules). Python
+    classes of that form (`GpuwardenError`) are not alerts."""
+    rules = set(alert_blocks(RULES.read_text()))
+    unknown = [
+        name + star
+        for name, star in re.findall(r"`(Gpuwarden[A-Z]\w*)(\*?)`", doc.read_text())
+        if not (any(r.startswith(name) for r in rules) if star else name in rules)
+        and name not in python_classes()
+    ]
+    assert not unknown, f"{doc_id(doc)} names alerts that are no rules: {unknown}"
 
 
 class TestTheCheckerCatches:
