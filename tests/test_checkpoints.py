@@ -345,7 +345,7 @@ class TestReadme:
 
         from collectors.checkpoints.settings import LocationSettings
 
-        text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+        text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
         missing = [
             f.name
             for f in dataclasses.fields(CheckpointSettings)
@@ -360,7 +360,7 @@ class TestReadme:
                 for row in text.splitlines()
             )
         ]
-        assert not missing, f"README lacks rows for {missing}"
+        assert not missing, f"docs/configuration.md lacks rows for {missing}"
 
 
 class TestConfigFiles:

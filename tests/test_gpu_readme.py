@@ -1,4 +1,4 @@
-"""The README's [collectors.gpu] table documents every setting of the gpu collector."""
+"""docs/configuration.md's [collectors.gpu] table documents every setting of the gpu collector."""
 
 from __future__ import annotations
 
@@ -9,16 +9,18 @@ from pathlib import Path
 from agent.contracts.collector import CollectorSettings
 from collectors.gpu.collector import GpuSettings
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIG_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_every_gpu_setting_has_a_row() -> None:
-    text = README.read_text()
-    section = text.split("### `[collectors.gpu]`", 1)[1].split("\n### ", 1)[0]
+    text = CONFIG_DOC.read_text()
+    section = text.split("\n## `[collectors.gpu]`", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `\[collectors\.gpu\] (\w+)`", section, re.MULTILINE))
     common = {f.name for f in dataclasses.fields(CollectorSettings)}  # documented once for all
     keys = {f.name for f in dataclasses.fields(GpuSettings)} - common
-    assert keys - documented == set(), f"README [collectors.gpu] lacks {sorted(keys - documented)}"
+    assert keys - documented == set(), (
+        f"docs/configuration.md [collectors.gpu] lacks {sorted(keys - documented)}"
+    )
     assert documented - keys - common == set(), (
-        f"README documents unknown keys {sorted(documented - keys)}"
+        f"docs/configuration.md documents unknown keys {sorted(documented - keys)}"
     )

@@ -35,7 +35,7 @@ from tests.support.watch import ROOT
 
 SECTIONS = ("mqtt", "watch")
 PASSWORD = "s3cr3t-pw"
-README = ROOT / "README.md"
+CONFIG_DOC = ROOT / "docs" / "configuration.md"
 
 
 def load(section: str, table: dict[str, Any]) -> Any:
@@ -161,9 +161,9 @@ class TestOneRuleForBothSections:
         assert "password_file" in done.stderr
         assert PASSWORD not in done.stderr + done.stdout
 
-    def test_readme_documents_every_key_of_both_sections(self) -> None:
-        """The README's [mqtt] rows and its [watch] table name every key the code accepts."""
-        text = README.read_text()
+    def test_config_doc_documents_every_key_of_both_sections(self) -> None:
+        """docs/configuration.md's [mqtt] rows and [watch] table name every key the code accepts."""
+        text = CONFIG_DOC.read_text()
         mqtt_rows = " ".join(line for line in text.splitlines() if line.startswith("| `[mqtt] "))
         watch_table = text.split("| key (`[watch]`) |", 1)[1].split("\n\n", 1)[0]
         watch_keys = {
@@ -174,7 +174,7 @@ class TestOneRuleForBothSections:
         for spec in dataclasses.fields(MqttSettings):
             assert f"`{spec.name}`" in mqtt_rows or f"] {spec.name}`" in mqtt_rows, spec.name
         missing = {f.name for f in dataclasses.fields(WatchSettings)} - watch_keys
-        assert not missing, f"README [watch] table lacks {sorted(missing)}"
+        assert not missing, f"docs/configuration.md [watch] table lacks {sorted(missing)}"
 
 
 # -- against a real mosquitto -----------------------------------------------------------------
