@@ -1,15 +1,16 @@
 """A real Xid on a GPU host: from the driver's record to the broker's PUBACK, through /dev/kmsg
 and through the NVML event thread.
 
-    python bench/xid_gpu_latency.py [--recipe .devkit/xid31.py]
-        [--mosquitto .devkit/mosquitto/mosquitto] [--mosquitto-lib .devkit/mosquitto/lib] [--runs 3]
+    python bench/xid_gpu_latency.py [--recipe bench/xid31.py]
+        [--mosquitto PATH] [--mosquitto-lib DIR] [--runs 3]
 
-(the defaults are shared/device/ copied to .devkit/, as its README says; run as root, for
-/dev/kmsg. The library folder is set for the broker's process only.)
+(run as root, for /dev/kmsg. A GPU host often has no package registry: --mosquitto names a
+broker binary brought along, and --mosquitto-lib the folder of its libraries, which is set for
+the broker's process only.)
 
 The agent's runtime runs here with the kernel_log collector on /dev/kmsg and the gpu collector
 with its NVML event thread (their default settings), and the MQTT sink publishing to a
-mosquitto this script starts on loopback. Each run starts the recipe (shared/device/xid31.py:
+mosquitto this script starts on loopback. Each run starts the recipe (bench/xid31.py:
 one Xid 31, an MMU fault of an illegal write, in a child process; the GPU needs no reset),
 then waits for the Xid's event and the other source's confirmation to be PUBACKed. Per run:
 
@@ -20,7 +21,7 @@ then waits for the Xid's event and the other source's confirmation to be PUBACKe
 
 The correlator's repeat holdoff (300 s for one GPU and code) is set to 0 here so that each run
 raises its own event; runs are spaced by more than the 5 s correlation window. Use a few runs
-per session, not a loop (the recipe's own advice).
+per session, not a loop: each is a real fault in the driver's log.
 """
 
 from __future__ import annotations
@@ -171,10 +172,10 @@ def _fmt(value: float | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", type=Path, default=HERE / ".devkit" / "xid31.py")
-    parser.add_argument("--mosquitto", default=str(HERE / ".devkit" / "mosquitto" / "mosquitto"))
+    parser.add_argument("--recipe", type=Path, default=HERE / "bench" / "xid31.py")
+    parser.add_argument("--mosquitto", default="mosquitto", help="the broker binary")
     parser.add_argument(
-        "--mosquitto-lib", type=Path, default=HERE / ".devkit" / "mosquitto" / "lib"
+        "--mosquitto-lib", type=Path, default=Path("/nonexistent"), help="its libraries' folder"
     )
     parser.add_argument("--python", default=sys.executable, help="the python that has CuPy")
     parser.add_argument("--runs", type=int, default=3)

@@ -2,7 +2,7 @@
 that the scraper is served first, whatever else connects.
 
 Both endpoints answer a handful of scrapes a minute; a general web framework would add more
-than it serves. What matters is that no client can hold the port (the README advises
+than it serves. What matters is that no client can hold the port (docs/alerts.md advises
 0.0.0.0:9445 for a remote Prometheus, so anything on the network may connect):
 
 - A connection has HEADER_TIMEOUT (TLS handshake included) to send a whole request head, and

@@ -52,8 +52,8 @@ class RepairAction(enum.StrEnum):
     """What must be done about an event, as data: a small fixed set that a scheduler, a pager
     or a remediator can act on. It follows NVIDIA's Xid catalog resolution buckets
     (collectors/_xid_catalog.json, `buckets`) and its GPU recovery actions (Xid 154), plus the
-    few the host collectors need; `action` is the same advice for a person. README, "Repair
-    actions", says which bucket maps to which value.
+    few the host collectors need; `action` is the same advice for a person. docs/actions.md,
+    "Repair actions as data", says which bucket maps to which value.
 
     `none` is no requirement (an all-clear, an observation). Every other value is required
     until cleared (agent/runtime/repairs.py)."""

@@ -65,7 +65,7 @@ def setting(
     certificate: str | None = None,
     content: Callable[[Path], object] | None = None,
 ) -> Any:
-    """A dataclass field with validation bounds and a help text for the README reference.
+    """A dataclass field with validation bounds and a help text for the configuration reference (docs/configuration.md).
 
     `path`: a str (or tuple of str) that is a path, so its characters are checked like a
     Path's. `file`: the value names a file of this kind, checked by `check_files`.

@@ -158,7 +158,8 @@ class BenchmarkSettings(CollectorSettings):
         3, minimum=1, maximum=1000, help="consecutive idle rounds before a GPU may be tested"
     )
     profile: Profile = setting(
-        "fp32", help="fp32 (fp32 highest, the field guide's), tf32, bf16 or fp16 (tensor cores)"
+        "fp32",
+        help="fp32 (fp32 highest, the benchmark record's), tf32, bf16 or fp16 (tensor cores)",
     )
     size: int = setting(
         0,

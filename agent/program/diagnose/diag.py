@@ -1,6 +1,6 @@
 """`gpuwarden diag`: gather what support needs into one redacted bundle.
 
-Contents (README, "The diagnostic bundle"): manifest, versions, the check report and each
+Contents (docs/commands.md, "The diagnostic bundle"): manifest, versions, the check report and each
 collector's one-round snapshot, `nvidia-smi -q`, the state store's recent events, outbox depth
 and key-value state (delivery ledger, counters, cursors, benchmark baselines) read read-only,
 benchmark history files, the configuration with secrets removed, and the user's --include files.
