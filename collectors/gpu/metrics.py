@@ -43,6 +43,7 @@ INFO = MetricFamily(
         "mig_mode",
         "ecc_mode",
         "compute_capability",
+        "nvml_pci_bus_id",
     ),
 )
 UP = MetricFamily(
@@ -288,6 +289,16 @@ class _Out:
             self.samples.append(Sample(family, (*self.base, *extra), float(value)))
 
 
+def nvml_pci_bus_id(linux_form: str) -> str:
+    """`0000:3b:00.0` -> `00000000:3B:00.0`, NVML's own busId form (which DCGM and nvidia-smi
+    print); "" for an unknown address. On the info series because PromQL cannot upper-case a
+    label, so rules that rebuild dcgm-exporter's series (configs/prometheus) join on it."""
+    if not linux_form:
+        return ""
+    domain, rest = linux_form.split(":", 1)
+    return f"{int(domain, 16):08X}:{rest.upper()}"
+
+
 def static_samples(labels: Mapping[str, str], static: GpuStatic) -> list[Sample]:
     out = _Out(labels)
     out.add(
@@ -300,6 +311,7 @@ def static_samples(labels: Mapping[str, str], static: GpuStatic) -> list[Sample]
         _flag(static.mig_mode),
         _flag(static.ecc_mode),
         static.compute_capability or "",
+        nvml_pci_bus_id(labels["pci_bus_id"]),
     )
     for name, value in (
         ("slowdown", static.temperature_slowdown_celsius),
