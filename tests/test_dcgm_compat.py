@@ -1,12 +1,266 @@
-"""dcgm-exporter compatibility: the info label the rules join on (more follows)."""
+"""dcgm-exporter compatibility: configs/prometheus/dcgm-compat-rules.yml rebuilds
+dcgm-exporter's series (DCGM's names, labels and units) from gpuwarden's, so that NVIDIA's own
+Grafana dashboard works unchanged.
+
+- the info label the rules join on (the PCI address in NVML's form);
+- the rules file: promtool accepts it, its promtool unit test passes, that test's input series
+  are what the agent really renders, every rule has a unit test and an expected value here;
+- end to end: the real agent on a fake NVML (2 GPUs, GPM supported) scraped by a real
+  Prometheus that loads the rules; every DCGM series has DCGM's label set and the fake's value
+  in DCGM's unit, and every query of NVIDIA's dashboard (variables included, substituted as
+  Grafana does) returns series through the HTTP API;
+- on a real GPU (`gpu`): the NVML-form address is the one nvidia-smi prints.
+"""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import pynvml
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from collectors._nvml import NvmlBackend, NvmlUnavailable
 from collectors.gpu.collector import GpuSettings
+from tests.support.agent_proc import AgentProcess
+from tests.support.fake_gpu_agent import MIB, scripted_gpus
+from tests.support.grafana import (
+    LEGEND_LABEL,
+    Dashboard,
+    Panel,
+    Variable,
+    query_all_panels,
+    resolve,
+)
 from tests.support.nvml import GpuRig, find
 from tests.support.nvml_fake import FakeGpu, FakeNvml
+from tests.support.prometheus_server import PrometheusServer
+from tests.support.rules import ROOT, declared_metric_names, promtool
+from tests.test_gpu_promtool import exposition
+from tests.test_gpu_real import one_round
+
+DCGM_RULES = ROOT / "configs/prometheus/dcgm-compat-rules.yml"
+DCGM_RULE_TESTS = ROOT / "configs/prometheus/tests/dcgm-compat-rules.test.yml"
+LABELS_RULE = "gpuwarden:dcgm_labels:info"
+NODE = "test-node"
+GPUS = 2
+
+# -- NVIDIA's dashboard: the facts of its published versions ---------------------------------
+
+_REPO = "https://github.com/NVIDIA/dcgm-exporter/blob"
+RELEASED = Dashboard(
+    title="NVIDIA DCGM Exporter Dashboard (uid Oxed_c6Wz)",
+    source=f"{_REPO}/d5e5f510a1b6b393f39a43293ccd9dc985defc79/grafana/dcgm-exporter-dashboard.json",
+    commit="d5e5f510a1b6b393f39a43293ccd9dc985defc79",
+    version="main of 2026-05-12; the file is unchanged since cffaeb8 ('Fix Grafana dashboard "
+    "(#183)', 2023-08-11) and the same in every release from 3.1.8-3.1.5 to 4.5.3-4.8.2 "
+    "(JSON version 1, schemaVersion 22); also grafana.com dashboard 12239",
+    variables=(
+        Variable("instance", "label_values(DCGM_FI_DEV_GPU_TEMP, instance)"),
+        Variable("gpu", "label_values(DCGM_FI_DEV_GPU_TEMP, gpu)"),
+    ),
+    panels=(
+        Panel(
+            "GPU Temperature",
+            'DCGM_FI_DEV_GPU_TEMP{instance=~"$instance", gpu=~"$gpu"}',
+            "GPU {{gpu}}",
+        ),
+        Panel("GPU Avg. Temp", 'avg(DCGM_FI_DEV_GPU_TEMP{instance=~"$instance", gpu=~"$gpu"})'),
+        Panel(
+            "GPU Power Usage",
+            'DCGM_FI_DEV_POWER_USAGE{instance=~"$instance", gpu=~"$gpu"}',
+            "GPU {{gpu}}",
+        ),
+        Panel(
+            "GPU Power Total", 'sum(DCGM_FI_DEV_POWER_USAGE{instance=~"$instance", gpu=~"$gpu"})'
+        ),
+        Panel(
+            "GPU SM Clocks",
+            'DCGM_FI_DEV_SM_CLOCK{instance=~"$instance", gpu=~"$gpu"} * 1000000',
+            "GPU {{gpu}}",
+        ),
+        Panel(
+            "GPU Utilization",
+            'DCGM_FI_DEV_GPU_UTIL{instance=~"$instance", gpu=~"$gpu"}',
+            "GPU {{gpu}}",
+        ),
+        Panel(
+            "GPU Framebuffer Mem Used",
+            'DCGM_FI_DEV_FB_USED{instance=~"$instance", gpu=~"$gpu"}',
+            "GPU {{gpu}}",
+        ),
+        Panel(
+            "Tensor Core Utilization",
+            'DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{instance=~"$instance", gpu=~"$gpu"}',
+            "GPU {{gpu}}",
+        ),
+    ),
+)
+# The rework proposed upstream (not merged when this was written): Hostname instead of
+# instance, MIG-aware aggregations, FB_FREE and GR_ENGINE_ACTIVE. Users import it from the PR.
+REWORK = Dashboard(
+    title="NVIDIA DCGM Exporter Dashboard (uid Oxed_c6Wz), reworked",
+    source=f"{_REPO}/a52c9c0561c216b9deb848093f1459a0a946a3b5/grafana/dcgm-exporter-dashboard.json",
+    commit="a52c9c0561c216b9deb848093f1459a0a946a3b5",
+    version="pull request #355 '[dashboard] Rework dashboard (MIG support, Grafana "
+    "deprecations, Hostname)', 2024-07-08 (JSON version 1, schemaVersion 37)",
+    variables=(
+        Variable("Hostname", "label_values(DCGM_FI_DEV_FB_FREE, Hostname)"),
+        Variable("gpu", 'label_values(DCGM_FI_DEV_FB_FREE{Hostname=~"$Hostname"}, gpu)'),
+    ),
+    panels=(
+        Panel(
+            "GPU Temperature",
+            'max(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)',
+            "{{Hostname}} - GPU {{gpu}}",
+        ),
+        Panel("GPU Avg. Temp", 'avg(DCGM_FI_DEV_GPU_TEMP{Hostname=~"$Hostname", gpu=~"$gpu"})'),
+        Panel(
+            "GPU Power Usage",
+            'max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (Hostname, gpu, uuid)',
+            "{{Hostname}} - GPU {{gpu}}",
+        ),
+        Panel(
+            "GPU Power Total",
+            'sum(max(DCGM_FI_DEV_POWER_USAGE{Hostname=~"$Hostname", gpu=~"$gpu"}) by (gpu))',
+        ),
+        Panel(
+            "GPU SM Clocks",
+            'max(DCGM_FI_DEV_SM_CLOCK{Hostname=~"$Hostname", gpu=~"$gpu"} * 1000000) '
+            "by (Hostname, UUID, gpu)",
+            "{{Hostname}} - GPU {{gpu}}",
+        ),
+        Panel(
+            "GPU Utilization",
+            'max(DCGM_FI_PROF_GR_ENGINE_ACTIVE{Hostname=~"$Hostname", gpu=~"$gpu"}) '
+            "by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)",
+            "GPU {{gpu}}/{{GPU_I_ID}} ({{GPU_I_PROFILE}})",
+        ),
+        Panel(
+            "Tensor Core Utilization",
+            'max(DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{Hostname=~"$Hostname", gpu=~"$gpu"}) '
+            "by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)",
+            "{{Hostname}} GPU {{gpu}}/{{GPU_I_ID}} ({{GPU_I_PROFILE}})",
+        ),
+        Panel(
+            "GPU Framebuffer Mem Used",
+            'max(DCGM_FI_DEV_FB_USED{Hostname=~"$Hostname", gpu=~"$gpu"}) '
+            "by (Hostname, gpu, GPU_I_ID, GPU_I_PROFILE)",
+            "{{Hostname}} - GPU {{gpu}}/{{GPU_I_ID}} ({{GPU_I_PROFILE}})",
+        ),
+    ),
+)
+DASHBOARDS = (RELEASED, REWORK)
+MIG_ONLY_LABELS = frozenset({"GPU_I_ID", "GPU_I_PROFILE"})
+"""dcgm-exporter sets these on MIG instances only; a legend shows them empty elsewhere."""
+
+# -- DCGM's series: labels, and each value in DCGM's unit from the fake's NVML answer --------
+
+DCGM_LABELS = frozenset(
+    {"gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname", "DCGM_FI_DRIVER_VERSION"}
+)
+"""What dcgm-exporter 4.5.3-4.8.2 labels a GPU series with (internal/pkg/rendermetrics),
+besides the scrape's instance and job."""
+
+_ECC = {
+    ("SBE", "VOL"): (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ("DBE", "VOL"): (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
+    ("SBE", "AGG"): (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, pynvml.NVML_AGGREGATE_ECC),
+    ("DBE", "AGG"): (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC),
+}
+_NVLINK = {
+    "CRC_FLIT": pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+    "CRC_DATA": pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
+    "REPLAY": pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+    "RECOVERY": pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+}
+_RATIOS = {
+    "GR_ENGINE_ACTIVE": pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL,
+    "SM_ACTIVE": pynvml.NVML_GPM_METRIC_SM_UTIL,
+    "SM_OCCUPANCY": pynvml.NVML_GPM_METRIC_SM_OCCUPANCY,
+    "PIPE_TENSOR_ACTIVE": pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL,
+    "DRAM_ACTIVE": pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL,
+}
+_THROUGHPUTS = {
+    "PCIE_TX_BYTES": pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC,
+    "PCIE_RX_BYTES": pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC,
+    "NVLINK_TX_BYTES": pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+    "NVLINK_RX_BYTES": pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
+}
+_SBE_PAGES = pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
+_DBE_PAGES = pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
+
+
+def dcgm_values(g: FakeGpu) -> dict[str, float]:
+    """Each DCGM series of this GPU, in DCGM's unit, from what the fake NVML answers."""
+    memory, utilization, rows = g.memory, g.utilization, g.remapped_rows
+    assert memory is not None and utilization is not None and rows is not None
+    assert g.retired_pages is not None and g.gpm is not None
+    values = {
+        "DCGM_FI_DEV_GPU_TEMP": float(g.temperature or 0),
+        "DCGM_FI_DEV_MEMORY_TEMP": float(g.memory_temperature or 0),
+        "DCGM_FI_DEV_POWER_USAGE": (g.power_mw or 0) / 1000,  # W
+        "DCGM_FI_DEV_ENFORCED_POWER_LIMIT": (g.power_limit_mw or 0) / 1000,
+        "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": float(g.energy_mj or 0),  # mJ
+        "DCGM_FI_DEV_SM_CLOCK": float(g.clocks_mhz[pynvml.NVML_CLOCK_SM]),  # MHz
+        "DCGM_FI_DEV_MEM_CLOCK": float(g.clocks_mhz[pynvml.NVML_CLOCK_MEM]),
+        "DCGM_FI_DEV_GPU_UTIL": float(utilization.gpu),  # percent
+        "DCGM_FI_DEV_MEM_COPY_UTIL": float(utilization.memory),
+        "DCGM_FI_DEV_FB_USED": float(memory.used // MIB),  # whole MiB
+        "DCGM_FI_DEV_FB_FREE": float(memory.free // MIB),
+        "DCGM_FI_DEV_FB_RESERVED": float(memory.reserved // MIB),
+        "DCGM_FI_DEV_FB_TOTAL": float(memory.total // MIB),
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": float(rows[0]),
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": float(rows[1]),
+        "DCGM_FI_DEV_ROW_REMAP_PENDING": float(rows[2]),
+        "DCGM_FI_DEV_ROW_REMAP_FAILURE": float(rows[3]),
+        "DCGM_FI_DEV_RETIRED_SBE": float(len(g.retired_pages[_SBE_PAGES])),
+        "DCGM_FI_DEV_RETIRED_DBE": float(len(g.retired_pages[_DBE_PAGES])),
+        "DCGM_FI_DEV_RETIRED_PENDING": float(g.retired_pending or 0),
+        "DCGM_FI_DEV_PCIE_REPLAY_COUNTER": float(g.pcie_replays or 0),
+    }
+    for (bits, span), key in _ECC.items():
+        values[f"DCGM_FI_DEV_ECC_{bits}_{span}_TOTAL"] = float(g.ecc[key])
+    for name, counter in _NVLINK.items():
+        total = sum(v for (_, c), v in g.nvlink_errors.items() if c == counter)
+        values[f"DCGM_FI_DEV_NVLINK_{name}_ERROR_COUNT_TOTAL"] = float(total)
+    for name, metric in _RATIOS.items():
+        values[f"DCGM_FI_PROF_{name}"] = g.gpm[metric] / 100  # ratio 0-1
+    for name, metric in _THROUGHPUTS.items():
+        values[f"DCGM_FI_PROF_{name}"] = g.gpm[metric] * MIB  # bytes per second
+    return values
+
+
+def recorded_names() -> list[str]:
+    rules = yaml.safe_load(DCGM_RULES.read_text())
+    return [r["record"] for group in rules["groups"] for r in group["rules"]]
+
+
+def dcgm_labels_of(g: FakeGpu, index: int) -> dict[str, str]:
+    """The labels dcgm-exporter gives this GPU (NVML's busId string unchanged, device
+    nvidia<gpu>) on a host whose name is NODE."""
+    return {
+        "gpu": str(index),
+        "UUID": g.uuid,
+        "pci_bus_id": g.pci_bus_id,
+        "device": f"nvidia{index}",
+        "modelName": g.name,
+        "Hostname": NODE,
+        "DCGM_FI_DRIVER_VERSION": "580.159.04",
+    }
+
+
+# -- the info label ----------------------------------------------------------------------------
 
 
 class TestNvmlPciBusIdLabel:
@@ -37,3 +291,250 @@ class TestNvmlPciBusIdLabel:
             await rig.close()
         (info,) = find(collection, "gpuwarden_gpu_info")
         assert info.labels["nvml_pci_bus_id"] == "00000000:3B:00.0"
+
+
+# -- the rules file ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed")
+class TestRulesFile:
+    def test_promtool_check_rules(self) -> None:
+        done = promtool("check", "rules", DCGM_RULES)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def test_promtool_unit_tests_pass(self) -> None:
+        done = promtool("test", "rules", DCGM_RULE_TESTS)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def test_a_wrong_mapping_fails_the_unit_test(self, tmp_path: Path) -> None:
+        """The unit test can fail: the same test against rules with the MiB divisor wrong."""
+        (tmp_path / "tests").mkdir()
+        broken = DCGM_RULES.read_text().replace("/ 1048576", "/ 1000000")
+        assert broken != DCGM_RULES.read_text()
+        (tmp_path / DCGM_RULES.name).write_text(broken)
+        (tmp_path / "tests" / DCGM_RULE_TESTS.name).write_text(DCGM_RULE_TESTS.read_text())
+        done = promtool("test", "rules", tmp_path / "tests" / DCGM_RULE_TESTS.name)
+        assert done.returncode != 0
+        assert "DCGM_FI_DEV_FB_USED" in done.stdout + done.stderr
+
+    def test_every_rule_has_a_unit_test_and_an_expected_value(self) -> None:
+        tests = yaml.safe_load(DCGM_RULE_TESTS.read_text())["tests"]
+        tested = {
+            name
+            for test in tests
+            for case in test.get("promql_expr_test", [])
+            for name in re.findall(r"\b(?:DCGM_FI_\w+|gpuwarden:\w+:\w+)", case["expr"])
+        }
+        names = recorded_names()
+        assert len(names) == len(set(names)), "a series recorded twice"
+        assert set(names) - tested == set(), "rules without a promtool unit test"
+        expected = set(dcgm_values(scripted_gpus(1)[0]))
+        assert set(names) - {LABELS_RULE} == expected, "rules without an expected value"
+
+    def test_only_declared_gpuwarden_series_are_used(self) -> None:
+        used = set(re.findall(r"\bgpuwarden_[a-z0-9_]+\b", DCGM_RULES.read_text()))
+        assert used, "the rules read no gpuwarden series?"
+        assert used - declared_metric_names() == set()
+
+    async def test_unit_test_inputs_are_what_the_agent_renders(self) -> None:
+        """The promtool test's gpuwarden series (labels and first value) are in the agent's
+        exposition of scripted_gpus: the unit test cannot drift from the exporter."""
+        rig = GpuRig(
+            FakeNvml(scripted_gpus(GPUS)),
+            GpuSettings(event_thread=False, gpm_interval=10.0, slow_interval=1.0),
+        )
+        try:
+            await rig.collect(advance=10.0)  # GPM needs two samples
+            collection = await rig.collect()
+        finally:
+            await rig.close()
+        rendered = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(exposition(collection).decode())
+            for s in family.samples
+        }
+        tests = yaml.safe_load(DCGM_RULE_TESTS.read_text())["tests"]
+        full = next(t for t in tests if t["name"].startswith("every series"))
+        checked = 0
+        for item in full["input_series"]:
+            name, labels = parse_series(item["series"])
+            if name == "gpuwarden_node_info":
+                continue  # the runtime's, not the gpu collector's
+            for scrape_label in ("instance", "job", "cluster"):
+                labels.pop(scrape_label, None)
+            first = float(str(item["values"]).split()[0].split("x")[0].split("+")[0])
+            key = (name, tuple(sorted(labels.items())))
+            assert key in rendered, f"not rendered by the agent: {item['series']}"
+            assert rendered[key] == first, item["series"]
+            checked += 1
+        assert checked >= len(recorded_names()) * GPUS // 2
+
+
+_SERIES = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)\{(?P<labels>.*)\}$")
+_PAIR = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_series(text: str) -> tuple[str, dict[str, str]]:
+    match = _SERIES.match(text.strip())
+    assert match is not None, text
+    return match["name"], dict(_PAIR.findall(match["labels"]))
+
+
+# -- end to end: the agent on a fake NVML, a real Prometheus, NVIDIA's dashboard --------------
+
+
+@dataclass
+class Stack:
+    agent: AgentProcess
+    prom: PrometheusServer
+    gpus: list[FakeGpu]
+
+
+AGENT_CONFIG = """
+[collectors.gpu]
+interval = 0.5
+slow_interval = 1.0
+energy_interval = 1.0
+gpm_interval = 1.0
+event_thread = false
+sysfs_root = "/nonexistent-sysfs"
+[collectors.kernel_log]
+enabled = false
+[collectors.disk]
+enabled = false
+[collectors.processes]
+enabled = false
+[collectors.benchmark]
+enabled = false
+"""
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    if not (shutil.which("prometheus") or Path("/usr/bin/prometheus").exists()):
+        pytest.skip("prometheus not installed")
+    workdir = tmp_path_factory.mktemp("dcgm")
+    agent = AgentProcess(
+        workdir / "agent",
+        AGENT_CONFIG,
+        node_id=NODE,
+        prefix=[sys.executable, "-m", "tests.support.fake_gpu_agent", "--gpus", str(GPUS), "--"],
+    )
+    prom_dir = workdir / "prometheus"
+    prom_dir.mkdir()
+    shutil.copy(DCGM_RULES, prom_dir / DCGM_RULES.name)
+    prom = PrometheusServer(
+        prom_dir,
+        "global: {scrape_interval: 1s, evaluation_interval: 1s, scrape_timeout: 1s}\n"
+        f"rule_files: [{DCGM_RULES.name}]\nscrape_configs:\n"
+        f"  - job_name: gpuwarden\n    static_configs: [{{targets: ['127.0.0.1:{agent.port}']}}]\n",
+    )
+    try:
+        agent.start()
+        prom.start()
+        names = set(recorded_names())
+
+        def every_series_recorded() -> bool:
+            counts = prom.query('count by (__name__) ({__name__=~"DCGM_.+|gpuwarden:dcgm_.+"})')
+            got = {c["metric"]["__name__"]: int(c["value"][1]) for c in counts}
+            return all(got.get(name) == GPUS for name in names)
+
+        wait_for(every_series_recorded, 60, f"every recorded series for {GPUS} GPUs")
+        yield Stack(agent, prom, scripted_gpus(GPUS))
+    finally:
+        prom.stop()
+        agent.stop()
+
+
+@pytest.mark.slow
+class TestAgainstPrometheus:
+    def test_dcgm_label_set_and_values(self, stack: Stack) -> None:
+        """Every DCGM series: exactly DCGM's labels with dcgm-exporter's values, and the
+        fake's reading in DCGM's unit."""
+        problems = []
+        expected = [dcgm_values(gpu) for gpu in stack.gpus]
+        for name in expected[0]:
+            result = stack.prom.query(name)
+            if len(result) != GPUS:
+                problems.append(f"{name}: {len(result)} series, expected {GPUS}")
+            for series in result:
+                labels = dict(series["metric"])
+                del labels["__name__"]
+                assert labels.pop("job") == "gpuwarden"
+                assert labels.pop("instance") == f"127.0.0.1:{stack.agent.port}"
+                index = int(labels["gpu"])
+                gpu = stack.gpus[index]
+                if labels != dcgm_labels_of(gpu, index):
+                    problems.append(f"{name}: labels {labels}")
+                value = float(series["value"][1])
+                want = expected[index][name]
+                if value != pytest.approx(want, rel=1e-9):
+                    problems.append(f"{name} gpu {index}: {value}, expected {want}")
+        assert not problems, "\n".join(problems)
+
+    @pytest.mark.parametrize("dashboard", DASHBOARDS, ids=lambda d: d.commit[:7])
+    def test_every_dashboard_query_returns_series(self, stack: Stack, dashboard: Dashboard) -> None:
+        def check(panel: Panel, query: str, result: list[dict[str, Any]]) -> str | None:
+            if not result:
+                return "no series"
+            legend = set(LEGEND_LABEL.findall(panel.legend)) - MIG_ONLY_LABELS
+            for series in result:
+                if missing := legend - set(series["metric"]):
+                    return f"legend labels {sorted(missing)} missing on {series['metric']}"
+            return None
+
+        problems = query_all_panels(stack.prom, dashboard, check)
+        assert not problems, f"{dashboard.source}:\n" + "\n".join(problems)
+
+    @pytest.mark.parametrize("dashboard", DASHBOARDS, ids=lambda d: d.commit[:7])
+    def test_variables_offer_every_gpu_and_host(self, stack: Stack, dashboard: Dashboard) -> None:
+        found, _ = resolve(stack.prom, dashboard)
+        assert found["gpu"] == [str(i) for i in range(GPUS)]
+        for name, values in found.items():
+            if name == "instance":
+                assert values == [f"127.0.0.1:{stack.agent.port}"]
+            if name == "Hostname":
+                assert values == [NODE]
+
+
+# -- on a real GPU -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+class TestRealGpu:
+    """NVML's busId as nvidia-smi prints it is what the info series carries (DCGM's form)."""
+
+    def test_nvml_pci_bus_id_is_nvidia_smis(self) -> None:
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            pytest.skip("no nvidia-smi")
+        backend = NvmlBackend()
+        try:
+            backend.start()
+        except NvmlUnavailable as exc:
+            pytest.skip(f"no NVML here: {exc}")
+        try:
+            # Synchronous on purpose: the GPU machine may lack pytest-asyncio.
+            collection = asyncio.run(one_round(backend))
+        finally:
+            backend.stop()
+        rows = subprocess.run(
+            [smi, "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.splitlines()
+        assert rows
+        for row in rows:
+            index, bus_id = (part.strip() for part in row.split(","))
+            (info,) = find(collection, "gpuwarden_gpu_info", gpu=index)
+            assert info.labels["nvml_pci_bus_id"] == bus_id
