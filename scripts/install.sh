@@ -42,7 +42,7 @@ install -d -m 0755 "$DESTDIR$UNITDIR" "$DESTDIR$SYSUSERSDIR" "$DESTDIR$SYSCONFDI
 install -m 0644 "$here/systemd/gpuwarden.service" "$here/systemd/gpuwarden-watch.service" \
     "$DESTDIR$UNITDIR/"
 install -m 0644 "$here/systemd/gpuwarden.sysusers" "$DESTDIR$SYSUSERSDIR/gpuwarden.conf"
-install -m 0644 "$here/configs/prometheus/gpuwarden-rules.yml" \
+install -m 0644 "$here/configs/prometheus/gpuwarden-rules.yml" "$here/configs/prometheus/dcgm-compat-rules.yml" \
     "$here/configs/prometheus/prometheus.yml" "$DESTDIR$PREFIX/share/prometheus/"
 install -m 0644 "$here/configs/grafana/gpuwarden.json" "$DESTDIR$PREFIX/share/grafana/"
 # Never overwrite a configuration an operator has edited.

@@ -93,6 +93,7 @@ class TestStagedInstall:
             "usr/lib/sysusers.d/gpuwarden.conf",
             "etc/gpuwarden/gpuwarden.toml",
             "opt/gpuwarden/share/prometheus/gpuwarden-rules.yml",
+            "opt/gpuwarden/share/prometheus/dcgm-compat-rules.yml",
             "opt/gpuwarden/share/grafana/gpuwarden.json",
             "opt/gpuwarden/venv/bin/gpuwarden",
         ):
