@@ -63,8 +63,9 @@ RELEASED = Dashboard(
     source=f"{_REPO}/d5e5f510a1b6b393f39a43293ccd9dc985defc79/grafana/dcgm-exporter-dashboard.json",
     commit="d5e5f510a1b6b393f39a43293ccd9dc985defc79",
     version="main of 2026-05-12; the file is unchanged since cffaeb8 ('Fix Grafana dashboard "
-    "(#183)', 2023-08-11) and the same in every release from 3.1.8-3.1.5 to 4.5.3-4.8.2 "
-    "(JSON version 1, schemaVersion 22); also grafana.com dashboard 12239",
+    "(#183)', 2023-08-11) and the same in every release from 3.2.5-3.1.7 to 4.5.3-4.8.2 "
+    "(JSON version 1, schemaVersion 22). The project's README calls grafana.com dashboard "
+    "12239 the official one; the repository's file is what this list is taken from.",
     variables=(
         Variable("instance", "label_values(DCGM_FI_DEV_GPU_TEMP, instance)"),
         Variable("gpu", "label_values(DCGM_FI_DEV_GPU_TEMP, gpu)"),
