@@ -51,6 +51,7 @@ from tests.test_gpu_real import one_round
 
 DCGM_RULES = ROOT / "configs/prometheus/dcgm-compat-rules.yml"
 DCGM_RULE_TESTS = ROOT / "configs/prometheus/tests/dcgm-compat-rules.test.yml"
+DOCS = ROOT / "docs/dcgm-compat.md"
 LABELS_RULE = "gpuwarden:dcgm_labels:info"
 NODE = "test-node"
 GPUS = 2
@@ -331,6 +332,12 @@ class TestRulesFile:
         assert set(names) - tested == set(), "rules without a promtool unit test"
         expected = set(dcgm_values(scripted_gpus(1)[0]))
         assert set(names) - {LABELS_RULE} == expected, "rules without an expected value"
+
+    def test_the_docs_list_every_series(self) -> None:
+        text = DOCS.read_text()
+        section = text.split("\n## Series\n", 1)[1].split("\n## ", 1)[0]
+        documented = set(re.findall(r"`(DCGM_FI_\w+)`", section))
+        assert documented == set(recorded_names()) - {LABELS_RULE}
 
     def test_only_declared_gpuwarden_series_are_used(self) -> None:
         used = set(re.findall(r"\bgpuwarden_[a-z0-9_]+\b", DCGM_RULES.read_text()))
