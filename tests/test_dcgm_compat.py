@@ -9,12 +9,15 @@ Grafana dashboard works unchanged.
   Prometheus that loads the rules; every DCGM series has DCGM's label set and the fake's value
   in DCGM's unit, and every query of NVIDIA's dashboard (variables included, substituted as
   Grafana does) returns series through the HTTP API;
-- on a real GPU (`gpu`): the NVML-form address is the one nvidia-smi prints.
+- on a real GPU (`gpu`, Hopper or later; the lead runs them on the H200): the NVML-form address
+  is the one nvidia-smi prints, and the real agent scraped by a real Prometheus answers every
+  dashboard query with nvidia-smi's labels (the same checks run on the fake here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import subprocess
@@ -426,22 +429,18 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@contextlib.contextmanager
+def scraped(
+    agent: AgentProcess, workdir: Path, ready: Callable[[PrometheusServer], bool]
+) -> Iterator[PrometheusServer]:
+    """`agent` started and scraped each second by a real Prometheus loading the rules, until
+    `ready` says the series a test needs are recorded."""
     if not (shutil.which("prometheus") or Path("/usr/bin/prometheus").exists()):
         pytest.skip("prometheus not installed")
-    workdir = tmp_path_factory.mktemp("dcgm")
-    agent = AgentProcess(
-        workdir / "agent",
-        AGENT_CONFIG,
-        node_id=NODE,
-        prefix=[sys.executable, "-m", "tests.support.fake_gpu_agent", "--gpus", str(GPUS), "--"],
-    )
-    prom_dir = workdir / "prometheus"
-    prom_dir.mkdir()
-    shutil.copy(DCGM_RULES, prom_dir / DCGM_RULES.name)
+    workdir.mkdir(parents=True)
+    shutil.copy(DCGM_RULES, workdir / DCGM_RULES.name)
     prom = PrometheusServer(
-        prom_dir,
+        workdir,
         "global: {scrape_interval: 1s, evaluation_interval: 1s, scrape_timeout: 1s}\n"
         f"rule_files: [{DCGM_RULES.name}]\nscrape_configs:\n"
         f"  - job_name: gpuwarden\n    static_configs: [{{targets: ['127.0.0.1:{agent.port}']}}]\n",
@@ -449,18 +448,44 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         agent.start()
         prom.start()
-        names = set(recorded_names())
-
-        def every_series_recorded() -> bool:
-            counts = prom.query('count by (__name__) ({__name__=~"DCGM_.+|gpuwarden:dcgm_.+"})')
-            got = {c["metric"]["__name__"]: int(c["value"][1]) for c in counts}
-            return all(got.get(name) == GPUS for name in names)
-
-        wait_for(every_series_recorded, 60, f"every recorded series for {GPUS} GPUs")
-        yield Stack(agent, prom, scripted_gpus(GPUS))
+        wait_for(lambda: ready(prom), 60, "the rules to record every series the test needs")
+        yield prom
     finally:
         prom.stop()
         agent.stop()
+
+
+def recorded_for(names: set[str], gpus: int) -> Callable[[PrometheusServer], bool]:
+    def ready(prom: PrometheusServer) -> bool:
+        counts = prom.query('count by (__name__) ({__name__=~"DCGM_.+|gpuwarden:dcgm_.+"})')
+        got = {c["metric"]["__name__"]: int(c["value"][1]) for c in counts}
+        return all(got.get(name) == gpus for name in names)
+
+    return ready
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("dcgm")
+    agent = AgentProcess(
+        workdir / "agent",
+        AGENT_CONFIG,
+        node_id=NODE,
+        prefix=[sys.executable, "-m", "tests.support.fake_gpu_agent", "--gpus", str(GPUS), "--"],
+    )
+    with scraped(agent, workdir / "prometheus", recorded_for(set(recorded_names()), GPUS)) as prom:
+        yield Stack(agent, prom, scripted_gpus(GPUS))
+
+
+def dashboard_check(panel: Panel, query: str, result: list[dict[str, Any]]) -> str | None:
+    """A panel's answer is good when it has series and each carries its legend's labels."""
+    if not result:
+        return "no series"
+    legend = set(LEGEND_LABEL.findall(panel.legend)) - MIG_ONLY_LABELS
+    for series in result:
+        if missing := legend - set(series["metric"]):
+            return f"legend labels {sorted(missing)} missing on {series['metric']}"
+    return None
 
 
 @pytest.mark.slow
@@ -491,17 +516,27 @@ class TestAgainstPrometheus:
 
     @pytest.mark.parametrize("dashboard", DASHBOARDS, ids=lambda d: d.commit[:7])
     def test_every_dashboard_query_returns_series(self, stack: Stack, dashboard: Dashboard) -> None:
-        def check(panel: Panel, query: str, result: list[dict[str, Any]]) -> str | None:
-            if not result:
-                return "no series"
-            legend = set(LEGEND_LABEL.findall(panel.legend)) - MIG_ONLY_LABELS
-            for series in result:
-                if missing := legend - set(series["metric"]):
-                    return f"legend labels {sorted(missing)} missing on {series['metric']}"
-            return None
-
-        problems = query_all_panels(stack.prom, dashboard, check)
+        problems = query_all_panels(stack.prom, dashboard, dashboard_check)
         assert not problems, f"{dashboard.source}:\n" + "\n".join(problems)
+
+    def test_the_real_gpu_checks_pass_on_the_fake(self, stack: Stack) -> None:
+        """The checks the `gpu` test makes against nvidia-smi, here against the rows
+        nvidia-smi would print for the fake GPUs: they pass, and fail for a wrong row."""
+        rows = [
+            {
+                "index": str(i),
+                "uuid": g.uuid,
+                "name": g.name,
+                "pci.bus_id": g.pci_bus_id,
+                "driver_version": "580.159.04",
+                "temperature.gpu": str(g.temperature),
+                "memory.total": str((g.memory.total if g.memory else 0) // MIB),
+            }
+            for i, g in enumerate(stack.gpus)
+        ]
+        assert agrees_with_nvidia_smi(stack.prom, rows) == []
+        rows[1]["pci.bus_id"] = "0000:28:00.0"  # the Linux form is not DCGM's
+        assert len(agrees_with_nvidia_smi(stack.prom, rows)) == 1
 
     @pytest.mark.parametrize("dashboard", DASHBOARDS, ids=lambda d: d.commit[:7])
     def test_variables_offer_every_gpu_and_host(self, stack: Stack, dashboard: Dashboard) -> None:
@@ -535,15 +570,90 @@ class TestRealGpu:
             collection = asyncio.run(one_round(backend))
         finally:
             backend.stop()
-        rows = subprocess.run(
-            [smi, "--query-gpu=index,pci.bus_id", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout.splitlines()
-        assert rows
+        rows = nvidia_smi(smi, "index,pci.bus_id")
         for row in rows:
-            index, bus_id = (part.strip() for part in row.split(","))
+            index, bus_id = row["index"], row["pci.bus_id"]
             (info,) = find(collection, "gpuwarden_gpu_info", gpu=index)
             assert info.labels["nvml_pci_bus_id"] == bus_id
+
+
+def nvidia_smi(smi: str, fields: str) -> list[dict[str, str]]:
+    """One dict per GPU; skips the test where nvidia-smi finds no driver."""
+    done = subprocess.run(
+        [smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    if done.returncode != 0 or not done.stdout.strip():
+        pytest.skip(f"nvidia-smi: {done.stdout or done.stderr}")
+    names = fields.split(",")
+    return [
+        dict(zip(names, (v.strip() for v in line.split(",")), strict=True))
+        for line in done.stdout.splitlines()
+    ]
+
+
+# What NVIDIA's dashboards read; GPM (the PROF series) is there on Hopper and later.
+DASHBOARD_SERIES = {
+    name
+    for dashboard in DASHBOARDS
+    for panel in dashboard.panels
+    for name in re.findall(r"\bDCGM_FI_\w+", panel.expr)
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_nvidias_dashboard_on_the_real_gpus(tmp_path: Path) -> None:
+    """The real agent on the real GPUs: every query of both dashboards answers, the DCGM
+    labels are nvidia-smi's values, and a few readings agree with nvidia-smi's."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        pytest.skip("no nvidia-smi")
+    fields = "index,uuid,name,pci.bus_id,driver_version,temperature.gpu,memory.total,compute_cap"
+    rows = nvidia_smi(smi, fields)
+    if any(float(row["compute_cap"]) < 9.0 for row in rows):
+        pytest.skip("NVIDIA's dashboard reads a GPM series: Hopper or later needed")
+    agent = AgentProcess(
+        tmp_path / "agent",
+        AGENT_CONFIG.replace('sysfs_root = "/nonexistent-sysfs"\n', ""),
+        node_id=NODE,
+    )
+    with scraped(agent, tmp_path / "prometheus", recorded_for(DASHBOARD_SERIES, len(rows))) as prom:
+        for name in sorted(DASHBOARD_SERIES):  # what the H200 showed, for the closing note
+            for series in prom.query(name):
+                print(f"{name}{{gpu={series['metric']['gpu']}}} {series['value'][1]}")
+        problems = agrees_with_nvidia_smi(prom, rows)
+    assert not problems, "\n".join(problems)
+
+
+def agrees_with_nvidia_smi(prom: PrometheusServer, rows: list[dict[str, str]]) -> list[str]:
+    """Every query of both dashboards answers; the DCGM labels of each GPU are nvidia-smi's
+    values; temperature and memory size agree with it."""
+    problems = [p for d in DASHBOARDS for p in query_all_panels(prom, d, dashboard_check)]
+    temperatures = {s["metric"]["gpu"]: s for s in prom.query("DCGM_FI_DEV_GPU_TEMP")}
+    totals = {s["metric"]["gpu"]: s for s in prom.query("DCGM_FI_DEV_FB_TOTAL")}
+    for row in rows:
+        if row["index"] not in temperatures or row["index"] not in totals:
+            problems.append(f"GPU {row['index']}: no DCGM series")
+            continue
+        labels = temperatures[row["index"]]["metric"]
+        want = {
+            "UUID": row["uuid"],
+            "pci_bus_id": row["pci.bus_id"],
+            "modelName": row["name"],
+            "DCGM_FI_DRIVER_VERSION": row["driver_version"],
+            "device": f"nvidia{row['index']}",
+            "Hostname": NODE,
+        }
+        if got := {k: labels.get(k) for k in want if labels.get(k) != want[k]}:
+            problems.append(f"GPU {row['index']}: labels {got}, nvidia-smi says {want}")
+        temperature = float(temperatures[row["index"]]["value"][1])
+        if abs(temperature - float(row["temperature.gpu"])) > 3:
+            problems.append(f"GPU {row['index']}: {temperature} C, nvidia-smi {row}")
+        total = float(totals[row["index"]]["value"][1])
+        if abs(total - float(row["memory.total"])) > 1:
+            problems.append(f"GPU {row['index']}: {total} MiB, nvidia-smi {row}")
+    return problems
