@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.contracts.model import GPU_LABELS, RepairAction, Severity
+from agent.contracts.model import GPU_LABELS, MetricFamily, RepairAction, Severity
 from agent.runtime.repairs import NOT_HELD
 from collectors._xid_catalog import catalog
 from collectors.gpu.collector import GpuSettings
@@ -28,7 +28,9 @@ from tests.support.rules import (
     SEVERITIES,
     alert_blocks,
     alert_rules,
+    dashboard,
     dashboard_exprs,
+    dashboard_targets,
     declared_metric_names,
     input_series,
     promtool,
@@ -217,6 +219,54 @@ class TestDashboard:
         done = promtool("check", "rules", path)
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"{len(exprs)} rules found" in done.stdout
+
+
+class TestDashboardGpu:
+    """A `gpu` variable from a per-GPU series, used by every per-GPU query, and the panels the
+    GPU-depth work is for (memory, processes, activity, PCIe, GPU count) with thresholds."""
+
+    def families(self) -> dict[str, MetricFamily]:
+        return {f.name: f for f in all_families(Path("/nonexistent"))}
+
+    def test_the_gpu_variable_is_used_by_every_per_gpu_query(self) -> None:
+        families = self.families()
+        variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+        query = variables["gpu"]["query"]["query"]
+        source = re.fullmatch(r"label_values\((gpuwarden_\w+)\{[^}]*\}, gpu\)", query)
+        assert source is not None, query
+        assert "gpu" in families[source[1]].labels
+        unfiltered = [
+            f"{title}: {name}{selector}"
+            for _, title, expr in dashboard_targets()
+            for name, selector in re.findall(r"(gpuwarden_[a-z0-9_]+)(\{[^}]*\})?", expr)
+            if name in families and "gpu" in families[name].labels and 'gpu=~"$gpu"' not in selector
+        ]
+        assert unfiltered == []
+
+    def test_gpu_health_panels_and_thresholds(self) -> None:
+        # family -> whether its panel must draw thresholds (a limit an operator acts on)
+        wanted = {
+            "gpuwarden_gpu_memory_used_bytes": True,
+            "gpuwarden_gpu_process_memory_used_bytes": False,
+            "gpuwarden_gpu_activity_ratio": False,
+            "gpuwarden_gpu_pcie_link_width_lanes": True,
+            "gpuwarden_gpu_pcie_link_generation": True,
+            "gpuwarden_gpu_pcie_replays_total": False,
+            "gpuwarden_gpus_visible": True,
+            "gpuwarden_gpus_expected": False,
+            "gpuwarden_gpus_pci": False,
+            "gpuwarden_gpu_temperature_threshold_celsius": True,
+        }
+        panels = dashboard()["panels"]
+        for name, thresholds in wanted.items():
+            using = [p for p in panels if any(name in t["expr"] for t in p.get("targets", []))]
+            assert using, f"no panel shows {name}"
+            if thresholds:
+                steps = [
+                    p["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])
+                    for p in using
+                ]
+                assert any(len(s) >= 2 for s in steps), f"no threshold on a panel of {name}"
 
 
 class TestAlertRule:

@@ -55,15 +55,30 @@ def alert_blocks(text: str) -> dict[str, str]:
     return out
 
 
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def dashboard_targets() -> list[tuple[str, str, str]]:
+    """(row title, panel title, expr as written) for every query of the Grafana dashboard, in
+    the order of its panels (a panel belongs to the row above it)."""
+    row = ""
+    out = []
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        for target in panel.get("targets", []):
+            out.append((row, panel["title"], target["expr"]))
+    return out
+
+
 def dashboard_exprs() -> list[tuple[str, str]]:
     """(panel title, expr) for every query of the Grafana dashboard, variables substituted."""
-    data = json.loads(DASHBOARD.read_text())
-    exprs = []
-    for panel in data["panels"]:
-        for target in panel.get("targets", []):
-            expr = target["expr"].replace("$instance", ".*")
-            exprs.append((panel["title"], expr))
-    return exprs
+    return [
+        (title, expr.replace("$instance", ".*").replace("$gpu", ".*"))
+        for _, title, expr in dashboard_targets()
+    ]
 
 
 def declared_metric_names() -> set[str]:
