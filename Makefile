@@ -61,7 +61,8 @@ bench: $(TEST_STAMP)
 # example configuration, alert rules and dashboard (scripts/install.sh says more).
 PREFIX ?= /opt/gpuwarden
 install:
-	DESTDIR='$(DESTDIR)' PREFIX='$(PREFIX)' PYTHON='$(PYTHON)' sh scripts/install.sh
+	DESTDIR='$(DESTDIR)' PREFIX='$(PREFIX)' PYTHON='$(PYTHON)' RUNBOOK_URL='$(RUNBOOK_URL)' \
+		sh scripts/install.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache

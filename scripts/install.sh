@@ -11,6 +11,8 @@
 #   PACKAGE      what pip installs (default: this source tree; a wheel file works too)
 #   PIP_ARGS     extra pip arguments (for example --no-index --find-links DIR offline)
 #   CREATE_USER  1: run systemd-sysusers (default 1 without DESTDIR, 0 with it)
+#   RUNBOOK_URL  where you publish docs/runbook.md (http or https); written into the installed
+#                alert rules' runbook_url in place of the placeholder gpuwarden.invalid base
 #
 # A venv is not relocatable: with DESTDIR set it is built in the staging root and the staging
 # prefix is then removed from its scripts, so it works once copied to PREFIX.
@@ -26,6 +28,20 @@ PYTHON=${PYTHON:-python3}
 PACKAGE=${PACKAGE:-$here}
 PIP_ARGS=${PIP_ARGS:-}
 if [ -n "$DESTDIR" ]; then CREATE_USER=${CREATE_USER:-0}; else CREATE_USER=${CREATE_USER:-1}; fi
+RUNBOOK_URL=${RUNBOOK_URL:-}
+RUNBOOK_PLACEHOLDER=https://gpuwarden.invalid/docs/runbook.md
+# Checked before anything is installed. The anchors (#alertname) are the rules' own, and sed
+# must take the URL literally.
+case "$RUNBOOK_URL" in
+    "") ;;
+    *'#'* | *'|'* | *'&'* | *'\'* | *'"'* | *' '*)
+        echo "gpuwarden: RUNBOOK_URL: no '#', '|', '&', backslash, quote or space, got '$RUNBOOK_URL'" >&2
+        exit 2 ;;
+    http://* | https://*) ;;
+    *)
+        echo "gpuwarden: RUNBOOK_URL: expected an http:// or https:// URL, got '$RUNBOOK_URL'" >&2
+        exit 2 ;;
+esac
 
 venv="$DESTDIR$PREFIX/venv"
 echo "gpuwarden: virtual environment in $venv"
@@ -44,6 +60,11 @@ install -m 0644 "$here/systemd/gpuwarden.service" "$here/systemd/gpuwarden-watch
 install -m 0644 "$here/systemd/gpuwarden.sysusers" "$DESTDIR$SYSUSERSDIR/gpuwarden.conf"
 install -m 0644 "$here/configs/prometheus/gpuwarden-rules.yml" "$here/configs/prometheus/dcgm-compat-rules.yml" \
     "$here/configs/prometheus/prometheus.yml" "$DESTDIR$PREFIX/share/prometheus/"
+if [ -n "$RUNBOOK_URL" ]; then
+    sed -i "s|$RUNBOOK_PLACEHOLDER#|$RUNBOOK_URL#|" "$DESTDIR$PREFIX/share/prometheus/gpuwarden-rules.yml"
+else
+    echo "gpuwarden: the alert rules' runbook links point at $RUNBOOK_PLACEHOLDER (set RUNBOOK_URL)"
+fi
 install -m 0644 "$here/configs/grafana/gpuwarden.json" "$DESTDIR$PREFIX/share/grafana/"
 # Never overwrite a configuration an operator has edited.
 config="$DESTDIR$SYSCONFDIR/gpuwarden/gpuwarden.toml"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent.program import config_file as config
+from tests.support.rules import RULES, RUNBOOK_PLACEHOLDER, alert_rules, promtool
 
 ROOT = Path(__file__).resolve().parents[1]
 # scripts/ is not a package: load the generator by path.
@@ -24,6 +25,7 @@ config_example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(config_example)
 
 PREFIX = "/opt/gpuwarden"
+RUNBOOK_URL = "https://git.example.org/ops/gpuwarden/-/blob/main/docs/runbook.md"
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,7 @@ def staged(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         "PIP_ARGS": "--no-deps --no-index",
         "PYTHON": sys.executable,
         "CREATE_USER": "1",
+        "RUNBOOK_URL": RUNBOOK_URL,
     }
     done = subprocess.run(
         ["sh", str(ROOT / "scripts/install.sh")],
@@ -100,6 +103,33 @@ class TestStagedInstall:
             assert (staged / path).is_file(), path
         secret = staged / "etc/gpuwarden/mqtt-password"
         assert secret.stat().st_mode & 0o777 == 0o600
+
+    def test_runbook_links_point_where_the_runbook_is_published(self, staged: Path) -> None:
+        installed = staged / "opt/gpuwarden/share/prometheus/gpuwarden-rules.yml"
+        text = installed.read_text()
+        assert text == RULES.read_text().replace(f"{RUNBOOK_PLACEHOLDER}#", f"{RUNBOOK_URL}#")
+        urls = [r["annotations"]["runbook_url"] for r in alert_rules(text).values()]
+        assert urls and all(u.startswith(f"{RUNBOOK_URL}#") for u in urls)
+        assert promtool("check", "rules", installed).returncode == 0
+
+    @pytest.mark.parametrize(
+        "url", ["git.example.org/runbook.md", "https://x/a b", "https://x/r.md#top", "https://x/&"]
+    )
+    def test_a_runbook_url_sed_would_mangle_is_refused_first(
+        self, url: str, tmp_path: Path
+    ) -> None:
+        env = {**os.environ, "DESTDIR": str(tmp_path / "stage"), "RUNBOOK_URL": url}
+        done = subprocess.run(
+            ["sh", str(ROOT / "scripts/install.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2
+        assert "RUNBOOK_URL" in done.stderr and url in done.stderr
+        assert not (tmp_path / "stage").exists()  # nothing installed
 
     def test_scripts_name_the_final_prefix(self, staged: Path) -> None:
         script = (staged / "opt/gpuwarden/venv/bin/gpuwarden").read_text()

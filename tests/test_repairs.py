@@ -118,14 +118,31 @@ async def test_metrics_show_one_series_per_required_action_and_subject() -> None
                 if s.family.name == "gpuwarden_repair_required"
             }
 
-        rt.emit(ev("xid", R.REBOOT_NODE, xid=79))
+        rt.emit(ev("xid", R.REBOOT_NODE, xid=79, severity=Severity.WARNING))
         rt.emit(ev("gpu_lost", R.REBOOT_NODE))  # the same action of the same GPU: one series
         rt.emit(ev("row_remap_failure", R.HARDWARE_INSPECTION, subject="GPU-2"))
+        # A warning that needs a drain-class action (a degraded PCIe link) is not a page: the
+        # alert rules tell the two apart by the severity label, the worst of the entries.
+        rt.emit(
+            ev(
+                "pcie_link_degraded",
+                R.HARDWARE_INSPECTION,
+                subject="GPU-3",
+                severity=Severity.WARNING,
+            )
+        )
         rt.flush_events()
-        assert series() == {("reboot_node", "GPU-1"): 1, ("hardware_inspection", "GPU-2"): 1}
+        assert series() == {
+            ("reboot_node", "GPU-1", "critical"): 1,
+            ("hardware_inspection", "GPU-2", "critical"): 1,
+            ("hardware_inspection", "GPU-3", "warning"): 1,
+        }
         rt.emit(ev("xid", clears=("*",)))
         rt.flush_events()
-        assert series() == {("hardware_inspection", "GPU-2"): 1}
+        assert series() == {
+            ("hardware_inspection", "GPU-2", "critical"): 1,
+            ("hardware_inspection", "GPU-3", "warning"): 1,
+        }
     finally:
         await rt.stop()
 

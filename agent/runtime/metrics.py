@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from agent import __version__
-from agent.contracts.model import MetricFamily, MetricType, Sample
+from agent.contracts.model import MetricFamily, MetricType, Sample, Severity
 from agent.runtime.store_guard import QUEUE_FULL
 
 if TYPE_CHECKING:
@@ -147,8 +147,9 @@ REPAIR_REQUIRED = MetricFamily(
     "gpuwarden_repair_required",
     G,
     "1 per repair action required on a subject (GPU UUID, mount point, host) and not yet "
-    "cleared; the series goes away when it is cleared",
-    ("action", "subject"),
+    "cleared, with the worst severity of the findings that require it; the series goes away "
+    "when it is cleared",
+    ("action", "subject", "severity"),
 )
 REPAIR_SINCE = MetricFamily(
     "gpuwarden_repair_required_since_timestamp_seconds",
@@ -242,9 +243,13 @@ class RuntimeMetrics:
 
     def _repairs(self) -> Iterator[Sample]:
         since: dict[tuple[str, str], float] = {}
+        worst: dict[tuple[str, str], Severity] = {}
         for repair in self._runtime.repairs():  # several kinds may need one action of one subject
             key = (repair.action.value, repair.subject)
             since[key] = min(since.get(key, repair.since), repair.since)
+            worst[key] = max(worst.get(key, repair.severity), repair.severity)
         for (action, subject), first in sorted(since.items()):
-            yield REPAIR_REQUIRED.sample(1, action, subject)
+            # The severity tells a page (a lost GPU needs a reboot) from a ticket (a degraded
+            # PCIe link needs an inspection): the alert rules split on it.
+            yield REPAIR_REQUIRED.sample(1, action, subject, worst[(action, subject)].label)
             yield REPAIR_SINCE.sample(first, action, subject)

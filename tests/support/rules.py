@@ -6,12 +6,21 @@ import json
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 RULES = ROOT / "configs/prometheus/gpuwarden-rules.yml"
 RULE_TESTS = ROOT / "configs/prometheus/tests/gpuwarden-rules.test.yml"
+RULE_TEST_FILES = tuple(sorted((ROOT / "configs/prometheus/tests").glob("*.test.yml")))
+RUNBOOK = ROOT / "docs/runbook.md"
+RUNBOOK_PLACEHOLDER = "https://gpuwarden.invalid/docs/runbook.md"
+"""The base of every runbook_url in the repository's rules; scripts/install.sh replaces it."""
+SEVERITIES = ("critical", "warning")
 SCRAPE_CONFIG = ROOT / "configs/prometheus/prometheus.yml"
 DASHBOARD = ROOT / "configs/grafana/gpuwarden.json"
 
@@ -46,15 +55,30 @@ def alert_blocks(text: str) -> dict[str, str]:
     return out
 
 
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def dashboard_targets() -> list[tuple[str, str, str]]:
+    """(row title, panel title, expr as written) for every query of the Grafana dashboard, in
+    the order of its panels (a panel belongs to the row above it)."""
+    row = ""
+    out = []
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        for target in panel.get("targets", []):
+            out.append((row, panel["title"], target["expr"]))
+    return out
+
+
 def dashboard_exprs() -> list[tuple[str, str]]:
     """(panel title, expr) for every query of the Grafana dashboard, variables substituted."""
-    data = json.loads(DASHBOARD.read_text())
-    exprs = []
-    for panel in data["panels"]:
-        for target in panel.get("targets", []):
-            expr = target["expr"].replace("$instance", ".*")
-            exprs.append((panel["title"], expr))
-    return exprs
+    return [
+        (title, expr.replace("$instance", ".*").replace("$gpu", ".*"))
+        for _, title, expr in dashboard_targets()
+    ]
 
 
 def declared_metric_names() -> set[str]:
@@ -65,3 +89,68 @@ def declared_metric_names() -> set[str]:
             names.update(re.findall(r'"(gpuwarden_[a-z0-9_]+)"', path.read_text()))
     # prometheus_client's CounterMetricFamily adds _total to the name it is given.
     return names | {f"{name}_total" for name in names if not name.endswith("_total")}
+
+
+def alert_rules(text: str | None = None) -> dict[str, dict[str, Any]]:
+    """alert name -> its rule (expr, for, labels, annotations), parsed from the rules file."""
+    data = yaml.safe_load(RULES.read_text() if text is None else text)
+    return {
+        rule["alert"]: rule
+        for group in data["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+
+
+def rule_tests() -> list[dict[str, Any]]:
+    """Every `promtool test rules` case of every test file."""
+    cases: list[dict[str, Any]] = []
+    for path in RULE_TEST_FILES:
+        cases += yaml.safe_load(path.read_text())["tests"]
+    return cases
+
+
+@dataclass(frozen=True)
+class InputSeries:
+    case: str
+    name: str
+    labels: dict[str, str]
+
+
+_SERIES = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<body>.*)\}$")
+_PAIR = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*(?:,|$)')
+
+
+def input_series() -> list[InputSeries]:
+    """Every input series of the rule tests, split into name and labels."""
+    out: list[InputSeries] = []
+    for case in rule_tests():
+        for entry in case["input_series"]:
+            match = _SERIES.match(entry["series"])
+            assert match is not None, f"{case['name']}: cannot read {entry['series']!r}"
+            body = match["body"]
+            labels = dict(_PAIR.findall(body))
+            assert _PAIR.sub("", body) == "", f"{case['name']}: cannot read {body!r}"
+            out.append(InputSeries(case["name"], match["name"], labels))
+    return out
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor GitHub and GitLab give a Markdown heading: lower case, punctuation dropped,
+    spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def runbook_sections(text: str) -> dict[str, str]:
+    """`### <alert>` heading -> the section's text up to the next heading."""
+    parts = re.split(r"^(#{1,6} .*)$", text, flags=re.M)
+    sections: dict[str, str] = {}
+    for heading, body in zip(parts[1::2], parts[2::2], strict=True):
+        if heading.startswith("### "):
+            sections[heading[4:].strip()] = body
+    return sections
+
+
+def runbook_anchors(text: str) -> set[str]:
+    return {heading_anchor(h) for h in re.findall(r"^#{1,6} (.*)$", text, flags=re.M)}
