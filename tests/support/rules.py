@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 RULES = ROOT / "configs/prometheus/gpuwarden-rules.yml"
 RULE_TESTS = ROOT / "configs/prometheus/tests/gpuwarden-rules.test.yml"
-RULE_TEST_FILES = tuple(sorted((ROOT / "configs/prometheus/tests").glob("*.test.yml")))
+# The tests of gpuwarden-rules.yml; dcgm-compat-rules.test.yml holds its inputs to what the
+# agent renders itself (tests/test_dcgm_compat.py), with a target label of its own (`cluster`).
+RULE_TEST_FILES = tuple(
+    sorted((ROOT / "configs/prometheus/tests").glob("gpuwarden-rules*.test.yml"))
+)
 RUNBOOK = ROOT / "docs/runbook.md"
 RUNBOOK_PLACEHOLDER = "https://gpuwarden.invalid/docs/runbook.md"
 """The base of every runbook_url in the repository's rules; scripts/install.sh replaces it."""
