@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -141,6 +142,14 @@ GPM_THROUGHPUTS: Final[Mapping[tuple[str, str], int]] = {
 _GPM_IDS: Final = (*GPM_RATIOS.values(), *GPM_THROUGHPUTS.values())
 _MIB: Final = float(2**20)
 
+INSTANCE_ID_NONE: Final = 0xFFFFFFFF
+"""NVML_GPU_INSTANCE_ID_ANY / NVML_COMPUTE_INSTANCE_ID_ANY: what nvmlEventData_t's
+gpuInstanceId and computeInstanceId hold for an event no MIG instance is named in."""
+_MIG_NAME: Final = re.compile(r"\bMIG\s+(?P<profile>\S+)\s*$")
+"""A MIG device's nvmlDeviceGetName: `NVIDIA H200 MIG 1g.18gb`, `... MIG 1c.2g.35gb` (a compute
+instance smaller than its GPU instance), the profile as `nvidia-smi -L` shows it."""
+_CI_PREFIX: Final = re.compile(r"^\d+c\.")
+
 
 class NvmlError(GpuwardenError):
     """Base of the errors this module raises."""
@@ -237,6 +246,41 @@ class GpmReading:
 
 
 @dataclass(frozen=True, slots=True)
+class MigDevice:
+    """One MIG device: a compute instance inside a GPU instance, as NVML lists it under its GPU."""
+
+    gpu_instance: int
+    compute_instance: int
+    uuid: str
+    profile: str
+    """As `nvidia-smi -L` shows it: `1g.18gb`, or `1c.2g.35gb` for a compute instance smaller
+    than its GPU instance; "" where the name does not say."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """One GPU instance: its memory (its compute instances share it) and its GPM activity."""
+
+    gpu_instance: int
+    profile: str
+    """The GPU instance's profile (`2g.35gb`: its compute instances' names without `Nc.`)."""
+    compute_instances: tuple[MigDevice, ...]
+    memory_total_bytes: float | None = None
+    memory_used_bytes: float | None = None
+    memory_free_bytes: float | None = None
+    gpm: GpmReading | None = None
+    """When GPM was asked for and this instance gives it (nvmlGpmMigSampleGet)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MigReading:
+    """The MIG instances of a GPU in MIG mode, by GPU instance id."""
+
+    instances: tuple[MigInstance, ...] = ()
+    errors: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class GpuReading:
     """Fast readings (a few µs each on an H200, docs/MEASUREMENTS.md): every round."""
 
@@ -310,6 +354,8 @@ class GpuRound:
     """When GPM was asked for and the GPU supports it."""
     gpm_read: bool = False
     """True when GPM was asked for (`gpm` is None on a GPU without GPM)."""
+    mig: MigReading | None = None
+    """The GPU's MIG instances when it is in MIG mode; None when it is not (or not asked)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +364,9 @@ class NvmlEventRecord:
     event_type: int
     data: int
     """For an Xid event, the Xid code."""
+    gpu_instance: int | None = None
+    """The MIG GPU instance the driver attributed the event to; None: none named."""
+    compute_instance: int | None = None
 
 
 class _Funnel:
@@ -369,6 +418,10 @@ class NvmlBackend:
         self._started = False
         self._gpm: dict[int, _GpmState] = {}
         """GPU index -> its GPM support and samples; reset by stop() (indexes may change)."""
+        self._mig_gpm: dict[int, dict[int, _GpmState]] = {}
+        """GPU index -> GPU instance id -> that instance's GPM samples (MIG mode only)."""
+        self._mig_profiles: dict[int, dict[str, str]] = {}
+        """GPU index -> MIG device UUID -> its profile: the name is read once per device."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -395,8 +448,10 @@ class NvmlBackend:
                 return
             self._started = False
             gpm, self._gpm = self._gpm, {}
+            mig, self._mig_gpm = self._mig_gpm, {}
+            self._mig_profiles = {}
             with contextlib.suppress(pynvml.NVMLError):  # the driver went away: nothing to release
-                for state in gpm.values():
+                for state in (*gpm.values(), *(s for g in mig.values() for s in g.values())):
                     state.free(self.lib)
                 self.lib.nvmlShutdown()
 
@@ -508,48 +563,179 @@ class NvmlBackend:
         slow: bool = False,
         energy: bool = False,
         gpm: bool = False,
+        *,
+        mig: bool = False,
     ) -> GpuRound:
-        """One GPU's round in one call (the unit the collector times out and marks hung)."""
+        """One GPU's round in one call (the unit the collector times out and marks hung).
+
+        `mig`: the GPU was in MIG mode when its static facts were last read; static facts
+        read in this call decide instead. A GPU not in MIG mode costs no MIG call."""
 
         def read() -> GpuRound:
             funnel = _Funnel(index)
             handle = self._handle(index, funnel)
+            static_reading = self._static(index, handle, _Funnel(index)) if static else None
+            mig_on = mig if static_reading is None else static_reading.mig_mode is True
+            if not mig_on and index in self._mig_gpm:  # left MIG mode (after a GPU reset)
+                self._mig_forget(index)
             return GpuRound(
                 index=index,
                 reading=self._reading(handle, _Funnel(index), energy),
-                static=self._static(index, handle, _Funnel(index)) if static else None,
+                static=static_reading,
                 slow=self._slow(handle, _Funnel(index)) if slow else None,
                 energy_read=energy,
                 gpm=self._gpm_read(index, handle, _Funnel(index)) if gpm else None,
                 gpm_read=gpm,
+                mig=self._mig(index, handle, _Funnel(index), gpm) if mig_on else None,
             )
 
         try:
             return self._guard(read)
         except GpuLost:
             self._gpm_forget(index)  # a sample from before a loss says nothing of after
+            self._mig_forget(index)
             raise
+
+    # -- MIG ----------------------------------------------------------------------------------
+
+    def _mig(self, index: int, h: Any, f: _Funnel, gpm: bool) -> MigReading:
+        """Every MIG device under the GPU, grouped by GPU instance, with each instance's
+        memory (and GPM when asked). NVML has at most nvmlDeviceGetMaxMigDeviceCount of them
+        (0 while MIG mode is only pending); an index without a device answers not found."""
+        lib = self.lib
+        count = f.get("mig_device_count", lib.nvmlDeviceGetMaxMigDeviceCount, h)
+        found: dict[int, list[tuple[MigDevice, Any]]] = {}
+        profiles = self._mig_profiles.get(index, {})
+        seen: dict[str, str] = {}
+        for slot in range(int(count or 0)):
+            device = f.get("mig_handle", lib.nvmlDeviceGetMigDeviceHandleByIndex, h, slot)
+            if device is None:
+                continue
+            gi = f.get("mig_instance_id", lib.nvmlDeviceGetGpuInstanceId, device)
+            ci = f.get("mig_instance_id", lib.nvmlDeviceGetComputeInstanceId, device)
+            if gi is None or ci is None:
+                continue
+            raw_uuid = f.get("mig_uuid", lib.nvmlDeviceGetUUID, device)
+            uuid = "" if raw_uuid is None else _text(raw_uuid)
+            profile = profiles.get(uuid) if uuid else None
+            if profile is None:  # a MIG UUID is made with its instance: the name cannot change
+                profile = mig_profile(f.get("mig_name", lib.nvmlDeviceGetName, device))
+            if uuid:
+                seen[uuid] = profile
+            found.setdefault(int(gi), []).append(
+                (MigDevice(int(gi), int(ci), uuid, profile), device)
+            )
+        self._mig_profiles[index] = seen
+        instances = tuple(
+            self._mig_instance(index, h, gi, found[gi], f, gpm=gpm) for gi in sorted(found)
+        )
+        states = self._mig_gpm.get(index, {})
+        for gi in [g for g in states if g not in found]:  # a destroyed instance's samples
+            with contextlib.suppress(pynvml.NVMLError):
+                states.pop(gi).free(lib)
+        return MigReading(instances, f.errors)
+
+    def _mig_instance(
+        self,
+        index: int,
+        h: Any,
+        gi: int,
+        devices: list[tuple[MigDevice, Any]],
+        f: _Funnel,
+        *,
+        gpm: bool,
+    ) -> MigInstance:
+        # The memory of a MIG device handle is its GPU instance's, the same for each of its
+        # compute instances: read once, through the first.
+        memory = self._memory(devices[0][1], f, "mig_memory")
+        cis = tuple(sorted((d for d, _ in devices), key=lambda d: d.compute_instance))
+        return MigInstance(
+            gpu_instance=gi,
+            profile=_CI_PREFIX.sub("", cis[0].profile),
+            compute_instances=cis,
+            memory_total_bytes=None if memory is None else float(memory.total),
+            memory_used_bytes=None if memory is None else float(memory.used),
+            memory_free_bytes=None if memory is None else float(memory.free),
+            gpm=self._gpm_mig(index, h, gi, tuple(d.uuid for d in cis), f) if gpm else None,
+        )
+
+    def _gpm_mig(
+        self, index: int, h: Any, gi: int, owner: tuple[str, ...], f: _Funnel
+    ) -> GpmReading | None:
+        """GPM of one GPU instance (nvmlGpmMigSampleGet on the parent GPU); absent where the
+        GPU has no GPM or the instance does not give it (asked once per instance). `owner`
+        (its devices' UUIDs) tells a re-created instance of the same id from the old one,
+        whose sample says nothing of it."""
+        states = self._mig_gpm.setdefault(index, {})
+        state = states.get(gi)
+        if state is not None and state.owner != owner:
+            with contextlib.suppress(pynvml.NVMLError):
+                state.free(self.lib)
+            state = None
+        if state is None:
+            take = getattr(self.lib, "nvmlGpmMigSampleGet", None)
+            supported = take is not None and self._gpm_state(index, h, f).supported
+            state = states[gi] = _GpmState(supported=supported, owner=owner)
+        if not state.supported:
+            return None
+
+        absent: list[bool] = []
+
+        def take_sample(sample: Any) -> bool:
+            errors = len(f.errors)
+            if f.get("mig_gpm_sample", self.lib.nvmlGpmMigSampleGet, h, gi, sample) is not None:
+                return True
+            if len(f.errors) == errors:  # absent, not an error: this instance has no GPM
+                absent.append(True)
+            return False
+
+        reading = self._gpm_step(state, take_sample, f)
+        if absent:
+            state.supported = False
+            state.free(self.lib)
+            return None
+        return reading
+
+    def _mig_forget(self, index: int) -> None:
+        self._mig_profiles.pop(index, None)
+        for state in self._mig_gpm.pop(index, {}).values():
+            with contextlib.suppress(pynvml.NVMLError):
+                state.free(self.lib)
 
     # -- GPM ----------------------------------------------------------------------------------
 
-    def _gpm_read(self, index: int, h: Any, f: _Funnel) -> GpmReading | None:
-        """Take a sample; the metrics between it and the previous one (none after the first).
-        Two samples per GPU, swapped: never a sleep between two samples in one call."""
+    def _gpm_state(self, index: int, h: Any, f: _Funnel) -> _GpmState:
+        """The GPU's GPM state, its support asked once."""
         state = self._gpm.get(index)
         if state is None:
             if not _HAS_GPM_API:  # an nvidia-ml-py older than GPM: absent, as unsupported
                 self._gpm[index] = state = _GpmState(supported=False)
-                return None
+                return state
             support = f.get("gpm_support", self.lib.nvmlGpmQueryDeviceSupport, h)
             state = _GpmState(supported=bool(support is not None and support.isSupportedDevice))
             self._gpm[index] = state
+        return state
+
+    def _gpm_read(self, index: int, h: Any, f: _Funnel) -> GpmReading | None:
+        """Take a sample; the metrics between it and the previous one (none after the first).
+        Two samples per GPU, swapped: never a sleep between two samples in one call."""
+        state = self._gpm_state(index, h, f)
         if not state.supported:
             return None
+        return self._gpm_step(
+            state,
+            lambda sample: f.get("gpm_sample", self.lib.nvmlGpmSampleGet, h, sample) is not None,
+            f,
+        )
+
+    def _gpm_step(self, state: _GpmState, take: Callable[[Any], bool], f: _Funnel) -> GpmReading:
+        """`take(sample)` fills a sample (False: absent or failed); the metrics against the
+        sample the last step kept."""
         if state.current is None:
             state.current = f.get("gpm_sample", self.lib.nvmlGpmSampleAlloc)
             if state.current is None:
                 return GpmReading(errors=f.errors)
-        if f.get("gpm_sample", self.lib.nvmlGpmSampleGet, h, state.current) is None:
+        if not take(state.current):
             state.taken = False  # absent or failed: the next sample starts afresh
             return GpmReading(errors=f.errors)
         reading = GpmReading(errors=f.errors)
@@ -688,10 +874,10 @@ class NvmlBackend:
             )
         return None if reasons is None else int(reasons)
 
-    def _memory(self, h: Any, f: _Funnel) -> Any:
-        memory = f.get("memory", self.lib.nvmlDeviceGetMemoryInfo, h, version=pynvml.nvmlMemory_v2)
+    def _memory(self, h: Any, f: _Funnel, name: str = "memory") -> Any:
+        memory = f.get(name, self.lib.nvmlDeviceGetMemoryInfo, h, version=pynvml.nvmlMemory_v2)
         if memory is None:  # v2 (with `reserved`) needs driver 510 or later
-            memory = f.get("memory", self.lib.nvmlDeviceGetMemoryInfo, h)
+            memory = f.get(name, self.lib.nvmlDeviceGetMemoryInfo, h)
         return memory
 
     def _reading(self, h: Any, f: _Funnel, energy: bool = False) -> GpuReading:
@@ -859,7 +1045,13 @@ class NvmlBackend:
                 pci_bus_id = normalize_pci_bus_id(_text(pci.busId))
             except ValueError:
                 pci_bus_id = ""
-        return NvmlEventRecord(pci_bus_id, int(data.eventType), int(data.eventData))
+        return NvmlEventRecord(
+            pci_bus_id,
+            int(data.eventType),
+            int(data.eventData),
+            _instance_id(getattr(data, "gpuInstanceId", INSTANCE_ID_NONE)),
+            _instance_id(getattr(data, "computeInstanceId", INSTANCE_ID_NONE)),
+        )
 
     def event_set_free(self, event_set: Any) -> None:
         with contextlib.suppress(pynvml.NVMLError):  # the driver went away: nothing to release
@@ -868,6 +1060,21 @@ class NvmlBackend:
 
 def _reraise(exc: BaseException) -> Any:
     raise exc
+
+
+def _instance_id(value: object) -> int | None:
+    """An event's MIG instance id; None for INSTANCE_ID_NONE (no instance named)."""
+    number = int(value) if isinstance(value, int) else INSTANCE_ID_NONE
+    return None if number == INSTANCE_ID_NONE else number
+
+
+def mig_profile(name: object) -> str:
+    """The profile in a MIG device's name (`NVIDIA H200 MIG 1g.18gb` -> `1g.18gb`); ""
+    where the name does not carry one."""
+    if name is None:
+        return ""
+    match = _MIG_NAME.search(_text(name))
+    return "" if match is None else match["profile"]
 
 
 def _process(entry: Any) -> GpuProcess:
@@ -886,6 +1093,8 @@ class _GpmState:
     taken: bool = False
     request: Any = None
     """The c_nvmlGpmMetricsGet_t reused for every read of this GPU."""
+    owner: tuple[str, ...] = ()
+    """For a MIG GPU instance: the UUIDs of its devices when its first sample was taken."""
 
     def free(self, lib: Any) -> None:
         for sample in (self.previous, self.current):

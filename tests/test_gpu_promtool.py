@@ -61,12 +61,22 @@ def everything_gpu(index: int) -> FakeGpu:
     return gpu
 
 
+def mig_everything_gpu(index: int) -> FakeGpu:
+    """A GPU in MIG mode whose instances give GPM activity and throughput."""
+    gpm = {pynvml.NVML_GPM_METRIC_SM_UTIL: 40.0, pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: 5.0}
+    gpu = FakeGpu.h200(index, mig_mode=(1, 1), gpm=dict(gpm))
+    gpu.add_mig(1, "1g.18gb", gpm=dict(gpm))
+    gpu.add_mig(2, "1c.2g.35gb", compute_instance=0, gpm=dict(gpm))
+    gpu.add_mig(2, "1c.2g.35gb", compute_instance=1)
+    return gpu
+
+
 @pytest.mark.skipif(not shutil.which(PROMTOOL), reason="promtool not installed")
 class TestPromtool:
     """A full round renders to exposition text that promtool accepts, with every family used."""
 
     async def test_full_round(self) -> None:
-        fake = FakeNvml([everything_gpu(0), FakeGpu.h200(1), FakeGpu.h200(2)])
+        fake = FakeNvml([everything_gpu(0), mig_everything_gpu(1), FakeGpu.h200(2)])
         # The HGX tree has 8 GPUs on the bus: 5 that NVML does not see.
         settings = GpuSettings(
             expected_gpus=3, event_wait_ms=50, sysfs_root=str(TREES / "hgx-h200-8gpu")

@@ -55,6 +55,9 @@ class TestNumbersMatchPynvml:
         for name, value in (
             ("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", _nvml.FIELD_GPU_RECOVERY_ACTION),
             ("NVML_GPM_METRICS_GET_VERSION", _nvml.GPM_METRICS_GET_VERSION),
+            # nvmlEventData_t's gpuInstanceId / computeInstanceId for "no MIG instance"
+            ("NVML_GPU_INSTANCE_ID_ANY", _nvml.INSTANCE_ID_NONE),
+            ("NVML_COMPUTE_INSTANCE_ID_ANY", _nvml.INSTANCE_ID_NONE),
         ):
             if hasattr(pynvml, name):
                 assert getattr(pynvml, name) == value, name
@@ -65,7 +68,9 @@ import pynvml
 # As an nvidia-ml-py older than the driver: the names added by recent releases are missing.
 for name in [n for n in dir(pynvml) if n.startswith(("NVML_GPU_RECOVERY_ACTION_",
         "NVML_GPM_", "NVML_GPU_FABRIC_", "NVML_FI_DEV_GET_GPU_RECOVERY"))
-        or n in ("c_nvmlGpuFabricInfo_t", "c_nvmlGpmMetricsGet_t", "nvmlGpmQueryDeviceSupport")]:
+        or n in ("c_nvmlGpuFabricInfo_t", "c_nvmlGpmMetricsGet_t", "nvmlGpmQueryDeviceSupport",
+                 "nvmlGpmMigSampleGet", "NVML_GPU_INSTANCE_ID_ANY",
+                 "NVML_COMPUTE_INSTANCE_ID_ANY")]:
     delattr(pynvml, name)
 from agent.program import registry
 from collectors import _nvml

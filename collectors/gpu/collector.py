@@ -25,6 +25,7 @@ that its UUID was never read.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from collectors._nvml import (
     GpuRound,
     GpuSlowReading,
     GpuStatic,
+    MigInstance,
     NvmlBackend,
     NvmlUnavailable,
 )
@@ -159,6 +161,9 @@ class _Gpu:
     gpm_samples: tuple[Sample, ...] | None = None
     processes: tuple[GpuProcess, ...] = ()
     """This round's top processes by memory (at most top_processes)."""
+    mig_gpm: dict[tuple[int, tuple[str, ...]], GpmReading] = field(default_factory=dict)
+    """(GPU instance id, its devices' UUIDs) -> its last GPM reading, served between GPM
+    reads; an instance that is gone (or re-created under the same id) loses its entry."""
     remembered: dict[str, str] | None = None
     """Identity labels stored by an earlier collector (this boot, same GPU count), for a GPU
     this one has not read yet."""
@@ -358,9 +363,19 @@ class GpuCollector:
         energy = gpu.energy_at is None or ctx.now - gpu.energy_at >= self.settings.energy_interval
         every = self.settings.gpm_interval
         gpm = bool(every) and (gpu.gpm_at is None or ctx.now - gpu.gpm_at >= every)
+        # The one MIG check is the mode read with the static facts: a GPU not in MIG mode
+        # costs no MIG call (the lent H200 is not).
+        mig = gpu.static is not None and gpu.static.mig_mode is True
         try:
             return await ctx.call(
-                f"nvml:gpu{index}", self.backend.read_gpu, index, static, slow, energy, gpm
+                f"nvml:gpu{index}",
+                self.backend.read_gpu,
+                index,
+                static,
+                slow,
+                energy,
+                gpm,
+                mig=mig,
             )
         except GpuLost:
             return "lost"
@@ -382,6 +397,7 @@ class GpuCollector:
                 out.events.append(self._gpu_error_event(labels, state))
             gpu.error = state
             gpu.gpm = gpu.gpm_at = gpu.gpm_samples = None  # the backend dropped its sample
+            gpu.mig_gpm = {}
             gpu.processes = ()
             out.samples.extend(m.state_samples(labels, state))
             return
@@ -422,16 +438,7 @@ class GpuCollector:
             tuple(m.recovery_samples(labels, action)) if recovery_new else gpu.recovery_samples
         )
         out.samples.extend(recovery or ())
-        errors = dict(result.reading.errors)
-        if gpu.static is not None:
-            out.samples.extend(gpu.cached_static_samples(labels, gpu.static))
-            errors.update(gpu.static.errors)
-        if gpu.slow is not None:
-            out.samples.extend(gpu.cached_slow_samples(labels, gpu.slow))
-            errors.update(gpu.slow.errors)
-        if gpu.gpm is not None:
-            out.samples.extend(gpu.cached_gpm_samples(labels, gpu.gpm))
-            errors.update(gpu.gpm.errors)
+        errors = self._kept_samples(gpu, labels, result, out)
         out.samples.extend(m.error_samples(labels, errors))
         if not labels["uuid"]:
             return  # without a UUID there is no stable key for counters and conditions
@@ -449,6 +456,28 @@ class GpuCollector:
         )
         # Only now: a condition the store could not take is tried again next round.
         gpu.recovery_samples, gpu.recovery_seen = recovery, action
+
+    def _kept_samples(
+        self, gpu: _Gpu, labels: dict[str, str], result: GpuRound, out: _Round
+    ) -> dict[str, str]:
+        """Samples of the readings kept from their own intervals, and MIG's; the field errors
+        of them all."""
+        errors = dict(result.reading.errors)
+        if gpu.static is not None:
+            out.samples.extend(gpu.cached_static_samples(labels, gpu.static))
+            errors.update(gpu.static.errors)
+        if gpu.slow is not None:
+            out.samples.extend(gpu.cached_slow_samples(labels, gpu.slow))
+            errors.update(gpu.slow.errors)
+        if gpu.gpm is not None:
+            out.samples.extend(gpu.cached_gpm_samples(labels, gpu.gpm))
+            errors.update(gpu.gpm.errors)
+        if result.mig is not None:
+            out.samples.extend(m.mig_samples(labels, _mig_instances(gpu, result)))
+            errors.update(result.mig.errors)
+        else:
+            gpu.mig_gpm = {}
+        return errors
 
     # -- who uses the GPUs -----------------------------------------------------------------------
 
@@ -798,6 +827,21 @@ def _not_enumerated_event(function: Any, on_bus: int, visible: int) -> Event:
         "(RmInitAdapter failed, fallen off the bus); reboot; if it does not come up again, "
         "have the GPU and its slot inspected",
     )
+
+
+def _mig_instances(gpu: _Gpu, result: GpuRound) -> list[MigInstance]:
+    """This round's MIG instances, each with its GPM: read this round, or the last reading
+    of the same instance between GPM reads."""
+    assert result.mig is not None
+    keyed = [
+        ((i.gpu_instance, tuple(d.uuid for d in i.compute_instances)), i)
+        for i in result.mig.instances
+    ]
+    if result.gpm_read:
+        gpu.mig_gpm = {key: i.gpm for key, i in keyed if i.gpm is not None}
+        return [i for _, i in keyed]
+    gpu.mig_gpm = {key: g for key, g in gpu.mig_gpm.items() if key in dict(keyed)}
+    return [dataclasses.replace(i, gpm=gpu.mig_gpm.get(key)) for key, i in keyed]
 
 
 def _top(processes: tuple[GpuProcess, ...] | None, limit: int) -> tuple[GpuProcess, ...]:

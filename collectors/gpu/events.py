@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import structlog
 
-from agent.contracts.model import Event, RepairAction, Severity
+from agent.contracts.model import AttributeValue, Event, RepairAction, Severity
 from collectors._nvml import (
     EVENT_DOUBLE_BIT_ECC,
     EVENT_SINGLE_BIT_ECC,
@@ -27,7 +27,7 @@ from collectors._nvml import (
     NvmlEventRecord,
     NvmlUnavailable,
 )
-from collectors._xid import XidCorrelator, XidObservation
+from collectors._xid import XidCorrelator, XidObservation, mig_description
 
 log = structlog.get_logger(component="gpu_events")
 
@@ -150,6 +150,7 @@ class GpuEventThread:
                     code=record.data,
                     time=now,
                     text=f"NVML Xid critical error event, Xid {record.data}",
+                    details=_instances(record),
                 )
             )
             if event is not None:
@@ -161,6 +162,7 @@ class GpuEventThread:
     def _ecc_event(self, record: NvmlEventRecord, now: float, double: bool) -> Event:
         labels = dict(self._identities().get(record.pci_bus_id, {}))
         name = f"GPU {labels.get('gpu', '?')} ({record.pci_bus_id})"
+        name += mig_description(_instances(record))
         if double:
             return Event(
                 source="gpu",
@@ -172,7 +174,7 @@ class GpuEventThread:
                 message=f"{name}: NVML reported a double-bit (uncorrectable) ECC error",
                 action="restart the job that used this GPU; if it repeats, drain the node and "
                 "reset the GPU; check for a pending row remap",
-                attributes={**labels, "pci_bus_id": record.pci_bus_id},
+                attributes={**labels, "pci_bus_id": record.pci_bus_id, **_instances(record)},
             )
         return Event(
             source="gpu",
@@ -183,5 +185,16 @@ class GpuEventThread:
             time=now,
             message=f"{name}: NVML reported a single-bit (corrected) ECC error",
             action="none needed for single events; watch the rate",
-            attributes={**labels, "pci_bus_id": record.pci_bus_id},
+            attributes={**labels, "pci_bus_id": record.pci_bus_id, **_instances(record)},
         )
+
+
+def _instances(record: NvmlEventRecord) -> dict[str, AttributeValue]:
+    """The MIG instances NVML's event data names (gpuInstanceId, computeInstanceId), under
+    the attribute names the kernel log's `GPU-I:`/`GPU-CI:` use; none without MIG."""
+    out: dict[str, AttributeValue] = {}
+    if record.gpu_instance is not None:
+        out["gpu_instance"] = record.gpu_instance
+    if record.compute_instance is not None:
+        out["compute_instance"] = record.compute_instance
+    return out

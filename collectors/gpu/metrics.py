@@ -13,6 +13,7 @@ from collectors._nvml import (
     GpuReading,
     GpuSlowReading,
     GpuStatic,
+    MigInstance,
     decode_clock_event_reasons,
 )
 
@@ -225,6 +226,49 @@ THROUGHPUT = MetricFamily(
     "GPM PCIe and NVLink throughput over the last gpm_interval",
     (*L, "bus", "direction"),
 )
+MIG_LABELS: Final = (*L, "gpu_instance", "profile")
+"""A MIG GPU instance's series: its GPU's labels, its id and its profile (`1g.18gb`)."""
+MIG_INFO = MetricFamily(
+    "gpuwarden_gpu_mig_device_info",
+    G,
+    "1 for each MIG device (a compute instance of a GPU instance) of a GPU in MIG mode",
+    (*L, "gpu_instance", "compute_instance", "profile", "mig_uuid"),
+)
+MIG_MEMORY_TOTAL = MetricFamily(
+    "gpuwarden_gpu_mig_memory_total_bytes",
+    G,
+    "Memory of a MIG GPU instance (shared by its compute instances)",
+    MIG_LABELS,
+    "bytes",
+)
+MIG_MEMORY_USED = MetricFamily(
+    "gpuwarden_gpu_mig_memory_used_bytes",
+    G,
+    "Memory in use in a MIG GPU instance",
+    MIG_LABELS,
+    "bytes",
+)
+MIG_MEMORY_FREE = MetricFamily(
+    "gpuwarden_gpu_mig_memory_free_bytes",
+    G,
+    "Memory free in a MIG GPU instance",
+    MIG_LABELS,
+    "bytes",
+)
+MIG_ACTIVITY = MetricFamily(
+    "gpuwarden_gpu_mig_activity_ratio",
+    G,
+    "GPM activity of a MIG GPU instance over the last gpm_interval, 0 to 1 (the metrics of "
+    "gpuwarden_gpu_activity_ratio)",
+    (*MIG_LABELS, "metric"),
+    "ratio",
+)
+MIG_THROUGHPUT = MetricFamily(
+    "gpuwarden_gpu_mig_throughput_bytes_per_second",
+    G,
+    "GPM PCIe and NVLink throughput of a MIG GPU instance over the last gpm_interval",
+    (*MIG_LABELS, "bus", "direction"),
+)
 
 FAMILIES: Final[Sequence[MetricFamily]] = (
     NVML_UP,
@@ -270,6 +314,12 @@ FAMILIES: Final[Sequence[MetricFamily]] = (
     FABRIC_STATUS,
     ACTIVITY,
     THROUGHPUT,
+    MIG_INFO,
+    MIG_MEMORY_TOTAL,
+    MIG_MEMORY_USED,
+    MIG_MEMORY_FREE,
+    MIG_ACTIVITY,
+    MIG_THROUGHPUT,
 )
 
 
@@ -376,6 +426,33 @@ def gpm_samples(labels: Mapping[str, str], g: GpmReading) -> list[Sample]:
         out.add(ACTIVITY, ratio, name)
     for (bus, direction), rate in g.throughputs.items():
         out.add(THROUGHPUT, rate, bus, direction)
+    return out.samples
+
+
+def mig_samples(labels: Mapping[str, str], instances: Sequence[MigInstance]) -> list[Sample]:
+    """Series of a GPU's MIG instances: one set per GPU instance, one info per device. Memory
+    is the GPU instance's, never repeated per compute instance (a sum over a GPU's instances
+    would count it twice)."""
+    out = _Out(labels)
+    for gi in instances:
+        instance = (str(gi.gpu_instance), gi.profile)
+        for device in gi.compute_instances:
+            out.add(
+                MIG_INFO,
+                1,
+                str(gi.gpu_instance),
+                str(device.compute_instance),
+                device.profile,
+                device.uuid,
+            )
+        out.add(MIG_MEMORY_TOTAL, gi.memory_total_bytes, *instance)
+        out.add(MIG_MEMORY_USED, gi.memory_used_bytes, *instance)
+        out.add(MIG_MEMORY_FREE, gi.memory_free_bytes, *instance)
+        if gi.gpm is not None:
+            for name, ratio in gi.gpm.ratios.items():
+                out.add(MIG_ACTIVITY, ratio, *instance, name)
+            for (bus, direction), rate in gi.gpm.throughputs.items():
+                out.add(MIG_THROUGHPUT, rate, *instance, bus, direction)
     return out.samples
 
 

@@ -19,6 +19,13 @@ it through its `FakeGpu`s (mutable on purpose: a test changes a value between ro
 - the fabric: `gpu.fabric = FakeFabric(state=..., status=...)` (None: not supported);
 - GPM: `gpu.gpm = {NVML_GPM_METRIC_SM_UTIL: 80.0, ...}`, the values any two samples of this GPU
   give (a metric left out answers NOT_SUPPORTED; None: GPM not supported on the device).
+- MIG: `gpu.mig_mode = (1, 1)` and `gpu.add_mig(gpu_instance=1, profile="1g.18gb")` (one MIG
+  device, a compute instance; `compute_instance=`, `memory_used=`, `gpm=` per instance, None:
+  the instance gives no GPM); `gpu.remove_mig(1)` destroys a GPU instance's devices. A GPU
+  with `mig_mode = None` (before Ampere) answers NOT_SUPPORTED to every MIG call; one with MIG
+  off has no MIG device (nvmlDeviceGetMaxMigDeviceCount answers 0, as NVML does).
+- events naming a MIG instance: `fake.push_event(gpu, type, data, gpu_instance=2,
+  compute_instance=0)` (left out: NVML's 0xFFFFFFFF, none).
 
 The handles it gives out are the `FakeGpu` objects themselves.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import queue
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -103,6 +111,24 @@ class FakeEventData:
     device: FakeGpu
     eventType: int
     eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+@dataclass(eq=False)
+class FakeMigDevice:
+    """One MIG device (a compute instance in a GPU instance); its handle is the object."""
+
+    parent: FakeGpu
+    gpu_instance: int
+    compute_instance: int
+    profile: str
+    """The device's profile as its name ends: `1g.18gb`, `1c.2g.35gb`."""
+    uuid: str
+    memory: FakeMemory | None
+    """The GPU instance's memory (NVML gives the same for each of its compute instances)."""
+    gpm: dict[int, float] | None = None
+    """The GPU instance's GPM values between two samples; None: not supported."""
 
 
 @dataclass(eq=False)
@@ -171,8 +197,56 @@ class FakeGpu:
     hang: threading.Event | None = None
     """While set to an unset Event, every call on this GPU blocks until the Event is set."""
     calls: Counter[str] = field(default_factory=Counter)
-    """pynvml function name -> calls made on this GPU (hung and failed ones included)."""
+    """pynvml function name -> calls made on this GPU (hung and failed ones included); calls
+    on one of its MIG devices count as `mig.<name>`."""
     registered_events: int = 0
+    max_mig_devices: int = 7
+    """nvmlDeviceGetMaxMigDeviceCount while MIG mode is on (7 on an H200)."""
+    mig_devices: list[FakeMigDevice | None] = field(default_factory=list)
+    """MIG device index -> device; None: no device at that index (NOT_FOUND)."""
+
+    def add_mig(
+        self,
+        gpu_instance: int,
+        profile: str = "1g.18gb",
+        compute_instance: int = 0,
+        memory_used: int = 0,
+        gpm: dict[int, float] | None = None,
+    ) -> FakeMigDevice:
+        """A MIG device in the first free index. Compute instances of one GPU instance share
+        its memory (a second one added to an existing instance gets the same object)."""
+        sibling = next(
+            (d for d in self.mig_devices if d is not None and d.gpu_instance == gpu_instance),
+            None,
+        )
+        if sibling is not None:
+            memory = sibling.memory
+        else:
+            size = re.search(r"(\d+)gb", profile)
+            total = int(size[1]) * 2**30 if size else 2**30
+            memory = FakeMemory(total, memory_used, 0)
+        device = FakeMigDevice(
+            self,
+            gpu_instance,
+            compute_instance,
+            profile,
+            f"MIG-{self.uuid[4:12]}-{gpu_instance:04x}-{compute_instance:04x}-"
+            f"{len(self.mig_devices):012x}",
+            memory,
+            gpm,
+        )
+        free = [i for i, d in enumerate(self.mig_devices) if d is None]
+        if free:
+            self.mig_devices[free[0]] = device
+        else:
+            self.mig_devices.append(device)
+        return device
+
+    def remove_mig(self, gpu_instance: int) -> None:
+        """Destroy a GPU instance: its devices' indexes answer NOT_FOUND."""
+        self.mig_devices = [
+            None if d is None or d.gpu_instance == gpu_instance else d for d in self.mig_devices
+        ]
 
     @classmethod
     def h200(cls, index: int, **changes: Any) -> FakeGpu:
@@ -203,8 +277,9 @@ class FakeNvml:
         self.events: queue.Queue[FakeEventData] = queue.Queue()
         self.event_sets_open = 0
         self._gpm_ids = itertools.count(0x1000, 0x10)
-        self._gpm_samples: dict[int, tuple[FakeGpu, int] | None] = {}
-        """Live GPM sample address -> (GPU, sequence number of its last nvmlGpmSampleGet)."""
+        self._gpm_samples: dict[int, tuple[FakeGpu | FakeMigDevice, int] | None] = {}
+        """Live GPM sample address -> (GPU, or the first MIG device of the GPU instance, for
+        nvmlGpmMigSampleGet; sequence number of its last sample)."""
         self._gpm_sequence = itertools.count(1)
 
     @property
@@ -214,13 +289,34 @@ class FakeNvml:
 
     # -- scripting ----------------------------------------------------------------------------
 
-    def push_event(self, gpu: FakeGpu, event_type: int, data: int = 0) -> None:
+    def push_event(
+        self,
+        gpu: FakeGpu,
+        event_type: int,
+        data: int = 0,
+        gpu_instance: int | None = None,
+        compute_instance: int | None = None,
+    ) -> None:
         """Queue an event; it is delivered only if `gpu` registered for its type."""
-        self.events.put(FakeEventData(gpu, event_type, data))
+        none = pynvml.NVML_GPU_INSTANCE_ID_ANY
+        self.events.put(
+            FakeEventData(
+                gpu,
+                event_type,
+                data,
+                none if gpu_instance is None else gpu_instance,
+                none if compute_instance is None else compute_instance,
+            )
+        )
 
-    def _enter(self, gpu: FakeGpu, name: str) -> None:
+    def _enter(self, handle: FakeGpu | FakeMigDevice, name: str) -> None:
         if not self.initialised:
             _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        gpu = handle.parent if isinstance(handle, FakeMigDevice) else handle
+        if isinstance(handle, FakeMigDevice):
+            name = f"mig.{name}"
+            if handle not in gpu.mig_devices:  # a handle of a destroyed instance
+                _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gpu.calls[name] += 1
         if gpu.hang is not None:
             gpu.hang.wait()
@@ -271,12 +367,14 @@ class FakeNvml:
 
     # -- identity and static facts -------------------------------------------------------------
 
-    def nvmlDeviceGetUUID(self, gpu: FakeGpu) -> str:
+    def nvmlDeviceGetUUID(self, gpu: FakeGpu | FakeMigDevice) -> str:
         self._enter(gpu, "nvmlDeviceGetUUID")
         return gpu.uuid
 
-    def nvmlDeviceGetName(self, gpu: FakeGpu) -> str:
+    def nvmlDeviceGetName(self, gpu: FakeGpu | FakeMigDevice) -> str:
         self._enter(gpu, "nvmlDeviceGetName")
+        if isinstance(gpu, FakeMigDevice):
+            return f"{gpu.parent.name} MIG {gpu.profile}"
         return gpu.name
 
     def nvmlDeviceGetPciInfo(self, gpu: FakeGpu) -> FakePciInfo:
@@ -370,9 +468,47 @@ class FakeNvml:
         self._enter(gpu, "nvmlDeviceGetUtilizationRates")
         return FakeUtilization(**vars(self._value(gpu.utilization)))
 
-    def nvmlDeviceGetMemoryInfo(self, gpu: FakeGpu, version: int | None = None) -> FakeMemory:
+    def nvmlDeviceGetMemoryInfo(
+        self, gpu: FakeGpu | FakeMigDevice, version: int | None = None
+    ) -> FakeMemory:
         self._enter(gpu, "nvmlDeviceGetMemoryInfo")
         return FakeMemory(**vars(self._value(gpu.memory)))
+
+    # -- MIG -----------------------------------------------------------------------------------
+
+    def _mig_capable(self, gpu: FakeGpu, name: str) -> None:
+        self._enter(gpu, name)
+        if gpu.mig_mode is None:
+            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, gpu: FakeGpu) -> int:
+        self._mig_capable(gpu, "nvmlDeviceGetMaxMigDeviceCount")
+        assert gpu.mig_mode is not None
+        return gpu.max_mig_devices if gpu.mig_mode[0] else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, gpu: FakeGpu, index: int) -> FakeMigDevice:
+        self._mig_capable(gpu, "nvmlDeviceGetMigDeviceHandleByIndex")
+        assert gpu.mig_mode is not None
+        if not gpu.mig_mode[0] or not 0 <= index < gpu.max_mig_devices:
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        device = gpu.mig_devices[index] if index < len(gpu.mig_devices) else None
+        if device is None:
+            _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        assert device is not None
+        return device
+
+    def _mig_device(self, handle: FakeGpu | FakeMigDevice, name: str) -> FakeMigDevice:
+        self._enter(handle, name)
+        if not isinstance(handle, FakeMigDevice):  # NVML: not a MIG device handle
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        assert isinstance(handle, FakeMigDevice)
+        return handle
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: FakeGpu | FakeMigDevice) -> int:
+        return self._mig_device(handle, "nvmlDeviceGetGpuInstanceId").gpu_instance
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: FakeGpu | FakeMigDevice) -> int:
+        return self._mig_device(handle, "nvmlDeviceGetComputeInstanceId").compute_instance
 
     def nvmlDeviceGetCurrPcieLinkGeneration(self, gpu: FakeGpu) -> int:
         self._enter(gpu, "nvmlDeviceGetCurrPcieLinkGeneration")
@@ -470,6 +606,23 @@ class FakeNvml:
         if address not in self._gpm_samples:
             _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         self._gpm_samples[address] = (gpu, next(self._gpm_sequence))
+        return sample
+
+    def nvmlGpmMigSampleGet(self, gpu: FakeGpu, gpu_instance: int, sample: Any) -> Any:
+        self._mig_capable(gpu, "nvmlGpmMigSampleGet")
+        owner = next(
+            (d for d in gpu.mig_devices if d is not None and d.gpu_instance == gpu_instance),
+            None,
+        )
+        if owner is None:
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        assert owner is not None
+        if gpu.gpm is None or owner.gpm is None:
+            _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        address = self._address(sample)
+        if address not in self._gpm_samples:
+            _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self._gpm_samples[address] = (owner, next(self._gpm_sequence))
         return sample
 
     def nvmlGpmMetricsGet(self, request: Any) -> Any:
