@@ -420,8 +420,8 @@ class NvmlBackend:
         """GPU index -> its GPM support and samples; reset by stop() (indexes may change)."""
         self._mig_gpm: dict[int, dict[int, _GpmState]] = {}
         """GPU index -> GPU instance id -> that instance's GPM samples (MIG mode only)."""
-        self._mig_profiles: dict[int, dict[str, str]] = {}
-        """GPU index -> MIG device UUID -> its profile: the name is read once per device."""
+        self._mig_devices: dict[int, dict[str, MigDevice]] = {}
+        """GPU index -> MIG device UUID -> the device (ids and profile), read once each."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -449,7 +449,7 @@ class NvmlBackend:
             self._started = False
             gpm, self._gpm = self._gpm, {}
             mig, self._mig_gpm = self._mig_gpm, {}
-            self._mig_profiles = {}
+            self._mig_devices = {}
             with contextlib.suppress(pynvml.NVMLError):  # the driver went away: nothing to release
                 for state in (*gpm.values(), *(s for g in mig.values() for s in g.values())):
                     state.free(self.lib)
@@ -605,27 +605,25 @@ class NvmlBackend:
         lib = self.lib
         count = f.get("mig_device_count", lib.nvmlDeviceGetMaxMigDeviceCount, h)
         found: dict[int, list[tuple[MigDevice, Any]]] = {}
-        profiles = self._mig_profiles.get(index, {})
-        seen: dict[str, str] = {}
+        known = self._mig_devices.get(index, {})
+        seen: dict[str, MigDevice] = {}
         for slot in range(int(count or 0)):
-            device = f.get("mig_handle", lib.nvmlDeviceGetMigDeviceHandleByIndex, h, slot)
+            handle = f.get("mig_handle", lib.nvmlDeviceGetMigDeviceHandleByIndex, h, slot)
+            if handle is None:
+                continue
+            raw_uuid = f.get("mig_uuid", lib.nvmlDeviceGetUUID, handle)
+            uuid = "" if raw_uuid is None else _text(raw_uuid)
+            # A MIG UUID is made with its instance: its ids and name cannot change, and are
+            # read once per device.
+            device = known.get(uuid) if uuid else None
+            if device is None:
+                device = self._mig_device(handle, uuid, f)
             if device is None:
                 continue
-            gi = f.get("mig_instance_id", lib.nvmlDeviceGetGpuInstanceId, device)
-            ci = f.get("mig_instance_id", lib.nvmlDeviceGetComputeInstanceId, device)
-            if gi is None or ci is None:
-                continue
-            raw_uuid = f.get("mig_uuid", lib.nvmlDeviceGetUUID, device)
-            uuid = "" if raw_uuid is None else _text(raw_uuid)
-            profile = profiles.get(uuid) if uuid else None
-            if profile is None:  # a MIG UUID is made with its instance: the name cannot change
-                profile = mig_profile(f.get("mig_name", lib.nvmlDeviceGetName, device))
             if uuid:
-                seen[uuid] = profile
-            found.setdefault(int(gi), []).append(
-                (MigDevice(int(gi), int(ci), uuid, profile), device)
-            )
-        self._mig_profiles[index] = seen
+                seen[uuid] = device
+            found.setdefault(device.gpu_instance, []).append((device, handle))
+        self._mig_devices[index] = seen
         instances = tuple(
             self._mig_instance(index, h, gi, found[gi], f, gpm=gpm) for gi in sorted(found)
         )
@@ -634,6 +632,15 @@ class NvmlBackend:
             with contextlib.suppress(pynvml.NVMLError):
                 states.pop(gi).free(lib)
         return MigReading(instances, f.errors)
+
+    def _mig_device(self, handle: Any, uuid: str, f: _Funnel) -> MigDevice | None:
+        lib = self.lib
+        gi = f.get("mig_instance_id", lib.nvmlDeviceGetGpuInstanceId, handle)
+        ci = f.get("mig_instance_id", lib.nvmlDeviceGetComputeInstanceId, handle)
+        if gi is None or ci is None:
+            return None
+        name = f.get("mig_name", lib.nvmlDeviceGetName, handle)
+        return MigDevice(int(gi), int(ci), uuid, mig_profile(name))
 
     def _mig_instance(
         self,
@@ -697,7 +704,7 @@ class NvmlBackend:
         return reading
 
     def _mig_forget(self, index: int) -> None:
-        self._mig_profiles.pop(index, None)
+        self._mig_devices.pop(index, None)
         for state in self._mig_gpm.pop(index, {}).values():
             with contextlib.suppress(pynvml.NVMLError):
                 state.free(self.lib)

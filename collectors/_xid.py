@@ -118,7 +118,8 @@ def gpu_description(pci_bus_id: str, identity: Mapping[str, str]) -> str:
 
 
 def mig_description(details: Mapping[str, AttributeValue]) -> str:
-    """` (MIG GPU instance 2, compute instance 1)` when the driver named the instances."""
+    """` (MIG GPU instance 2, compute instance 1)` when the driver named the instances; the
+    GPU instance's profile after its id where the gpu collector knows it (`2 (2g.35gb)`)."""
     parts = [
         f"{label} {details[key]}"
         for key, label in (
@@ -127,6 +128,9 @@ def mig_description(details: Mapping[str, AttributeValue]) -> str:
         )
         if details.get(key) is not None
     ]
+    profile = details.get("gpu_instance_profile")
+    if parts and profile and details.get("gpu_instance") is not None:
+        parts[0] += f" ({profile})"
     return f" (MIG {', '.join(parts)})" if parts else ""
 
 
@@ -208,6 +212,7 @@ class XidCorrelator:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, int], _Incident] = {}
         self._identities: dict[str, dict[str, str]] = {}
+        self._mig_profiles: dict[str, dict[int, str]] = {}
         self.counts: dict[tuple[str, int], int] = {}
         """(pci_bus_id, code) -> Xids seen since start, a twin seen by both sources once."""
         self.confirmations: dict[tuple[str, int], int] = {}
@@ -221,6 +226,15 @@ class XidCorrelator:
         """GPU labels (gpu, uuid, pci_bus_id, model) for a PCI address, from NVML."""
         with self._lock:
             self._identities[pci_bus_id] = dict(labels)
+
+    def set_mig_profiles(self, pci_bus_id: str, profiles: Mapping[int, str]) -> None:
+        """GPU instance id -> profile (`1g.18gb`) of a GPU in MIG mode, from NVML; empty
+        when it has none. An Xid naming an instance then names its profile too."""
+        with self._lock:
+            if profiles:
+                self._mig_profiles[pci_bus_id] = dict(profiles)
+            else:
+                self._mig_profiles.pop(pci_bus_id, None)
 
     def identity(self, pci_bus_id: str) -> dict[str, str]:
         with self._lock:
@@ -295,7 +309,7 @@ class XidCorrelator:
         texts: Sequence[str] = (),
     ) -> Event:
         identity = self._identities.get(obs.pci_bus_id, {})
-        event = self._build_event(obs, sources, identity)
+        event = self._build_event(self._with_profile(obs), sources, identity)
         extra: dict[str, AttributeValue] = {
             "occurrences": occurrences,
             "repeats_since_last_event": held,
@@ -306,6 +320,16 @@ class XidCorrelator:
         if obs.origin:
             changes["id"] = stable_event_id(*obs.origin, "xid")
         return dataclasses.replace(event, **changes)  # type: ignore[arg-type]
+
+    def _with_profile(self, obs: XidObservation) -> XidObservation:
+        """The observation with its GPU instance's profile in its details, where known."""
+        gi = obs.details.get("gpu_instance")
+        if not isinstance(gi, int) or "gpu_instance_profile" in obs.details:
+            return obs
+        profile = self._mig_profiles.get(obs.pci_bus_id, {}).get(gi)
+        if not profile:
+            return obs
+        return dataclasses.replace(obs, details={**obs.details, "gpu_instance_profile": profile})
 
     def _follow_up(
         self, incident: _Incident, obs: XidObservation, new_source: bool, worse: bool

@@ -16,7 +16,7 @@ import pytest
 
 from agent.contracts.model import Collection, Event, Sample
 from collectors._nvml import INSTANCE_ID_NONE, NvmlBackend, mig_profile
-from collectors._xid import XidCorrelator
+from collectors._xid import XidCorrelator, XidObservation
 from collectors.gpu.collector import GpuSettings
 from collectors.gpu.events import GpuEventThread
 from tests.support.nvml import GpuRig, find, value
@@ -136,7 +136,7 @@ class TestInstanceSeries:
         assert value(later, "gpuwarden_gpu_mig_memory_used_bytes", gpu_instance="1") == 10 * GiB
         assert value(later, "gpuwarden_gpu_mig_memory_free_bytes", gpu_instance="1") == 8 * GiB
 
-    async def test_a_mig_profile_is_read_once_per_device(self) -> None:
+    async def test_a_devices_ids_and_profile_are_read_once(self) -> None:
         gpu = mig_gpu()
         rig = GpuRig(FakeNvml([gpu]))
         try:
@@ -144,7 +144,11 @@ class TestInstanceSeries:
                 await rig.collect()
         finally:
             await rig.close()
-        assert gpu.calls["mig.nvmlDeviceGetName"] == 3  # three devices, five rounds
+        # three devices, five rounds: a device's ids and name are read once (its UUID is
+        # made with the instance)
+        assert gpu.calls["mig.nvmlDeviceGetName"] == 3
+        assert gpu.calls["mig.nvmlDeviceGetGpuInstanceId"] == 3
+        assert gpu.calls["mig.nvmlDeviceGetUUID"] == 5 * 3
         assert gpu.calls["mig.nvmlDeviceGetMemoryInfo"] == 5 * 2  # one per GPU instance
 
 
@@ -444,3 +448,49 @@ class TestRecreatedInstanceGpm:
         assert find(remade, "gpuwarden_gpu_field_error") == []
         assert mig_activity(remade, "1") is None
         assert mig_activity(later, "1") == pytest.approx(0.1)
+
+
+class TestXidNamesTheInstanceProfile:
+    """The gpu collector tells the Xid correlator each GPU instance's profile: an Xid naming
+    an instance, from NVML or from the kernel log's GPU-I, names its profile too."""
+
+    async def test_from_nvml_and_from_the_kernel_log(self) -> None:
+        gpu = mig_gpu()
+        rig = GpuRig(FakeNvml([gpu]), settings=GpuSettings(event_wait_ms=50))
+        rig.correlator.holdoff = 0.0
+        try:
+            await rig.collect()
+            thread = rig.collector.events_thread
+            assert thread is not None and thread.ready.wait(5)
+            rig.fake.push_event(gpu, pynvml.nvmlEventTypeXidCriticalError, 43, 2, 1)
+            assert wait_for(lambda: bool(rig.emitted))
+            kmsg = rig.correlator.observe(
+                XidObservation(
+                    source="kmsg",
+                    pci_bus_id="0000:18:00.0",
+                    code=13,
+                    time=time.time(),
+                    details={"gpu_instance": 1},
+                )
+            )
+            gpu.remove_mig(1)
+            await rig.collect()
+            gone = rig.correlator.observe(
+                XidObservation(
+                    source="kmsg",
+                    pci_bus_id="0000:18:00.0",
+                    code=31,
+                    time=time.time(),
+                    details={"gpu_instance": 1},
+                )
+            )
+        finally:
+            await rig.close()
+        [nvml] = rig.emitted
+        assert nvml.attributes["gpu_instance_profile"] == "2g.35gb"
+        assert "(MIG GPU instance 2 (2g.35gb), compute instance 1)" in nvml.message
+        assert kmsg is not None and kmsg.attributes["gpu_instance_profile"] == "1g.18gb"
+        assert "(MIG GPU instance 1 (1g.18gb))" in kmsg.message
+        # An instance that is gone has no profile to give: the id alone, never a stale one.
+        assert gone is not None and "gpu_instance_profile" not in gone.attributes
+        assert "(MIG GPU instance 1)" in gone.message

@@ -161,6 +161,8 @@ class _Gpu:
     gpm_samples: tuple[Sample, ...] | None = None
     processes: tuple[GpuProcess, ...] = ()
     """This round's top processes by memory (at most top_processes)."""
+    mig_profiles: dict[int, str] = field(default_factory=dict)
+    """GPU instance id -> profile, as last told to the Xid correlator."""
     mig_gpm: dict[tuple[int, tuple[str, ...]], GpmReading] = field(default_factory=dict)
     """(GPU instance id, its devices' UUIDs) -> its last GPM reading, served between GPM
     reads; an instance that is gone (or re-created under the same id) loses its entry."""
@@ -477,7 +479,16 @@ class GpuCollector:
             errors.update(result.mig.errors)
         else:
             gpu.mig_gpm = {}
+        self._share_mig_profiles(gpu, labels, result)
         return errors
+
+    def _share_mig_profiles(self, gpu: _Gpu, labels: dict[str, str], result: GpuRound) -> None:
+        """Tell the Xid correlator the profile of each GPU instance, when that changed."""
+        mig = result.mig
+        profiles = {} if mig is None else {i.gpu_instance: i.profile for i in mig.instances}
+        if profiles != gpu.mig_profiles and labels["pci_bus_id"]:
+            self.correlator.set_mig_profiles(labels["pci_bus_id"], profiles)
+            gpu.mig_profiles = profiles
 
     # -- who uses the GPUs -----------------------------------------------------------------------
 
