@@ -70,6 +70,20 @@ class TestHealthyGpus:
         assert "gpu 33 °C (gpu max at 87 °C)" in line(findings, "temperature").detail
         assert line(findings, "GPU count").detail == "1 visible"
 
+    async def test_mig_instances_in_the_identity(self, tmp_path: Path) -> None:
+        gpu = FakeGpu.h200(0, mig_mode=(1, 1))
+        gpu.add_mig(1, "1g.18gb", memory_used=3 * GIB)
+        gpu.add_mig(2, "1c.2g.35gb")
+        gpu.add_mig(2, "1c.2g.35gb", compute_instance=1)
+        findings, code = await check_with(tmp_path, FakeNvml([gpu, FakeGpu.h200(1)]))
+        assert code == 0, [(f.name, f.status, f.detail) for f in findings]
+        mig, plain = line(findings, "identity").detail.split("; 1: ")
+        assert mig.endswith(
+            "MIG enabled: GPU instance 1 1g.18gb (3.0 of 18.0 GiB used), "
+            "GPU instance 2 2g.35gb (0.0 of 35.0 GiB used)"
+        )
+        assert "MIG" not in plain
+
     async def test_lines_fold_across_gpus(self, tmp_path: Path) -> None:
         fake = FakeNvml([FakeGpu.h200(i) for i in range(4)])
         findings, code = await check_with(tmp_path, fake)

@@ -111,7 +111,7 @@ def identity(view: GpuView) -> Finding:
     if info.get("compute_capability"):
         parts.append(f"compute capability {info['compute_capability']}")
     if info.get("mig_mode") == "enabled":
-        parts.append("MIG enabled")
+        parts.append("MIG enabled" + _mig_instances(view))
     if view.get(m.UP.name) == 0:
         finding = _from_events(view, "identity", "identity", "")
         if finding.status is Status.OK:  # down, but its event was not in this round
@@ -124,6 +124,22 @@ def identity(view: GpuView) -> Finding:
             )
         return finding
     return Finding(AREA, f"{view.title} identity", Status.OK, ", ".join(p for p in parts if p))
+
+
+def _mig_instances(view: GpuView) -> str:
+    """`: GPU instance 1 1g.18gb (3.0 of 18.0 GiB used), ...` from the instance series."""
+    total = {e: v for (n, e), v in view.values.items() if n == m.MIG_MEMORY_TOTAL.name}
+    if not total:
+        return ", no GPU instance with memory read"
+    gib = float(2**30)
+    parts = []
+    for gi, profile in sorted(total, key=lambda e: int(e[0]) if e[0].isdigit() else 0):
+        used = view.get(m.MIG_MEMORY_USED.name, gi, profile)
+        memory = f"{total[gi, profile] / gib:.1f} GiB"
+        if used is not None:
+            memory = f"{used / gib:.1f} of {memory} used"
+        parts.append(f"GPU instance {gi} {profile} ({memory})")
+    return ": " + ", ".join(parts)
 
 
 def persistence(view: GpuView) -> Finding:
