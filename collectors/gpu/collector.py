@@ -13,6 +13,9 @@ A GPU whose call still hangs from an earlier round (`CallStillHung`) was reporte
 when that call timed out; a collector made again by a reload, on the same caller, finds it so
 and does not report it again.
 
+A GPU in MIG mode (the mode is a static fact: a GPU not in it makes no MIG call) has series
+per GPU instance every round: memory, profile, and GPM on the GPM interval.
+
 Who uses a GPU: NVML lists its compute processes every round; the `top_processes` largest get a
 series each, with the owner read once per process from /proc (cgroup and user). A GPU on the
 PCI bus that NVML does not see (it never enumerated) is found by counting NVIDIA functions in
@@ -844,15 +847,15 @@ def _mig_instances(gpu: _Gpu, result: GpuRound) -> list[MigInstance]:
     """This round's MIG instances, each with its GPM: read this round, or the last reading
     of the same instance between GPM reads."""
     assert result.mig is not None
-    keyed = [
-        ((i.gpu_instance, tuple(d.uuid for d in i.compute_instances)), i)
+    keyed = {
+        (i.gpu_instance, tuple(d.uuid for d in i.compute_instances)): i
         for i in result.mig.instances
-    ]
+    }
     if result.gpm_read:
-        gpu.mig_gpm = {key: i.gpm for key, i in keyed if i.gpm is not None}
-        return [i for _, i in keyed]
-    gpu.mig_gpm = {key: g for key, g in gpu.mig_gpm.items() if key in dict(keyed)}
-    return [dataclasses.replace(i, gpm=gpu.mig_gpm.get(key)) for key, i in keyed]
+        gpu.mig_gpm = {key: i.gpm for key, i in keyed.items() if i.gpm is not None}
+        return list(keyed.values())
+    gpu.mig_gpm = {key: g for key, g in gpu.mig_gpm.items() if key in keyed}
+    return [dataclasses.replace(i, gpm=gpu.mig_gpm.get(key)) for key, i in keyed.items()]
 
 
 def _top(processes: tuple[GpuProcess, ...] | None, limit: int) -> tuple[GpuProcess, ...]:
