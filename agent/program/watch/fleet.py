@@ -41,7 +41,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from agent.contracts.model import Severity
+from agent.contracts.model import RepairAction, Severity
 from agent.program.watch import payloads
 from agent.program.watch.payloads import Heartbeat, Malformed, Status
 
@@ -115,6 +115,9 @@ class Alert:
     message: str
     action: str
     since: float
+    repair_action: RepairAction = RepairAction.INVESTIGATE
+    """Every watcher alert is a silence or a delivery failure: no remedy is known from here,
+    someone has to look (agent/contracts/model.py)."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -127,6 +130,7 @@ class Alert:
             "severity": self.severity.label,
             "message": self.message,
             "action": self.action,
+            "repair_action": self.repair_action.value,
             "since": self.since,
         }
 

@@ -57,9 +57,11 @@ class Snapshot:
     ignored: dict[str, int]
     forgotten: dict[str, int]
     stale_wills: int
+    extra: tuple[Metric, ...] = ()
+    """Families of other parts of the watcher (the Alertmanager sender), built on the loop."""
 
 
-def snapshot(fleet: Fleet, now: float) -> Snapshot:
+def snapshot(fleet: Fleet, now: float, extra: Sequence[Metric] = ()) -> Snapshot:
     counters = fleet.counters
     return Snapshot(
         fleet,
@@ -72,6 +74,7 @@ def snapshot(fleet: Fleet, now: float) -> Snapshot:
         dict(counters.ignored),
         dict(counters.forgotten),
         counters.ignored_old_births,
+        tuple(extra),
     )
 
 
@@ -221,6 +224,7 @@ def families(snap: Snapshot, limit: int = DEFAULT_NODE_LIMIT) -> list[Metric]:
         ignored,
         forgotten,
         old,
+        *snap.extra,
     ]
 
 
@@ -233,17 +237,22 @@ class FleetCollector:
         clock: Callable[[], float] = time.time,
         limit: int = DEFAULT_NODE_LIMIT,
         fixed: Snapshot | None = None,
+        extra: Callable[[], Sequence[Metric]] | None = None,
     ) -> None:
         self.fleet = fleet
         self.clock = clock
         self.limit = limit
         self.fixed = fixed
+        self.extra = extra
 
     def describe(self) -> Sequence[Metric]:
         return ()
 
     def collect(self) -> Iterable[Metric]:
-        return families(self.fixed or snapshot(self.fleet, self.clock()), self.limit)
+        if self.fixed is not None:
+            return families(self.fixed, self.limit)
+        extra = self.extra() if self.extra is not None else ()
+        return families(snapshot(self.fleet, self.clock(), extra), self.limit)
 
 
 def render(snap: Snapshot, limit: int) -> bytes:
@@ -263,13 +272,16 @@ class MetricsServer:
         port: int,
         clock: Callable[[], float] = time.time,
         node_limit: int = DEFAULT_NODE_LIMIT,
+        *,
+        extra: Callable[[], Sequence[Metric]] | None = None,
     ) -> None:
         self.fleet = fleet
+        self.extra = extra
         self.clock = clock
         self.host, self.port = host, port
         self.node_limit = node_limit
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(FleetCollector(fleet, clock, node_limit))
+        self.registry.register(FleetCollector(fleet, clock, node_limit, extra=extra))
         self._server: asyncio.Server | None = None
         self.http = ScrapeServer(self._answer)
         # Its own thread, not the loop's default executor (shared with aiomqtt's connect):
@@ -306,7 +318,8 @@ class MetricsServer:
         being rendered get that one (it is fresh: it started after them or just before)."""
         if self._rendering is None:
             loop = asyncio.get_running_loop()
-            snap = snapshot(self.fleet, self.clock())
+            extra = self.extra() if self.extra is not None else ()
+            snap = snapshot(self.fleet, self.clock(), extra)
             future = loop.run_in_executor(self._pool, render, snap, self.node_limit)
             self._rendering = future
             future.add_done_callback(self._rendered)

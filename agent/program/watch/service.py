@@ -22,6 +22,7 @@ import structlog
 
 from agent import __version__
 from agent.contracts.model import Severity
+from agent.program.watch.alertmanager import AlertmanagerSender
 from agent.program.watch.fleet import AlertChange, Fleet
 from agent.program.watch.metrics import MetricsServer
 from agent.program.watch.settings import WatchSettings
@@ -108,6 +109,10 @@ class Watcher:
         self.connect_failures = self.failures.counts
         self._refusing = False
         """The broker refused the last publish (an ACL without write on <prefix>/_watch/#)."""
+        self.alertmanager = (
+            AlertmanagerSender(settings, clock) if settings.alertmanager_urls else None
+        )
+        """Posts every alert change to each Alertmanager member ([watch] alertmanager_urls)."""
 
     @property
     def status_topic(self) -> str:
@@ -131,11 +136,18 @@ class Watcher:
         if self.settings.listen:
             host, port = parse_listen(self.settings.listen, "watch.listen")
             self.metrics = MetricsServer(
-                self.fleet, host, port, self.clock, node_limit=self.settings.metrics_node_limit
+                self.fleet,
+                host,
+                port,
+                self.clock,
+                node_limit=self.settings.metrics_node_limit,
+                extra=self.alertmanager.families if self.alertmanager else None,
             )
             await self.metrics.start()
             log.info("serving metrics", listen=f"{host}:{self.metrics.port}")
         notifier = notifier or Notifier()
+        if self.alertmanager is not None:
+            self.alertmanager.start()
         tasks = [
             asyncio.create_task(self.mqtt_forever()),
             asyncio.create_task(self.evaluate_forever()),
@@ -163,6 +175,8 @@ class Watcher:
                 log.warning("tasks did not stop in time; exiting anyway", tasks=len(late))
             if self.metrics is not None:
                 await self.metrics.stop()
+            if self.alertmanager is not None:
+                await self.alertmanager.stop()
 
     def summary(self) -> str:
         views = self.fleet.views(self.clock())
@@ -275,6 +289,8 @@ class Watcher:
             else:
                 log.warning(alert.message, action=alert.action, **fields)
             self.pending.append(change)
+            if self.alertmanager is not None:
+                self.alertmanager.change(change)
         return changes
 
     async def flush(self) -> None:

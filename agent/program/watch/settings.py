@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from agent.contracts.config import NODE_ID
 from agent.contracts.errors import ConfigError
@@ -29,6 +30,29 @@ def read_inventory(path: Path) -> list[str]:
             raise ValueError(f"{path}:{number}: {node!r} is not a node id ([A-Za-z0-9._:-])")
         nodes.append(node)
     return nodes
+
+
+def check_alertmanager_url(value: str, key: str = "watch.alertmanager_urls") -> None:
+    """http(s)://host[:port][/prefix]: a member of an Alertmanager cluster (the path is its
+    --web.route-prefix, if any; /api/v2/alerts is appended). Credentials go in the
+    alertmanager_*_file keys, where their file mode is checked, never in the URL."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(key, f"not a valid URL ({exc}): {value!r}") from None
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(
+            key,
+            "put no user or password in the URL; use alertmanager_username and "
+            "alertmanager_password_file, or alertmanager_bearer_token_file",
+        )
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(key, f"expected http://host:port or https://host:port, got {value!r}")
+    if parts.query or parts.fragment:
+        raise ConfigError(key, f"an Alertmanager URL has no query or fragment: {value!r}")
+    if port == 0:
+        raise ConfigError(key, "port must be 1-65535, got 0")
 
 
 def load_inventory(path: Path, key: str = "watch.inventory_file") -> list[str]:
@@ -126,12 +150,69 @@ class WatchSettings(BrokerSettings):
         help="subscription QoS for heartbeats (a lost one is replaced by the next); status is 1",
     )
 
+    alertmanager_urls: tuple[str, ...] = setting(
+        (),
+        help="every member of the Alertmanager cluster, http(s)://host:port[/prefix]; each "
+        "gets every alert (as Prometheus does); empty: alerts go to MQTT only",
+    )
+    alertmanager_username: str = setting("", help="basic-auth user for Alertmanager")
+    alertmanager_password_file: Path | None = setting(
+        None, help="basic-auth password for Alertmanager (mode 600); needs the user", file="secret"
+    )
+    alertmanager_bearer_token_file: Path | None = setting(
+        None, help="bearer token for Alertmanager (mode 600); instead of basic auth", file="secret"
+    )
+    alertmanager_ca_file: Path | None = setting(
+        None,
+        help="CA bundle for https:// Alertmanager URLs; empty: the system CAs",
+        file="certificate",
+    )
+    alertmanager_timeout: float = setting(
+        10.0, exclusive_minimum=0.0, maximum=300.0, help="seconds for each POST to a member"
+    )
+    alertmanager_resend_interval: float = setting(
+        60.0,
+        minimum=1.0,
+        maximum=3600.0,
+        help="active alerts are posted again this often; keep it well below Alertmanager's "
+        "resolve_timeout (5 min by default), or Alertmanager resolves them meanwhile",
+    )
+    alertmanager_runbook_url: str = setting(
+        "",
+        help="the runbook_url annotation; {kind}, {alertname} and {node} are replaced; "
+        "empty: no runbook_url",
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_alertmanager()
         if self.alerts_topic and any(c in self.alerts_topic for c in "+#"):
             raise ConfigError("alerts_topic", "a topic to publish on cannot contain + or #")
         if self.listen:
             parse_listen(self.listen, "listen")
+
+    def _check_alertmanager(self) -> None:
+        urls = self.alertmanager_urls
+        for url in urls:
+            check_alertmanager_url(url, "alertmanager_urls")
+        if len(set(urls)) != len(urls):
+            raise ConfigError("alertmanager_urls", "a member is named twice")
+        if self.alertmanager_password_file is not None and not self.alertmanager_username:
+            raise ConfigError("alertmanager_password_file", "needs alertmanager_username")
+        if self.alertmanager_bearer_token_file is not None and self.alertmanager_username:
+            raise ConfigError(
+                "alertmanager_bearer_token_file",
+                "use basic auth (alertmanager_username) or a bearer token, not both",
+            )
+        if self.alertmanager_ca_file is not None and not any(u.startswith("https:") for u in urls):
+            raise ConfigError("alertmanager_ca_file", "needs an https:// alertmanager_urls member")
+        try:
+            self.alertmanager_runbook_url.format(kind="k", alertname="a", node="n")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(
+                "alertmanager_runbook_url",
+                f"only {{kind}}, {{alertname}} and {{node}} may be replaced, got {exc!r}",
+            ) from None
 
     @property
     def status_topic(self) -> str:

@@ -1,0 +1,375 @@
+"""The watcher's alerts, posted to every member of an Alertmanager cluster (API v2).
+
+As Prometheus does it: each member gets every alert (the members gossip notifications, not
+alerts, so one missing member must not lose an alert), active alerts are posted again every
+`alertmanager_resend_interval` seconds without `endsAt` (Alertmanager then holds each for its
+`resolve_timeout`, 5 min by default, from the last post), and a cleared alert is posted once
+with `endsAt` = when it cleared.
+
+Labels are only what two watchers of the same fleet agree on (alertname, node, severity, kind,
+repair_action): their posts then have the same fingerprint, and Alertmanager notifies once for
+both (the high-availability setup). Annotations (summary, action, runbook_url) may differ;
+Alertmanager keeps the latest.
+
+One task per member, each with its own queue (the latest state of each alert, so an alert that
+flaps while a member is down is one entry, not one per change; at most MAX_PENDING, the
+oldest dropped and counted) and its own backoff ([watch] reconnect_min/max, the watcher's one
+retry policy). Posts run in a thread per member (urllib, a timeout per socket operation), so
+the event loop never waits on a member. A failure is counted per member and reason, and
+logged once per outage (and when its reason changes), not once per retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import socket
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from agent.contracts.config import read_secret
+from agent.contracts.errors import ConfigError
+from agent.contracts.settings import check_files
+from agent.program.watch.fleet import Alert, AlertChange
+from agent.program.watch.settings import WatchSettings
+from exporters.mqtt_client import Backoff, tls_context
+
+log = structlog.get_logger(component="watch")
+
+API_PATH = "/api/v2/alerts"
+MAX_PENDING = 10_000
+"""Alerts queued per member at most (distinct alerts: a change replaces its own entry)."""
+BATCH = 500
+"""Alerts per POST: a fleet-wide outage is a few posts, not one huge body or thousands."""
+FAILURE_REASONS = (
+    "connect",
+    "timeout",
+    "tls",
+    "unauthorized",
+    "rejected",
+    "server_error",
+    "error",
+)
+FAILURE_TEXT = {
+    "connect": "cannot connect to the Alertmanager member",
+    "timeout": "the Alertmanager member did not answer in time",
+    "tls": "TLS with the Alertmanager member failed (certificate, CA file, host name)",
+    "unauthorized": "the Alertmanager member refused the credentials",
+    "rejected": "the Alertmanager member rejected the alerts as invalid; they are dropped",
+    "server_error": "the Alertmanager member answered with a server error",
+    "error": "posting to the Alertmanager member failed",
+}
+
+
+def alertname(kind: str) -> str:
+    """node_dead -> GpuwardenNodeDead: derived from the kind alone, so two watchers agree."""
+    return "Gpuwarden" + "".join(part.capitalize() for part in kind.split("_"))
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def labels_of(alert: Alert) -> dict[str, str]:
+    labels = {
+        "alertname": alertname(alert.kind),
+        "severity": alert.severity.label,
+        "kind": alert.kind,
+        "repair_action": alert.repair_action.value,
+    }
+    if alert.node:  # a broker-level alert has no node: an empty label is an absent one
+        labels["node"] = alert.node
+    return labels
+
+
+def post_body(alert: Alert, ends_at: float | None, runbook_url: str) -> dict[str, object]:
+    """One postableAlert of the v2 API (Alertmanager's api/v2/openapi.yaml)."""
+    labels = labels_of(alert)
+    annotations = {"summary": alert.message, "action": alert.action}
+    if runbook_url:
+        annotations["runbook_url"] = runbook_url.format(
+            kind=alert.kind, alertname=labels["alertname"], node=alert.node
+        )
+    body: dict[str, object] = {
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": _rfc3339(alert.since),
+    }
+    if ends_at is not None:
+        body["endsAt"] = _rfc3339(max(ends_at, alert.since))
+    return body
+
+
+@dataclass(frozen=True)
+class Auth:
+    header: str | None
+    """The Authorization header's value, or None."""
+    tls: ssl.SSLContext | None
+
+
+def load_auth(settings: WatchSettings) -> Auth:
+    """Read the secrets and the CA file now: a mistake stops the watcher with the key named
+    (exit code 2) instead of a retry loop that can never succeed. Raises ConfigError."""
+    check_files(settings, "watch")
+    header = None
+    if settings.alertmanager_bearer_token_file is not None:
+        token = read_secret(
+            settings.alertmanager_bearer_token_file, "watch.alertmanager_bearer_token_file"
+        )
+        header = f"Bearer {token}"
+    elif settings.alertmanager_username:
+        password = ""
+        if settings.alertmanager_password_file is not None:
+            password = read_secret(
+                settings.alertmanager_password_file, "watch.alertmanager_password_file"
+            )
+        pair = f"{settings.alertmanager_username}:{password}".encode()
+        header = "Basic " + base64.b64encode(pair).decode("ascii")
+    context = None
+    if any(url.startswith("https:") for url in settings.alertmanager_urls):
+        ca = settings.alertmanager_ca_file
+        try:
+            context = tls_context(None if ca is None else str(ca), None, None)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                "watch.alertmanager_ca_file", f"cannot load the CA file: {exc}"
+            ) from None
+    return Auth(header, context)
+
+
+class PostFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def post(url: str, body: bytes, auth: Auth, timeout: float) -> None:
+    """POST the alerts (in a worker thread). PostFailed with a reason from FAILURE_REASONS."""
+    request = urllib.request.Request(url, data=body, method="POST")  # noqa: S310 (http(s) only: settings)
+    request.add_header("Content-Type", "application/json")
+    if auth.header is not None:
+        request.add_header("Authorization", auth.header)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout, context=auth.tls) as response:  # noqa: S310
+            response.read()
+    except urllib.error.HTTPError as exc:
+        detail = f"HTTP {exc.code}: {exc.read(300).decode(errors='replace').strip()}"
+        if exc.code in (401, 403):
+            raise PostFailed("unauthorized", detail) from None
+        if 400 <= exc.code < 500 and exc.code != 429:
+            raise PostFailed("rejected", detail) from None
+        raise PostFailed("server_error", detail) from None
+    except urllib.error.URLError as exc:
+        raise _classify(exc.reason if isinstance(exc.reason, BaseException) else exc) from None
+    except (OSError, ValueError) as exc:
+        raise _classify(exc) from None
+
+
+def _classify(exc: BaseException) -> PostFailed:
+    if isinstance(exc, ssl.SSLError | ssl.CertificateError):
+        return PostFailed("tls", str(exc))
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return PostFailed("timeout", str(exc) or "timed out")
+    if isinstance(exc, ConnectionError | socket.gaierror):
+        return PostFailed("connect", str(exc))
+    return PostFailed("error", f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    alert: Alert
+    ends_at: float | None
+    """None: active (posted without endsAt); a time: cleared then."""
+
+
+@dataclass
+class Member:
+    """One Alertmanager of the cluster: its queue, its counters, its backoff."""
+
+    base: str
+    backoff: Backoff
+    pending: OrderedDict[tuple[str, str], Entry] = field(default_factory=OrderedDict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: int = 0
+    dropped: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    failing: str | None = None
+    """The reason of the outage in progress; None while posts succeed."""
+    last_success: float | None = None
+
+    @property
+    def url(self) -> str:
+        return self.base.rstrip("/") + API_PATH
+
+    def queue(self, key: tuple[str, str], entry: Entry) -> None:
+        self.pending.pop(key, None)  # to the back: the latest change is sent last
+        self.pending[key] = entry
+        while len(self.pending) > MAX_PENDING:
+            self.pending.popitem(last=False)
+            self.dropped += 1
+        self.wake.set()
+
+
+class AlertmanagerSender:
+    """Holds the watcher's active alerts and keeps every member told."""
+
+    def __init__(
+        self,
+        settings: WatchSettings,
+        clock: Callable[[], float] = time.time,
+        auth: Auth | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.auth = auth if auth is not None else load_auth(settings)  # ConfigError: exit 2
+        self.members = [
+            Member(url, Backoff(settings.reconnect_min, settings.reconnect_max))
+            for url in settings.alertmanager_urls
+        ]
+        self.active: dict[tuple[str, str], Alert] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        # One thread per member: a member's posts are one at a time, so a hung one holds
+        # only its own thread and never piles threads up.
+        self._pool = ThreadPoolExecutor(len(self.members) or 1, thread_name_prefix="watch-am")
+
+    def change(self, change: AlertChange) -> None:
+        """An alert raised or cleared (on the event loop, from the evaluation)."""
+        alert = change.alert
+        if change.raised:
+            self.active[alert.key] = alert
+            entry = Entry(alert, None)
+        else:
+            self.active.pop(alert.key, None)
+            entry = Entry(alert, change.at)
+        for member in self.members:
+            member.queue(alert.key, entry)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._forever(m)) for m in self.members]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _forever(self, member: Member) -> None:
+        # The first round posts at once, even nothing: a member that is down or refuses the
+        # credentials is reported at start, not at the first alert, and `up` means something.
+        resend_at = self.clock()
+        probe = False
+        while True:
+            now = self.clock()
+            if now >= resend_at:
+                for key, alert in self.active.items():
+                    member.queue(key, Entry(alert, None))
+                resend_at = now + self.settings.alertmanager_resend_interval
+                probe = True
+            if member.pending or probe:
+                if await self._post_batch(member):
+                    probe = False
+                else:
+                    await asyncio.sleep(member.backoff.next_delay())
+                continue
+            member.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(member.wake.wait(), max(0.0, resend_at - now))
+
+    async def _post_batch(self, member: Member) -> bool:
+        batch = list(member.pending.items())[:BATCH]
+        runbook = self.settings.alertmanager_runbook_url
+        body = json.dumps([post_body(e.alert, e.ends_at, runbook) for _, e in batch]).encode()
+        loop = asyncio.get_running_loop()
+        timeout = self.settings.alertmanager_timeout
+        try:
+            await loop.run_in_executor(self._pool, post, member.url, body, self.auth, timeout)
+        except PostFailed as exc:
+            self._failed(member, exc)
+            if exc.reason != "rejected":
+                return False
+            # Invalid as sent: the same body would be refused forever. Counted and logged.
+        else:
+            self._delivered(member, len(batch))
+        for key, entry in batch:
+            if member.pending.get(key) is entry:  # not changed again while in flight
+                del member.pending[key]
+        return True
+
+    def _failed(self, member: Member, exc: PostFailed) -> None:
+        member.failures[exc.reason] += 1
+        if exc.reason == "rejected":
+            member.dropped += 1
+        if member.failing != exc.reason:
+            log.warning(
+                FAILURE_TEXT[exc.reason],
+                url=member.url,
+                reason=exc.reason,
+                error=str(exc)[:300],
+                pending=len(member.pending),
+            )
+        member.failing = exc.reason
+
+    def _delivered(self, member: Member, count: int) -> None:
+        member.sent += count
+        member.last_success = self.clock()
+        member.backoff.reset()
+        if member.failing is not None:
+            log.info("Alertmanager member reachable again", url=member.url, sent=count)
+        member.failing = None
+
+    # -- /metrics ---------------------------------------------------------------------------
+
+    def families(self) -> Sequence[Metric]:
+        """Built on the event loop (a few series per member), rendered with the fleet's."""
+        up = GaugeMetricFamily(
+            "gpuwarden_watch_alertmanager_up",
+            "1 while the last post to this Alertmanager member succeeded",
+            labels=["url"],
+        )
+        pending = GaugeMetricFamily(
+            "gpuwarden_watch_alertmanager_pending_alerts",
+            "Alerts queued for this Alertmanager member",
+            labels=["url"],
+        )
+        last = GaugeMetricFamily(
+            "gpuwarden_watch_alertmanager_last_success_timestamp_seconds",
+            "When a post to this Alertmanager member last succeeded",
+            labels=["url"],
+        )
+        sent = CounterMetricFamily(
+            "gpuwarden_watch_alertmanager_sent_alerts",
+            "Alerts posted to this Alertmanager member (raised, re-sent and cleared)",
+            labels=["url"],
+        )
+        dropped = CounterMetricFamily(
+            "gpuwarden_watch_alertmanager_dropped_alerts",
+            "Alerts dropped for this member: the queue was full, or the member rejected them",
+            labels=["url"],
+        )
+        failed = CounterMetricFamily(
+            "gpuwarden_watch_alertmanager_failures",
+            "Failed posts to this Alertmanager member, by reason",
+            labels=["url", "reason"],
+        )
+        for m in self.members:
+            up.add_metric([m.base], 0.0 if m.failing or m.last_success is None else 1.0)
+            pending.add_metric([m.base], float(len(m.pending)))
+            if m.last_success is not None:
+                last.add_metric([m.base], m.last_success)
+            sent.add_metric([m.base], float(m.sent))
+            dropped.add_metric([m.base], float(m.dropped))
+            for reason in FAILURE_REASONS:
+                failed.add_metric([m.base, reason], float(m.failures[reason]))
+        return [up, pending, last, sent, dropped, failed]
