@@ -208,6 +208,7 @@ class Member:
     failing: str | None = None
     """The reason of the outage in progress; None while posts succeed."""
     last_success: float | None = None
+    limit: int = MAX_PENDING
 
     @property
     def url(self) -> str:
@@ -216,7 +217,7 @@ class Member:
     def queue(self, key: tuple[str, str], entry: Entry) -> None:
         self.pending.pop(key, None)  # to the back: the latest change is sent last
         self.pending[key] = entry
-        while len(self.pending) > MAX_PENDING:
+        while len(self.pending) > self.limit:
             self.pending.popitem(last=False)
             self.dropped += 1
         self.wake.set()
