@@ -10,7 +10,10 @@ token, and a bounded queue. The settings refuse what cannot work, naming the key
 from __future__ import annotations
 
 import asyncio
+import re
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,6 +23,7 @@ import bcrypt
 import pytest
 import structlog
 import yaml
+from prometheus_client import generate_latest
 
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import RepairAction, Severity
@@ -28,6 +32,7 @@ from agent.program import config_loader
 from agent.program.watch import alertmanager as am
 from agent.program.watch.alertmanager import AlertmanagerSender, Entry, Member
 from agent.program.watch.fleet import NODE_KINDS, SETTLE_SECONDS, Alert, AlertChange, Fleet
+from agent.program.watch.metrics import MetricsServer
 from agent.program.watch.settings import WatchSettings
 from exporters.mqtt_client import Backoff
 from tests.support.alertmanager import (
@@ -43,6 +48,7 @@ from tests.support.tls import Authority
 from tests.support.waiting import until
 
 T0 = 1_700_000_000.0
+DOC = Path(__file__).resolve().parents[1] / "docs/alertmanager.md"
 BROKER_KINDS = ("broker_unreachable", "fleet_quiet")
 
 
@@ -302,6 +308,37 @@ class TestConfigs:
         config = yaml.safe_load(SCRAPE_CONFIG.read_text())
         targets = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
         assert len(targets) >= 2  # every member of the cluster, as the watcher names them
+
+
+class TestMetrics:
+    """The sender's series in the watcher's /metrics: promtool-clean, documented."""
+
+    async def test_exposition(self, senders: list[AlertmanagerSender]) -> None:
+        down = f"http://127.0.0.1:{free_port()}"
+        sender = started(senders, settings(down))
+        sender.change(raised(dead("n1")))
+        await until(lambda: sender.members[0].failures["connect"] >= 1, what="a failure")
+        server = MetricsServer(Fleet(now=T0), "127.0.0.1", 0, extra=sender.families)
+        text = generate_latest(server.registry).decode()
+        assert f'gpuwarden_watch_alertmanager_up{{url="{down}"}} 0.0' in text
+        assert f'gpuwarden_watch_alertmanager_pending_alerts{{url="{down}"}} 1.0' in text
+        assert re.search(
+            rf'gpuwarden_watch_alertmanager_failures_total{{reason="connect",url="{down}"}} [1-9]',
+            text,
+        ), text
+        done = subprocess.run(
+            [shutil.which("promtool") or "/usr/bin/promtool", "check", "metrics"],
+            input=text,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        documented = DOC.read_text()
+        for name in set(re.findall(r"^# TYPE (gpuwarden_watch_alertmanager_\S+)", text, re.M)):
+            base = name.removesuffix("_total")
+            assert f"`{name}`" in documented or f"`{base}_total`" in documented, name
 
 
 class TestSender:
