@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -42,12 +44,13 @@ from tests.support.alertmanager import (
     amtool,
     hook_config,
 )
-from tests.support.mosquitto import secret_file
+from tests.support.mosquitto import Broker, secret_file
 from tests.support.ports import free_port
 from tests.support.tls import Authority
 from tests.support.waiting import until
 
 T0 = 1_700_000_000.0
+ROOT = Path(__file__).resolve().parents[1]
 DOC = Path(__file__).resolve().parents[1] / "docs/alertmanager.md"
 BROKER_KINDS = ("broker_unreachable", "fleet_quiet")
 
@@ -488,6 +491,48 @@ class TestSender:
         posts = [n for n in webhook.received() if n.path == am.API_PATH]
         assert posts
         assert {n.authorization for n in posts} == {"Bearer t0ken"}
+
+
+class TestExit:
+    async def test_a_hung_member_does_not_hold_the_exit(
+        self, tmp_path: Path, broker: Broker
+    ) -> None:
+        """`gpuwarden watch` with a member that accepts and never answers, and a timeout of a
+        minute: SIGTERM ends it within systemd's TimeoutStopSec (10 s), the post abandoned."""
+        with socket.socket() as hung:
+            hung.bind(("127.0.0.1", 0))
+            hung.listen(16)
+            config = tmp_path / "gpuwarden.toml"
+            config.write_text(
+                f'[watch]\nurl = "{broker.url}"\nlisten = ""\n'
+                f'alertmanager_urls = ["http://127.0.0.1:{hung.getsockname()[1]}"]\n'
+                "alertmanager_timeout = 60.0\n"
+            )
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "agent",
+                "watch",
+                "--config",
+                str(config),
+                cwd=ROOT,
+                stdout=asyncio.subprocess.PIPE,  # the log
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            assert process.stdout is not None
+            try:
+                while b"watching" not in await asyncio.wait_for(process.stdout.readline(), 20):
+                    pass
+                await asyncio.sleep(1.0)  # the first post is in flight, stuck on the socket
+                began = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                code = await asyncio.wait_for(process.wait(), 30)
+                assert code == 0
+                assert time.monotonic() - began < 10.0  # a gross bound: not the 60 s timeout
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
 
 
 def _posted(webhook: WebhookReceiver, node: str) -> bool:

@@ -14,8 +14,8 @@ Alertmanager keeps the latest.
 One task per member, each with its own queue (the latest state of each alert, so an alert that
 flaps while a member is down is one entry, not one per change; at most MAX_PENDING, the
 oldest dropped and counted) and its own backoff ([watch] reconnect_min/max, the watcher's one
-retry policy). Posts run in a thread per member (urllib, a timeout per socket operation), so
-the event loop never waits on a member. A failure is counted per member and reason, and
+retry policy). A post runs in a daemon thread of its own (urllib, a timeout per socket
+operation), so neither the event loop nor the watcher's exit waits on a member. A failure is counted per member and reason, and
 logged once per outage (and when its reason changes), not once per retry.
 """
 
@@ -27,12 +27,12 @@ import contextlib
 import json
 import socket
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -187,6 +187,35 @@ def _classify(exc: BaseException) -> PostFailed:
     return PostFailed("error", f"{type(exc).__name__}: {exc}")
 
 
+def in_thread(fn: Callable[..., None], *args: object) -> asyncio.Future[None]:
+    """Run `fn` in a daemon thread of its own. A member posts one batch at a time, so this is
+    at most one thread per member, and a post hung on a silent member holds only its own.
+    Daemon: such a post must not hold the watcher's exit (an executor's threads are joined
+    at exit, for up to alertmanager_timeout per socket operation)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if future.done():
+            return  # cancelled meanwhile (the watcher stops)
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def work() -> None:
+        error: BaseException | None = None
+        try:
+            fn(*args)
+        except Exception as exc:  # handed to the loop, which raises it in the member's task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed first: nobody waits
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=work, name="watch-am-post", daemon=True).start()
+    return future
+
+
 @dataclass(frozen=True)
 class Entry:
     alert: Alert
@@ -241,9 +270,6 @@ class AlertmanagerSender:
         ]
         self.active: dict[tuple[str, str], Alert] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        # One thread per member: a member's posts are one at a time, so a hung one holds
-        # only its own thread and never piles threads up.
-        self._pool = ThreadPoolExecutor(len(self.members) or 1, thread_name_prefix="watch-am")
 
     def change(self, change: AlertChange) -> None:
         """An alert raised or cleared (on the event loop, from the evaluation)."""
@@ -264,15 +290,16 @@ class AlertmanagerSender:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def _forever(self, member: Member) -> None:
         # The first round posts at once, even nothing: a member that is down or refuses the
         # credentials is reported at start, not at the first alert, and `up` means something.
-        resend_at = self.clock()
+        # Scheduled on the loop's monotonic clock: a wall-clock step must not stop re-sends.
+        loop = asyncio.get_running_loop()
+        resend_at = loop.time()
         probe = False
         while True:
-            now = self.clock()
+            now = loop.time()
             if now >= resend_at:
                 for key, alert in self.active.items():
                     member.queue(key, Entry(alert, None))
@@ -292,10 +319,8 @@ class AlertmanagerSender:
         batch = list(member.pending.items())[:BATCH]
         runbook = self.settings.alertmanager_runbook_url
         body = json.dumps([post_body(e.alert, e.ends_at, runbook) for _, e in batch]).encode()
-        loop = asyncio.get_running_loop()
-        timeout = self.settings.alertmanager_timeout
         try:
-            await loop.run_in_executor(self._pool, post, member.url, body, self.auth, timeout)
+            await in_thread(post, member.url, body, self.auth, self.settings.alertmanager_timeout)
         except PostFailed as exc:
             self._failed(member, exc)
             if exc.reason != "rejected":
