@@ -54,7 +54,8 @@ if [ -n "$DESTDIR" ]; then
 fi
 
 install -d -m 0755 "$DESTDIR$UNITDIR" "$DESTDIR$SYSUSERSDIR" "$DESTDIR$SYSCONFDIR/gpuwarden" \
-    "$DESTDIR$PREFIX/share/prometheus" "$DESTDIR$PREFIX/share/grafana"
+    "$DESTDIR$PREFIX/share/prometheus" "$DESTDIR$PREFIX/share/grafana" \
+    "$DESTDIR$PREFIX/share/alertmanager"
 install -m 0644 "$here/systemd/gpuwarden.service" "$here/systemd/gpuwarden-watch.service" \
     "$DESTDIR$UNITDIR/"
 install -m 0644 "$here/systemd/gpuwarden.sysusers" "$DESTDIR$SYSUSERSDIR/gpuwarden.conf"
@@ -66,6 +67,7 @@ else
     echo "gpuwarden: the alert rules' runbook links point at $RUNBOOK_PLACEHOLDER (set RUNBOOK_URL)"
 fi
 install -m 0644 "$here/configs/grafana/gpuwarden.json" "$DESTDIR$PREFIX/share/grafana/"
+install -m 0644 "$here/configs/alertmanager/alertmanager.yml" "$DESTDIR$PREFIX/share/alertmanager/"
 # Never overwrite a configuration an operator has edited.
 config="$DESTDIR$SYSCONFDIR/gpuwarden/gpuwarden.toml"
 if [ ! -e "$config" ]; then

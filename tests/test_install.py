@@ -98,6 +98,7 @@ class TestStagedInstall:
             "opt/gpuwarden/share/prometheus/gpuwarden-rules.yml",
             "opt/gpuwarden/share/prometheus/dcgm-compat-rules.yml",
             "opt/gpuwarden/share/grafana/gpuwarden.json",
+            "opt/gpuwarden/share/alertmanager/alertmanager.yml",
             "opt/gpuwarden/venv/bin/gpuwarden",
         ):
             assert (staged / path).is_file(), path
