@@ -493,6 +493,47 @@ class TestSender:
         assert {n.authorization for n in posts} == {"Bearer t0ken"}
 
 
+class TestAnswers:
+    """Each kind of answer from a member: what is retried, what is dropped."""
+
+    @pytest.mark.parametrize(
+        ("status", "reason", "kept"),
+        [
+            (400, "rejected", False),  # invalid as sent: the same body would fail forever
+            (401, "unauthorized", True),
+            (403, "unauthorized", True),
+            (429, "server_error", True),
+            (500, "server_error", True),
+            (503, "server_error", True),
+            (302, "error", True),  # urllib would have re-sent it as a GET, without the alerts
+        ],
+    )
+    async def test_status(
+        self,
+        webhook: WebhookReceiver,
+        senders: list[AlertmanagerSender],
+        monkeypatch: pytest.MonkeyPatch,
+        *,
+        status: int,
+        reason: str,
+        kept: bool,
+    ) -> None:
+        # A proxy from the environment is not used for the cluster's own Alertmanagers.
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")
+        webhook.status = status
+        sender = started(senders, settings(webhook.url.rstrip("/")))
+        sender.change(raised(dead("n1")))
+        member = sender.members[0]
+        await until(lambda: member.failures[reason] >= 1, what=f"{status} counted as {reason}")
+        assert sum(member.failures.values()) == member.failures[reason]
+        assert bool(member.pending) is kept
+        assert member.dropped == (0 if kept else 1)
+        assert all(n.path == am.API_PATH for n in webhook.received())
+        webhook.status = 200
+        if kept:  # retried until the member takes it
+            await until(lambda: not member.pending, what="delivered once the member is fine")
+
+
 class TestExit:
     async def test_a_hung_member_does_not_hold_the_exit(
         self, tmp_path: Path, broker: Broker

@@ -50,6 +50,8 @@ class WebhookReceiver:
 
     def __init__(self) -> None:
         self.notifications: list[Notification] = []
+        self.status = 200
+        """What it answers (a stand-in for a member that refuses, fails or redirects)."""
         self._lock = threading.Lock()
         receiver = self
 
@@ -60,7 +62,10 @@ class WebhookReceiver:
                 got = Notification(time.time(), body, self.path, self.headers["Authorization"])
                 with receiver._lock:
                     receiver.notifications.append(got)
-                self.send_response(200)
+                self.send_response(receiver.status)
+                if 300 <= receiver.status < 400:
+                    self.send_header("Location", "/elsewhere")
+                self.send_header("Content-Length", "0")
                 self.end_headers()
 
             def log_message(self, format: str, *args: Any) -> None:

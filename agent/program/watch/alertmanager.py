@@ -35,6 +35,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -155,6 +156,21 @@ class PostFailed(Exception):
         self.reason = reason
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: urllib would follow a 301/302 with a GET, dropping the body."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _opener(tls: ssl.SSLContext | None) -> urllib.request.OpenerDirector:
+    # No proxy from the environment (http_proxy is for the web, not for the cluster's own
+    # Alertmanagers; Prometheus uses none either unless told), no redirects.
+    return urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=tls), _NoRedirect()
+    )
+
+
 def post(url: str, body: bytes, auth: Auth, timeout: float) -> None:
     """POST the alerts (in a worker thread). PostFailed with a reason from FAILURE_REASONS."""
     request = urllib.request.Request(url, data=body, method="POST")  # noqa: S310 (http(s) only: settings)
@@ -162,15 +178,18 @@ def post(url: str, body: bytes, auth: Auth, timeout: float) -> None:
     if auth.header is not None:
         request.add_header("Authorization", auth.header)
     try:
-        with urllib.request.urlopen(request, timeout=timeout, context=auth.tls) as response:  # noqa: S310
+        with _opener(auth.tls).open(request, timeout=timeout) as response:
             response.read()
     except urllib.error.HTTPError as exc:
         detail = f"HTTP {exc.code}: {exc.read(300).decode(errors='replace').strip()}"
         if exc.code in (401, 403):
             raise PostFailed("unauthorized", detail) from None
-        if 400 <= exc.code < 500 and exc.code != 429:
+        if exc.code >= 500 or exc.code == 429:
+            raise PostFailed("server_error", detail) from None
+        if exc.code >= 400:
             raise PostFailed("rejected", detail) from None
-        raise PostFailed("server_error", detail) from None
+        # 3xx: the URL names something else (a proxy's login page, the UI); retried, logged.
+        raise PostFailed("error", f"{detail} (redirected: name the member's API URL)") from None
     except urllib.error.URLError as exc:
         raise _classify(exc.reason if isinstance(exc.reason, BaseException) else exc) from None
     except (OSError, ValueError) as exc:
