@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.program.watch.alertmanager import alertname
+from agent.program.watch.fleet import ALERT_KINDS
 from tests.support.rules import RULES, alert_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,9 +139,10 @@ def test_the_alerts_doc_names_exactly_the_rules() -> None:
 
 @pytest.mark.parametrize("doc", documents(), ids=doc_id)
 def test_every_alert_named_is_a_rule(doc: Path) -> None:
-    """`GpuwardenX` names a rule; `GpuwardenX*` names at least one (a group of rules). Python
-    classes of that form (`GpuwardenError`) are not alerts."""
-    rules = set(alert_blocks(RULES.read_text()))
+    """`GpuwardenX` names a rule, or an alert the watcher posts to Alertmanager itself;
+    `GpuwardenX*` names at least one (a group of rules). Python classes of that form
+    (`GpuwardenError`) are not alerts."""
+    rules = set(alert_blocks(RULES.read_text())) | {alertname(kind) for kind in ALERT_KINDS}
     unknown = [
         name + star
         for name, star in re.findall(r"`(Gpuwarden[A-Z]\w*)(\*?)`", doc.read_text())

@@ -33,7 +33,7 @@ from agent.contracts.settings import build
 from agent.program import config_loader
 from agent.program.watch import alertmanager as am
 from agent.program.watch.alertmanager import AlertmanagerSender, Entry, Member
-from agent.program.watch.fleet import NODE_KINDS, SETTLE_SECONDS, Alert, AlertChange, Fleet
+from agent.program.watch.fleet import ALERT_KINDS, SETTLE_SECONDS, Alert, AlertChange, Fleet
 from agent.program.watch.metrics import MetricsServer
 from agent.program.watch.settings import WatchSettings
 from exporters.mqtt_client import Backoff
@@ -51,8 +51,7 @@ from tests.support.waiting import until
 
 T0 = 1_700_000_000.0
 ROOT = Path(__file__).resolve().parents[1]
-DOC = Path(__file__).resolve().parents[1] / "docs/alertmanager.md"
-BROKER_KINDS = ("broker_unreachable", "fleet_quiet")
+DOC = Path(__file__).resolve().parents[1] / "docs/metrics.md"
 
 
 def settings(*urls: str, **overrides: object) -> WatchSettings:
@@ -198,7 +197,7 @@ class TestPayload:
     """Labels two watchers agree on; the v2 API's shape."""
 
     def test_every_kind_has_a_distinct_valid_alertname(self) -> None:
-        names = [am.alertname(kind) for kind in (*NODE_KINDS, *BROKER_KINDS)]
+        names = [am.alertname(kind) for kind in ALERT_KINDS]
         assert len(set(names)) == len(names)
         for name in names:
             assert name.startswith("Gpuwarden") and name.isidentifier(), name

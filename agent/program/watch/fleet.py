@@ -51,6 +51,8 @@ SETTLE_SECONDS = 3.0
 """After (re)connecting, retained messages arrive within milliseconds; wait a little anyway."""
 BROKER_KEY = ("broker_unreachable", "")
 NODE_KINDS = ("node_dead", "node_stopped", "node_missing", "node_stale", "node_unhealthy")
+ALERT_KINDS = (*NODE_KINDS, "broker_unreachable", "fleet_quiet")
+"""Every kind of alert the watcher raises (the Alertmanager alertnames follow from them)."""
 DISPROVED_BY_ARRIVAL = re.compile(r"sink mqtt has not delivered\b")
 """A heartbeat's problem that its own arrival disproves: it came through the MQTT sink. The
 heartbeats an agent queued while its broker was away all say so, and are delivered after the
