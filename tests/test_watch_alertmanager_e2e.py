@@ -266,9 +266,9 @@ class TestHighAvailability:
                 lambda: all(w.saw(True, "node_dead", "n1") for w in pair), what="both raise"
             )
             await notified(webhook, "firing", 30, "n1 dead", node="n1")
-            # Both watchers posted to both members; the second member waits peer-timeout (3 s)
+            # Both watchers posted to both members; the second member waits peer-timeout (5 s)
             # for the first's notification log before it would notify: wait past that.
-            await asyncio.sleep(6)
+            await asyncio.sleep(8)
             assert len(webhook.matching("firing", node="n1")) == 1, webhook.received()
             for member in members:
                 assert {a["labels"].get("node") for a in member.alerts()} >= {"n1"}

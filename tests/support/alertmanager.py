@@ -182,7 +182,7 @@ class AlertmanagerServer:
                 # the second member waits peer-timeout for the first one's notification log.
                 "--cluster.gossip-interval=50ms",
                 "--cluster.pushpull-interval=1s",
-                "--cluster.peer-timeout=3s",
+                "--cluster.peer-timeout=5s",
                 *(f"--cluster.peer=127.0.0.1:{p}" for p in self.peers),
             ]
         self.process = subprocess.Popen(
