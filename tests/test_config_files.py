@@ -65,6 +65,9 @@ FILE_KEYS = (
     FileKey("watch.cert_file", "certificate", "watch"),
     FileKey("watch.key_file", "private_key", "watch"),
     FileKey("watch.inventory_file", "readable", "watch"),
+    FileKey("watch.alertmanager_password_file", "secret", "watch"),
+    FileKey("watch.alertmanager_bearer_token_file", "secret", "watch"),
+    FileKey("watch.alertmanager_ca_file", "certificate", "watch"),
 )
 BY_KEY = {f.key: f for f in FILE_KEYS}
 
@@ -129,15 +132,22 @@ WEB_CONFIG_REPLACES = (
     "prometheus.basic_auth_users_file",
 )
 """The keys web_config_file stands for: a configuration sets one or the other."""
+BEARER_REPLACES = ("watch.alertmanager_username", "watch.alertmanager_password_file")
+"""Alertmanager's basic auth, which a bearer token replaces."""
 
 
 def good_values(directory: Path, tls: dict[str, Path], testing: str = "") -> dict[str, str]:
     """Every file key set to a good file; with the web config in place of the three keys it
     replaces when that is the key under test."""
     values = _good_values(directory, tls)
-    dropped: tuple[str, ...] = ("prometheus.web_config_file",)
+    dropped: tuple[str, ...] = (
+        "prometheus.web_config_file",
+        "watch.alertmanager_bearer_token_file",
+    )
     if testing == "prometheus.web_config_file":
-        dropped = WEB_CONFIG_REPLACES
+        dropped = (*WEB_CONFIG_REPLACES, "watch.alertmanager_bearer_token_file")
+    if testing == "watch.alertmanager_bearer_token_file":
+        dropped = ("prometheus.web_config_file", *BEARER_REPLACES)
     return {key: value for key, value in values.items() if key not in dropped}
 
 
@@ -161,6 +171,10 @@ def _good_values(directory: Path, tls: dict[str, Path]) -> dict[str, str]:
         "watch.cert_file": tls["client_cert"],
         "watch.key_file": tls["client_key"],
         "watch.inventory_file": private(directory / "inventory", "gpu-1\ngpu-2\n"),
+        "watch.alertmanager_username": "watcher",  # not a file: what the password goes with
+        "watch.alertmanager_password_file": private(directory / "am-password", SECRET + "\n"),
+        "watch.alertmanager_bearer_token_file": private(directory / "am-token", SECRET + "\n"),
+        "watch.alertmanager_ca_file": tls["ca"],
     }
     return {key: str(value) for key, value in values.items()}
 
@@ -170,7 +184,12 @@ def config_text(values: dict[str, str], state_dir: Path, **extra: dict[str, Any]
     tables: dict[str, dict[str, Any]] = {
         "prometheus": {"listen": f"127.0.0.1:{free_port()}"},
         "mqtt": {"enabled": True, "url": "mqtts://127.0.0.1:1", "username": "node"},
-        "watch": {"url": "mqtts://127.0.0.1:1", "username": "watcher", "listen": ""},
+        "watch": {
+            "url": "mqtts://127.0.0.1:1",
+            "username": "watcher",
+            "listen": "",
+            "alertmanager_urls": ["https://127.0.0.1:1"],
+        },
     }
     for dotted, value in values.items():
         section, _, key = dotted.partition(".")
@@ -280,6 +299,7 @@ def file_cases() -> Iterator[Any]:
         ("mqtt.ca_file", "garbage", content(not_pem, "no PEM certificate")),
         ("mqtt.cert_file", "garbage", content(not_pem, "no PEM certificate")),
         ("watch.ca_file", "garbage", content(not_pem, "no PEM certificate")),
+        ("watch.alertmanager_ca_file", "garbage", content(not_pem, "no PEM certificate")),
         ("prometheus.tls_cert_file", "garbage", content(not_pem, "no PEM certificate")),
         ("mqtt.key_file", "garbage", content(not_pem, "private key of", "mqtt.cert_file")),
         ("watch.cert_file", "garbage", content(not_pem, "no PEM certificate")),

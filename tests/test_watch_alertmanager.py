@@ -533,6 +533,31 @@ class TestAnswers:
             await until(lambda: not member.pending, what="delivered once the member is fine")
 
 
+class TestBug:
+    async def test_a_failing_post_does_not_end_the_member(
+        self,
+        alertmanager: AlertmanagerServer,
+        senders: list[AlertmanagerSender],
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """An unexpected exception in a post (a bug) is counted as `error`, logged, retried:
+        the member's task goes on."""
+        calls: list[str] = []
+        real = am.post
+
+        def flaky(url: str, body: bytes, auth: am.Auth, timeout: float) -> None:
+            calls.append(url)
+            if len(calls) <= 2:
+                raise RuntimeError("a bug")
+            real(url, body, auth, timeout)
+
+        monkeypatch.setattr(am, "post", flaky)
+        sender = started(senders, settings(alertmanager.url))
+        sender.change(raised(dead("n1")))
+        await wait_held(alertmanager, node="n1")
+        assert sender.members[0].failures["error"] == 2
+
+
 class TestExit:
     async def test_a_hung_member_does_not_hold_the_exit(
         self, tmp_path: Path, broker: Broker

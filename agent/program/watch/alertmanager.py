@@ -337,25 +337,35 @@ class AlertmanagerSender:
     async def _post_batch(self, member: Member) -> bool:
         batch = list(member.pending.items())[:BATCH]
         runbook = self.settings.alertmanager_runbook_url
-        body = json.dumps([post_body(e.alert, e.ends_at, runbook) for _, e in batch]).encode()
         try:
+            body = json.dumps([post_body(e.alert, e.ends_at, runbook) for _, e in batch]).encode()
             await in_thread(post, member.url, body, self.auth, self.settings.alertmanager_timeout)
-        except PostFailed as exc:
-            self._failed(member, exc)
-            if exc.reason != "rejected":
-                return False
-            # Invalid as sent: the same body would be refused forever. Counted and logged.
-        else:
-            self._delivered(member, len(batch))
+        except Exception as exc:  # a bug must not end this member's task for good
+            failure = exc if isinstance(exc, PostFailed) else PostFailed("error", repr(exc))
+            return self._settle_failure(member, batch, failure)
+        self._delivered(member, len(batch))
+        self._done(member, batch)
+        return True
+
+    def _settle_failure(
+        self, member: Member, batch: list[tuple[tuple[str, str], Entry]], exc: PostFailed
+    ) -> bool:
+        self._failed(member, exc)
+        if exc.reason != "rejected":
+            return False
+        # Invalid as sent: the same body would be refused forever. Counted and logged.
+        member.dropped += len(batch)
+        self._done(member, batch)
+        return True
+
+    @staticmethod
+    def _done(member: Member, batch: list[tuple[tuple[str, str], Entry]]) -> None:
         for key, entry in batch:
             if member.pending.get(key) is entry:  # not changed again while in flight
                 del member.pending[key]
-        return True
 
     def _failed(self, member: Member, exc: PostFailed) -> None:
         member.failures[exc.reason] += 1
-        if exc.reason == "rejected":
-            member.dropped += 1
         if member.failing != exc.reason:
             log.warning(
                 FAILURE_TEXT[exc.reason],
