@@ -46,6 +46,7 @@ from tests.support.alertmanager import (
 )
 from tests.support.mosquitto import Broker, secret_file
 from tests.support.ports import free_port
+from tests.support.rules import RULES
 from tests.support.tls import Authority
 from tests.support.waiting import until
 
@@ -243,7 +244,7 @@ class TestPayload:
 
     def test_post_body(self) -> None:
         alert = dead("n1", since=T0)
-        body = am.post_body(alert, None, "https://rb/{kind}/{node}")
+        body = am.post_body(alert, None, "https://rb/{kind}/{node}#{anchor}")
         assert body["labels"] == {
             "alertname": "GpuwardenNodeDead",
             "node": "n1",
@@ -254,7 +255,7 @@ class TestPayload:
         assert body["annotations"] == {
             "summary": "n1 died",
             "action": "look",
-            "runbook_url": "https://rb/node_dead/n1",
+            "runbook_url": "https://rb/node_dead/n1#gpuwardennodedead",
         }
         assert body["startsAt"] == "2023-11-14T22:13:20.000Z"
         assert "endsAt" not in body
@@ -285,20 +286,36 @@ class TestConfigs:
         assert "2 inhibit rules" in done.stdout
 
     def test_routes_by_severity(self) -> None:
-        for labels, receiver in (
-            ("severity=critical alertname=GpuwardenNodeDead node=n1", "gpuwarden-pager"),
-            ("severity=warning alertname=GpuwardenNodeMissing node=n1", "gpuwarden-queue"),
-            # Prometheus' copies of the watcher's alerts: the watcher posts them itself.
-            (
-                "severity=critical alertname=GpuwardenNodeDead kind=node_dead job=gpuwarden-watch",
-                "discard",
-            ),
-            (
-                "severity=critical alertname=GpuwardenWatcherDown job=gpuwarden-watch",
-                "gpuwarden-pager",
-            ),
-        ):
-            done = amtool("config", "routes", "test", f"--config.file={SHIPPED}", *labels.split())
+        """The watcher's own posts by severity; every rule of the shipped rules file to the
+        pager or the queue by its severity, except the rules that copy the watcher's alerts
+        from its /metrics (the watcher posts those itself): those, and only those, discarded."""
+        cases = [
+            (labels_of_kind(kind, severity), f"gpuwarden-{route}")
+            for kind in ALERT_KINDS
+            for severity, route in (("critical", "pager"), ("warning", "queue"))
+        ]
+        rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+        for rule in rules:
+            labels = {"alertname": rule["alert"], **rule.get("labels", {})}
+            severity = labels["severity"]
+            copies = "gpuwarden_watch_alert_active" in rule["expr"]
+            labels["job"] = (
+                "gpuwarden-watch" if "gpuwarden-watch" in rule["expr"] or copies else "gpuwarden"
+            )
+            kinds = re.findall(r'kind=~?"([^"]+)"', rule["expr"])
+            for kind in kinds[0].split("|") if kinds else [labels.get("kind", "")]:
+                case = {**labels, "kind": kind} if kind else labels
+                route = (
+                    "discard"
+                    if copies
+                    else f"gpuwarden-{'pager' if severity == 'critical' else 'queue'}"
+                )
+                cases.append((case, route))
+        discarded = {labels["kind"] for labels, route in cases if route == "discard"}
+        assert discarded and discarded <= set(ALERT_KINDS)  # the copies: watcher kinds only
+        for labels, receiver in cases:
+            args = [f"{k}={v}" for k, v in labels.items()]
+            done = amtool("config", "routes", "test", f"--config.file={SHIPPED}", *args)
             assert done.returncode == 0, done.stdout + done.stderr
             assert done.stdout.strip() == receiver, (labels, done.stdout)
 
@@ -341,6 +358,11 @@ class TestMetrics:
         for name in set(re.findall(r"^# TYPE (gpuwarden_watch_alertmanager_\S+)", text, re.M)):
             base = name.removesuffix("_total")
             assert f"`{name}`" in documented or f"`{base}_total`" in documented, name
+
+
+def labels_of_kind(kind: str, severity: str) -> dict[str, str]:
+    level = Severity.CRITICAL if severity == "critical" else Severity.WARNING
+    return am.labels_of(Alert(kind, "n1", level, "m", "a", T0))
 
 
 class TestSender:

@@ -100,8 +100,9 @@ def post_body(alert: Alert, ends_at: float | None, runbook_url: str) -> dict[str
     labels = labels_of(alert)
     annotations = {"summary": alert.message, "action": alert.action}
     if runbook_url:
+        name = labels["alertname"]
         annotations["runbook_url"] = runbook_url.format(
-            kind=alert.kind, alertname=labels["alertname"], node=alert.node
+            kind=alert.kind, alertname=name, anchor=name.lower(), node=alert.node
         )
     body: dict[str, object] = {
         "labels": labels,

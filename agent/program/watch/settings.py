@@ -179,8 +179,8 @@ class WatchSettings(BrokerSettings):
     )
     alertmanager_runbook_url: str = setting(
         "",
-        help="the runbook_url annotation; {kind}, {alertname} and {node} are replaced; "
-        "empty: no runbook_url",
+        help="the runbook_url annotation; {kind}, {alertname}, {anchor} (the alertname in lower "
+        "case: runbook.md's headings) and {node} are replaced; empty: no runbook_url",
     )
 
     def __post_init__(self) -> None:
@@ -207,11 +207,12 @@ class WatchSettings(BrokerSettings):
         if self.alertmanager_ca_file is not None and not any(u.startswith("https:") for u in urls):
             raise ConfigError("alertmanager_ca_file", "needs an https:// alertmanager_urls member")
         try:
-            self.alertmanager_runbook_url.format(kind="k", alertname="a", node="n")
+            self.alertmanager_runbook_url.format(kind="k", alertname="a", anchor="a", node="n")
         except (KeyError, IndexError, ValueError) as exc:
             raise ConfigError(
                 "alertmanager_runbook_url",
-                f"only {{kind}}, {{alertname}} and {{node}} may be replaced, got {exc!r}",
+                f"only {{kind}}, {{alertname}}, {{anchor}} and {{node}} may be replaced, "
+                f"got {exc!r}",
             ) from None
 
     @property
