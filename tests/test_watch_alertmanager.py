@@ -10,6 +10,7 @@ token, and a bounded queue. The settings refuse what cannot work, naming the key
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from tests.support.alertmanager import (
     WebhookReceiver,
     amtool,
     hook_config,
+    shipped_config,
 )
 from tests.support.mosquitto import Broker, secret_file
 from tests.support.ports import free_port
@@ -624,3 +627,53 @@ class TestExit:
 
 def _posted(webhook: WebhookReceiver, node: str) -> bool:
     return any(a["labels"].get("node") == node for n in webhook.received() for a in n.alerts())
+
+
+def post_alerts(server: AlertmanagerServer, alerts: list[dict[str, Any]]) -> None:
+    """What a Prometheus or a watcher does: POST /api/v2/alerts."""
+    request = urllib.request.Request(
+        f"{server.url}/api/v2/alerts",
+        data=json.dumps(alerts).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.status == 200
+
+
+class TestGrouping:
+    """The shipped routes, for real: one fault's alerts reach a person as one notification."""
+
+    async def test_one_page_per_node(
+        self, tmp_path: Path, webhook: WebhookReceiver, servers: list[AlertmanagerServer]
+    ) -> None:
+        server = AlertmanagerServer(tmp_path / "am", shipped_config(webhook.url)).start()
+        servers.append(server)
+        # A lost GPU on node a raises three alerts at once; node b has its own fault.
+        fault = ("GpuwardenGpuLost", "GpuwardenCriticalXid", "GpuwardenRepairRequired")
+        alerts = [
+            {"labels": {"alertname": name, "node": "a", "severity": "critical", "job": "gpuwarden"}}
+            for name in fault
+        ] + [
+            {
+                "labels": {
+                    "alertname": "GpuwardenGpuLost",
+                    "node": "b",
+                    "severity": "critical",
+                    "job": "gpuwarden",
+                }
+            }
+        ]
+        post_alerts(server, alerts)
+        await until(lambda: len(webhook.received()) >= 2, timeout=20)
+        await asyncio.sleep(1.5)  # a third notification would come within group_interval
+        pages = webhook.received()
+        by_node = {
+            tuple(sorted({a["labels"]["node"] for a in n.alerts()})): sorted(
+                a["labels"]["alertname"] for a in n.alerts()
+            )
+            for n in pages
+        }
+        assert len(pages) == 2, [n.body for n in pages]
+        assert by_node == {("a",): sorted(fault), ("b",): ["GpuwardenGpuLost"]}
+        assert {n.receiver for n in pages} == {"gpuwarden-pager"}
