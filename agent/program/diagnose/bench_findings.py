@@ -8,6 +8,7 @@ past runs, and the host's history file is left as it was (check appends nothing)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import time
 
@@ -53,6 +54,16 @@ async def check_bench(runner: OneShotCollectors, config: Config) -> list[Finding
 
 
 def judge(result: RunResult) -> Finding:
+    line = _judge(result)
+    return dataclasses.replace(
+        line,
+        check="gpu_benchmark",
+        subject=f"GPU {result.gpu.index}",
+        data={"gpus": [result.gpu.index]},
+    )
+
+
+def _judge(result: RunResult) -> Finding:
     gpu, record, outcome = result.gpu, result.record, result.outcome
     name = f"GPU {gpu.index} benchmark"
     if record is None:
