@@ -1,0 +1,79 @@
+"""Log lines a person reads: no field that says `None`, and no traceback for a failure the agent
+expects (a collector refused access to what it reads) - one line with what to do instead."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+
+from agent.runtime import logs
+from tests.support.agent_proc import AgentProcess
+from tests.support.waiting import wait_until
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_none_fields_are_left_out(as_json: bool, restore_logging: None) -> None:
+    """The watcher logged `node=None` for a broker-wide alert; no field of any log line may
+    read None (or null): an absent value is left out."""
+    stream = io.StringIO()
+    logs.configure("debug", stream=stream, json=as_json)
+    log = structlog.get_logger(component="test")
+    log.warning("alert raised", kind="all_quiet", node=None, severity="critical", count=0)
+    log.info("nested", detail={"gpu": None, "ok": 1})
+    text = stream.getvalue()
+    assert "None" not in text and "null" not in text, text
+    assert "all_quiet" in text and "critical" in text
+    if as_json:
+        first, second = (json.loads(line) for line in text.splitlines())
+        assert "node" not in first and first["count"] == 0
+        assert second["detail"] == {"ok": 1}
+
+
+def _unprivileged() -> list[str]:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root to become an unprivileged user (setpriv)")
+    return ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+
+
+def test_unprivileged_agent_logs_one_line_with_the_action() -> None:
+    """`make run` as a normal user: /dev/kmsg is refused. The embedded defaults with a state
+    dir of the user's own: the agent starts, says in one line what cannot be read and what to
+    do, and prints no Python traceback, for any collector."""
+    prefix = _unprivileged()
+    # Under /tmp, not pytest's tmp_path: that sits in root's 0700 directory.
+    workdir = Path(tempfile.mkdtemp(prefix="gpuwarden-unprivileged-"))
+    workdir.chmod(0o777)
+    agent = AgentProcess(workdir, prefix=prefix)
+    try:
+        agent.start(timeout=30.0)
+        wait_until(lambda: "kernel_log" in agent.log(), 20.0, "the kernel_log collector's line")
+        agent.signal(signal.SIGINT)
+        assert agent.process is not None
+        assert agent.process.wait(15) == 0
+        text = agent.log()
+    finally:
+        agent.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert "Traceback" not in text, text
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    kmsg = [line for line in lines if line.get("collector") == "kernel_log"]
+    assert len(kmsg) == 1, kmsg
+    assert "/dev/kmsg" in kmsg[0]["error"]
+    assert "CAP_SYSLOG" in kmsg[0]["action"]
+    for line in lines:
+        assert "None" not in json.dumps(line) and None not in line.values(), line
