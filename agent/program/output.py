@@ -74,15 +74,20 @@ def visible_len(text: str) -> int:
 def wrap(text: str, columns: int, first: str = "", indent: int | None = None) -> list[str]:
     """`text` after the prefix `first`, wrapped at word boundaries to `columns`, every further
     line indented by `indent` (default: the width of `first`). A word longer than the room
-    (a path, a UUID) is cut only when it would not fit on a line of its own."""
-    hang = visible_len(first) if indent is None else indent
-    room = max(columns - hang, MIN_TEXT)
-    parts = textwrap.wrap(
-        text, room, break_on_hyphens=False, break_long_words=True, drop_whitespace=True
-    ) or [""]
-    pad = " " * hang
-    head = first + " " * (hang - visible_len(first)) if visible_len(first) < hang else first
-    return [head + parts[0], *(pad + part for part in parts[1:])]
+    (a path, a UUID) is cut only when it would not fit on a line of its own. `first` may be
+    coloured: its codes take no columns."""
+    head = visible_len(first)
+    hang = head if indent is None else indent
+    columns = max(columns, hang + MIN_TEXT, head + MIN_TEXT)
+    wrapper = textwrap.TextWrapper(
+        columns,
+        initial_indent=" " * head,  # placeholder of the prefix's visible width
+        subsequent_indent=" " * hang,
+        break_on_hyphens=False,
+        break_long_words=True,
+    )
+    lines = wrapper.wrap(text) or [" " * head]
+    return [first + lines[0][head:], *lines[1:]]
 
 
 def fit(text: str, columns: int) -> str:

@@ -151,7 +151,7 @@ def _where(finding: Finding) -> str:
 
 
 def _what(finding: Finding) -> str:
-    if finding.kind in ("xid", "sxid"):
+    if finding.kind in ("xid", "sxid") and finding.code is not None:
         return f"{finding.kind} {finding.code}"
     return finding.kind
 
@@ -277,7 +277,7 @@ def print_findings(findings: Sequence[Finding], out: TextIO, every: bool) -> Non
         print(line, file=out)
 
 
-def _summary(findings: Sequence[Finding], stats: ParseStats, matchers: MatcherSet) -> str:
+def summary_text(findings: Sequence[Finding], stats: ParseStats, matchers: MatcherSet) -> str:
     """The counts, always all of them: a reader knows nothing was dropped unsaid."""
     notes = [f"{stats.malformed} malformed line(s) skipped"]
     if stats.malformed:
@@ -320,6 +320,6 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `gpuwarden scan ... | head`: the reader left; the code still counts
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    for line in output.wrap(_summary(findings, stats, matchers), output.width(sys.stderr)):
+    for line in output.wrap(summary_text(findings, stats, matchers), output.width(sys.stderr)):
         print(line, file=sys.stderr)
     return exit_code(findings)

@@ -15,9 +15,11 @@ import time
 from agent.contracts.collector import CollectContext
 from agent.contracts.config import Config
 from agent.contracts.model import Severity
+from agent.program import output
 from agent.program.diagnose.collect_once import OneShotCollectors
 from agent.program.diagnose.findings import Finding, Status
 from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, RunResult
+from collectors.benchmark.events import FAILURE_ACTIONS
 from collectors.benchmark.gpus import GpuBackendUnavailable
 from collectors.benchmark.history import HistoryFile
 
@@ -73,12 +75,16 @@ def _judge(result: RunResult) -> Finding:
             name,
             Status.FAIL,
             f"the test gave no result ({outcome.failure}): {outcome.message} {tail[0]}".strip(),
-            f"run gpuwarden bench --device {gpu.index} for the full output; check the kernel log "
-            "for Xids",
+            FAILURE_ACTIONS.get(
+                outcome.failure,
+                f"run gpuwarden bench --device {gpu.index} for the full output; check the "
+                "kernel log for Xids",
+            ),
         )
+    cuda = f"CUDA {record.torch_cuda}" if record.torch_cuda else "CPU-only build"
     detail = (
         f"{record.estimated_tflops:.1f} TFLOP/s, {record.profile} size {record.size} "
-        f"(torch {record.torch}, CUDA {record.torch_cuda})"
+        f"(torch {record.torch or 'version unknown'}, {cuda})"
     )
     ratios = [
         f"{label} ratio {value:.2f}"
@@ -92,7 +98,8 @@ def _judge(result: RunResult) -> Finding:
             AREA,
             name,
             Status.FAIL,
-            f"WRONG RESULT: max error {record.max_error} over tolerance {record.tolerance:g}; {detail}",
+            f"WRONG RESULT: max error {output.shown(record.max_error)} over tolerance "
+            f"{output.shown(record.tolerance)}; {detail}",
             "take the GPU out of service: a wrong product is silent data corruption",
         )
     worst = max(
