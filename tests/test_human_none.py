@@ -129,3 +129,14 @@ class TestScan:
         out = io.StringIO()
         out.write(scan.summary_text([self._finding(1)], ParseStats(), MatcherSet()))
         assert_no_none(out.getvalue())
+
+
+class TestCheckpoint:
+    @pytest.mark.parametrize("status", ["complete", "corrupt", "partial"])
+    def test_verify_table(self, status: str) -> None:
+        from agent.program.commands import checkpoint
+        from collectors.checkpoints.judge import RoundOutcome, Verdict
+
+        verdict = bare(Verdict, path=Path("/ckpt/step"), status=status, checksum="unchecked")
+        text = checkpoint.render({"/ckpt": RoundOutcome([verdict])})
+        assert_no_none(text)

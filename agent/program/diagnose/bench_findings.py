@@ -41,9 +41,13 @@ async def check_bench(runner: OneShotCollectors, config: Config) -> list[Finding
     try:
         gpus = await caller.call("benchmark:gpus", collector.activity.gpus)
     except GpuBackendUnavailable as exc:
-        return [Finding(AREA, "matmul benchmark", Status.SKIP, f"no GPU to test ({exc})")]
+        return [
+            Finding(AREA, "matmul benchmark", Status.SKIP, f"no GPU to test ({exc})", check=AREA)
+        ]
     if not gpus:
-        return [Finding(AREA, "matmul benchmark", Status.SKIP, "NVML found no GPU to test")]
+        return [
+            Finding(AREA, "matmul benchmark", Status.SKIP, "NVML found no GPU to test", check=AREA)
+        ]
     await asyncio.to_thread(collector.history.refresh)
     findings = []
     try:
@@ -59,7 +63,7 @@ def judge(result: RunResult) -> Finding:
     line = _judge(result)
     return dataclasses.replace(
         line,
-        check="gpu_benchmark",
+        check=AREA,
         subject=f"GPU {result.gpu.index}",
         data={"gpus": [result.gpu.index]},
     )

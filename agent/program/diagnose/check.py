@@ -261,10 +261,12 @@ def torch_line(
     versions: dict[str, str],
 ) -> Finding:
     if probe is None:
-        return Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
-    return probes.classify_torch(
-        probe, gpus_expected, options.python, versions.get("cuda_driver_version")
-    )
+        line = Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
+    else:
+        line = probes.classify_torch(
+            probe, gpus_expected, options.python, versions.get("cuda_driver_version")
+        )
+    return dataclasses.replace(line, check="torch")
 
 
 async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Finding]:
@@ -374,7 +376,15 @@ async def run_check(
         bench_findings = (
             await check_bench(runner, config)
             if options.bench
-            else [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")]
+            else [
+                Finding(
+                    "bench",
+                    "matmul benchmark",
+                    Status.SKIP,
+                    "not asked for (--bench)",
+                    check="bench",
+                )
+            ]
         )
         report.hung_calls = runner.hung_calls()
     report.collectors = results
