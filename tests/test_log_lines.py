@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 import structlog
 
 from agent.runtime import logs
-from tests.support.agent_proc import AgentProcess
+from tests.support.agent_proc import REPO, AgentProcess
 from tests.support.waiting import wait_until
 
 
@@ -47,7 +49,19 @@ def test_none_fields_are_left_out(as_json: bool, restore_logging: None) -> None:
 def _unprivileged() -> list[str]:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root to become an unprivileged user (setpriv)")
-    return ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    prefix = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    # The user must be able to run this interpreter and read the checkout (a venv under
+    # root's 0700 home is not): otherwise there is nothing to test here.
+    probe = subprocess.run(
+        [*prefix, sys.executable, "-c", "import agent.program.cli"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"nobody cannot run {sys.executable} on {REPO}: {probe.stderr[-200:]!r}")
+    return prefix
 
 
 def test_unprivileged_agent_logs_one_line_with_the_action() -> None:
