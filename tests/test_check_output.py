@@ -74,8 +74,10 @@ class TestJson:
         report = await run_check(cfg, options)
         report.findings.append(probes.check_state_dir(state))
         ids = {f.id: f for f in report.findings}
+        documented = (ROOT / "docs" / "human-output.md").read_text()
         for finding in report.findings:
             assert valid_id(finding.id), finding
+            assert f"`{finding.id}`" in documented, finding.id
             if finding.subject:
                 assert finding.subject not in finding.id
         assert ids["mqtt_broker"].subject == "127.0.0.1:1"
