@@ -74,7 +74,7 @@ class TestJson:
         report = await run_check(cfg, options)
         report.findings.append(probes.check_state_dir(state))
         ids = {f.id: f for f in report.findings}
-        documented = (ROOT / "docs" / "human-output.md").read_text()
+        documented = (ROOT / "docs" / "commands.md").read_text()
         for finding in report.findings:
             assert valid_id(finding.id), finding
             assert f"`{finding.id}`" in documented, finding.id
