@@ -18,6 +18,9 @@ import pytest
 import structlog
 
 from agent.runtime import logs
+from agent.runtime.core import _log_failure
+from agent.runtime.rounds import Failure, RoundOutcome
+from collectors.kernel_log.kmsg import KernelLogError
 from tests.support.agent_proc import REPO, AgentProcess
 from tests.support.waiting import wait_until
 
@@ -91,3 +94,34 @@ def test_unprivileged_agent_logs_one_line_with_the_action() -> None:
     assert "CAP_SYSLOG" in kmsg[0]["action"]
     for line in lines:
         assert "None" not in json.dumps(line) and None not in line.values(), line
+
+
+@pytest.mark.parametrize(
+    ("raised", "traceback"),
+    [
+        (PermissionError(13, "Permission denied", "/sys/class/x"), False),
+        (KernelLogError("cannot open /dev/kmsg", "run it as root"), False),
+        (RuntimeError("a bug"), True),
+    ],
+)
+def test_a_round_failure_is_one_line_unless_a_bug(
+    raised: Exception, traceback: bool, restore_logging: None
+) -> None:
+    """Refused access and gpuwarden's own errors: one line with the action; anything else
+    keeps its traceback, to be reported."""
+    stream = io.StringIO()
+    logs.configure("info", stream=stream, json=True)
+    try:
+        raise raised
+    except Exception as exc:
+        outcome = RoundOutcome(
+            error=f"{type(exc).__name__}: {exc}", failure=Failure.RAISED, exception=exc
+        )
+    _log_failure(structlog.get_logger(collector="c"), outcome)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert ("Traceback" in stream.getvalue()) is traceback
+    if not traceback:
+        (line,) = lines
+        assert line["action"]
+        if isinstance(raised, PermissionError):
+            assert "/sys/class/x" in line["action"]
