@@ -11,6 +11,7 @@ removed in every case. It refuses to start when the free space after it would fa
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 import time
@@ -42,7 +43,11 @@ PROBE_PREFIX = ".gpuwarden-io-probe-"
 
 
 class ProbeError(GpuwardenError):
-    """The probe did not produce a measurement."""
+    """The probe did not produce a measurement; `action` is what to do about this case."""
+
+    def __init__(self, message: str, action: str) -> None:
+        super().__init__(message)
+        self.action = action
 
 
 class ProbeRefused(ProbeError):
@@ -82,32 +87,62 @@ def run_write_probe(
     `ProbeFailed` when the writing itself fails. The file is removed in every case.
     """
     if directory is None or not str(directory):
-        raise ProbeRefused("no directory given: the write probe runs only where it is told to")
+        raise ProbeRefused(
+            "no directory given: the write probe runs only where it is told to",
+            "name the directories to probe in [collectors.io_probe] directories",
+        )
     path = Path(directory)
+    if not path.exists():
+        raise ProbeRefused(
+            f"{path} is not a directory: it does not exist",
+            f"create {path}, or name a directory that exists",
+        )
     if not path.is_dir():
-        raise ProbeRefused(f"{path} is not a directory")
+        raise ProbeRefused(
+            f"{path} is not a directory", f"{path} is a file: name a directory to write in"
+        )
     if size_mib < 1:
-        raise ProbeRefused(f"probe size must be at least 1 MiB, got {size_mib}")
+        raise ProbeRefused(
+            f"probe size must be at least 1 MiB, got {size_mib}", "set size_mib to 1 or more"
+        )
     size = size_mib * MIB
     st = statvfs(str(path))
     available = st.f_bavail * (st.f_frsize or st.f_bsize)
     if available - size < free_margin_bytes:
         raise ProbeRefused(
             f"{path}: {available / MIB:.0f} MiB available; writing {size_mib} MiB would leave "
-            f"less than the {free_margin_bytes / MIB:.0f} MiB margin"
+            f"less than the {free_margin_bytes / MIB:.0f} MiB margin",
+            "free space there or lower size_mib / free_margin_mib",
         )
     try:
         fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=path)
     except OSError as exc:
-        raise ProbeFailed(f"{path}: cannot create the probe file: {exc.strerror}") from exc
+        raise ProbeFailed(
+            f"{path}: cannot create the probe file: {exc.strerror}", _failed_action(exc, path)
+        ) from exc
     try:
         return _write_and_time(fd, str(path), size, clock)
     except OSError as exc:
-        raise ProbeFailed(f"{path}: writing the probe file failed: {exc.strerror}") from exc
+        raise ProbeFailed(
+            f"{path}: writing the probe file failed: {exc.strerror}", _failed_action(exc, path)
+        ) from exc
     finally:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
+
+
+def _failed_action(exc: OSError, path: Path) -> str:
+    if exc.errno == errno.EROFS:
+        return (
+            f"{path} is on a read-only file system: if it was remounted read-only after errors, "
+            "look for file-system errors in the kernel log and fsck it; else probe a writable one"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"give the agent's user write access to {path}, or probe another directory"
+    if exc.errno == errno.ENOSPC:
+        return f"free space on {path}"
+    return "check the file system and the device behind it"
 
 
 def _write_and_time(fd: int, directory: str, size: int, clock: Callable[[], float]) -> ProbeResult:
@@ -207,7 +242,7 @@ class IoProbeCollector:
         events: list[Event] = []
         for directory in self.settings.directories:
             # One at a time: probes running side by side on one disk would measure each other.
-            reason, problem = "", ""
+            reason, problem, action = "", "", ""
             try:
                 result = await ctx.call(
                     f"io_probe:{directory}",
@@ -217,11 +252,12 @@ class IoProbeCollector:
                     free_margin_bytes=self.settings.free_margin_mib * MIB,
                 )
             except ProbeRefused as exc:
-                reason, problem = "refused", str(exc)
+                reason, problem, action = "refused", str(exc), exc.action
             except ProbeFailed as exc:
-                reason, problem = "failed", str(exc)
+                reason, problem, action = "failed", str(exc), exc.action
             except (CallTimedOut, CallStillHung) as exc:
                 reason, problem = "hung", f"{directory}: the write probe hangs ({exc})"
+                action = "check the file system and the device behind it"
             else:
                 samples += [
                     THROUGHPUT.sample(result.throughput_bytes_per_second, directory),
@@ -242,9 +278,7 @@ class IoProbeCollector:
                         else RepairAction.CHECK_STORAGE,
                         subject=directory,
                         message=problem,
-                        action="check the file system and the device behind it"
-                        if reason != "refused"
-                        else "free space there or lower size_mib / free_margin_mib",
+                        action=action,
                     )
                 )
             if not problem and self._last_problem.get(directory):

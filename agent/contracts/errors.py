@@ -10,7 +10,12 @@ from __future__ import annotations
 
 
 class GpuwardenError(Exception):
-    """Anything gpuwarden itself raises on purpose: catch this, not `Exception`."""
+    """Anything gpuwarden itself raises on purpose: catch this, not `Exception`.
+
+    `action`: what a person should do about it, when the raiser knows (the runtime logs it
+    beside the message, in one line, instead of a traceback)."""
+
+    action: str = ""
 
 
 class ConfigError(GpuwardenError):

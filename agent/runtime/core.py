@@ -33,7 +33,7 @@ from agent.contracts.collector import (
     WakeableCollector,
 )
 from agent.contracts.config import Config
-from agent.contracts.errors import StateStoreError
+from agent.contracts.errors import GpuwardenError, StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import ActiveRepair, Event, MetricFamily, RepairAction, Sample, Severity
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
@@ -41,7 +41,7 @@ from agent.runtime import logs
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
 from agent.runtime.repairs import RepairLedger
-from agent.runtime.rounds import CollectorPool, Failure, collector_pool, run_round
+from agent.runtime.rounds import CollectorPool, Failure, RoundOutcome, collector_pool, run_round
 from agent.runtime.state import StateStore
 from agent.runtime.store_guard import RETRY_EVERY, CollectorState, StoreGuard
 from agent.runtime.systemd import Supervisor
@@ -492,9 +492,7 @@ class Runtime:
                 self.emit(event)
         else:
             if outcome.error != status.last_error:  # a failure that repeats is logged once
-                if outcome.failure is Failure.RAISED:
-                    logger.exception("collector failed", exc_info=outcome.exception)
-                logger.warning("collector round failed", error=outcome.error)
+                _log_failure(logger, outcome)
             status.samples = ()
             status.success = False
             status.failures += 1
@@ -842,3 +840,22 @@ def _changed_fields(old: object, new: object) -> list[str]:
             f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)
         ]
     return ["(the whole section)"]
+
+
+def _log_failure(logger: structlog.stdlib.BoundLogger, outcome: RoundOutcome) -> None:
+    """One line for a failure the collector expected and explained (a GpuwardenError, with
+    its action when it knows one) or an access the system refused; the traceback only for
+    anything else, which is a bug to report."""
+    exc = outcome.exception
+    if outcome.failure is Failure.RAISED and isinstance(exc, GpuwardenError | PermissionError):
+        action = exc.action if isinstance(exc, GpuwardenError) else ""
+        if isinstance(exc, PermissionError):
+            action = (
+                f"give the agent's user access to {exc.filename or 'it'} (the packaged "
+                "service runs with what it needs), or disable the collector"
+            )
+        logger.warning("collector round failed", error=str(exc), action=action or None)
+        return
+    if outcome.failure is Failure.RAISED:
+        logger.exception("collector failed", exc_info=exc)
+    logger.warning("collector round failed", error=outcome.error)

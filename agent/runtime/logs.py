@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from collections.abc import Mapping, MutableMapping
+from typing import Any, TextIO
 
 import structlog
 
@@ -14,6 +15,22 @@ LEVELS = {
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
+
+
+def drop_none(
+    _logger: object, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Leave out every field whose value is None, nested ones too: a reader sees `node=None`
+    as a node called None, and an absent value is simply not there."""
+    return {key: _without_none(value) for key, value in event_dict.items() if value is not None}
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return type(value)(_without_none(v) for v in value if v is not None)
+    return value
 
 
 def configure(level: str = "info", stream: TextIO | None = None, json: bool | None = None) -> None:
@@ -26,6 +43,7 @@ def configure(level: str = "info", stream: TextIO | None = None, json: bool | No
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
+        drop_none,
     ]
     if json:
         processors += [

@@ -48,7 +48,11 @@ well inside the call timeout): a 300 MiB backlog is read over many rounds, never
 
 
 class KernelLogError(GpuwardenError):
-    """The kernel log cannot be read as configured; the message says why and what to do."""
+    """The kernel log cannot be read as configured; the message says why, `action` what to do."""
+
+    def __init__(self, message: str, action: str = "") -> None:
+        super().__init__(message)
+        self.action = action
 
 
 class KmsgIO(Protocol):
@@ -150,8 +154,9 @@ class KmsgReader:
             return self.io.open(str(self.path))
         except OSError as exc:
             raise KernelLogError(
-                f"cannot open {self.path}: {exc.strerror or exc}; the agent needs read access "
-                "to /dev/kmsg (root or CAP_SYSLOG, and no ProtectKernelLogs=)"
+                f"cannot open {self.path}: {exc.strerror or exc}",
+                "run the agent as root or with CAP_SYSLOG (the packaged gpuwarden.service "
+                "does; ProtectKernelLogs= must stay off); the other collectors run meanwhile",
             ) from exc
 
     def _read_one(self, fd: int) -> bytes | None:

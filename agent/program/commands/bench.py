@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from agent.contracts.collector import (
     CollectContext,
@@ -25,12 +26,21 @@ from agent.contracts.collector import (
 )
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
+from agent.program import output
 from agent.runtime.rounds import collector_pool
 from collectors._nvml import NvmlBackend
 from collectors.benchmark.child import PROFILES
 from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, RunResult
+from collectors.benchmark.events import FAILURE_ACTIONS
 from collectors.benchmark.gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, NvmlActivity
-from collectors.benchmark.history import BenchmarkRecord, HistoryFile, parse_lines
+from collectors.benchmark.history import (
+    BenchmarkRecord,
+    HistoryFile,
+    current_segment,
+    is_good,
+    parse_lines,
+)
+from collectors.benchmark.runner import FAILURE_MESSAGES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRONG = 0, 1, 2, 3
 CPU = GpuIdentity(index=-1, uuid="cpu", name="cpu", pci_bus_id="")
@@ -91,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     history = HistoryFile.in_state_dir(cfg.state_dir)
     if args.history:
-        return show_history(history, as_json=args.json)
+        return show_history(history, as_json=args.json, settings=settings)
     if args.import_file is not None:
         return import_file(history, args.import_file, args.gpu_uuid)
     return asyncio.run(_run(settings, cfg.node_id, cfg.state_dir, args.device, args.json))
@@ -141,8 +151,14 @@ async def _run(
         await asyncio.to_thread(collector.history.refresh)
         code = EXIT_OK
         for gpu in targets:
-            result = await collector.benchmark(ctx, gpu, all_gpus)
-            print(json.dumps(_result_json(result)) if as_json else _result_text(result), flush=True)
+            said = output.wrap(describe_target(gpu, settings), output.width(sys.stderr), "", 2)
+            print("\n".join(said), file=sys.stderr, flush=True)
+            async with progress(f"{_where(gpu)}: running", settings.child_timeout, sys.stderr):
+                result = await collector.benchmark(ctx, gpu, all_gpus)
+            text = result_text(
+                result, settings, collector.history.records, output.width(sys.stdout)
+            )
+            print(json.dumps(_result_json(result)) if as_json else text, flush=True)
             if result.record is None:
                 code = max(code, EXIT_FAILED)
             elif result.record.correct is False:
@@ -189,37 +205,155 @@ def _result_json(result: RunResult) -> dict[str, Any]:
 
 
 def _where(gpu: GpuIdentity) -> str:
-    return "cpu" if gpu is CPU else f"GPU {gpu.index} {gpu.name} {gpu.uuid}"
+    if gpu is CPU:
+        return "cpu"
+    return output.join(
+        [f"GPU {gpu.index}", gpu.name or "model unknown", gpu.uuid or "UUID unknown"], " "
+    )
 
 
-def _result_text(result: RunResult) -> str:
-    record, outcome = result.record, result.outcome
+def describe_target(gpu: GpuIdentity, settings: BenchmarkSettings) -> str:
+    """What is about to be tested, said before the test starts (it takes seconds)."""
+    request = settings.request("cpu" if gpu is CPU else "cuda")
+    profile = request.profile
+    window = (
+        f", each window at least {request.min_window_seconds:g} s"
+        if request.min_window_seconds > 0
+        else ""
+    )
+    where = "the CPU" if gpu is CPU else _where(gpu)
+    if gpu is not CPU and gpu.pci_bus_id:
+        where += f" at {gpu.pci_bus_id}"
+    return (
+        f"testing {where}: profile {profile.name} ({profile.dtype}, matmul precision "
+        f"{profile.matmul_precision}), size {request.size}, {request.samples} windows of "
+        f"{request.iterations} products{window}; the test is stopped after "
+        f"{settings.child_timeout:g} s"
+    )
+
+
+PROGRESS_EVERY = 10.0
+"""Seconds between progress lines when stderr is not a terminal (a log keeps each one)."""
+TTY_TICK = 1.0
+
+
+@contextlib.asynccontextmanager
+async def progress(
+    label: str, limit: float, stream: TextIO, every: float | None = None
+) -> AsyncIterator[None]:
+    """While the block runs: on a terminal one line rewritten every second, elsewhere a line
+    every PROGRESS_EVERY seconds; nothing for a block shorter than that."""
+    tty = stream.isatty()
+    step = every if every is not None else (TTY_TICK if tty else PROGRESS_EVERY)
+    started = time.monotonic()
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(step)
+            text = f"{label}, {time.monotonic() - started:.0f} s of at most {limit:g} s"
+            stream.write(f"\r{text}\x1b[K" if tty else text + "\n")
+            stream.flush()
+
+    task = asyncio.create_task(tick())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if tty and time.monotonic() - started >= step:
+            stream.write("\r\x1b[K")
+            stream.flush()
+
+
+def result_text(
+    result: RunResult,
+    settings: BenchmarkSettings,
+    history: Sequence[BenchmarkRecord],
+    width: int = output.DEFAULT_WIDTH,
+) -> str:
+    """The run for a person: throughput, what was measured, whether the product was right,
+    the ratios and why one is missing, and what to do about a failure."""
+    record = result.record
     if record is None:
-        text = f"{_where(result.gpu)}: FAILED ({outcome.failure}) {outcome.message}"
-        tail = outcome.stderr_tail.strip().splitlines()[-5:]
-        return text + "".join(f"\n  stderr: {line}" for line in tail)
+        return _failure_text(result)
     if record.correct is False:
-        verdict = f"WRONG RESULT (max error {record.max_error}, tolerance {record.tolerance:g})"
+        verdict = (
+            f"WRONG RESULT (max error {output.shown(record.max_error)}, "
+            f"tolerance {_number(record.tolerance)})"
+        )
+    elif record.correct is None:
+        verdict = "not checked"
     else:
-        verdict = f"correct (max error {record.max_error:.2g}, tolerance {record.tolerance:g})"
-    lines = [
-        f"{_where(result.gpu)}: {record.estimated_tflops:.2f} TFLOP/s",
-        f"  {record.profile} ({record.dtype}, matmul precision {record.matmul_precision}), "
+        verdict = (
+            f"correct (max error {_number(record.max_error, '.2g')}, "
+            f"tolerance {_number(record.tolerance)})"
+        )
+    parts = [
+        f"{record.profile} ({record.dtype}, matmul precision {record.matmul_precision}), "
         f"size {record.size}, {record.iterations} iterations per window, median window "
         f"{record.median_seconds:.3f} s of {len(record.sample_seconds)}, "
-        f"torch {record.torch} (CUDA {record.torch_cuda})",
-        f"  result {verdict}",
-        f"  baseline ratio {_ratio(record.baseline_ratio)}, peer ratio {_ratio(record.peer_ratio)}",
+        f"torch {output.shown(record.torch)} ({_cuda(record.torch_cuda)})",
+        f"result {verdict}",
+        f"baseline ratio {_baseline(record, settings, history)}",
+        f"peer ratio {_peer(record)}",
+        *(f"{e.severity.label.upper()}: {e.message}" for e in result.events),
     ]
-    lines += [f"  {e.severity.label.upper()}: {e.message}" for e in result.events]
+    lines = [f"{_where(result.gpu)}: {record.estimated_tflops:.2f} TFLOP/s"]
+    for part in parts:
+        lines += output.wrap(part, width, "  ", 4)
     return "\n".join(lines)
+
+
+def _failure_text(result: RunResult) -> str:
+    outcome = result.outcome
+    what = FAILURE_MESSAGES.get(outcome.failure, outcome.failure or "no result")
+    text = f"{_where(result.gpu)}: FAILED ({what})"
+    if outcome.message:
+        text += f": {outcome.message}"
+    tail = outcome.stderr_tail.strip().splitlines()[-5:]
+    text += "".join(f"\n  stderr: {line}" for line in tail)
+    action = FAILURE_ACTIONS.get(outcome.failure)
+    if action is None:
+        index = "cpu" if result.gpu is CPU else result.gpu.index
+        action = f"read the error above; gpuwarden bench --device {index} runs it again"
+    return text + f"\n  what to do: {action}"
+
+
+def _cuda(version: str | None) -> str:
+    return f"CUDA {version}" if version else "CPU-only build"
+
+
+def _number(value: float | None, spec: str = "g") -> str:
+    return "unknown" if value is None else format(value, spec)
+
+
+def _baseline(
+    record: BenchmarkRecord, settings: BenchmarkSettings, history: Sequence[BenchmarkRecord]
+) -> str:
+    if record.baseline_ratio is not None:
+        return f"{record.baseline_ratio:.3f}"
+    policy = settings.policy()
+    good = [r for r in current_segment(history, record) if is_good(r, policy)]
+    return (
+        f"- (no baseline yet: it needs {policy.min_runs} comparable runs of this GPU, "
+        f"profile, size and window, with the same driver and torch; {len(good)} so far)"
+    )
+
+
+def _peer(record: BenchmarkRecord) -> str:
+    if record.peer_ratio is not None:
+        return f"{record.peer_ratio:.3f}"
+    return "- (no recent comparable run of another GPU of this model)"
 
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def show_history(history: HistoryFile, *, as_json: bool) -> int:
+def show_history(
+    history: HistoryFile, *, as_json: bool, settings: BenchmarkSettings | None = None
+) -> int:
     records = history.refresh()
     if as_json:
         for record in records:
@@ -230,11 +364,12 @@ def show_history(history: HistoryFile, *, as_json: bool) -> int:
         return EXIT_OK
     by_gpu: dict[str, list[BenchmarkRecord]] = {}
     for record in records:
-        by_gpu.setdefault(record.gpu_uuid or f"(no uuid) index {record.gpu_index}", []).append(
-            record
-        )
+        key = record.gpu_uuid or f"(no UUID) index {output.shown(record.gpu_index)}"
+        by_gpu.setdefault(key, []).append(record)
     for uuid, runs in by_gpu.items():
-        print(f"{uuid}  {runs[-1].gpu_name}  index {runs[-1].gpu_index}")
+        last = runs[-1]
+        index = "cpu" if last.gpu_index is None else f"index {last.gpu_index}"
+        print(f"{uuid}  {output.shown(last.gpu_name, 'model unknown')}  {index}")
         print(
             f"  {'time (UTC)':<20} {'source':<6} {'profile':<7} {'size':>5} {'window':<9} "
             f"{'TFLOP/s':>9} {'baseline':>8} {'peers':>6}  correct"
@@ -246,6 +381,12 @@ def show_history(history: HistoryFile, *, as_json: bool) -> int:
                 f"{r.duration_class:<9} {r.estimated_tflops:>9.2f} "
                 f"{_ratio(r.baseline_ratio):>8} {_ratio(r.peer_ratio):>6}  {correct}"
             )
+    needed = (settings or BenchmarkSettings()).baseline_min_runs
+    note = (
+        f"baseline -: fewer than {needed} comparable good runs before it; peers -: no recent "
+        "run of another GPU of the model; correct -: not checked (an imported run)"
+    )
+    print("\n".join(output.wrap(note, output.width(sys.stdout))))
     if history.bad_lines:
         print(f"({len(history.bad_lines)} unreadable line(s) in {history.path} skipped)")
     return EXIT_OK

@@ -13,12 +13,11 @@ import asyncio
 import json
 import os
 import sys
-import textwrap
 from pathlib import Path
-from typing import TextIO
 
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
+from agent.program import output
 from agent.program.diagnose.check import CheckOptions, CheckReport, run_check
 from agent.program.diagnose.findings import Status
 from agent.program.diagnose.kernel_findings import xid_catalog_line
@@ -26,12 +25,15 @@ from exporters.actions.settings import ActionsSettings
 from exporters.actions.slurm import check_reason, health_check
 
 COLOURS = {
-    Status.OK: "32",
-    Status.WARN: "33",
-    Status.FAIL: "31;1",
-    Status.NA: "2",
-    Status.SKIP: "2",
+    Status.OK: output.GREEN,
+    Status.WARN: output.YELLOW,
+    Status.FAIL: output.RED,
+    Status.NA: output.DIM,
+    Status.SKIP: output.DIM,
 }
+VERDICT = {0: Status.OK, 1: Status.WARN, 2: Status.FAIL}
+BY_WEIGHT = (Status.FAIL, Status.WARN, Status.OK, Status.NA, Status.SKIP)
+"""The status the summary line leads with: the worst one found."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,36 +71,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def use_colour(stream: TextIO) -> bool:
-    return stream.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
-
-
-def render_table(report: CheckReport, colour: bool, width: int = 100) -> str:
-    lines = [f"gpuwarden check on {report.node_id}", xid_catalog_line(), ""]
+def render_table(report: CheckReport, colour: bool, width: int = output.DEFAULT_WIDTH) -> str:
+    lines = [f"gpuwarden check on {report.node_id}", *output.wrap(xid_catalog_line(), width), ""]
     name_width = min(max((len(f.name) for f in report.findings), default=10), 38)
+    indent = 4 + 2 + name_width + 2
     for finding in report.findings:
-        status = f"{finding.status.value:<4}"
-        if colour:
-            status = f"\x1b[{COLOURS[finding.status]}m{status}\x1b[0m"
-        name = (
-            finding.name
-            if len(finding.name) <= name_width
-            else finding.name[: name_width - 1] + "…"
-        )
-        indent = " " * (4 + 2 + name_width + 2)
-        body = textwrap.wrap(finding.detail, max(width - len(indent), 30)) or [""]
-        lines.append(f"{status}  {name:<{name_width}}  {body[0]}")
-        lines.extend(indent + more for more in body[1:])
+        status = output.paint(f"{finding.status.value:<4}", COLOURS[finding.status], colour)
+        name = output.fit(finding.name, name_width)
+        lines += output.wrap(finding.detail, width, f"{status}  {name:<{name_width}}  ", indent)
         if finding.action and finding.status in (Status.WARN, Status.FAIL):
-            for i, part in enumerate(
-                textwrap.wrap(finding.action, max(width - len(indent) - 3, 30))
-            ):
-                lines.append(indent + ("-> " if i == 0 else "   ") + part)
-    counts = report.counts()
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    verdict = {0: "all good", 1: "warnings", 2: "failures"}[report.exit_code]
-    lines += ["", f"{verdict}: {summary} (exit code {report.exit_code})"]
+            lines += [
+                " " * indent + part
+                for part in output.wrap(finding.action, width - indent, "-> ", 3)
+            ]
+    lines += ["", summary_line(report, colour)]
     return "\n".join(lines)
+
+
+def summary_line(report: CheckReport, colour: bool) -> str:
+    """Leads with the worst status ("FAIL: 1 FAIL, 2 WARN, 9 OK"), the others after it."""
+    worst = VERDICT[report.exit_code]
+    counts = report.counts()
+    summary = ", ".join(f"{counts[s.value]} {s.value}" for s in BY_WEIGHT if counts[s.value])
+    head = output.paint(worst.value, COLOURS[worst], colour)
+    return f"{head}: {summary or 'no checks ran'} (exit code {report.exit_code})"
 
 
 def slurm_line(report: CheckReport) -> str | None:
@@ -149,8 +145,7 @@ def main(args: argparse.Namespace) -> int:
     elif args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        width = min(os.get_terminal_size().columns, 120) if sys.stdout.isatty() else 100
-        print(render_table(report, use_colour(sys.stdout), width))
+        print(render_table(report, output.use_colour(sys.stdout), output.width(sys.stdout)))
     if report.hung_calls:
         # A call stuck in the driver or on a dead mount keeps its thread, and Python joins
         # worker threads at exit: leave without waiting, the findings are already printed.

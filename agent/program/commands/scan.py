@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from agent.contracts.model import Severity
+from agent.program import output
 from collectors._xid_catalog import CatalogError, catalog
 from collectors.kernel_log.lines import iter_lines
 from collectors.kernel_log.matchers import Finding, MatcherSet
@@ -56,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="saved kernel log ('-' for standard input)")
     parser.add_argument(
         "--json", action="store_true", help="one JSON object per finding, one per line"
+    )
+    parser.add_argument(
+        "--all",
+        dest="every",
+        action="store_true",
+        help="list every finding (default: a summary per GPU, kind, code and severity when "
+        "they would fill more than a screen)",
     )
 
 
@@ -143,38 +151,137 @@ def _where(finding: Finding) -> str:
 
 
 def _what(finding: Finding) -> str:
-    if finding.kind in ("xid", "sxid"):
+    if finding.kind in ("xid", "sxid") and finding.code is not None:
         return f"{finding.kind} {finding.code}"
     return finding.kind
 
 
-def print_table(findings: Sequence[Finding], out: TextIO) -> None:
-    rows = [(str(f.line), f.severity.label, _what(f), _where(f)) for f in findings]
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows))
-        for i, h in enumerate(("LINE", "SEVERITY", "KIND", "WHERE"))
-    ]
+def _meaning(finding: Finding) -> str:
+    return f"{finding.name}: {finding.meaning}" if finding.name else finding.meaning
+
+
+SEVERITY_COLOUR = {
+    Severity.INFO: "",
+    Severity.WARNING: output.YELLOW,
+    Severity.CRITICAL: output.RED,
+    Severity.FATAL: output.RED,
+}
+TEXT_INDENT = 6
+"""Meaning and action lines sit under the row, this far in: room for the text at any width."""
+
+
+def _columns(rows: Sequence[Sequence[str]], header: Sequence[str]) -> list[int]:
+    return [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+
+def _text_lines(finding: Finding, columns: int, colour: bool) -> list[str]:
+    pad = " " * TEXT_INDENT
+    lines = [pad + line for line in output.wrap(_meaning(finding), columns - TEXT_INDENT)]
+    action = output.wrap(
+        finding.action, columns - TEXT_INDENT, output.paint("action:", output.BOLD, colour) + " ", 8
+    )
+    return lines + [pad + line for line in action]
+
+
+def table_lines(findings: Sequence[Finding], columns: int, colour: bool) -> list[str]:
+    """Every finding: its row (line, severity, kind, where), then what it means and what to
+    do, wrapped under it."""
     header = ("LINE", "SEVERITY", "KIND", "WHERE")
-    indent = " " * (sum(widths) + 2 * len(widths))
+    rows = [(str(f.line), f.severity.label, _what(f), _where(f)) for f in findings]
+    widths = _columns(rows, header)
 
-    def fmt(cells: Sequence[str]) -> str:
-        first = cells[0].rjust(widths[0])
-        rest = [c.ljust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join([first, *rest])
+    def fmt(cells: Sequence[str], severity: Severity | None = None) -> str:
+        label = cells[1].ljust(widths[1])
+        rest = [c.ljust(w) for c, w in zip(cells[2:], widths[2:], strict=True)]
+        # Fitted before it is painted: a cut never falls inside a colour code.
+        tail = output.fit("  ".join(rest).rstrip(), max(columns - widths[0] - widths[1] - 4, 1))
+        if severity is not None:
+            label = output.paint(label, SEVERITY_COLOUR[severity], colour)
+        return "  ".join([cells[0].rjust(widths[0]), label, tail])
 
-    print(fmt(header) + "  MEANING / ACTION", file=out)
+    lines = [fmt(header)]
     for finding, row in zip(findings, rows, strict=True):
-        meaning = f"{finding.name}: {finding.meaning}" if finding.name else finding.meaning
-        print(f"{fmt(row)}  {meaning}", file=out)
-        print(f"{indent}action: {finding.action}", file=out)
+        lines.append(fmt(row, finding.severity))
+        lines += _text_lines(finding, columns, colour)
+    return lines
 
 
-def _summary(findings: Sequence[Finding], stats: ParseStats, matchers: MatcherSet) -> str:
-    text = f"{len(findings)} finding(s) in {stats.lines} line(s)"
-    notes = []
+def _when(finding: Finding) -> str:
+    record = finding.record
+    if record.timestamp:
+        return f" [{record.timestamp}]"
+    if record.monotonic_usec is not None:
+        return f" [{record.monotonic_usec / 1e6:.6f} s after boot]"
+    return ""
+
+
+def _group_key(finding: Finding) -> tuple[str, str, int, Severity]:
+    """Per GPU (or device) x kind x code x severity, as the summary counts them."""
+    return (
+        finding.pci_bus_id or finding.device or "-",
+        finding.kind,
+        finding.code or 0,
+        finding.severity,
+    )
+
+
+def summary_lines(findings: Sequence[Finding], columns: int, colour: bool) -> list[str]:
+    """One block per GPU x kind x code x severity: how often, first and last seen, what it
+    means and what to do, once."""
+    groups: dict[tuple[str, str, int, Severity], list[Finding]] = {}
+    for finding in findings:
+        groups.setdefault(_group_key(finding), []).append(finding)
+    ordered = sorted(groups.values(), key=lambda g: (-g[0].severity, g[0].line))
+    lines = output.wrap(
+        f"{len(findings)} findings in {len(groups)} group(s), worst first; "
+        "gpuwarden scan --all lists every one.",
+        columns,
+    )
+    header = ("SEVERITY", "KIND", "WHERE", "COUNT")
+    rows = [
+        (
+            g[0].severity.label,
+            _what(g[0]),
+            _group_key(g[0])[0],
+            f"{len(g)} time{'s' if len(g) > 1 else ''}",
+        )
+        for g in ordered
+    ]
+    widths = _columns(rows, header)
+    for group, row in zip(ordered, rows, strict=True):
+        first, last = group[0], group[-1]
+        label = output.paint(row[0].ljust(widths[0]), SEVERITY_COLOUR[first.severity], colour)
+        cells = [c.ljust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines += ["", "  ".join([label, *cells]).rstrip()]
+        seen = f"first line {first.line}{_when(first)}"
+        if len(group) > 1:
+            seen += f", last line {last.line}{_when(last)}"
+        lines += [" " * TEXT_INDENT + line for line in output.wrap(seen, columns - TEXT_INDENT)]
+        lines += _text_lines(first, columns, colour)
+    return lines
+
+
+def print_findings(findings: Sequence[Finding], out: TextIO, every: bool) -> None:
+    """The table when it fits a screen (or `every`, or when no two findings would share a
+    summary line), else the summary."""
+    columns, colour = output.width(out), output.use_colour(out)
+    screen = output.rows(out)
+    groups = len({_group_key(f) for f in findings})
+    if every or len(findings) <= screen or groups == len(findings):
+        lines = table_lines(findings, columns, colour)
+        if not every and len(lines) > screen and groups < len(findings):
+            lines = summary_lines(findings, columns, colour)
+    else:
+        lines = summary_lines(findings, columns, colour)
+    for line in lines:
+        print(line, file=out)
+
+
+def summary_text(findings: Sequence[Finding], stats: ParseStats, matchers: MatcherSet) -> str:
+    """The counts, always all of them: a reader knows nothing was dropped unsaid."""
+    notes = [f"{stats.malformed} malformed line(s) skipped"]
     if stats.malformed:
-        first = stats.malformed_examples[0][0]
-        notes.append(f"{stats.malformed} malformed line(s) skipped, first at line {first}")
+        notes[0] += f", first at line {stats.malformed_examples[0][0]}"
     if stats.bad_timestamps:
         notes.append(f"{stats.bad_timestamps} record(s) with an unreadable timestamp, read")
     if stats.holes:
@@ -182,7 +289,9 @@ def _summary(findings: Sequence[Finding], stats: ParseStats, matchers: MatcherSe
     ignored = sum(matchers.ignored.values())
     if ignored:
         notes.append(f"{ignored} finding(s) from user-space lines ignored (facility >= 1)")
-    return text + (f" ({'; '.join(notes)})" if notes else "")
+    else:
+        notes.append("0 user-space line(s) ignored")
+    return f"{len(findings)} finding(s) in {stats.lines} line(s) ({'; '.join(notes)})"
 
 
 def _open(name: str) -> BinaryIO:
@@ -207,9 +316,10 @@ def main(args: argparse.Namespace) -> int:
             for finding in findings:
                 print(json.dumps(finding.to_dict(), sort_keys=True))
         elif findings:
-            print_table(findings, sys.stdout)
+            print_findings(findings, sys.stdout, args.every)
         sys.stdout.flush()
     except BrokenPipeError:  # `gpuwarden scan ... | head`: the reader left; the code still counts
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    print(_summary(findings, stats, matchers), file=sys.stderr)
+    for line in output.wrap(summary_text(findings, stats, matchers), output.width(sys.stderr)):
+        print(line, file=sys.stderr)
     return exit_code(findings)

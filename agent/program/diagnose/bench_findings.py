@@ -8,15 +8,18 @@ past runs, and the host's history file is left as it was (check appends nothing)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import time
 
 from agent.contracts.collector import CollectContext
 from agent.contracts.config import Config
 from agent.contracts.model import Severity
+from agent.program import output
 from agent.program.diagnose.collect_once import OneShotCollectors
 from agent.program.diagnose.findings import Finding, Status
 from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, RunResult
+from collectors.benchmark.events import FAILURE_ACTIONS
 from collectors.benchmark.gpus import GpuBackendUnavailable
 from collectors.benchmark.history import HistoryFile
 
@@ -38,9 +41,13 @@ async def check_bench(runner: OneShotCollectors, config: Config) -> list[Finding
     try:
         gpus = await caller.call("benchmark:gpus", collector.activity.gpus)
     except GpuBackendUnavailable as exc:
-        return [Finding(AREA, "matmul benchmark", Status.SKIP, f"no GPU to test ({exc})")]
+        return [
+            Finding(AREA, "matmul benchmark", Status.SKIP, f"no GPU to test ({exc})", check=AREA)
+        ]
     if not gpus:
-        return [Finding(AREA, "matmul benchmark", Status.SKIP, "NVML found no GPU to test")]
+        return [
+            Finding(AREA, "matmul benchmark", Status.SKIP, "NVML found no GPU to test", check=AREA)
+        ]
     await asyncio.to_thread(collector.history.refresh)
     findings = []
     try:
@@ -53,6 +60,16 @@ async def check_bench(runner: OneShotCollectors, config: Config) -> list[Finding
 
 
 def judge(result: RunResult) -> Finding:
+    line = _judge(result)
+    return dataclasses.replace(
+        line,
+        check=AREA,
+        subject=f"GPU {result.gpu.index}",
+        data={"gpus": [result.gpu.index]},
+    )
+
+
+def _judge(result: RunResult) -> Finding:
     gpu, record, outcome = result.gpu, result.record, result.outcome
     name = f"GPU {gpu.index} benchmark"
     if record is None:
@@ -62,12 +79,16 @@ def judge(result: RunResult) -> Finding:
             name,
             Status.FAIL,
             f"the test gave no result ({outcome.failure}): {outcome.message} {tail[0]}".strip(),
-            f"run gpuwarden bench --device {gpu.index} for the full output; check the kernel log "
-            "for Xids",
+            FAILURE_ACTIONS.get(
+                outcome.failure,
+                f"run gpuwarden bench --device {gpu.index} for the full output; check the "
+                "kernel log for Xids",
+            ),
         )
+    cuda = f"CUDA {record.torch_cuda}" if record.torch_cuda else "CPU-only build"
     detail = (
         f"{record.estimated_tflops:.1f} TFLOP/s, {record.profile} size {record.size} "
-        f"(torch {record.torch}, CUDA {record.torch_cuda})"
+        f"(torch {record.torch or 'version unknown'}, {cuda})"
     )
     ratios = [
         f"{label} ratio {value:.2f}"
@@ -81,7 +102,8 @@ def judge(result: RunResult) -> Finding:
             AREA,
             name,
             Status.FAIL,
-            f"WRONG RESULT: max error {record.max_error} over tolerance {record.tolerance:g}; {detail}",
+            f"WRONG RESULT: max error {output.shown(record.max_error)} over tolerance "
+            f"{output.shown(record.tolerance)}; {detail}",
             "take the GPU out of service: a wrong product is silent data corruption",
         )
     worst = max(

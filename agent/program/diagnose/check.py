@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from agent import __version__
 from agent.contracts.collector import SharedServices
 from agent.contracts.config import Config
 from agent.contracts.errors import CallStillHung, CallTimedOut
@@ -80,9 +83,21 @@ class CheckOptions:
     """A stand-in for /dev/kmsg (tests); None: the configured kernel log."""
 
 
+JSON_SCHEMA_VERSION = 2
+"""check --json's shape. 2: schema_version, time, version; each finding's stable `id`, with
+its `subject` and `data` apart from it (1, unversioned: `name` only, holding the data)."""
+
+
+def rfc3339(when: float) -> str:
+    """UTC, to the second, with a Z: 2026-12-01T11:38:47Z."""
+    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 @dataclass
 class CheckReport:
     node_id: str
+    started: float = field(default_factory=time.time)
+    """When the check started, seconds since the epoch."""
     findings: list[Finding] = field(default_factory=list)
     collectors: dict[str, CollectorResult] = field(default_factory=dict)
     torch_probe: dict[str, Any] | None = None
@@ -103,6 +118,9 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema_version": JSON_SCHEMA_VERSION,
+            "time": rfc3339(self.started),
+            "version": __version__,
             "node": self.node_id,
             "exit_code": self.exit_code,
             "counts": self.counts(),
@@ -243,10 +261,12 @@ def torch_line(
     versions: dict[str, str],
 ) -> Finding:
     if probe is None:
-        return Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
-    return probes.classify_torch(
-        probe, gpus_expected, options.python, versions.get("cuda_driver_version")
-    )
+        line = Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
+    else:
+        line = probes.classify_torch(
+            probe, gpus_expected, options.python, versions.get("cuda_driver_version")
+        )
+    return dataclasses.replace(line, check="torch")
 
 
 async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Finding]:
@@ -257,6 +277,13 @@ async def check_io(runner: OneShotCollectors, directory: Path | None) -> list[Fi
     )
     result = await runner.run("io_probe", settings)
     name = f"write probe {directory}"
+    return [
+        dataclasses.replace(f, check="write_probe", subject=str(directory))
+        for f in _io_lines(result, settings, name)
+    ]
+
+
+def _io_lines(result: CollectorResult, settings: IoProbeSettings, name: str) -> list[Finding]:
     if result.error:
         return [Finding("io", name, Status.WARN, result.error, "check the file system behind it")]
     if result.events:
@@ -349,7 +376,15 @@ async def run_check(
         bench_findings = (
             await check_bench(runner, config)
             if options.bench
-            else [Finding("bench", "matmul benchmark", Status.SKIP, "not asked for (--bench)")]
+            else [
+                Finding(
+                    "bench",
+                    "matmul benchmark",
+                    Status.SKIP,
+                    "not asked for (--bench)",
+                    check="bench",
+                )
+            ]
         )
         report.hung_calls = runner.hung_calls()
     report.collectors = results

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,4 +199,8 @@ def classify_checkpoints(result: CollectorResult, settings: CheckpointSettings) 
                 or (f"gpuwarden checkpoint verify {loc.path}" if status is not Status.OK else ""),
             )
         )
-    return findings
+    # One line per location, in order: each gets the stable id and its label as the subject.
+    return [
+        dataclasses.replace(f, check="checkpoints", subject=loc.label)
+        for f, loc in zip(findings, settings.locations, strict=True)
+    ]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.contracts.model import RepairAction, Severity
@@ -27,26 +28,57 @@ class Status(enum.Enum):
         return cls.WARN if severity is Severity.WARNING else cls.OK
 
 
+_ID_SHAPE = re.compile(r"[a-z][a-z_]*")
+_NOT_ID = re.compile(r"[^a-z]+")
+
+
+def slug(text: str) -> str:
+    """ "state store" -> "state_store": a label without data, as an id."""
+    return _NOT_ID.sub("_", text.lower()).strip("_")
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     area: str
     """gpu, driver, torch, kernel, host, network, state, io, bench"""
     name: str
+    """What a person reads in the table; may name its subject ("disk /", "GPU 0-3 ECC")."""
     status: Status
     detail: str
     action: str = ""
     repair_action: RepairAction = RepairAction.NONE
     """As data, as on the event the finding comes from (agent/contracts/model.py)."""
+    check: str = ""
+    """The stable id of the check ("disk", "gpu_ecc", "mqtt_broker"): the same for every
+    subject, never holding data. Empty: the name is a label without data and gives the id."""
+    subject: str = ""
+    """What the line is about, as data: a mount point, a directory, an address, GPU indices."""
+    data: Mapping[str, Any] = field(default_factory=dict)
+    """Further data of the line (an Xid code, GPU indices), for --json."""
+
+    @property
+    def id(self) -> str:
+        return self.check or slug(self.name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
+            "id": self.id,
             "area": self.area,
             "name": self.name,
+            "subject": self.subject,
             "status": self.status.value,
             "detail": self.detail,
             "action": self.action,
             "repair_action": self.repair_action.value,
         }
+        if self.data:
+            out["data"] = dict(self.data)
+        return out
+
+
+def valid_id(check_id: str) -> bool:
+    """An id is lower-case words joined by `_`: no digits, paths, addresses or names in it."""
+    return _ID_SHAPE.fullmatch(check_id) is not None
 
 
 EXIT_OK = 0

@@ -8,8 +8,9 @@ and shows here as its condition events. Lines that are OK on every GPU fold into
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from agent.contracts.model import GPU_LABELS, Event, RepairAction, Sample, Severity
@@ -351,6 +352,17 @@ def index_ranges(indices: list[str]) -> str:
     return ",".join(parts + [i for i in indices if not i.isdigit()])
 
 
+def per_gpu(check: Callable[[GpuView], Finding], view: GpuView) -> Finding:
+    """One GPU's line with its stable id (`gpu_` and the check's name) and the GPU as data."""
+    index = view.labels["gpu"]
+    return dataclasses.replace(
+        check(view),
+        check=f"gpu_{check.__name__}",
+        subject=view.title,
+        data={"gpus": [int(index) if index.isdigit() else index]},
+    )
+
+
 def fold(findings: list[Finding]) -> list[Finding]:
     """OK (or N/A) lines of the same check on several GPUs become one line."""
     if len(findings) < 2:
@@ -360,15 +372,26 @@ def fold(findings: list[Finding]) -> list[Finding]:
         same = [f for f in findings if f.status is status]
         if not same:
             continue
-        check = same[0].name.split(" ", 2)[2]
-        gpus = index_ranges([f.name.split(" ", 2)[1] for f in same])
+        label = same[0].name.removeprefix(same[0].subject).strip()
+        indices = [str(g) for f in same for g in f.data.get("gpus", ())]
+        gpus = index_ranges(indices)
         details = list(dict.fromkeys(f.detail for f in same))
         detail = (
             details[0]
             if len(details) == 1
-            else "; ".join(f"{f.name.split(' ', 2)[1]}: {f.detail}" for f in same)
+            else "; ".join(f"{index}: {f.detail}" for index, f in zip(indices, same, strict=True))
         )
-        out.append(Finding(AREA, f"GPU {gpus} {check}", status, detail))
+        out.append(
+            Finding(
+                AREA,
+                f"GPU {gpus} {label}",
+                status,
+                detail,
+                check=same[0].check,
+                subject=f"GPU {gpus}",
+                data={"gpus": [g for f in same for g in f.data.get("gpus", ())]},
+            )
+        )
     return out
 
 
@@ -439,12 +462,12 @@ def classify_gpus(
     ]
     views = gpu_views(result)
     answering = [v for v in views if v.get(m.UP.name) != 0]
-    findings.extend(identity(v) for v in views if v.get(m.UP.name) == 0)
-    findings.extend(fold([identity(v) for v in answering]))
+    findings.extend(per_gpu(identity, v) for v in views if v.get(m.UP.name) == 0)
+    findings.extend(fold([per_gpu(identity, v) for v in answering]))
     for check in PER_GPU[1:]:  # a GPU that does not answer has nothing more to judge
-        findings.extend(fold([check(view) for view in answering]))
+        findings.extend(fold([per_gpu(check, view) for view in answering]))
     # GPUs with processes each have their line (they differ); idle ones fold into one.
-    lines = [processes(view) for view in answering]
+    lines = [per_gpu(processes, view) for view in answering]
     findings.extend(f for f in lines if f.detail not in ("none",) and f.status is Status.OK)
     findings.extend(fold([f for f in lines if f.detail == "none" or f.status is not Status.OK]))
     folded_uuids = {v.labels["uuid"] or v.labels["gpu"] for v in views}
@@ -456,6 +479,8 @@ def classify_gpus(
             event.message,
             event.action,
             event.repair_action,
+            check=event.kind,
+            subject=event.subject,
         )
         for event in result.events
         if event.severity >= Severity.WARNING

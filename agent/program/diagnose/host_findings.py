@@ -4,6 +4,7 @@ in D state and zombies (processes). Thresholds and their hysteresis are the disk
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from agent.contracts.model import Severity
@@ -23,6 +24,8 @@ def _events(result: CollectorResult, folded: set[str]) -> list[Finding]:
             e.message,
             e.action,
             e.repair_action,
+            check=e.kind,
+            subject=e.subject,
         )
         for e in result.events
         if e.severity >= Severity.WARNING and e.kind not in folded
@@ -52,11 +55,12 @@ def classify_disk(result: CollectorResult) -> list[Finding]:
     findings: list[Finding] = []
     levelled: set[str] = set()
     for (mountpoint, device, fstype), values in sorted(mounts.items()):
-        findings.append(_mount_line(mountpoint, device, fstype, values))
+        line = _mount_line(mountpoint, device, fstype, values)
+        findings.append(dataclasses.replace(line, check="disk", subject=mountpoint))
         levelled.add(mountpoint)
     folded = {"filesystem_space_low", "filesystem_inodes_low"}
     findings.extend(
-        f for f in _events(result, folded) if f.name not in levelled or f.status is Status.FAIL
+        f for f in _events(result, folded) if f.subject not in levelled or f.status is Status.FAIL
     )
     if not mounts and not findings:
         findings.append(

@@ -208,4 +208,17 @@ def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -
     label = f"{first.name}: " if first.name else ""
     detail = f"{label}{first.meaning}{times}. First: {format_record(first.record)[:200]}"
     repair = max(found, key=lambda f: f.severity).repair_action
-    return Finding(AREA, name, Status.from_severity(worst), detail, first.action, repair)
+    data: dict[str, int] = {"count": len(found)}
+    if code is not None:
+        data["code"] = code
+    return Finding(
+        AREA,
+        name,
+        Status.from_severity(worst),
+        detail,
+        first.action,
+        repair,
+        check=kind,
+        subject=where,
+        data=data,
+    )

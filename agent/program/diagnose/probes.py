@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -25,6 +26,10 @@ milliseconds, and check must finish in seconds."""
 
 def check_state_dir(state_dir: Path) -> Finding:
     """Writable without writing: permission bits for this user, and not a read-only mount."""
+    return dataclasses.replace(_state_dir(state_dir), check="state_dir", subject=str(state_dir))
+
+
+def _state_dir(state_dir: Path) -> Finding:
     name = f"state dir {state_dir}"
     existing = state_dir
     while not existing.exists() and existing != existing.parent:
@@ -139,6 +144,11 @@ def describe_network_error(exc: BaseException) -> str:
 
 async def check_broker(endpoint: Endpoint, files: TlsFiles = TlsFiles()) -> Finding:
     where = f"{endpoint.host}:{endpoint.port}"
+    line = await _broker(endpoint, files, where)
+    return dataclasses.replace(line, check="mqtt_broker", subject=where)
+
+
+async def _broker(endpoint: Endpoint, files: TlsFiles, where: str) -> Finding:
     name = "MQTT broker"
     try:
         detail = await probe_tcp(endpoint, files)
@@ -156,6 +166,11 @@ async def check_broker(endpoint: Endpoint, files: TlsFiles = TlsFiles()) -> Find
 
 async def check_prometheus_listen(host: str, port: int, tls: bool = False) -> Finding:
     """If something answers there, ask /healthz; otherwise make sure the agent could bind."""
+    line = await _prometheus_listen(host, port, tls)
+    return dataclasses.replace(line, check="prometheus_listen", subject=f"{host}:{port}")
+
+
+async def _prometheus_listen(host: str, port: int, tls: bool) -> Finding:
     name = f"Prometheus listen {host}:{port}"
     # Only "is the agent serving here?": whether scrapers trust its certificate is theirs to
     # check, so this one probe does not verify it.
@@ -288,7 +303,7 @@ async def run_torch_probe(
             stdin=asyncio.subprocess.DEVNULL,
         )
     except OSError as exc:
-        return {"error": f"cannot run {python}: {exc.strerror}"}
+        return {"error": f"cannot run {python}: {exc.strerror}", "not_runnable": True}
     try:
         stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
@@ -302,6 +317,22 @@ async def run_torch_probe(
         tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         return {"error": f"exit code {proc.returncode}: {tail[0]}"}
     return result
+
+
+def _torch_action(probe: dict[str, Any], python: str) -> str:
+    """What to do for each way the probe can fail: the interpreter is not there, it did not
+    answer in time, or it ran and failed."""
+    if probe.get("not_runnable"):
+        return (
+            f"--python {python} is not an interpreter that runs here: give the path of one "
+            "(the training environment's bin/python; `command -v python3` finds one)"
+        )
+    if probe.get("timeout"):
+        return (
+            "importing torch took longer than the probe waits: a cold page cache or slow "
+            "network storage under the environment; run check again once it is warm"
+        )
+    return f"run {python} -c 'import torch; print(torch.cuda.is_available())' by hand"
 
 
 def _major(version: str | None) -> int | None:
@@ -323,7 +354,7 @@ def classify_torch(
             name,
             status,
             f"the torch probe failed: {probe['error']}",
-            f"run {python} -c 'import torch; print(torch.cuda.is_available())' by hand",
+            _torch_action(probe, python),
         )
     version, cuda = probe.get("version", "?"), probe.get("cuda_build")
     build = f"torch {version} (CUDA {cuda})" if cuda else f"torch {version} (CPU-only build)"
