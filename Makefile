@@ -15,7 +15,7 @@ DEBS := mosquitto mosquitto-clients prometheus prometheus-alertmanager prometheu
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: run test check lint typecheck unit debs bench clean install
+.PHONY: run test check lint typecheck unit debs bench clean install deb
 
 # The agent alone: no torch, no test tools.
 $(RUN_STAMP): pyproject.toml
@@ -64,5 +64,16 @@ install:
 	DESTDIR='$(DESTDIR)' PREFIX='$(PREFIX)' PYTHON='$(PYTHON)' RUNBOOK_URL='$(RUNBOOK_URL)' \
 		sh scripts/install.sh
 
+# The Debian package: dist/gpuwarden_<version>_<arch>.deb (scripts/build_deb.py, docs/install.md).
+# DEB_PYTHON is the target's interpreter: the package's venv links to it.
+DEB_PYTHON ?= /usr/bin/python3
+DEB_STAMP := $(VENV)/.gpuwarden-deb
+$(DEB_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check 'setuptools==84.2.1'
+	touch $(DEB_STAMP)
+
+deb: $(DEB_STAMP)
+	$(PY) scripts/build_deb.py --python '$(DEB_PYTHON)' --out dist $(DEB_ARGS)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache dist

@@ -1,12 +1,16 @@
 #!/bin/sh
-# Install gpuwarden: a virtual environment, the systemd units, the sysusers.d entry, an example
-# configuration and the alert rules. `make install` runs this; so can a packaging script.
+# Install gpuwarden: a virtual environment, the systemd units, the sysusers.d and tmpfiles.d
+# entries, an example configuration and the alert rules. `make install` runs this. It is the
+# install for a host without the Debian package (`make deb`, docs/install.md): the package puts
+# its units in /usr/lib/systemd/system, the distribution's directory, while this script puts
+# them in /etc/systemd/system, the administrator's, which also wins over a package's units.
 #
 #   DESTDIR      staging root (default: none, install onto this machine)
 #   PREFIX       where the virtual environment goes (default /opt/gpuwarden; the units expect it)
 #   SYSCONFDIR   default /etc
 #   UNITDIR      default /etc/systemd/system
 #   SYSUSERSDIR  default /usr/lib/sysusers.d
+#   TMPFILESDIR  default /usr/lib/tmpfiles.d
 #   PYTHON       interpreter for the virtual environment (default python3, 3.11 or newer)
 #   PACKAGE      what pip installs (default: this source tree; a wheel file works too)
 #   PIP_ARGS     extra pip arguments (for example --no-index --find-links DIR offline)
@@ -24,6 +28,7 @@ PREFIX=${PREFIX:-/opt/gpuwarden}
 SYSCONFDIR=${SYSCONFDIR:-/etc}
 UNITDIR=${UNITDIR:-/etc/systemd/system}
 SYSUSERSDIR=${SYSUSERSDIR:-/usr/lib/sysusers.d}
+TMPFILESDIR=${TMPFILESDIR:-/usr/lib/tmpfiles.d}
 PYTHON=${PYTHON:-python3}
 PACKAGE=${PACKAGE:-$here}
 PIP_ARGS=${PIP_ARGS:-}
@@ -53,12 +58,14 @@ if [ -n "$DESTDIR" ]; then
     grep -rlI --null -- "$DESTDIR$PREFIX" "$venv/bin" | xargs -0 -r sed -i "s|$DESTDIR$PREFIX|$PREFIX|g"
 fi
 
-install -d -m 0755 "$DESTDIR$UNITDIR" "$DESTDIR$SYSUSERSDIR" "$DESTDIR$SYSCONFDIR/gpuwarden" \
+install -d -m 0755 "$DESTDIR$UNITDIR" "$DESTDIR$SYSUSERSDIR" "$DESTDIR$TMPFILESDIR" \
+    "$DESTDIR$SYSCONFDIR/gpuwarden" \
     "$DESTDIR$PREFIX/share/prometheus" "$DESTDIR$PREFIX/share/grafana" \
     "$DESTDIR$PREFIX/share/alertmanager"
 install -m 0644 "$here/systemd/gpuwarden.service" "$here/systemd/gpuwarden-watch.service" \
     "$DESTDIR$UNITDIR/"
 install -m 0644 "$here/systemd/gpuwarden.sysusers" "$DESTDIR$SYSUSERSDIR/gpuwarden.conf"
+install -m 0644 "$here/systemd/gpuwarden.tmpfiles" "$DESTDIR$TMPFILESDIR/gpuwarden.conf"
 install -m 0644 "$here/configs/prometheus/gpuwarden-rules.yml" "$here/configs/prometheus/dcgm-compat-rules.yml" \
     "$here/configs/prometheus/prometheus.yml" "$DESTDIR$PREFIX/share/prometheus/"
 if [ -n "$RUNBOOK_URL" ]; then
@@ -86,6 +93,8 @@ if [ "$CREATE_USER" = 1 ]; then
         systemd-sysusers --root="$DESTDIR" "$DESTDIR$SYSUSERSDIR/gpuwarden.conf"
     else
         systemd-sysusers "$SYSUSERSDIR/gpuwarden.conf"
+        # The state directory, so `gpuwarden check` before the first start finds it.
+        systemd-tmpfiles --create "$TMPFILESDIR/gpuwarden.conf"
     fi
 fi
 if [ -z "$DESTDIR" ] && [ -d /run/systemd/system ]; then

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.agent_proc import AgentProcess
+from tests.support.deb import deb_packages  # noqa: F401 (a fixture: the .deb, built once)
 from tests.support.disk import SmallDisk
 from tests.support.mosquitto import Broker
 from tests.support.stores import StateOnDisk

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.program import config_file as config
+from tests.support.deb import build_wheel
 from tests.support.rules import RULES, RUNBOOK_PLACEHOLDER, alert_rules, promtool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,34 +31,7 @@ RUNBOOK_URL = "https://git.example.org/ops/gpuwarden/-/blob/main/docs/runbook.md
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel of this tree, built offline from a copy (no build files left in the tree)."""
-    work = tmp_path_factory.mktemp("wheel")
-    source = work / "src"
-    source.mkdir()
-    # Every package the wheel includes (pyproject's list), so a new one is not left out here.
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    for name in (p.rstrip("*") for p in include["packages"]["find"]["include"]):
-        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--quiet",
-            "--no-deps",
-            "--no-index",
-            "--no-build-isolation",
-            "-w",
-            str(work / "dist"),
-            str(source),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return next((work / "dist").glob("gpuwarden-*.whl"))
+    return build_wheel(ROOT, tmp_path_factory.mktemp("wheel")).wheel
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +67,7 @@ class TestStagedInstall:
             "etc/systemd/system/gpuwarden.service",
             "etc/systemd/system/gpuwarden-watch.service",
             "usr/lib/sysusers.d/gpuwarden.conf",
+            "usr/lib/tmpfiles.d/gpuwarden.conf",
             "etc/gpuwarden/gpuwarden.toml",
             "opt/gpuwarden/share/prometheus/gpuwarden-rules.yml",
             "opt/gpuwarden/share/prometheus/dcgm-compat-rules.yml",
