@@ -10,8 +10,9 @@ TEST_STAMP := $(VENV)/.gpuwarden-test
 # unpinned torch pulls a CUDA build of several GB. The daemon never imports it.
 TORCH ?= torch==2.13.0
 # Debian packages the tests run for real: a broker, promtool and Prometheus, Alertmanager and
-# amtool, systemd-analyze, and node_exporter for the side-by-side benchmarks.
-DEBS := mosquitto mosquitto-clients prometheus prometheus-alertmanager prometheus-node-exporter systemd openssl libfuse2 fuse slurm-wlm munge
+# amtool, systemd-analyze, and node_exporter for the side-by-side benchmarks; lintian checks
+# the Debian package.
+DEBS := mosquitto mosquitto-clients prometheus prometheus-alertmanager prometheus-node-exporter systemd openssl libfuse2 fuse slurm-wlm munge lintian
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import email.utils
+import gzip
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
+import time
 import tomllib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -41,6 +46,8 @@ VENV = f"{PREFIX}/venv"
 MIN_SETUPTOOLS = (77, 0)
 UNITS = ("gpuwarden.service", "gpuwarden-watch.service")
 CONFFILE = "/etc/gpuwarden/gpuwarden.toml"
+# A build for a fleet names its maintainer (--maintainer); lintian flags this placeholder.
+DEFAULT_MAINTAINER = "gpuwarden maintainers <gpuwarden@localhost>"
 # Data the package ships beside the program: (source glob under configs/, target directory).
 SHARED_DATA = (
     ("prometheus/*.yml", "usr/share/gpuwarden/prometheus"),
@@ -284,11 +291,10 @@ def pack(built: Stage, version: str, out: Path, maintainer: str) -> Path:
         "Suggests": "prometheus, prometheus-alertmanager",
         "Section": "admin",
         "Priority": "optional",
-        "Description": f"{summary}\n {meta['description']}\n .\n"
-        " The program and its Python dependencies live in their own environment under\n"
-        f" {PREFIX}; torch (for the matmul benchmark) is not included.",
+        "Description": f"{summary}\n" + description(str(meta["description"])),
     }
     (control_dir / "control").write_text("".join(f"{k}: {v}\n" for k, v in control.items()))
+    write_changelog(built.root, version, maintainer)
     (control_dir / "conffiles").write_text(f"{CONFFILE}\n")
     for script in ("postinst", "prerm", "postrm"):
         shutil.copyfile(ROOT / "scripts/deb" / script, control_dir / script)
@@ -302,15 +308,39 @@ def pack(built: Stage, version: str, out: Path, maintainer: str) -> Path:
     return target
 
 
+def description(text: str) -> str:
+    """The extended description: control-file lines (a leading space, "." for a blank line)."""
+    paragraphs = [
+        text,
+        "The program and its Python dependencies live in their own environment under "
+        f"{PREFIX}; torch (for the matmul benchmark) is not included.",
+    ]
+    wrapped = [textwrap.wrap(p, 78) for p in paragraphs]
+    return "\n .\n".join("\n".join(f" {line}" for line in lines) for lines in wrapped)
+
+
+def write_changelog(root: Path, version: str, maintainer: str) -> None:
+    """A native package's changelog, as Debian policy asks: this build's entry only (the
+    project's history is its git log). SOURCE_DATE_EPOCH, if set, dates it."""
+    stamp = float(os.environ.get("SOURCE_DATE_EPOCH", time.time()))
+    when = datetime.datetime.fromtimestamp(stamp, datetime.UTC)
+    entry = (
+        f"{PACKAGE} ({version}) unstable; urgency=medium\n\n"
+        "  * Built from the gpuwarden source tree; its git history lists the changes.\n\n"
+        f" -- {maintainer}  {email.utils.format_datetime(when)}\n"
+    )
+    path = root / "usr/share/doc/gpuwarden/changelog.gz"
+    path.write_bytes(gzip.compress(entry.encode(), compresslevel=9, mtime=0))
+    path.chmod(0o644)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "dist", help="where the .deb goes")
     parser.add_argument("--version", help="Debian version (default: pyproject's, converted)")
     parser.add_argument("--python", default="/usr/bin/python3", help="the target's interpreter")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
-    parser.add_argument(
-        "--maintainer", default="gpuwarden maintainers <gpuwarden@localhost>", help="Maintainer:"
-    )
+    parser.add_argument("--maintainer", default=DEFAULT_MAINTAINER, help="the Maintainer field")
     parser.add_argument("--pip-arg", action="append", default=[], help="passed to pip install")
     args = parser.parse_args(argv)
     version = args.version or debian_version(str(project()["version"]))

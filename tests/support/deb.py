@@ -88,7 +88,7 @@ class DebPackages:
                 info["architecture"],
             )
             out = self.cache / "debs"
-            return builder.pack(stage, version, out, "gpuwarden tests <root@localhost>")
+            return builder.pack(stage, version, out, builder.DEFAULT_MAINTAINER)
 
 
 def build_packages(cache_dir: Path | None = None) -> DebPackages:
@@ -125,6 +125,7 @@ def _prune(base: Path, keep: Path) -> None:
     for old in base.glob(f"{CACHE_PREFIX}*"):
         if old != keep and old.is_dir() and time.time() - old.stat().st_mtime > 3600:
             shutil.rmtree(old, ignore_errors=True)
+            old.with_name(f"{old.name}.lock").unlink(missing_ok=True)
 
 
 @contextmanager
@@ -212,25 +213,35 @@ class HostPackage:
         return done.stdout.split() if done.returncode == 0 else []
 
 
+# Where the package writes beyond its own files; a purge that worked removed them all.
+LEFTOVERS = (Path("/opt/gpuwarden"), Path("/etc/gpuwarden"), Path("/var/lib/gpuwarden"))
+
+
 @contextmanager
 def host_package() -> Iterator[HostPackage]:
-    """The host without gpuwarden, held for the caller; purged again afterwards, and the
-    system user the package made removed if the host had none before (dpkg keeps it)."""
+    """The host without gpuwarden, held for the caller, and as it was again afterwards: the
+    package purged, and what a broken purge left behind removed, as is the system user the
+    package made (dpkg keeps it) where the host had none."""
     reason = host_skip_reason()
     if reason:
         pytest.skip(reason)
     with host_session():
         package = HostPackage()
-        if package.status():
-            pytest.skip(
-                f"{PACKAGE} is already on this host ({package.status()}): not ours to remove"
-            )
+        found = [str(p) for p in LEFTOVERS if p.exists()]
+        if package.status() or found:
+            pytest.skip(f"{PACKAGE} is on this host ({package.status()} {found}): not ours")
         had_user = run(["getent", "passwd", PACKAGE], check=False).returncode == 0
         try:
             yield package
         finally:
             if package.status():
                 package.purge()
+            for path in LEFTOVERS:
+                shutil.rmtree(path, ignore_errors=True)
+            # Enable links and deb-systemd-helper's records of them.
+            for top in (Path("/etc/systemd/system"), Path("/var/lib/systemd")):
+                for link in top.glob("**/gpuwarden*.service*"):
+                    link.unlink(missing_ok=True)
             if not had_user and run(["getent", "passwd", PACKAGE], check=False).returncode == 0:
                 run(["userdel", PACKAGE])
                 run(["groupdel", PACKAGE], check=False)  # gone with the user where USERGROUPS_ENAB
