@@ -5,7 +5,7 @@
 The package holds the program in its own virtual environment at /opt/gpuwarden/venv, built
 from a wheel of this tree with its dependencies from the configured package index (pip's own
 cache makes a rebuild quick), plus the units, the sysusers and tmpfiles entries, the example
-configuration as a conffile and the rules and dashboards (docs/install.md lists every path).
+configuration (a short conffile; the full example beside the rules) and the rules and dashboards (docs/install.md lists every path).
 
 A virtual environment names its own path in its scripts, its pyvenv.cfg and every compiled
 module, so it is built at <stage>/opt/gpuwarden/venv and each of those is pointed at the final
@@ -242,7 +242,9 @@ def install_files(root: Path) -> None:
         put(ROOT / "systemd" / unit, f"/usr/lib/systemd/system/{unit}")
     put(ROOT / "systemd/gpuwarden.sysusers", "/usr/lib/sysusers.d/gpuwarden.conf")
     put(ROOT / "systemd/gpuwarden.tmpfiles", "/usr/lib/tmpfiles.d/gpuwarden.conf")
-    put(ROOT / "configs/gpuwarden.toml.example", CONFFILE)
+    # Not the generated example, which changes whenever a setting is added: dpkg asks about a
+    # changed conffile an administrator edited, and an unattended upgrade then fails.
+    put(ROOT / "scripts/deb/gpuwarden.toml", CONFFILE)
     for pattern, target in SHARED_DATA:
         for source in sorted((ROOT / "configs").glob(pattern)):
             put(source, f"{target}/{source.name}")

@@ -16,11 +16,13 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from agent.program import config_file
 from tests.support.deb import (
     CACHE_PREFIX,
     PACKAGE,
@@ -125,7 +127,8 @@ class TestPackage:
         pairs = {
             "systemd/gpuwarden.sysusers": "usr/lib/sysusers.d/gpuwarden.conf",
             "systemd/gpuwarden.tmpfiles": "usr/lib/tmpfiles.d/gpuwarden.conf",
-            "configs/gpuwarden.toml.example": "etc/gpuwarden/gpuwarden.toml",
+            "scripts/deb/gpuwarden.toml": "etc/gpuwarden/gpuwarden.toml",
+            "configs/gpuwarden.toml.example": "usr/share/gpuwarden/gpuwarden.toml.example",
             **{f"systemd/{u}": f"usr/lib/systemd/system/{u}" for u in UNITS},
         }
         for source, target in pairs.items():
@@ -133,6 +136,22 @@ class TestPackage:
 
     def test_the_example_config_is_the_only_conffile(self, deb: Path) -> None:
         assert _member(deb, "conffiles").split() == [str(CONFFILE)]
+
+    def test_the_conffile_does_not_follow_the_settings(
+        self, extracted: Path, listing: dict[str, tarfile.TarInfo]
+    ) -> None:
+        # A conffile that changes with each new setting makes dpkg stop an unattended upgrade
+        # of every host whose administrator edited it ("end of file on stdin at conffile
+        # prompt"): it sets no key, and points at the full example instead.
+        text = (extracted / str(CONFFILE).lstrip("/")).read_text()
+        assert [line for line in text.splitlines() if line and not line.startswith("#")] == []
+        assert "/usr/share/gpuwarden/gpuwarden.toml.example" in text
+        assert "/usr/share/gpuwarden/gpuwarden.toml.example" in listing
+        # Its commented example, uncommented, is a configuration the program accepts.
+        keys = [line[1:] for line in text.splitlines() if re.match(r"#(\[|\w+ = )", line)]
+        assert len(keys) >= 3
+        parsed = config_file.parse(tomllib.loads("\n".join(keys)))
+        assert parsed.sections != config_file.parse({}).sections
 
     def test_maintainer_scripts_are_the_trees(self, deb: Path) -> None:
         for script in ("postinst", "prerm", "postrm"):
