@@ -141,6 +141,9 @@ def _locked(path: Path) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def deb_packages() -> DebPackages:
     """The Debian package of this tree (`make deb`), built once for the whole session."""
+    missing = [p for p in ("dpkg-deb", DEB_PYTHON) if shutil.which(p) is None]
+    if missing:
+        pytest.skip(f"building the Debian package needs {', '.join(missing)}")
     try:
         return build_packages()
     except BuildError as exc:
