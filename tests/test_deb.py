@@ -8,6 +8,7 @@ hold a lock against other sessions doing the same, and purge in teardown.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -15,6 +16,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import tomllib
 from collections.abc import Iterator
@@ -330,6 +332,26 @@ class TestOnHost:
         # The shipped compiled modules are valid where dpkg put them: root running the
         # program compiles nothing new (which purge would then have to find).
         assert unowned_under(Path("/opt/gpuwarden"), installed) == []
+
+    @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch here")
+    def test_benchmark_runs_on_a_configured_torch_python(
+        self, installed: HostPackage, tmp_path: Path
+    ) -> None:
+        # torch is not in the package: [collectors.benchmark] python names an interpreter
+        # that has it (here the tests' own), and the packaged child runs under it.
+        config = tmp_path / "gpuwarden.toml"
+        config.write_text(
+            f'state_dir = "{tmp_path / "state"}"\n'
+            f'[collectors.benchmark]\npython = "{sys.executable}"\n'
+        )
+        done = installed_run(
+            "/usr/bin/gpuwarden", "bench", "--device", "cpu", "--size", "128", "--json",
+            "--config", str(config), tmp_path=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        record = json.loads(done.stdout.strip().splitlines()[-1])
+        assert record["torch"].startswith("2.")
+        assert record["correct"] is True
 
     @pytest.mark.parametrize("unit", UNITS)
     def test_installed_units_verify(self, installed: HostPackage, unit: str) -> None:
