@@ -65,7 +65,7 @@ install:
 	DESTDIR='$(DESTDIR)' PREFIX='$(PREFIX)' PYTHON='$(PYTHON)' RUNBOOK_URL='$(RUNBOOK_URL)' \
 		sh scripts/install.sh
 
-# The Debian package: dist/gpuwarden_<version>_<arch>.deb (scripts/build_deb.py, docs/install.md).
+# The Debian package: dist/gpuwarden_<version>_<arch>.deb (scripts/build_deb.py, docs/package.md).
 # DEB_PYTHON is the target's interpreter: the package's venv links to it.
 DEB_PYTHON ?= /usr/bin/python3
 DEB_STAMP := $(VENV)/.gpuwarden-deb

@@ -4,8 +4,9 @@
 
 The package holds the program in its own virtual environment at /opt/gpuwarden/venv, built
 from a wheel of this tree with its dependencies from the configured package index (pip's own
-cache makes a rebuild quick), plus the units, the sysusers and tmpfiles entries, the example
-configuration (a short conffile; the full example beside the rules) and the rules and dashboards (docs/install.md lists every path).
+cache makes a rebuild quick), plus the units, the sysusers and tmpfiles entries, a short
+conffile, the full example configuration, the rules and the dashboards (docs/package.md lists
+every path).
 
 A virtual environment names its own path in its scripts, its pyvenv.cfg and every compiled
 module, so it is built at <stage>/opt/gpuwarden/venv and each of those is pointed at the final

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Install gpuwarden: a virtual environment, the systemd units, the sysusers.d and tmpfiles.d
 # entries, an example configuration and the alert rules. `make install` runs this. It is the
-# install for a host without the Debian package (`make deb`, docs/install.md): the package puts
+# install for a host without the Debian package (`make deb`, docs/package.md): the package puts
 # its units in /usr/lib/systemd/system, the distribution's directory, while this script puts
 # them in /etc/systemd/system, the administrator's, which also wins over a package's units.
 #

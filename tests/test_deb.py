@@ -1,4 +1,4 @@
-"""The Debian package (`make deb`, scripts/build_deb.py; docs/install.md).
+"""The Debian package (`make deb`, scripts/build_deb.py; docs/package.md).
 
 TestPackage reads the built .deb. TestOnHost installs it on this machine for real, with apt from
 the file: runs the installed program, verifies the installed units, upgrades over itself with an
@@ -198,7 +198,7 @@ class TestPackage:
         assert final.encode() in compiled[0].read_bytes()
 
 
-# lintian's tags that this package carries by design, each with the reason (docs/install.md).
+# lintian's tags that this package carries by design, each with the reason (docs/package.md).
 LINTIAN_BY_DESIGN = {
     # The program is a local add-on, not part of the distribution: /opt is where FHS puts it.
     "dir-or-file-in-opt": "the venv lives in /opt/gpuwarden",
@@ -406,6 +406,6 @@ class TestOnHost:
             assert not os.path.lexists(path), path
         for top in ("/etc/systemd", "/var/lib/systemd", "/usr/lib/systemd"):
             assert not list(Path(top).rglob("*gpuwarden*")), top
-        # The system user stays (docs/install.md says why); the fixture removes it here.
+        # The system user stays (docs/package.md says why); the fixture removes it here.
         kept = subprocess.run(["getent", "passwd", PACKAGE], capture_output=True, check=False)
         assert kept.returncode == 0

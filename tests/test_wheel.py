@@ -1,5 +1,5 @@
 """The wheel: built without a warning from the build backend, licensed in SPDX form, and holding
-only the program's own packages (docs/install.md, "What the wheel holds")."""
+only the program's own packages (docs/package.md, "What the wheel holds")."""
 
 from __future__ import annotations
 
