@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import email.utils
 import gzip
+import hashlib
 import os
 import re
 import shutil
@@ -299,16 +300,34 @@ def pack(built: Stage, version: str, out: Path, maintainer: str) -> Path:
     (control_dir / "control").write_text("".join(f"{k}: {v}\n" for k, v in control.items()))
     write_changelog(built.root, version, maintainer)
     (control_dir / "conffiles").write_text(f"{CONFFILE}\n")
+    (control_dir / "md5sums").write_text(md5sums(built.root, control_dir))
     for script in ("postinst", "prerm", "postrm"):
         shutil.copyfile(ROOT / "scripts/deb" / script, control_dir / script)
         (control_dir / script).chmod(0o755)
     (control_dir / "control").chmod(0o644)
     (control_dir / "conffiles").chmod(0o644)
+    (control_dir / "md5sums").chmod(0o644)
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{PACKAGE}_{version}_{built.architecture}.deb"
     # gzip: several times faster than xz here, for a package of about 10 MB either way.
     run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", built.root, target])
     return target
+
+
+def md5sums(root: Path, control_dir: Path) -> str:
+    """What `dpkg --verify` (and debsums) compares the installed files with: a changed file
+    under /opt/gpuwarden shows. Conffiles are left out, as dpkg keeps their sums itself."""
+    lines = []
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root).as_posix()
+        if path.is_symlink() or not path.is_file() or control_dir in path.parents:
+            continue
+        if f"/{relative}" == CONFFILE:
+            continue
+        lines.append(
+            f"{hashlib.md5(path.read_bytes(), usedforsecurity=False).hexdigest()}  {relative}\n"
+        )
+    return "".join(lines)
 
 
 def description(text: str) -> str:

@@ -155,6 +155,16 @@ class TestPackage:
         parsed = config_file.parse(tomllib.loads("\n".join(keys)))
         assert parsed.sections != config_file.parse({}).sections
 
+    def test_md5sums_cover_every_file_but_the_conffile(
+        self, deb: Path, listing: dict[str, tarfile.TarInfo]
+    ) -> None:
+        sums = {}
+        for line in _member(deb, "md5sums").splitlines():
+            digest, name = line.split("  ", 1)
+            sums[name] = digest
+        files = {p.lstrip("/") for p, e in listing.items() if e.isfile()}
+        assert set(sums) == files - {str(CONFFILE).lstrip("/")}
+
     def test_maintainer_scripts_are_the_trees(self, deb: Path) -> None:
         for script in ("postinst", "prerm", "postrm"):
             assert _member(deb, script) == (ROOT / "scripts/deb" / script).read_text(), script
@@ -330,8 +340,13 @@ class TestOnHost:
         config = installed_run("/usr/bin/gpuwarden", "config", "check", tmp_path=tmp_path)
         assert config.returncode == 0, config.stdout + config.stderr
         # The shipped compiled modules are valid where dpkg put them: root running the
-        # program compiles nothing new (which purge would then have to find).
+        # program compiles nothing new (which purge would then have to find), and changes
+        # none of the package's files (dpkg --verify reads the md5sums).
         assert unowned_under(Path("/opt/gpuwarden"), installed) == []
+        verify = subprocess.run(
+            ["dpkg", "--verify", PACKAGE], capture_output=True, text=True, check=False
+        )
+        assert (verify.returncode, verify.stdout) == (0, ""), verify.stdout + verify.stderr
 
     @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch here")
     def test_benchmark_runs_on_a_configured_torch_python(
@@ -343,6 +358,8 @@ class TestOnHost:
         config.write_text(
             f'state_dir = "{tmp_path / "state"}"\n'
             f'[collectors.benchmark]\npython = "{sys.executable}"\n'
+            # the least work that still runs a whole record: this machine is shared
+            "iterations = 1\nwarmup = 0\nsamples = 1\nmin_window_seconds = 0.0\n"
         )
         done = installed_run(
             "/usr/bin/gpuwarden", "bench", "--device", "cpu", "--size", "128", "--json",
