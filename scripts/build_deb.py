@@ -89,7 +89,8 @@ def project() -> dict[str, object]:
 
 def debian_version(version: str) -> str:
     """PEP 440 -> a Debian version that sorts the same way: pre- and dev releases sort before
-    the release, which in Debian takes a tilde ("1.0rc1" -> "1.0~rc1")."""
+    the release, which in Debian takes a tilde ("1.0rc1" -> "1.0~rc1"), and a dev release of
+    the release itself before its pre-releases, which takes two ("1.0.dev1" -> "1.0~~dev1")."""
     match = re.fullmatch(r"(\d+(?:\.\d+)*)((?:a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?", version)
     if not match:
         raise BuildError(
@@ -102,7 +103,7 @@ def debian_version(version: str) -> str:
     if post:
         out += f"+{post[1:]}"
     if dev:
-        out += f"~{dev[1:]}"
+        out += f"{'~' if pre or post else '~~'}{dev[1:]}"
     return out
 
 
@@ -175,21 +176,23 @@ def stage(wheel: Path, root: Path, python: str, pip_args: Sequence[str] = ()) ->
             wheel,
         ]
     )
-    relocate(venv, root)
+    relocate(venv)
     # Modules compiled now, with the stage stripped from the names tracebacks show; shipped, so
     # dpkg owns every __pycache__ and a service user who cannot write there starts quickly.
     run([python, "-m", "compileall", "-q", "-j0", "-s", root, "-p", "/", venv / "lib"])
     install_files(root)
     normalise_modes(root)
-    leaks = list(naming(root, str(root).encode()))
-    if leaks:
-        raise BuildError(f"files still name the staging path {root}: {leaks[:10]}")
+    # The stage and wherever the wheel was built: neither exists on the target.
+    for place in (root, wheel.parent):
+        leaks = list(naming(root, str(place).encode()))
+        if leaks:
+            raise BuildError(f"files still name the build path {place}: {leaks[:10]}")
     binary = any(venv.rglob("*.so"))  # a compiled extension: the package is per architecture
     arch = run(["dpkg", "--print-architecture"]).strip() if binary else "all"
     return Stage(root, version, min_glibc(venv), arch)
 
 
-def relocate(venv: Path, root: Path) -> None:
+def relocate(venv: Path) -> None:
     staged, final = str(venv).encode(), VENV.encode()
     for path in [venv / "pyvenv.cfg", *(venv / "bin").iterdir()]:
         if path.is_symlink() or not path.is_file():
