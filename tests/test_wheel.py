@@ -1,5 +1,6 @@
 """The wheel: built without a warning from the build backend, licensed in SPDX form, and holding
-only the program's own packages (docs/package.md, "What the wheel holds")."""
+only the program's own packages (docs/package.md, "What the wheel holds"); and its version as
+the Debian package spells it."""
 
 from __future__ import annotations
 
