@@ -74,7 +74,7 @@ $(DEB_STAMP): $(RUN_STAMP)
 	touch $(DEB_STAMP)
 
 deb: $(DEB_STAMP)
-	$(PY) scripts/build_deb.py --python '$(DEB_PYTHON)' --out dist $(DEB_ARGS)
+	$(PY) scripts/build_deb.py --python '$(DEB_PYTHON)' --runbook-url '$(RUNBOOK_URL)' --out dist $(DEB_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache dist

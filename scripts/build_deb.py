@@ -48,6 +48,9 @@ VENV = f"{PREFIX}/venv"
 MIN_SETUPTOOLS = (77, 0)
 UNITS = ("gpuwarden.service", "gpuwarden-watch.service")
 CONFFILE = "/etc/gpuwarden/gpuwarden.toml"
+# What the rules' runbook_url links start with until --runbook-url says where docs/runbook.md
+# is published (as `make install RUNBOOK_URL=` does).
+RUNBOOK_PLACEHOLDER = "https://gpuwarden.invalid/docs/runbook.md"
 # A build for a fleet names its maintainer (--maintainer); lintian flags this placeholder.
 DEFAULT_MAINTAINER = "gpuwarden maintainers <gpuwarden@localhost>"
 # Data the package ships beside the program: (source glob under configs/, target directory).
@@ -152,7 +155,9 @@ def check_setuptools(python: str) -> None:
         )
 
 
-def stage(wheel: Path, root: Path, python: str, pip_args: Sequence[str] = ()) -> Stage:
+def stage(
+    wheel: Path, root: Path, python: str, pip_args: Sequence[str] = (), runbook_url: str = ""
+) -> Stage:
     """The package's file tree under `root`, the venv made to work at its final path."""
     venv = root / VENV.lstrip("/")
     # The versioned interpreter (/usr/bin/python3.11, not python3): the venv links to what it
@@ -180,7 +185,7 @@ def stage(wheel: Path, root: Path, python: str, pip_args: Sequence[str] = ()) ->
     # Modules compiled now, with the stage stripped from the names tracebacks show; shipped, so
     # dpkg owns every __pycache__ and a service user who cannot write there starts quickly.
     run([python, "-m", "compileall", "-q", "-j0", "-s", root, "-p", "/", venv / "lib"])
-    install_files(root)
+    install_files(root, runbook_url)
     normalise_modes(root)
     # The stage and wherever the wheel was built: neither exists on the target.
     for place in (root, wheel.parent):
@@ -236,7 +241,10 @@ def min_glibc(venv: Path) -> tuple[int, int] | None:
     return max(needed, default=None)
 
 
-def install_files(root: Path) -> None:
+def install_files(root: Path, runbook_url: str = "") -> None:
+    """Everything but the venv, under `root`; the rules' runbook links at `runbook_url`."""
+    check_runbook_url(runbook_url)
+
     def put(source: Path, target: str, mode: int = 0o644) -> None:
         path = root / target.lstrip("/")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,9 +262,23 @@ def install_files(root: Path) -> None:
         for source in sorted((ROOT / "configs").glob(pattern)):
             put(source, f"{target}/{source.name}")
     put(ROOT / "scripts/deb/copyright", "/usr/share/doc/gpuwarden/copyright")
+    if runbook_url:
+        rules = root / "usr/share/gpuwarden/prometheus/gpuwarden-rules.yml"
+        text = rules.read_text()
+        rules.write_text(text.replace(f"{RUNBOOK_PLACEHOLDER}#", f"{runbook_url}#"))
     link = root / "usr/bin/gpuwarden"
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(f"{VENV}/bin/gpuwarden")
+
+
+def check_runbook_url(url: str) -> None:
+    """The rules append each alert's anchor (#Name) and YAML holds the link unquoted."""
+    if not url:
+        return
+    if re.search(r"[#\s\"'\\]", url):
+        raise BuildError(f"--runbook-url: no '#', quote, backslash or space, got {url!r}")
+    if not re.match(r"https?://[^/]", url):
+        raise BuildError(f"--runbook-url: expected an http:// or https:// URL, got {url!r}")
 
 
 def normalise_modes(root: Path) -> None:
@@ -367,13 +389,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
     parser.add_argument("--maintainer", default=DEFAULT_MAINTAINER, help="the Maintainer field")
     parser.add_argument("--pip-arg", action="append", default=[], help="passed to pip install")
+    parser.add_argument(
+        "--runbook-url", default="", help="where docs/runbook.md is published (http or https)"
+    )
     args = parser.parse_args(argv)
     version = args.version or debian_version(str(project()["version"]))
     with tempfile.TemporaryDirectory(prefix="gpuwarden-deb-") as scratch:
         work = args.work or Path(scratch)
         try:
+            check_runbook_url(args.runbook_url)  # before the minutes a build takes
+            if not args.runbook_url:
+                print(
+                    f"build_deb: the rules' runbook links point at {RUNBOOK_PLACEHOLDER}"
+                    " (set --runbook-url)",
+                    file=sys.stderr,
+                )
             wheel = build_wheel(ROOT, work)
-            built = stage(wheel.wheel, work / "root", args.python, args.pip_arg)
+            built = stage(wheel.wheel, work / "root", args.python, args.pip_arg, args.runbook_url)
             target = pack(built, version, args.out, args.maintainer)
         except BuildError as exc:
             print(f"build_deb: {exc}", file=sys.stderr)

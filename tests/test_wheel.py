@@ -1,20 +1,15 @@
 """The wheel: built without a warning from the build backend, licensed in SPDX form, and holding
-only the program's own packages (docs/package.md, "What the wheel holds"); and its version as
-the Debian package spells it."""
+only the program's own packages (docs/package.md, "What the wheel holds")."""
 
 from __future__ import annotations
 
 import email.parser
-import itertools
 import re
-import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
-from packaging.version import Version as packaging_version
 
-from scripts.build_deb import BuildError, debian_version
 from tests.support.deb import WheelBuild, build_wheel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,37 +61,3 @@ class TestContents:
                 assert path.relative_to(ROOT).as_posix() in names, path
             for path in (ROOT / "collectors").rglob(pattern):
                 assert path.relative_to(ROOT).as_posix() in names, path
-
-
-class TestDebianVersion:
-    """scripts/build_deb.py's PEP 440 -> Debian version: dpkg must order releases as pip does."""
-
-    # Ascending in PEP 440 order.
-    ORDERED = (
-        "0.9",
-        "1.0.dev1",
-        "1.0a1.dev1",
-        "1.0a1",
-        "1.0a2",
-        "1.0b1",
-        "1.0rc1.dev3",
-        "1.0rc1",
-        "1.0",
-        "1.0.post1.dev1",
-        "1.0.post1",
-        "1.0.1",
-        "1.1.dev0",
-        "1.1",
-    )
-
-    def test_dpkg_orders_them_as_pep_440_does(self) -> None:
-        assert list(self.ORDERED) == sorted(self.ORDERED, key=packaging_version)
-        mapped = [debian_version(v) for v in self.ORDERED]
-        for lower, higher in itertools.pairwise(mapped):
-            done = subprocess.run(["dpkg", "--compare-versions", lower, "lt", higher], check=False)
-            assert done.returncode == 0, f"dpkg does not sort {lower} before {higher}"
-
-    @pytest.mark.parametrize("bad", ["1.0-1", "v1.0", "1.0+local", "1!2.0", ""])
-    def test_what_it_cannot_map_is_an_error_naming_the_key(self, bad: str) -> None:
-        with pytest.raises(BuildError, match=r"project\.version"):
-            debian_version(bad)
