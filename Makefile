@@ -15,6 +15,8 @@ TORCH ?= torch==2.13.0
 DEBS := mosquitto mosquitto-clients prometheus prometheus-alertmanager prometheus-node-exporter systemd openssl libfuse2 fuse slurm-wlm munge lintian
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
+# Ansible's apt module on this host needs python3-apt (tests/test_ansible_role.py).
+DEBS += python3-apt
 
 .PHONY: run test check lint typecheck unit debs bench clean install deb
 

@@ -1,0 +1,436 @@
+"""The Ansible role (configs/ansible/roles/gpuwarden; docs/install.md, "Fifty hosts").
+
+TestToml: the filter that renders gpuwarden.toml writes TOML that reads back as the same
+mapping, for any keys and strings, and refuses what TOML cannot hold, naming the key.
+The example playbook passes `ansible-playbook --syntax-check`.
+TestOnHost runs the role with `ansible-playbook -c local` against this machine, installing the
+package built by `make deb` (tests/support/deb.py): twice (the second run changes nothing),
+then once with a key the agent refuses (validation keeps the old file). It checks the rendered
+configuration with `gpuwarden config check`, the secrets' owner and mode and that they appear
+in no output, the file_sd file's JSON and that a real Prometheus discovers its target, and runs
+the installed agent as its own user on that configuration against a password broker. Marked
+`host`: root only, the package purged afterwards.
+
+Not tested here: the service tasks under a running systemd (this machine's PID 1 is not
+systemd; they run when `systemctl is-system-running` says running or degraded).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+import urllib.error
+import urllib.request
+from base64 import b64encode
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import bcrypt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from configs.ansible.roles.gpuwarden.filter_plugins.gpuwarden_toml import TomlRenderError, to_toml
+from tests.support.deb import DebPackages, host_package
+from tests.support.mosquitto import Broker, password_broker
+from tests.support.ports import free_port
+from tests.support.prometheus_server import PrometheusServer
+from tests.support.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLES = ROOT / "configs" / "ansible" / "roles"
+EXAMPLE_PLAYBOOK = ROOT / "configs" / "ansible" / "playbook.yml"
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+GPUWARDEN = Path("/opt/gpuwarden/venv/bin/gpuwarden")
+CONFIG_DIR = Path("/etc/gpuwarden")
+# The managed host's interpreter: the system's, where the apt module finds python3-apt.
+HOST_PYTHON = "/usr/bin/python3"
+RECAP = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", re.MULTILINE)
+BROKER_PASSWORD = "broker-pw-Qx7\"'$ {{ not_a_template }}"
+SCRAPE_PASSWORD = "scrape-pw-4a9"
+
+needs_ansible = pytest.mark.skipif(
+    not ANSIBLE_PLAYBOOK.exists(), reason="ansible-core is not installed (pip install -e '.[dev]')"
+)
+
+
+# --- the TOML filter -------------------------------------------------------------------------
+
+KEYS = st.text(min_size=1, max_size=12)
+SCALARS = (
+    st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63 - 1)
+    | st.floats(allow_nan=False)
+    | st.text()
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+class TestToml:
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(KEYS, VALUES, max_size=6))
+    def test_any_mapping_reads_back_the_same(self, config: dict[str, object]) -> None:
+        assert tomllib.loads(to_toml(config)) == config
+
+    def test_special_floats_and_types_keep_their_type(self) -> None:
+        back = tomllib.loads(
+            to_toml({"a": 3.0, "b": 1e300, "c": math.inf, "d": -math.inf, "e": True, "f": 1})
+        )
+        assert back == {"a": 3.0, "b": 1e300, "c": math.inf, "d": -math.inf, "e": True, "f": 1}
+        assert [type(back[k]) for k in "abef"] == [float, float, bool, int]
+        assert math.isnan(tomllib.loads(to_toml({"n": math.nan}))["n"])
+
+    def test_tables_of_tables_get_no_empty_header_but_empty_tables_stay(self) -> None:
+        text = to_toml({"collectors": {"gpu": {"expected_gpus": 8}, "disk": {}}})
+        assert "[collectors]" not in text.splitlines()
+        assert tomllib.loads(text) == {"collectors": {"gpu": {"expected_gpus": 8}, "disk": {}}}
+
+    @pytest.mark.parametrize(
+        ("config", "where", "problem"),
+        [
+            ({"mqtt": {"username": None}}, "mqtt.username", "TOML has no null"),
+            ({"a": {"b": [1, None]}}, "a.b.1", "TOML has no null"),
+            ({"a": {1: "x"}}, "a", "a key must be a string"),
+            ({"a": "\ud800"}, "a", "lone surrogate"),
+            ({"a": {"x", "y"}}, "a", "cannot be written as TOML: set"),
+            ({"a": b"bytes"}, "a", "cannot be written as TOML: bytes"),
+        ],
+    )
+    def test_what_toml_cannot_hold_is_refused_by_key(
+        self, config: dict[object, object], where: str, problem: str
+    ) -> None:
+        with pytest.raises(TomlRenderError) as caught:
+            to_toml(config)  # type: ignore[arg-type]
+        assert f"key {where}:" in str(caught.value)
+        assert problem in str(caught.value)
+
+
+# --- ansible-playbook --------------------------------------------------------------------------
+
+
+def ansible_env(home: Path) -> dict[str, str]:
+    """Ansible's state in the test's folder, no ansible.cfg of the working directory, no
+    colour (the recap is parsed)."""
+    home.mkdir(parents=True, exist_ok=True)
+    config = home / "ansible.cfg"
+    config.write_text(f"[defaults]\nroles_path = {ROLES}\n")
+    return {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(config),
+        "ANSIBLE_HOME": str(home),
+        "ANSIBLE_LOCAL_TEMP": str(home / "tmp"),
+        "ANSIBLE_REMOTE_TEMP": str(home / "remote-tmp"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        "ANSIBLE_RETRY_FILES_ENABLED": "0",
+        "ANSIBLE_STDOUT_CALLBACK": "default",
+        "ANSIBLE_DEPRECATION_WARNINGS": "0",
+    }
+
+
+@dataclass(frozen=True)
+class PlaybookRun:
+    returncode: int
+    output: str
+
+    def recap(self) -> dict[str, dict[str, int]]:
+        """PLAY RECAP by host: {"node-a": {"ok": 10, "changed": 0, ...}}."""
+        hosts = {
+            host: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", counts)}
+            for host, counts in RECAP.findall(self.output.partition("PLAY RECAP")[2])
+        }
+        assert hosts, f"no PLAY RECAP in:\n{self.output}"
+        return hosts
+
+    def total(self, counter: str) -> int:
+        return sum(counts[counter] for counts in self.recap().values())
+
+
+def playbook(env: dict[str, str], *args: str, timeout: float = 300) -> PlaybookRun:
+    done = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    return PlaybookRun(done.returncode, done.stdout + done.stderr)
+
+
+@needs_ansible
+def test_the_example_playbook_passes_the_syntax_check(tmp_path: Path) -> None:
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text("[gpu]\ngpu-node-01\n[prometheus]\nprom-1\n")
+    run = playbook(
+        ansible_env(tmp_path / "home"),
+        "--syntax-check",
+        "-i",
+        str(inventory),
+        str(EXAMPLE_PLAYBOOK),
+    )
+    assert run.returncode == 0, run.output
+
+
+# --- the role on this host ---------------------------------------------------------------------
+
+
+def systemd_runs() -> bool:
+    """systemd as PID 1 and up: only then can the service tasks run."""
+    if not shutil.which("systemctl"):
+        return False
+    state = subprocess.run(
+        ["systemctl", "is-system-running"], capture_output=True, text=True, check=False
+    )
+    return state.stdout.strip() in {"running", "degraded", "starting"}
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """What the role did to this host, read once for the tests of TestOnHost."""
+
+    first: PlaybookRun
+    second: PlaybookRun
+    refused: PlaybookRun
+    config_text: str
+    config_after_refusal: str
+    check: subprocess.CompletedProcess[str]
+    targets: Path
+    work: Path
+    listen_port: int
+    broker: Broker
+    manage_service: bool
+
+
+def write_play(work: Path, deb: Path, extra: Mapping[str, object], port: int, broker: int) -> Path:
+    variables: dict[str, object] = {
+        "gpuwarden_package_file": str(deb),
+        "gpuwarden_package_cache_dir": str(work / "cache"),
+        "gpuwarden_manage_service": systemd_runs(),
+        "gpuwarden_node_id": "node-a",
+        "gpuwarden_listen": f"127.0.0.1:{port}",
+        "gpuwarden_expected_gpus": 8,
+        "gpuwarden_mqtt_url": f"mqtt://127.0.0.1:{broker}",
+        "gpuwarden_mqtt_username": "gpuwarden",
+        "gpuwarden_mqtt_password_file": str(work / "secrets" / "mqtt-password"),
+        "gpuwarden_web_users_file": str(work / "secrets" / "web-users"),
+        "gpuwarden_prometheus_host": "localhost",
+        "gpuwarden_prometheus_address": "127.0.0.1",
+        "gpuwarden_prometheus_file_sd_dir": str(work / "prometheus" / "targets"),
+        "gpuwarden_prometheus_labels": {"cluster": "a", "rack": 7},
+        # Any table, with values TOML must quote and escape.
+        "gpuwarden_config": {
+            "log_level": "debug",
+            "collectors": {
+                "benchmark": {"enabled": False},
+                "kernel_log": {"enabled": False},
+                "disk": {"mountpoints_exclude": ['/we"ird\\dir/*', "/proc/*"]},
+            },
+        },
+        **extra,
+    }
+    play = [{"hosts": "gpu", "gather_facts": False, "vars": variables, "roles": ["gpuwarden"]}]
+    path = work / f"play-{len(list(work.glob('play-*.yml')))}.yml"
+    path.write_text(json.dumps(play, indent=2))  # JSON is YAML
+    return path
+
+
+@pytest.fixture(scope="module")
+def deployed(
+    deb_packages: DebPackages, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployed]:
+    if not ANSIBLE_PLAYBOOK.exists():
+        pytest.skip("ansible-core is not installed (pip install -e '.[dev]')")
+    if not Path(HOST_PYTHON).exists():
+        pytest.skip(f"the managed host's interpreter {HOST_PYTHON} is missing")
+    deb = deb_packages.path()
+    work = tmp_path_factory.mktemp("ansible")
+    secrets = work / "secrets"
+    secrets.mkdir()
+    (secrets / "mqtt-password").write_text(BROKER_PASSWORD + "\n")
+    hashed = bcrypt.hashpw(SCRAPE_PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
+    (secrets / "web-users").write_text(f"prometheus:{hashed}\n")
+    (work / "inventory.ini").write_text(
+        f"[gpu]\nnode-a ansible_connection=local ansible_python_interpreter={HOST_PYTHON}\n"
+        f"[prometheus]\nlocalhost ansible_connection=local ansible_python_interpreter={HOST_PYTHON}\n"
+    )
+    env = ansible_env(work / "home")
+    port = free_port()
+    inventory = ["-i", str(work / "inventory.ini")]
+    with host_package():
+        broker = password_broker(work / "broker", {"gpuwarden": BROKER_PASSWORD})
+        try:
+            play = write_play(work, deb, {}, port, broker.port)
+            # --diff and -v: the most a run shows; no secret may be in it.
+            first = playbook(env, *inventory, "--diff", "-v", str(play))
+            second = playbook(env, *inventory, "--diff", str(play))
+            config_text = (CONFIG_DIR / "gpuwarden.toml").read_text()
+            check = subprocess.run(
+                [str(GPUWARDEN), "config", "check", "--config", str(CONFIG_DIR / "gpuwarden.toml")],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            bad = write_play(work, deb, {"gpuwarden_config": {"no_such_key": 1}}, port, broker.port)
+            refused = playbook(env, *inventory, str(bad))
+            yield Deployed(
+                first,
+                second,
+                refused,
+                config_text,
+                (CONFIG_DIR / "gpuwarden.toml").read_text(),
+                check,
+                work / "prometheus" / "targets",
+                work,
+                port,
+                broker,
+                systemd_runs(),
+            )
+        finally:
+            broker.stop()
+
+
+@pytest.mark.host
+@pytest.mark.slow
+class TestOnHost:
+    def test_the_first_run_changes_the_host_and_the_second_changes_nothing(
+        self, deployed: Deployed
+    ) -> None:
+        assert deployed.first.returncode == 0, deployed.first.output
+        assert deployed.first.total("failed") == 0
+        assert deployed.first.total("changed") >= 5, deployed.first.recap()
+        assert deployed.second.returncode == 0, deployed.second.output
+        assert deployed.second.total("changed") == 0, deployed.second.output
+
+    def test_the_rendered_configuration_is_accepted_and_holds_the_variables(
+        self, deployed: Deployed
+    ) -> None:
+        assert deployed.check.returncode == 0, deployed.check.stdout + deployed.check.stderr
+        config = tomllib.loads(deployed.config_text)
+        assert config["node_id"] == "node-a"
+        assert config["prometheus"] == {
+            "listen": f"127.0.0.1:{deployed.listen_port}",
+            "basic_auth_users_file": "/etc/gpuwarden/web-users",
+        }
+        assert config["collectors"]["gpu"] == {"expected_gpus": 8}
+        assert config["collectors"]["disk"] == {
+            "mountpoints_exclude": ['/we"ird\\dir/*', "/proc/*"]
+        }
+        assert config["mqtt"] == {
+            "enabled": True,
+            "url": deployed.broker.url,
+            "username": "gpuwarden",
+            "password_file": "/etc/gpuwarden/mqtt-password",
+        }
+
+    def test_a_configuration_the_agent_refuses_fails_the_run_and_keeps_the_old_file(
+        self, deployed: Deployed
+    ) -> None:
+        assert deployed.refused.returncode != 0
+        assert deployed.refused.recap()["node-a"]["failed"] == 1
+        assert "no_such_key" in deployed.refused.output  # config check's message, shown
+        assert deployed.config_after_refusal == deployed.config_text
+
+    def test_secrets_are_the_agent_users_alone_and_never_shown(self, deployed: Deployed) -> None:
+        for name, text in (("mqtt-password", BROKER_PASSWORD), ("web-users", "prometheus:$2b$")):
+            path = CONFIG_DIR / name
+            info = path.stat()
+            assert stat.S_IMODE(info.st_mode) == 0o600, name
+            assert (path.owner(), path.group()) == ("gpuwarden", "gpuwarden"), name
+            assert path.read_text().startswith(text)
+        for run in (deployed.first, deployed.second, deployed.refused):
+            assert BROKER_PASSWORD not in run.output
+            assert "$2b$" not in run.output
+        assert BROKER_PASSWORD not in deployed.config_text
+
+    def test_the_file_sd_file_names_the_target_and_its_labels(self, deployed: Deployed) -> None:
+        files = sorted(p.name for p in deployed.targets.iterdir())
+        assert files == ["gpuwarden-node-a.json"]
+        groups = json.loads((deployed.targets / files[0]).read_text())
+        assert groups == [
+            {
+                "targets": [f"127.0.0.1:{deployed.listen_port}"],
+                "labels": {"node": "node-a", "cluster": "a", "rack": "7"},
+            }
+        ]
+
+    def test_prometheus_discovers_the_target_with_the_shipped_scrape_config(
+        self, deployed: Deployed
+    ) -> None:
+        """configs/prometheus/prometheus.yml, unchanged, reads the directory the role wrote."""
+        workdir = deployed.targets.parent
+        shutil.copy(ROOT / "configs" / "prometheus" / "gpuwarden-rules.yml", workdir)
+        server = PrometheusServer(
+            workdir, (ROOT / "configs" / "prometheus" / "prometheus.yml").read_text()
+        ).start()
+        try:
+
+            def discovered() -> list[dict[str, str]]:
+                targets = server.api("targets")["activeTargets"]
+                return [t["labels"] for t in targets if t["labels"].get("job") == "gpuwarden"]
+
+            wait_until(lambda: discovered() != [], timeout=30)
+            assert discovered() == [
+                {
+                    "job": "gpuwarden",
+                    "instance": f"127.0.0.1:{deployed.listen_port}",
+                    "node": "node-a",
+                    "cluster": "a",
+                    "rack": "7",
+                }
+            ]
+        finally:
+            server.stop()
+
+    def test_the_installed_agent_runs_as_its_user_with_both_secrets(
+        self, deployed: Deployed
+    ) -> None:
+        """What the unit would run, as the unit's user: the broker takes the password file's
+        password, the endpoint wants the users file's."""
+        if deployed.manage_service:
+            pytest.skip("systemd runs the agent here")
+        agent = subprocess.Popen(
+            [
+                "setpriv",
+                "--reuid=gpuwarden",
+                "--regid=gpuwarden",
+                "--init-groups",
+                str(GPUWARDEN),
+                "run",
+                "--config",
+                str(CONFIG_DIR / "gpuwarden.toml"),
+            ],
+            stdout=(deployed.work / "agent.log").open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{deployed.listen_port}/metrics"
+        auth = b64encode(f"prometheus:{SCRAPE_PASSWORD}".encode()).decode()
+        try:
+
+            def metrics() -> str:
+                request = urllib.request.Request(url, headers={"Authorization": f"Basic {auth}"})
+                try:
+                    with urllib.request.urlopen(request, timeout=5) as response:
+                        return str(response.read().decode())
+                except OSError:
+                    return ""
+
+            wait_until(lambda: "gpuwarden_mqtt_connected 1.0" in metrics(), timeout=60)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(url, timeout=5)
+            assert refused.value.code == 401
+        finally:
+            agent.terminate()
+            agent.wait(15)
