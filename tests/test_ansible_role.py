@@ -25,11 +25,13 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import tomllib
 import urllib.error
 import urllib.request
 from base64 import b64encode
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,8 +206,11 @@ class Deployed:
     first: PlaybookRun
     second: PlaybookRun
     refused: PlaybookRun
+    upgraded: PlaybookRun
     config_text: str
     config_after_refusal: str
+    config_after_upgrade: str
+    versions: tuple[str, str]  # installed from the file, then from the repository
     check: subprocess.CompletedProcess[str]
     targets: Path
     work: Path
@@ -247,6 +252,52 @@ def write_play(work: Path, deb: Path, extra: Mapping[str, object], port: int, br
     return path
 
 
+def installed_version() -> str:
+    return subprocess.run(
+        ["dpkg-query", "-W", "-f=${Version}", "gpuwarden"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+
+
+@contextmanager
+def apt_repository(deb: Path) -> Iterator[None]:
+    """A flat apt repository holding `deb`, in apt's sources while it lasts. Only this source
+    is fetched (the others are neither fetched nor cleaned), and its lists go with it. It lies
+    in a folder everyone can read: apt fetches as its sandbox user `_apt`."""
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-test-repo-"))
+    folder.chmod(0o755)
+    sources = Path("/etc/apt/sources.list.d") / f"{folder.name}.list"
+    try:
+        shutil.copy(deb, folder)
+        packages = subprocess.run(
+            ["dpkg-scanpackages", "--multiversion", "."],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        (folder / "Packages").write_text(packages)
+        sources.write_text(f"deb [trusted=yes] file:{folder} ./\n")
+        only_this = ["-o", f"Dir::Etc::sourcelist={sources}", "-o", "Dir::Etc::sourceparts=-"]
+        update = subprocess.run(
+            ["apt-get", "update", "-q", *only_this, "-o", "APT::Get::List-Cleanup=0"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert update.returncode == 0 and "E:" not in update.stdout + update.stderr, update
+        yield
+    finally:
+        sources.unlink(missing_ok=True)
+        # apt escapes the folder's name in its lists' names ("_" is "%5f"); only one session
+        # installs on the host at a time (host_package), so every test repository's lists go.
+        for lists in Path("/var/lib/apt/lists").glob("*gpuwarden-test-repo-*"):
+            lists.unlink()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def deployed(
     deb_packages: DebPackages, tmp_path_factory: pytest.TempPathFactory
@@ -285,12 +336,26 @@ def deployed(
             )
             bad = write_play(work, deb, {"gpuwarden_config": {"no_such_key": 1}}, port, broker.port)
             refused = playbook(env, *inventory, str(bad))
+            after_refusal = (CONFIG_DIR / "gpuwarden.toml").read_text()
+            from_file = installed_version()
+            # The same hosts switched to a repository holding a newer version: an upgrade over
+            # the role's configuration, unattended.
+            newer = deb_packages.next_version
+            with apt_repository(deb_packages.path(newer)):
+                from_repo = {"gpuwarden_package_file": "", "gpuwarden_package_version": newer}
+                upgraded = playbook(
+                    env, *inventory, str(write_play(work, deb, from_repo, port, broker.port))
+                )
+                versions = (from_file, installed_version())
             yield Deployed(
                 first,
                 second,
                 refused,
+                upgraded,
                 config_text,
+                after_refusal,
                 (CONFIG_DIR / "gpuwarden.toml").read_text(),
+                versions,
                 check,
                 work / "prometheus" / "targets",
                 work,
@@ -343,6 +408,16 @@ class TestOnHost:
         assert "no_such_key" in deployed.refused.output  # config check's message, shown
         assert deployed.config_after_refusal == deployed.config_text
 
+    def test_an_upgrade_from_a_repository_keeps_the_configuration_without_a_prompt(
+        self, deployed: Deployed
+    ) -> None:
+        assert deployed.upgraded.returncode == 0, deployed.upgraded.output
+        first, then = deployed.versions
+        assert then != first
+        assert then.startswith(first)  # the next version of the same tree (tests/support/deb.py)
+        assert deployed.config_after_upgrade == deployed.config_text
+        assert not list(CONFIG_DIR.glob("*.dpkg-*"))  # no conffile question left behind
+
     def test_secrets_are_the_agent_users_alone_and_never_shown(self, deployed: Deployed) -> None:
         for name, text in (("mqtt-password", BROKER_PASSWORD), ("web-users", "prometheus:$2b$")):
             path = CONFIG_DIR / name
@@ -350,7 +425,7 @@ class TestOnHost:
             assert stat.S_IMODE(info.st_mode) == 0o600, name
             assert (path.owner(), path.group()) == ("gpuwarden", "gpuwarden"), name
             assert path.read_text().startswith(text)
-        for run in (deployed.first, deployed.second, deployed.refused):
+        for run in (deployed.first, deployed.second, deployed.refused, deployed.upgraded):
             assert BROKER_PASSWORD not in run.output
             assert "$2b$" not in run.output
         assert BROKER_PASSWORD not in deployed.config_text
