@@ -40,7 +40,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from configs.ansible.roles.gpuwarden.filter_plugins.gpuwarden_toml import TomlRenderError, to_toml
+from configs.ansible.roles.gpuwarden.filter_plugins.gpuwarden_filters import (
+    TomlRenderError,
+    to_label,
+    to_toml,
+)
 from tests.support.deb import DebPackages, host_package
 from tests.support.mosquitto import Broker, password_broker
 from tests.support.ports import free_port
@@ -119,6 +123,13 @@ class TestToml:
         assert problem in str(caught.value)
 
 
+def test_label_values_read_as_written_in_yaml_and_only_scalars() -> None:
+    assert [to_label(v) for v in ("a", 7, 1.5, True, False)] == ["a", "7", "1.5", "true", "false"]
+    for bad in ({"a": 1}, [1], None):
+        with pytest.raises(ValueError, match="gpuwarden_prometheus_labels: a label value must be"):
+            to_label(bad)
+
+
 # --- ansible-playbook --------------------------------------------------------------------------
 
 
@@ -184,6 +195,56 @@ def test_the_example_playbook_passes_the_syntax_check(tmp_path: Path) -> None:
         str(EXAMPLE_PLAYBOOK),
     )
     assert run.returncode == 0, run.output
+
+
+@needs_ansible
+def test_registration_brackets_ipv6_takes_the_listen_port_and_refuses_bad_label_names(
+    tmp_path: Path,
+) -> None:
+    """The role's file_sd tasks alone (no package, no root), for two hosts in one run: one with
+    an IPv6 address and labels of several types, one with a label name Prometheus refuses."""
+    targets = tmp_path / "targets"
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text(
+        f"[gpu]\nv6 ansible_host=fd00::7\nbadlabel\n[gpu:vars]\nansible_connection=local\n"
+        f"ansible_python_interpreter={sys.executable}\n"
+    )
+    labels = {"v6": {"rack": 7, "spare": False}, "badlabel": {"bad-name": "x"}}
+    play = [
+        {
+            "hosts": "gpu",
+            "gather_facts": False,
+            "vars": {
+                "gpuwarden_prometheus_host": "{{ inventory_hostname }}",
+                "gpuwarden_prometheus_file_sd_dir": str(targets),
+                "gpuwarden_prometheus_labels": "{{ labels[inventory_hostname] }}",
+                "labels": labels,
+                "gpuwarden_effective_config": {
+                    "node_id": "{{ inventory_hostname }}",
+                    "prometheus": {"listen": "[::]:9500"},
+                },
+            },
+            "tasks": [
+                {
+                    "ansible.builtin.include_role": {
+                        "name": "gpuwarden",
+                        "tasks_from": "prometheus.yml",
+                    }
+                }
+            ],
+        }
+    ]
+    (tmp_path / "play.yml").write_text(json.dumps(play))
+    run = playbook(ansible_env(tmp_path / "home"), "-i", str(inventory), str(tmp_path / "play.yml"))
+    recap = run.recap()
+    assert recap["v6"]["failed"] == 0, run.output
+    assert recap["badlabel"]["failed"] == 1, run.output
+    assert "label names must match" in run.output
+    assert "bad-name" in run.output
+    assert sorted(p.name for p in targets.iterdir()) == ["gpuwarden-v6.json"]
+    assert json.loads((targets / "gpuwarden-v6.json").read_text()) == [
+        {"targets": ["[fd00::7]:9500"], "labels": {"node": "v6", "rack": "7", "spare": "false"}}
+    ]
 
 
 # --- the role on this host ---------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`to_gpuwarden_toml`: a mapping rendered as TOML, for the role's gpuwarden.toml template.
+"""The role's filters. `to_gpuwarden_toml`: a mapping rendered as TOML, for the gpuwarden.toml
+template. `to_prometheus_label`: a value as a file_sd label value (a string).
 
 Jinja has no TOML writer, and TOML written by string templates breaks on the first value with
 a quote, a backslash or a newline in it, so the role renders the whole file from one mapping
@@ -118,8 +119,23 @@ def _string(value: str, path: list[str]) -> str:
     return '"' + "".join(out) + '"'
 
 
+def to_label(value: object) -> str:
+    """A label value as a reader of the YAML wrote it: `false` stays "false" (not Python's
+    "False"), 7 becomes "7". Anything but a scalar is an error: a label holds one value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int):
+        return str(value)
+    if isinstance(value, float):
+        return _float(value)
+    raise ValueError(
+        "gpuwarden_prometheus_labels: a label value must be a string, number or boolean, "
+        f"got {type(value).__name__} {value!r}"
+    )
+
+
 class FilterModule:
     """Ansible's entry point for a role's filter_plugins/."""
 
     def filters(self) -> dict[str, object]:
-        return {"to_gpuwarden_toml": to_toml}
+        return {"to_gpuwarden_toml": to_toml, "to_prometheus_label": to_label}
