@@ -278,6 +278,9 @@ class Deployed:
     listen_port: int
     broker: Broker
     manage_service: bool
+    env: dict[str, str]
+    inventory: Path
+    deb: Path
 
 
 def write_play(work: Path, deb: Path, extra: Mapping[str, object], port: int, broker: int) -> Path:
@@ -423,9 +426,36 @@ def deployed(
                 port,
                 broker,
                 systemd_runs(),
+                env,
+                work / "inventory.ini",
+                deb,
             )
         finally:
             broker.stop()
+
+
+@dataclass(frozen=True)
+class Removed:
+    run: PlaybookRun
+    status: str  # dpkg's state letters after it ("" once purged)
+    left: list[str]  # what the role made that is still there
+
+
+@pytest.fixture(scope="module")
+def removed(deployed: Deployed) -> Removed:
+    """gpuwarden_state absent with a purge, once the tests that read the installed host ran
+    (TestOnHost.test_z_... is the last of the class)."""
+    gone = {"gpuwarden_state": "absent", "gpuwarden_purge": True}
+    play = write_play(deployed.work, deployed.deb, gone, deployed.listen_port, deployed.broker.port)
+    run = playbook(deployed.env, "-i", str(deployed.inventory), str(play))
+    status = subprocess.run(
+        ["dpkg-query", "-W", "-f=${db:Status-Abbrev}", "gpuwarden"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    made = [deployed.targets / "gpuwarden-node-a.json", deployed.work / "cache", CONFIG_DIR]
+    return Removed(run, status, [str(p) for p in made if p.exists()])
 
 
 @pytest.mark.host
@@ -439,6 +469,11 @@ class TestOnHost:
         assert deployed.first.total("changed") >= 5, deployed.first.recap()
         assert deployed.second.returncode == 0, deployed.second.output
         assert deployed.second.total("changed") == 0, deployed.second.output
+        # A changed file restarts the agent; an unchanged one does not (skipped here without
+        # systemd, but notified all the same).
+        restart = "RUNNING HANDLER [gpuwarden : Restart gpuwarden]"
+        assert restart in deployed.first.output
+        assert restart not in deployed.second.output
 
     def test_the_rendered_configuration_is_accepted_and_holds_the_variables(
         self, deployed: Deployed
@@ -570,3 +605,8 @@ class TestOnHost:
         finally:
             agent.terminate()
             agent.wait(15)
+
+    def test_z_state_absent_unregisters_and_purges(self, removed: Removed) -> None:
+        assert removed.run.returncode == 0, removed.run.output
+        assert removed.status in {"", "un", "pn"}, removed.status
+        assert removed.left == []
