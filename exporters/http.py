@@ -302,12 +302,27 @@ class ScrapeServer:
 
 class _PausedUntilTls(asyncio.StreamReaderProtocol):
     """Reads nothing until `handle` starts TLS on the connection: a ClientHello read before
-    that would land in the plain stream, and the handshake would never see it."""
+    that would land in the plain stream, and the handshake would never see it.
+
+    Python 3.11.2 (Debian 12's, the package's interpreter) adds a new socket transport's
+    reader one loop callback after `connection_made`, whether or not the protocol paused it
+    there (3.11.7 does not): so the pause is made again on the next turn of the loop, which
+    also cancels a read already queued for that turn."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if isinstance(transport, asyncio.ReadTransport):
             transport.pause_reading()
+            asyncio.get_running_loop().call_soon(_pause_again, transport)
         super().connection_made(transport)
+
+
+def _pause_again(transport: asyncio.ReadTransport) -> None:
+    """Pause a transport whose reader may have been added despite an earlier pause: resume
+    first, as pause_reading() does nothing to a transport it thinks paused."""
+    if transport.is_closing():
+        return
+    transport.resume_reading()
+    transport.pause_reading()
 
 
 def _client_of(writer: asyncio.StreamWriter) -> str:
