@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import ssl
 import stat
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import bcrypt
 import pytest
@@ -49,6 +51,7 @@ from tests.support.deb import DebPackages, host_package
 from tests.support.mosquitto import Broker, password_broker
 from tests.support.ports import free_port
 from tests.support.prometheus_server import PrometheusServer
+from tests.support.tls import Authority, Certificate
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,6 +286,12 @@ class Deployed:
     deb: Path
 
 
+def server_cert(work: Path) -> Certificate:
+    """The endpoint's certificate and key, made by Authority.issue in the fixture."""
+    stem = work / "tls" / "ca-node-a"
+    return Certificate(stem.with_suffix(".crt"), stem.with_suffix(".key"))
+
+
 def write_play(work: Path, deb: Path, extra: Mapping[str, object], port: int, broker: int) -> Path:
     variables: dict[str, object] = {
         "gpuwarden_package_file": str(deb),
@@ -295,6 +304,8 @@ def write_play(work: Path, deb: Path, extra: Mapping[str, object], port: int, br
         "gpuwarden_mqtt_username": "gpuwarden",
         "gpuwarden_mqtt_password_file": str(work / "secrets" / "mqtt-password"),
         "gpuwarden_web_users_file": str(work / "secrets" / "web-users"),
+        "gpuwarden_tls_cert_file": str(server_cert(work).cert),
+        "gpuwarden_tls_key_file": str(server_cert(work).key),
         "gpuwarden_prometheus_host": "localhost",
         "gpuwarden_prometheus_address": "127.0.0.1",
         "gpuwarden_prometheus_file_sd_dir": str(work / "prometheus" / "targets"),
@@ -377,6 +388,7 @@ def deployed(
     (secrets / "mqtt-password").write_text(BROKER_PASSWORD + "\n")
     hashed = bcrypt.hashpw(SCRAPE_PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
     (secrets / "web-users").write_text(f"prometheus:{hashed}\n")
+    Authority(work / "tls").create().issue("node-a", ip_addresses=("127.0.0.1",))
     (work / "inventory.ini").write_text(
         f"[gpu]\nnode-a ansible_connection=local ansible_python_interpreter={HOST_PYTHON}\n"
         f"[prometheus]\nlocalhost ansible_connection=local ansible_python_interpreter={HOST_PYTHON}\n"
@@ -484,6 +496,8 @@ class TestOnHost:
         assert config["prometheus"] == {
             "listen": f"127.0.0.1:{deployed.listen_port}",
             "basic_auth_users_file": "/etc/gpuwarden/web-users",
+            "tls_cert_file": "/etc/gpuwarden/tls.crt",
+            "tls_key_file": "/etc/gpuwarden/tls.key",
         }
         assert config["collectors"]["gpu"] == {"expected_gpus": 8}
         assert config["collectors"]["disk"] == {
@@ -515,7 +529,13 @@ class TestOnHost:
         assert not list(CONFIG_DIR.glob("*.dpkg-*"))  # no conffile question left behind
 
     def test_secrets_are_the_agent_users_alone_and_never_shown(self, deployed: Deployed) -> None:
-        for name, text in (("mqtt-password", BROKER_PASSWORD), ("web-users", "prometheus:$2b$")):
+        key_body = server_cert(deployed.work).key.read_text().splitlines()[1]
+        secrets = (
+            ("mqtt-password", BROKER_PASSWORD),
+            ("web-users", "prometheus:$2b$"),
+            ("tls.key", "-----BEGIN PRIVATE KEY-----"),
+        )
+        for name, text in secrets:
             path = CONFIG_DIR / name
             info = path.stat()
             assert stat.S_IMODE(info.st_mode) == 0o600, name
@@ -524,6 +544,7 @@ class TestOnHost:
         for run in (deployed.first, deployed.second, deployed.refused, deployed.upgraded):
             assert BROKER_PASSWORD not in run.output
             assert "$2b$" not in run.output
+            assert key_body not in run.output
         assert BROKER_PASSWORD not in deployed.config_text
 
     def test_the_file_sd_file_names_the_target_and_its_labels(self, deployed: Deployed) -> None:
@@ -533,7 +554,7 @@ class TestOnHost:
         assert groups == [
             {
                 "targets": [f"127.0.0.1:{deployed.listen_port}"],
-                "labels": {"node": "node-a", "cluster": "a", "rack": "7"},
+                "labels": {"node": "node-a", "__scheme__": "https", "cluster": "a", "rack": "7"},
             }
         ]
 
@@ -548,12 +569,15 @@ class TestOnHost:
         ).start()
         try:
 
-            def discovered() -> list[dict[str, str]]:
+            def discovered() -> list[dict[str, Any]]:
                 targets = server.api("targets")["activeTargets"]
-                return [t["labels"] for t in targets if t["labels"].get("job") == "gpuwarden"]
+                return [t for t in targets if t["labels"].get("job") == "gpuwarden"]
 
             wait_until(lambda: discovered() != [], timeout=30)
-            assert discovered() == [
+            assert [t["scrapeUrl"] for t in discovered()] == [
+                f"https://127.0.0.1:{deployed.listen_port}/metrics"
+            ]
+            assert [t["labels"] for t in discovered()] == [
                 {
                     "job": "gpuwarden",
                     "instance": f"127.0.0.1:{deployed.listen_port}",
@@ -569,7 +593,8 @@ class TestOnHost:
         self, deployed: Deployed
     ) -> None:
         """What the unit would run, as the unit's user: the broker takes the password file's
-        password, the endpoint wants the users file's."""
+        password, the endpoint serves HTTPS with the copied key and wants the users file's
+        password."""
         if deployed.manage_service:
             pytest.skip("systemd runs the agent here")
         agent = subprocess.Popen(
@@ -586,21 +611,22 @@ class TestOnHost:
             stdout=(deployed.work / "agent.log").open("ab"),
             stderr=subprocess.STDOUT,
         )
-        url = f"http://127.0.0.1:{deployed.listen_port}/metrics"
+        url = f"https://127.0.0.1:{deployed.listen_port}/metrics"
+        tls = ssl.create_default_context(cafile=Authority(deployed.work / "tls").cert)
         auth = b64encode(f"prometheus:{SCRAPE_PASSWORD}".encode()).decode()
         try:
 
             def metrics() -> str:
                 request = urllib.request.Request(url, headers={"Authorization": f"Basic {auth}"})
                 try:
-                    with urllib.request.urlopen(request, timeout=5) as response:
+                    with urllib.request.urlopen(request, timeout=5, context=tls) as response:
                         return str(response.read().decode())
                 except OSError:
                     return ""
 
             wait_until(lambda: "gpuwarden_mqtt_connected 1.0" in metrics(), timeout=60)
             with pytest.raises(urllib.error.HTTPError) as refused:
-                urllib.request.urlopen(url, timeout=5)
+                urllib.request.urlopen(url, timeout=5, context=tls)
             assert refused.value.code == 401
         finally:
             agent.terminate()
