@@ -57,6 +57,7 @@ def heartbeat_payload(
             "last_success_ts": status.last_success,
             "last_success_age_s": _age(now, status.last_success),
             "interval_s": status.settings.interval,
+            "paused": status.paused,
         }
         for name, status in sorted(runtime.collectors.items())
     }
@@ -89,7 +90,12 @@ def heartbeat_payload(
             # The GPUs let go of on request (gpuwarden pause): no GPU is watched until
             # until_ts, and the watcher does not alert on this node's GPUs meanwhile.
             "gpu": "paused" if paused is not None else "active",
-            "paused": None if paused is None else paused.to_dict(),
+            "paused": None
+            if paused is None
+            else {
+                **paused.to_dict(),
+                "collectors": sorted(n for n, c in runtime.collectors.items() if c.paused),
+            },
         }
     )
 

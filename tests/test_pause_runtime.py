@@ -16,6 +16,8 @@ import pytest
 from agent.contracts.pause import PauseSettings
 from agent.program import config_file as config
 from agent.program import registry
+from agent.program.watch.fleet import SETTLE_SECONDS, Fleet
+from agent.program.watch.payloads import Malformed, parse_heartbeat
 from agent.runtime.core import Runtime
 from agent.runtime.pause import PauseRefused
 from agent.runtime.state import StateStore
@@ -26,6 +28,7 @@ from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeNvml
 from tests.support.waiting import until
 
+T0 = 1_700_000_000.0
 GPU = GpuSettings(interval=0.1, event_thread=True, event_wait_ms=50, sysfs_root="/nonexistent")
 
 
@@ -244,3 +247,53 @@ class TestHeartbeat:
         assert paused["health"] == "ok"
         await runtime.pause.resume()
         assert beat()["gpu"] == "active"
+
+
+class TestWatcher:
+    """The off-node watcher does not alert on a paused node's GPU collectors, and still does on
+    the rest of the node."""
+
+    @staticmethod
+    def fleet_after(problems: list[str], paused: list[str] | None) -> set[tuple[str, str]]:
+        fleet = Fleet(now=T0)
+        fleet.broker_connected(T0 - SETTLE_SECONDS)
+        fleet.ingest(
+            "gpuwarden/v1/a/status",
+            json.dumps({"state": "online", "bdseq": 1, "ts": T0, "version": "0.1"}).encode(),
+            False,
+            T0,
+        )
+        body: dict[str, Any] = {"seq": 1, "ts": T0, "interval_s": 10.0, "health": problems}
+        if paused is not None:
+            body |= {"gpu": "paused", "paused": {"until_ts": T0 + 600, "collectors": paused}}
+        fleet.ingest("gpuwarden/v1/a/heartbeat", json.dumps(body).encode(), False, T0)
+        return {c.alert.key for c in fleet.evaluate(T0 + 1) if c.raised}
+
+    def test_paused_gpu_collectors_raise_nothing(self) -> None:
+        gpu = "collector gpu stale for 40 s (round timed out)"
+        bench = "collector benchmark stale for 900 s (no successful round)"
+        assert self.fleet_after([gpu, bench], None) == {("node_unhealthy", "a")}
+        assert self.fleet_after([gpu, bench], ["benchmark", "gpu"]) == set()
+
+    def test_the_rest_of_the_node_still_alerts(self) -> None:
+        disk = "collector disk stale for 40 s (statvfs hung)"
+        raised = self.fleet_after([disk, "collector gpu stale for 40 s (x)"], ["gpu"])
+        assert raised == {("node_unhealthy", "a")}
+
+    def test_a_heartbeat_that_only_claims_a_pause_names_nothing(self) -> None:
+        """`gpu: paused` without a list of collectors, or with junk, silences nothing."""
+        gpu = "collector gpu stale for 40 s (x)"
+        assert self.fleet_after([gpu], []) == {("node_unhealthy", "a")}
+        assert self.fleet_after([gpu], ["GPU; rm -rf", ""]) == {("node_unhealthy", "a")}
+
+    async def test_the_agents_heartbeat_names_its_paused_collectors(
+        self, running: tuple[Runtime, FakeNvml]
+    ) -> None:
+        runtime, _ = running
+        await runtime.pause.pause(60.0)
+        payload = heartbeat_payload(
+            runtime, seq=1, bdseq=1, now=time.time(), outbox_depth={}, outbox_dropped={}
+        )
+        parsed = parse_heartbeat(payload)
+        assert not isinstance(parsed, Malformed)
+        assert parsed.paused == ("gpu",)

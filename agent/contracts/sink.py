@@ -83,6 +83,11 @@ class CollectorView(Protocol):
     @property
     def last_success(self) -> float | None: ...
 
+    @property
+    def paused(self) -> bool:
+        """Let go of the GPUs on request (agent/contracts/pause.py)."""
+        ...
+
 
 class OutboxStore(KeyValueStore, Protocol):
     """The durable outbox: entries written before delivery, deleted after confirmation."""
