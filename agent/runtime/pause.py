@@ -1,7 +1,7 @@
 """The runtime's side of a pause: who is asked to let go of the GPUs, until when, and the end.
 
 `PauseControl.pause` asks every running `PausableCollector` (agent/contracts/pause.py) to
-release the GPUs, in the registry's order, and returns what each did; a pause already in
+release the GPUs, all at once, and returns what each did; a pause already in
 force is extended (its deadline moves, nothing is released twice). `resume` lifts it, wakes
 each such collector for a round at once and returns that round's events (a GPU that did not
 come back is one). A collector built while a pause is in force (a reload) is paused before
@@ -39,8 +39,9 @@ NAMESPACE: Final = "runtime"
 KEY: Final = "gpu_pause"
 RELEASE_BOUND: Final = 30.0
 """Seconds a collector may take to let go (its round in flight ends first)."""
-FIRST_ROUND_BOUND: Final = 60.0
-"""Seconds `resume` waits for each collector's first round after the pause."""
+FIRST_ROUND_BOUND: Final = 20.0
+"""Seconds `resume` waits for the first rounds after the pause (a benchmark run that starts
+right away is not waited for to its end)."""
 
 
 class PauseRefused(GpuwardenError):
@@ -166,9 +167,14 @@ class PauseControl:
             state = PauseState(since, now + length, reason, by)
             self.state = state
             self._persist(state)  # before letting go: a crash meanwhile still comes back paused
-            for name, status in self._pausable().items():
-                if not status.paused:
-                    self.released[name] = await self._pause_one(status)
+            # All at once: every gate shuts before any of them waits for its round, so the
+            # benchmark cannot start a child on a GPU while the gpu collector lets go (NVML
+            # itself waits for the calls in flight, whoever made them).
+            todo = [s for s in self._pausable().values() if not s.paused]
+            for status, released in zip(
+                todo, await asyncio.gather(*(self._pause_one(s) for s in todo)), strict=True
+            ):
+                self.released[status.name] = released
             self.arm()
             self._emit(
                 Event(
