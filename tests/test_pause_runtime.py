@@ -95,6 +95,7 @@ class TestPauseInTheRuntime:
         await until(lambda: runtime.collectors["gpu"].rounds_done >= rounds + 3)
         assert sum(fake.lib_calls.values()) == calls
         assert runtime.health().ok  # paused rounds succeed: nothing goes stale
+        assert any("paused until" in n and "reset GPU 1" in n for n in runtime.health().notices)
         (paused,) = events(runtime, "gpu_paused")
         assert "reset GPU 1" in paused.message and paused.attributes["by"] == "alice"
 

@@ -776,6 +776,14 @@ class Runtime:
             for name, failure in sorted(self.start_failures.items())
             if name in self.collectors
         )
+        paused = self.pause.state
+        if paused is not None:  # an operator's doing: shown (STATUS=, /healthz), not a page
+            until = time.strftime("%H:%M:%S UTC", time.gmtime(paused.until))
+            notices.append(
+                f"GPU monitoring paused until {until}"
+                + (f" ({paused.reason})" if paused.reason else "")
+                + ": gpuwarden resume ends it"
+            )
         return tuple(notices)
 
     async def _health_monitor(self) -> None:
