@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 
 from agent.contracts.model import Event
@@ -272,3 +273,40 @@ def test_settings_refuse_a_default_above_the_maximum() -> None:
     with pytest.raises(ConfigError, match="default_duration"):
         PauseSettings(default_duration=100.0, max_duration=50.0)
     assert dataclasses.replace(PauseSettings(), max_duration=1800.0).max_duration == 1800.0
+
+
+class TestAcrossARestart:
+    async def test_a_restarted_agent_paused_at_once_still_finds_the_gpu_that_is_gone(
+        self, rig: GpuRig
+    ) -> None:
+        """The pause outlived the agent: the new collector read nothing before it, and
+        compares with the GPUs the last one stored this boot."""
+        await rig.collect()
+        await rig.restart()
+        await rig.collector.pause()  # before its first round, as the runtime does
+        gone = rig.fake.gpus.pop()
+        await rig.collector.resume()
+        result = await rig.collect()
+        assert [e.subject for e in result.events if e.kind == "gpu_lost"] == [gone.uuid]
+
+
+class TestGpm:
+    async def test_gpm_samples_are_freed_and_taken_afresh(self, tmp_path: Path) -> None:
+        gpus = fake_gpus(2)
+        for gpu in gpus:
+            gpu.gpm = {pynvml.NVML_GPM_METRIC_SM_UTIL: 50.0}
+        rig = GpuRig(FakeNvml(gpus), settings=GpuSettings(gpm_interval=1.0))
+        try:
+            await rig.collect()
+            await rig.collect()
+            assert rig.fake.gpm_samples_live > 0
+            await rig.collector.pause()
+            assert rig.fake.gpm_samples_live == 0  # nothing of NVML's kept across the pause
+            await rig.collector.resume()
+            first = await rig.collect()
+            # One sample after the pause is no span yet: absent, not the old reading.
+            assert value(first, "gpuwarden_gpu_activity_ratio", gpu="0", metric="sm_active") is None
+            second = await rig.collect()
+            assert value(second, "gpuwarden_gpu_activity_ratio", gpu="0", metric="sm_active") == 0.5
+        finally:
+            await rig.close()

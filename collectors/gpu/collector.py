@@ -642,6 +642,19 @@ class GpuCollector:
             return None
         return {str(k): str(v) for k, v in labels.items()}
 
+    def _stored_this_boot(self) -> dict[str, dict[str, str]]:
+        """uuid -> labels of the GPUs an earlier agent stored this boot: what a collector that
+        has read nothing yet (paused before its first round, after a restart) compares the
+        GPUs after the pause with."""
+        out: dict[str, dict[str, str]] = {}
+        for index, record in self._stored_identities().items():
+            count = record.get("count") if isinstance(record, dict) else None
+            if index.isdigit() and isinstance(count, int):
+                labels = self._remembered(int(index), count)
+                if labels is not None and labels["uuid"]:
+                    out[labels["uuid"]] = labels
+        return out
+
     def _remember(self, index: int, labels: dict[str, str]) -> None:
         """Store who the GPU at `index` is, when that changed. Best effort: a failed write is
         tried again next round, and costs only the name of a GPU that hangs before it is read."""
@@ -847,7 +860,7 @@ class GpuCollector:
                 g.static.identity.uuid: g.static.identity.labels()
                 for g in self.gpus.values()
                 if g.static is not None and g.static.identity.uuid
-            }
+            } or self._stored_this_boot()
             was_up = self.backend.up
             wait = self.settings.timeout + 1.0
             if not await asyncio.to_thread(self.backend.hold, "gpuwarden pause", wait):
