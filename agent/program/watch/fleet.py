@@ -169,7 +169,6 @@ class NodeView:
     heartbeat_age: float | None
     interval: float
     bdseq: int | None
-    paused: tuple[str, ...] = ()
 
 
 class Fleet:
@@ -388,7 +387,6 @@ class Fleet:
                 None if n.heartbeat_at is None else max(0.0, now - n.heartbeat_at),
                 self.interval_of(n),
                 n.bdseq,
-                n.paused,
             )
             for n in self.nodes.values()
         ]
