@@ -16,6 +16,7 @@ import pytest
 from agent.contracts.pause import PauseSettings
 from agent.program import config_file as config
 from agent.program import registry
+from agent.program.diagnose.state_reader import read_state
 from agent.program.watch.fleet import SETTLE_SECONDS, Fleet
 from agent.program.watch.payloads import Malformed, parse_heartbeat
 from agent.runtime.core import Runtime
@@ -96,6 +97,7 @@ class TestPauseInTheRuntime:
         assert sum(fake.lib_calls.values()) == calls
         assert runtime.health().ok  # paused rounds succeed: nothing goes stale
         assert any("paused until" in n and "reset GPU 1" in n for n in runtime.health().notices)
+        await until(lambda: bool(events(runtime, "gpu_paused")), what="the event")
         (paused,) = events(runtime, "gpu_paused")
         assert "reset GPU 1" in paused.message and paused.attributes["by"] == "alice"
 
@@ -105,6 +107,7 @@ class TestPauseInTheRuntime:
         assert gauge(runtime, "gpuwarden_gpu_paused") == 0
         assert "gpuwarden_gpu_pause_end_timestamp_seconds" not in names(runtime)
         assert fake.initialised == 1
+        await until(lambda: bool(events(runtime, "gpu_resumed")), what="the event")
         assert len(events(runtime, "gpu_resumed")) == 1
 
     async def test_resume_reports_a_gpu_that_did_not_come_back(
@@ -161,7 +164,8 @@ class TestTheDeadline:
     ) -> None:
         runtime, fake = running
         await runtime.pause.pause(0.5, "forgotten")
-        await until(lambda: runtime.pause_state() is None, timeout=10, what="the deadline")
+        await until(lambda: bool(events(runtime, "gpu_resumed")), timeout=10, what="the deadline")
+        assert runtime.pause_state() is None
         (event,) = events(runtime, "gpu_resumed")
         assert event.attributes["why"] == "deadline"
         assert "by itself" in event.message and event.severity.label == "warning"
@@ -176,6 +180,9 @@ class TestAcrossRestarts:
         await first.start()
         await until(lambda: fake.initialised == 1, what="NVML up")
         reply = await first.pause.pause(60.0, "MIG change")
+        # On disk when the command gets its answer: a SIGKILL now still comes back paused.
+        stored = read_state(tmp_path / "state").kv["runtime"]["gpu_pause"]
+        assert stored["until"] == pytest.approx(reply.state.until)
         await stop(first)
 
         second = make_runtime(fake, tmp_path / "state")

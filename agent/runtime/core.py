@@ -209,6 +209,7 @@ class Runtime:
             boot_id,
             lambda: self.collectors,
             self.emit,
+            lambda: self.in_store_thread(self.guard.flush, self.outbox_enabled),
         )
         """Releasing the GPUs on request (`gpuwarden pause`); kept across a restart."""
         self._store_thread = concurrent.futures.ThreadPoolExecutor(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -78,8 +78,11 @@ class PauseControl:
         boot_id: str,
         collectors: Callable[[], Mapping[str, CollectorStatus]],
         emit: Callable[[Event], None],
+        flush: Callable[[], Awaitable[object]],
     ) -> None:
+        """`flush`: store what the store guard holds now (in the runtime's store thread)."""
         self._store = store
+        self._flush = flush
         self.settings = settings
         self._boot = boot_id
         self._collectors = collectors
@@ -166,7 +169,10 @@ class PauseControl:
             since = self.state.since if self.state is not None else now
             state = PauseState(since, now + length, reason, by)
             self.state = state
-            self._persist(state)  # before letting go: a crash meanwhile still comes back paused
+            # Stored before letting go: an agent killed meanwhile comes back paused (and
+            # `gpuwarden check` sees it), not up to a store-writer cycle later.
+            self._persist(state)
+            await self._flush()
             # All at once: every gate shuts before any of them waits for its round, so the
             # benchmark cannot start a child on a GPU while the gpu collector lets go (NVML
             # itself waits for the calls in flight, whoever made them).
@@ -248,6 +254,7 @@ class PauseControl:
             self.state = None
             self.released = {}
             self._store.delete(NAMESPACE, KEY)
+            await self._flush()
             if self._deadline is not None and self._deadline is not asyncio.current_task():
                 self._deadline.cancel()
             self._deadline = None
