@@ -207,9 +207,9 @@ class Runtime:
             self.guard,
             pause_settings if isinstance(pause_settings, PauseSettings) else PauseSettings(),
             boot_id,
-            lambda: self.collectors,
-            self.emit,
-            lambda: self.in_store_thread(self.guard.flush, self.outbox_enabled),
+            collectors=lambda: self.collectors,
+            emit=self.emit,
+            flush=lambda: self.in_store_thread(self.guard.flush, self.outbox_enabled),
         )
         """Releasing the GPUs on request (`gpuwarden pause`); kept across a restart."""
         self._store_thread = concurrent.futures.ThreadPoolExecutor(

@@ -76,6 +76,7 @@ class PauseControl:
         store: KeyValueStore,
         settings: PauseSettings,
         boot_id: str,
+        *,
         collectors: Callable[[], Mapping[str, CollectorStatus]],
         emit: Callable[[Event], None],
         flush: Callable[[], Awaitable[object]],
