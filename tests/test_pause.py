@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,20 @@ from typing import Any
 import pynvml
 import pytest
 
+from agent.contracts.collector import SharedServices
 from agent.contracts.model import Event
 from agent.contracts.pause import PausableCollector
+from agent.program.diagnose.check import CheckOptions, CheckReport, run_check
+from agent.program.diagnose.findings import Status
+from agent.runtime.state import StateStore
 from collectors._nvml import NvmlBackend, NvmlPaused
-from collectors._procfs import open_files
+from collectors._procfs import open_files, read_boot_id
 from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings
 from collectors.benchmark.runner import ChildRunner
 from collectors.gpu.collector import GpuSettings
 from collectors.gpu.events import GpuEventThread
 from tests.support.bench import FakeGpuActivity, context, cpu_plan, deps, fake_child
+from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.nvml import GpuRig, fake_gpus, kinds, value
 from tests.support.nvml_fake import FakeNvml
 from tests.support.waiting import until
@@ -310,3 +316,49 @@ class TestGpm:
             assert value(second, "gpuwarden_gpu_activity_ratio", gpu="0", metric="sm_active") == 0.5
         finally:
             await rig.close()
+
+
+class TestCheckHonoursThePause:
+    """`gpuwarden check` (Slurm's HealthCheckProgram, say) opens nothing of the GPUs while the
+    running agent has them paused: it would make the reset under way fail."""
+
+    @staticmethod
+    async def check(tmp_path: Path, until: float, boot: str) -> tuple[CheckReport, FakeNvml]:
+        cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc")))
+        store = StateStore.open(cfg.state_dir)
+        store.put(
+            "runtime",
+            "gpu_pause",
+            {"since": 1.0, "until": until, "reason": "reset GPU 3", "by": "root", "boot": boot},
+        )
+        store.close()
+        fake = FakeNvml(fake_gpus(2))
+        shared = SharedServices()
+        shared.put(NvmlBackend, NvmlBackend(fake))
+        options = CheckOptions(torch=True, bench=True, process_gap=0.05)
+        return await run_check(cfg, options, shared=shared), fake
+
+    async def test_paused_no_gpu_is_opened(self, tmp_path: Path) -> None:
+        report, fake = await self.check(tmp_path, time.time() + 600, read_boot_id(Path("/proc")))
+        assert nvml_calls(fake) == 0
+        (gpu,) = [f for f in report.findings if f.area == "gpu"]
+        assert gpu.status is Status.SKIP and "reset GPU 3" in gpu.detail
+        assert report.torch_probe is None
+        bench = [f for f in report.findings if f.area == "bench"]
+        assert bench and all("paused" in f.detail for f in bench)
+
+    @pytest.mark.parametrize("case", ["past its deadline", "an earlier boot"])
+    async def test_an_ended_pause_is_not_honoured(self, tmp_path: Path, case: str) -> None:
+        boot = read_boot_id(Path("/proc"))
+        until = time.time() + 600
+        if case == "past its deadline":
+            until = time.time() - 1
+        else:
+            boot = "another-boot"
+        report, fake = await self.check(tmp_path, until, boot)
+        assert nvml_calls(fake) > 0
+        assert not [
+            f
+            for f in report.findings
+            if f.status is Status.SKIP and "paused" in f.detail and f.area == "gpu"
+        ]
