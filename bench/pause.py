@@ -47,7 +47,7 @@ def held(pid: int, devices: Path) -> int:
     count = 0
     for name in os.listdir(fd_dir):
         try:
-            count += os.readlink(fd_dir / name).startswith(str(devices))
+            count += os.readlink(fd_dir / name).startswith(f"{devices}/")
         except OSError:
             continue
     return count

@@ -49,7 +49,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[GpuRig]:
     fake = FakeNvml(fake_gpus(2), device_dir=devices)
     settings = GpuSettings(event_thread=True, event_wait_ms=50)
     rig = GpuRig(fake, settings=settings)
-    rig.backend.device_prefix = str(devices)
+    rig.backend.device_prefix = f"{devices}/"
     yield rig
     await rig.close()
 

@@ -18,6 +18,7 @@ import pytest
 
 from agent.program.control_client import socket_path
 from tests.support.agent_proc import REPO, AgentProcess, http_get
+from tests.support.fake_nvml_agent import calls_path
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber
 from tests.support.waiting import wait_until
@@ -44,7 +45,7 @@ def device_files(pid: int, devices: Path) -> list[str]:
             target = os.readlink(fd_dir / name)
         except OSError:
             continue
-        if target.startswith(str(devices)):
+        if target.startswith(f"{devices}/"):
             found.append(target)
     return sorted(found)
 
@@ -55,7 +56,7 @@ def metric(agent: AgentProcess, name: str) -> list[str]:
 
 
 def calls(devices: Path) -> int:
-    return int((devices / "calls").read_text())
+    return int(calls_path(devices).read_text())
 
 
 @pytest.fixture

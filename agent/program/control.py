@@ -111,13 +111,22 @@ class ControlServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> dict[str, Any]:
         pid, uid = _peer(writer.get_extra_info("socket"))
+        try:
+            # Read before judging (bounded: 4 KiB, 5 s): a refused client then reads its
+            # refusal, instead of a broken pipe in the middle of its request.
+            line = await asyncio.wait_for(reader.readline(), READ_TIMEOUT)
+        except (ValueError, asyncio.LimitOverrunError) as exc:
+            line, error = b"", str(exc)
+        else:
+            error = ""
         if uid not in (0, os.geteuid()):
             log.warning("control request refused", peer_pid=pid, peer_uid=uid)
             return _error(f"refused: only root and the agent's user (uid {os.geteuid()}) may")
         try:
-            line = await asyncio.wait_for(reader.readline(), READ_TIMEOUT)
+            if error:
+                raise ValueError(error)
             request = json.loads(line)
-        except (ValueError, asyncio.LimitOverrunError) as exc:
+        except ValueError as exc:
             return _error(f"expected one JSON object on a line: {exc}")
         if not isinstance(request, dict):
             return _error("expected a JSON object")

@@ -4,7 +4,8 @@ DEVICE_DIR GPUS run --config ...`.
 Every `NvmlBackend` the process makes uses one `FakeNvml` with GPUS fake H200s, whose nvmlInit
 opens real files in DEVICE_DIR (and nvmlShutdown closes them), so a test reads the agent's
 /proc/<pid>/fd as it would read /dev/nvidia* on a GPU host. The fake's library call count is
-written to DEVICE_DIR/calls every 0.1 s, for "no call while paused".
+written to `calls_path(DEVICE_DIR)` (beside it, not in it) every 0.1 s, for "no call while
+paused".
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ def _install(device_dir: Path, count: int) -> FakeNvml:
 
     def backend(self: nvml.NvmlBackend, lib: Any = None) -> None:
         original(self, fake if lib is None else lib)
-        self.device_prefix = str(device_dir)
+        self.device_prefix = f"{device_dir}/"
 
     nvml.NvmlBackend.__init__ = backend  # type: ignore[method-assign]
     return fake
+
+
+def calls_path(device_dir: Path) -> Path:
+    return device_dir.parent / f"{device_dir.name}-nvml-calls"
 
 
 def _report(fake: FakeNvml, path: Path) -> None:
@@ -44,5 +49,5 @@ def _report(fake: FakeNvml, path: Path) -> None:
 if __name__ == "__main__":
     directory, gpus, *rest = sys.argv[1:]
     fake = _install(Path(directory), int(gpus))
-    threading.Thread(target=_report, args=(fake, Path(directory) / "calls"), daemon=True).start()
+    threading.Thread(target=_report, args=(fake, calls_path(Path(directory))), daemon=True).start()
     sys.exit(main(rest))
