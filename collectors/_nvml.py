@@ -141,6 +141,8 @@ GPM_THROUGHPUTS: Final[Mapping[tuple[str, str], int]] = {
 }
 _GPM_IDS: Final = (*GPM_RATIOS.values(), *GPM_THROUGHPUTS.values())
 _MIB: Final = float(2**20)
+DEVICE_PREFIX: Final = "/dev/nvidia"
+"""The NVIDIA device files (nvidiactl, nvidia0.., nvidia-uvm, nvidia-caps/...) NVML opens."""
 
 INSTANCE_ID_NONE: Final = 0xFFFFFFFF
 """NVML_GPU_INSTANCE_ID_ANY / NVML_COMPUTE_INSTANCE_ID_ANY: what nvmlEventData_t's
@@ -162,6 +164,12 @@ class NvmlUnavailable(NvmlError):
         super().__init__(reason)
         self.reason = reason
         self.code = code
+
+
+class NvmlPaused(NvmlUnavailable):
+    """NVML is held shut on purpose (`gpuwarden pause`): no call and no nvmlInit until the
+    hold is released. A subclass of NvmlUnavailable, so that a user of the backend that does
+    not know of pauses reads it as "no driver" and leaves the GPUs alone."""
 
 
 class GpuLost(NvmlError):
@@ -415,6 +423,9 @@ class NvmlBackend:
     def __init__(self, lib: Any = None) -> None:
         self.lib: Any = pynvml if lib is None else lib
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        """Notified when a call ends: hold() waits for the calls in flight."""
+        self._in_flight = 0
         self._started = False
         self._gpm: dict[int, _GpmState] = {}
         """GPU index -> its GPM support and samples; reset by stop() (indexes may change)."""
@@ -422,6 +433,10 @@ class NvmlBackend:
         """GPU index -> GPU instance id -> that instance's GPM samples (MIG mode only)."""
         self._mig_devices: dict[int, dict[str, MigDevice]] = {}
         """GPU index -> MIG device UUID -> the device (ids and profile), read once each."""
+        self._held = ""
+        """Why NVML is held shut (a pause); "" when it is not."""
+        self.device_prefix = DEVICE_PREFIX
+        """Where this library's device files are (tests point it at a fake's)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -429,9 +444,33 @@ class NvmlBackend:
     def up(self) -> bool:
         return self._started
 
+    @property
+    def held(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, reason: str, timeout: float) -> bool:
+        """Shut NVML and keep it shut: until `release`, `start` and every call raise
+        NvmlPaused, whoever in the process asks (the benchmark's idle gate too). New calls
+        are refused at once; the calls in flight are waited for, up to `timeout` seconds,
+        because nvmlShutdown under a call is not safe. False when some still run then (a call
+        that hangs in the driver): NVML stays initialised, and held."""
+        with self._idle:
+            self._held = reason or "paused"
+            if not self._idle.wait_for(lambda: self._in_flight == 0, timeout):
+                return False
+        self.stop()
+        return True
+
+    def release(self) -> None:
+        """Lift the hold; the next `start` initialises NVML again."""
+        with self._lock:
+            self._held = ""
+
     def start(self) -> None:
         """nvmlInit, once; raises NvmlUnavailable (retry later: the driver may be loaded then)."""
         with self._lock:
+            if self._held:
+                raise NvmlPaused(f"NVML is released on request ({self._held})")
             if self._started:
                 return
             try:
@@ -457,13 +496,21 @@ class NvmlBackend:
 
     def _guard(self, fn: Callable[[], T]) -> T:
         """Run `fn`; on NvmlUnavailable mark the backend down so the next start() re-inits."""
-        if not self._started:
-            raise NvmlUnavailable("NVML is not initialised")
+        with self._lock:
+            if self._held:
+                raise NvmlPaused(f"NVML is released on request ({self._held})")
+            if not self._started:
+                raise NvmlUnavailable("NVML is not initialised")
+            self._in_flight += 1
         try:
             return fn()
         except NvmlUnavailable:
             self.stop()
             raise
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
 
     def ensure_started(self) -> None:
         """For users other than the gpu collector (the benchmark): start if not up."""
@@ -1037,6 +1084,9 @@ class NvmlBackend:
 
     def wait_event(self, event_set: Any, timeout_ms: int) -> NvmlEventRecord | None:
         """The next event, or None when none came within the timeout."""
+        return self._guard(lambda: self._wait_event(event_set, timeout_ms))
+
+    def _wait_event(self, event_set: Any, timeout_ms: int) -> NvmlEventRecord | None:
         try:
             data = self.lib.nvmlEventSetWait_v2(event_set, timeout_ms)
         except pynvml.NVMLError as exc:

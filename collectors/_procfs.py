@@ -313,3 +313,21 @@ def read_owner(proc_root: Path, pid: int) -> ProcessOwner | None:
         _user(uid),
         parse_cgroup(cgroup.decode(errors="replace")),
     )
+
+
+# -- /proc/[pid]/fd ---------------------------------------------------------------------------
+
+
+def open_files(proc_root: Path, pid: int | str, prefix: str) -> list[str]:
+    """What the process's open descriptors point at, those whose target starts with `prefix`
+    (each once, sorted). A descriptor closed between listing and reading is left out."""
+    fd_dir = proc_root / str(pid) / "fd"
+    found: set[str] = set()
+    for name in os.listdir(fd_dir):
+        try:
+            target = os.readlink(fd_dir / name)
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            found.add(target)
+    return sorted(found)

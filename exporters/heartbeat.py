@@ -3,8 +3,8 @@
 The heartbeat is the off-node watcher's view of the node's own health: a sequence number, the
 interval to expect the next one in, when each collector last succeeded, when each sink last
 confirmed a delivery (so the MQTT heartbeat says when Prometheus last scraped), the outbox
-depth and drops, the overall health with its problems, and notices (a configuration change
-pending restart: shown, not a failure). Ages are seconds at `ts`; a
+depth and drops, the overall health with its problems, notices (a configuration change
+pending restart: shown, not a failure), and whether the GPUs are paused (`gpu`, `paused`). Ages are seconds at `ts`; a
 timestamp that never happened is null, never 0.
 """
 
@@ -50,12 +50,14 @@ def heartbeat_payload(
     outbox_dropped: Mapping[str, int],
 ) -> bytes:
     health = runtime.health(now)
+    paused = runtime.pause_state()
     collectors = {
         name: {
             "ok": status.success,
             "last_success_ts": status.last_success,
             "last_success_age_s": _age(now, status.last_success),
             "interval_s": status.settings.interval,
+            "paused": status.paused,
         }
         for name, status in sorted(runtime.collectors.items())
     }
@@ -85,6 +87,15 @@ def heartbeat_payload(
             "sinks": sinks,
             "prometheus_last_scrape_ts": None if prometheus is None else prometheus.last_delivery,
             "outbox": {"depth": dict(outbox_depth), "dropped": dict(outbox_dropped)},
+            # The GPUs let go of on request (gpuwarden pause): no GPU is watched until
+            # until_ts, and the watcher does not alert on this node's GPUs meanwhile.
+            "gpu": "paused" if paused is not None else "active",
+            "paused": None
+            if paused is None
+            else {
+                **paused.to_dict(),
+                "collectors": sorted(n for n, c in runtime.collectors.items() if c.paused),
+            },
         }
     )
 

@@ -91,6 +91,9 @@ class TestHungAcrossReloads:
         await runtime.start()
         try:
             await until(lambda: runtime.hung_calls() == 1, what="the call to hang")
+            # Announced means stored: the store thread, started at the first write, exists
+            # now, and is not counted as a thread the reloads made.
+            await until(lambda: bool(kind_of(runtime, "call_hung")), what="call_hung stored")
             pool = runtime.collectors["blocking"].executor
             threads = threading.active_count()
             for i in range(6):

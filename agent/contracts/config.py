@@ -20,7 +20,7 @@ from agent.contracts.errors import ConfigError
 from agent.contracts.settings import read_file, setting
 
 EMBEDDED = "<embedded defaults>"
-TOP_LEVEL_TABLES = ("actions", "collectors", "heartbeat", "mqtt", "prometheus", "watch")
+TOP_LEVEL_TABLES = ("actions", "collectors", "heartbeat", "mqtt", "pause", "prometheus", "watch")
 """Every top-level table of gpuwarden.toml. A command that judges only some of them (the
 watcher reads `[watch]`) still knows the others' names, so a typo is an error everywhere.
 agent/program/registry.py checks this list against the tables it defines."""

@@ -15,6 +15,7 @@ from typing import Generic, ParamSpec, Protocol, TypeVar
 from agent.contracts.collector import CollectorSettings, KeyValueStore
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import ActiveRepair, Event, MetricFamily, Sample
+from agent.contracts.pause import PauseState
 
 S = TypeVar("S")
 P = ParamSpec("P")
@@ -81,6 +82,11 @@ class CollectorView(Protocol):
 
     @property
     def last_success(self) -> float | None: ...
+
+    @property
+    def paused(self) -> bool:
+        """Let go of the GPUs on request (agent/contracts/pause.py)."""
+        ...
 
 
 class OutboxStore(KeyValueStore, Protocol):
@@ -171,6 +177,10 @@ class SinkContext(Protocol):
 
     def repairs(self) -> Sequence[ActiveRepair]:
         """The repair actions required now and not cleared (agent/runtime/repairs.py)."""
+        ...
+
+    def pause_state(self) -> PauseState | None:
+        """The pause in force (`gpuwarden pause`: the GPUs are let go of), or None."""
         ...
 
     def emit(self, event: Event) -> None: ...

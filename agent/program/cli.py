@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diag": ("diag", "write a redacted diagnostic bundle for a support ticket"),
     "config": ("config_cmd", "validate or show the configuration"),
     "checkpoint": ("checkpoint", "verify checkpoints now: which one a restart can use"),
+    "pause": ("pause", "let go of the GPUs for a reset or a MIG change (the running agent)"),
+    "resume": ("resume", "end a pause: the running agent watches the GPUs again"),
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any, Final
 from agent.contracts.collector import CollectorSpec
 from agent.contracts.config import TOP_LEVEL_TABLES
 from agent.contracts.heartbeat import HeartbeatSettings
+from agent.contracts.pause import PauseSettings
 from agent.contracts.sink import SinkSpec
 from agent.program.config_loader import Schema
 from agent.program.watch.settings import WatchSettings
@@ -47,6 +48,7 @@ SINKS: Final[Mapping[str, SinkSpec[Any]]] = {
 SECTIONS: Final[Mapping[str, type[Any]]] = {
     # top-level tables that are not sinks
     "heartbeat": HeartbeatSettings,
+    "pause": PauseSettings,
     "watch": WatchSettings,
 }
 

@@ -36,10 +36,12 @@ from agent.contracts.config import Config
 from agent.contracts.errors import GpuwardenError, StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import ActiveRepair, Event, MetricFamily, RepairAction, Sample, Severity
+from agent.contracts.pause import PauseSettings, PauseState
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
 from agent.runtime import logs
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.metrics import RuntimeMetrics
+from agent.runtime.pause import PauseControl
 from agent.runtime.repairs import RepairLedger
 from agent.runtime.rounds import CollectorPool, Failure, RoundOutcome, collector_pool, run_round
 from agent.runtime.state import StateStore
@@ -106,6 +108,12 @@ class CollectorStatus:
     last_error: str = ""
     started: float = field(default_factory=time.time)
     task: asyncio.Task[None] | None = None
+    paused: bool = False
+    """Asked to let go of the GPUs (agent/runtime/pause.py) and not resumed since."""
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set to run the next round now (the first after a pause)."""
+    last_events: Sequence[Event] = ()
+    """The events of the last round that succeeded."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +202,16 @@ class Runtime:
         self.repair_ledger = RepairLedger(self.guard, boot_id)
         """The repair actions required now (read before the loop runs; writes are held by the
         guard and stored by the store writer, never on the loop)."""
+        pause_settings = config.sections.get("pause")
+        self.pause = PauseControl(
+            self.guard,
+            pause_settings if isinstance(pause_settings, PauseSettings) else PauseSettings(),
+            boot_id,
+            collectors=lambda: self.collectors,
+            emit=self.emit,
+            flush=lambda: self.in_store_thread(self.guard.flush, self.outbox_enabled),
+        )
+        """Releasing the GPUs on request (`gpuwarden pause`); kept across a restart."""
         self._store_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="gpuwarden-state"
         )
@@ -233,6 +251,9 @@ class Runtime:
 
     def repairs(self) -> list[ActiveRepair]:
         return self.repair_ledger.active()
+
+    def pause_state(self) -> PauseState | None:
+        return self.pause.state
 
     def emit(self, event: Event) -> None:
         """Record an event. Thread-safe: background threads may call it."""
@@ -435,6 +456,7 @@ class Runtime:
         next_at = loop.time()
         logger = log.bind(collector=status.name)
         round_number = 0
+        await self.pause.enter(status)  # built while paused: it lets go before its first round
         while True:
             await self._run_round(status, round_number, logger)
             round_number += 1
@@ -447,14 +469,20 @@ class Runtime:
             if next_at < now:  # a slow round: skip the missed slots, don't burst to catch up
                 next_at = now + interval - ((now - next_at) % interval)
             # Woken early, the round runs now and the interval counts from it.
-            next_at = min(next_at, await self._between_rounds(status.collector, next_at))
+            next_at = min(next_at, await self._between_rounds(status, next_at))
 
-    async def _between_rounds(self, collector: Collector, next_at: float) -> float:
-        """Wait for the next round: until `next_at` (loop time), or until a wakeable
-        collector says it has work. Returns the loop time the next round may start."""
+    async def _between_rounds(self, status: CollectorStatus, next_at: float) -> float:
+        """Wait for the next round: until `next_at` (loop time), until a wakeable collector
+        says it has work, or until the runtime wakes it (`status.wake`: after a pause).
+        Returns the loop time the next round may start."""
         loop = asyncio.get_running_loop()
+        collector = status.collector
         if not isinstance(collector, WakeableCollector):
-            await asyncio.sleep(next_at - loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(status.wake.wait(), max(0.0, next_at - loop.time()))
+            if status.wake.is_set():
+                status.wake.clear()
+                return loop.time()
             return next_at
         # A floor between woken rounds: a log written without pause is read in batches,
         # not one round per line.
@@ -488,6 +516,7 @@ class Runtime:
             status.success = True
             status.last_success = time.time()
             status.last_error = ""
+            status.last_events = outcome.events
             for event in outcome.events:
                 self.emit(event)
         else:
@@ -537,6 +566,7 @@ class Runtime:
             self._sink_tasks[name] = task
         self._monitor_task = asyncio.create_task(self._health_monitor(), name="health-monitor")
         self._writer_task = asyncio.create_task(self._store_writer(), name="state-writer")
+        self.pause.arm()  # a pause kept from the last run ends at its own deadline
 
     def _sink_ended(self, name: str, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -547,6 +577,7 @@ class Runtime:
             self.record_failure(name, f"sink task ended: {exc!r}")
 
     async def stop(self) -> None:
+        await self.pause.stop()
         monitor = [self._monitor_task] if self._monitor_task is not None else []
         await cancel_tasks(
             [s.task for s in self.collectors.values() if s.task is not None] + monitor
@@ -746,6 +777,14 @@ class Runtime:
             for name, failure in sorted(self.start_failures.items())
             if name in self.collectors
         )
+        paused = self.pause.state
+        if paused is not None:  # an operator's doing: shown (STATUS=, /healthz), not a page
+            until = time.strftime("%H:%M:%S UTC", time.gmtime(paused.until))
+            notices.append(
+                f"GPU monitoring paused until {until}"
+                + (f" ({paused.reason})" if paused.reason else "")
+                + ": gpuwarden resume ends it"
+            )
         return tuple(notices)
 
     async def _health_monitor(self) -> None:

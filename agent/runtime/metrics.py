@@ -159,6 +159,18 @@ REPAIR_SINCE = MetricFamily(
     "seconds",
 )
 
+GPU_PAUSED = MetricFamily(
+    "gpuwarden_gpu_paused",
+    G,
+    "1 while the GPUs are let go of on request (gpuwarden pause): no GPU series, no GPU alert",
+)
+GPU_PAUSE_END = MetricFamily(
+    "gpuwarden_gpu_pause_end_timestamp_seconds",
+    G,
+    "When the pause in force ends by itself, seconds since the epoch",
+    unit="seconds",
+)
+
 
 class RuntimeMetrics:
     def __init__(self, runtime: Runtime) -> None:
@@ -193,6 +205,8 @@ class RuntimeMetrics:
             STALE,
             REPAIR_REQUIRED,
             REPAIR_SINCE,
+            GPU_PAUSED,
+            GPU_PAUSE_END,
         )
 
     def samples(self) -> Iterator[Sample]:
@@ -240,6 +254,13 @@ class RuntimeMetrics:
             if sink_obj.expected_interval is not None:
                 yield STALE.sample(1 if ("sink", name) in stale else 0, "sink", name)
         yield from self._repairs()
+        yield from self._pause()
+
+    def _pause(self) -> Iterator[Sample]:
+        paused = self._runtime.pause_state()
+        yield GPU_PAUSED.sample(0 if paused is None else 1)
+        if paused is not None:
+            yield GPU_PAUSE_END.sample(paused.until)
 
     def _repairs(self) -> Iterator[Sample]:
         since: dict[tuple[str, str], float] = {}

@@ -15,6 +15,7 @@ GPU a warning, a test that could not run a warning once per cause.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from agent.contracts.collector import (
 )
 from agent.contracts.errors import CallStillHung, CallTimedOut, ConfigError
 from agent.contracts.model import GPU_LABELS, Collection, Event, MetricFamily, MetricType, Sample
+from agent.contracts.pause import Released
 from agent.contracts.settings import setting
 from collectors._nvml import NvmlBackend
 from collectors.benchmark import events as bench_events
@@ -312,6 +314,9 @@ class BenchmarkCollector:
         self.state: KeyValueStore = deps.state
         """Never raises: what a full disk refuses the runtime keeps (this process still sees
         it: no second failure event, no new run every round) and writes later."""
+        self.paused = False
+        """Released on request (agent/contracts/pause.py): no NVML call, no child."""
+        self._round_lock = asyncio.Lock()
 
     def families(self) -> Sequence[MetricFamily]:
         return (
@@ -334,9 +339,38 @@ class BenchmarkCollector:
     async def close(self) -> None:
         return None
 
+    # -- pause and resume (agent/contracts/pause.py) -------------------------------------------
+
+    async def pause(self) -> Released:
+        """No child from now on; a running one is killed (the operator wants the GPU now, and
+        its run counts for nothing), then the round ends and the backend is let go."""
+        self.paused = True
+        killed = await self.runner.stop_children()
+        async with self._round_lock:
+            wait = self.settings.timeout + 1.0
+            if not await asyncio.to_thread(self.activity.hold, wait):
+                return Released(
+                    self.name, False, f"an NVML call has not returned within {wait:g} s"
+                )
+        if killed:
+            return Released(self.name, True, "the running benchmark child was killed")
+        return Released(self.name, True, "no benchmark child was running; none starts")
+
+    async def resume(self) -> None:
+        async with self._round_lock:
+            self.activity.release()
+            self.runner.allow()
+            self.paused = False
+
     # -- one round ----------------------------------------------------------------------------
 
     async def collect(self, ctx: CollectContext) -> Collection:
+        async with self._round_lock:
+            if self.paused:
+                return Collection()
+            return await self._collect(ctx)
+
+    async def _collect(self, ctx: CollectContext) -> Collection:
         reason = "NVML lists no GPU"
         try:
             gpus = await ctx.call("benchmark:gpus", self.activity.gpus)
@@ -426,6 +460,11 @@ class BenchmarkCollector:
         driver = await ctx.call("benchmark:driver", self.activity.driver_version)
         state.runs += 1
         outcome = await self.runner.run(child_arguments(self.settings.request(device)), env)
+        if self.runner.stopped:
+            # Killed by a pause: not a failure of the GPU, not an attempt (it runs when due
+            # after the pause), no record.
+            state.runs -= 1
+            return RunResult(gpu, None, outcome, ())
         finished = ctx.now + outcome.wall_seconds
         self.state.put(KV, f"last_attempt:{gpu.uuid}", finished)
         state.last_run, state.run_seconds = finished, outcome.wall_seconds

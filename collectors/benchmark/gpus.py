@@ -35,6 +35,13 @@ class GpuActivity(Protocol):
 
     def driver_version(self) -> str | None: ...
 
+    def hold(self, timeout: float) -> bool:
+        """Let go of the GPU backend until `release` (a pause); False when a call in flight
+        did not end within `timeout` seconds (then it is not shut under that call)."""
+        ...
+
+    def release(self) -> None: ...
+
 
 class NvmlActivity:
     """GpuActivity from the shared `NvmlBackend`. A lost GPU reads as unknown activity (never
@@ -72,3 +79,9 @@ class NvmlActivity:
             return self.backend.driver_version()
         except NvmlError:
             return None
+
+    def hold(self, timeout: float) -> bool:
+        return self.backend.hold("gpuwarden pause", timeout)
+
+    def release(self) -> None:
+        self.backend.release()

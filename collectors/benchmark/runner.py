@@ -117,6 +117,23 @@ class ChildRunner:
         self.command = list(command or default_command())
         self.timeout = timeout
         self.env = dict(env or {})
+        self._running: asyncio.subprocess.Process | None = None
+        self.stopped = False
+        """While True (a pause), no child runs: one that starts is killed at once."""
+
+    async def stop_children(self) -> bool:
+        """Kill the running child's process group (a pause wants the GPU now), wait for it,
+        and kill any that starts until `allow`; that run returns a failure. True when a child
+        was running."""
+        self.stopped = True
+        process = self._running
+        if process is None or process.returncode is not None:
+            return False
+        await self._kill_group(process)
+        return True
+
+    def allow(self) -> None:
+        self.stopped = False
 
     def _environment(self, extra: Mapping[str, str]) -> dict[str, str]:
         env = {**os.environ, **self.env, **extra}
@@ -149,6 +166,17 @@ class ChildRunner:
                 "",
                 time.monotonic() - started,
             )
+        assert process.stdout is not None
+        assert process.stderr is not None
+        self._running = process
+        if self.stopped:  # stopped while it was being started
+            await self._kill_group(process)
+        try:
+            return await self._wait(process, started)
+        finally:
+            self._running = None
+
+    async def _wait(self, process: asyncio.subprocess.Process, started: float) -> ChildOutcome:
         assert process.stdout is not None
         assert process.stderr is not None
         out_task = asyncio.ensure_future(_read_head(process.stdout, STDOUT_LIMIT))

@@ -42,6 +42,7 @@ from agent.contracts.collector import (
 )
 from agent.contracts.errors import CallStillHung, CallTimedOut
 from agent.contracts.model import Collection, Event, MetricFamily, RepairAction, Sample, Severity
+from agent.contracts.pause import Released
 from agent.contracts.settings import setting
 from collectors._nvml import (
     GpmReading,
@@ -54,7 +55,7 @@ from collectors._nvml import (
     NvmlBackend,
     NvmlUnavailable,
 )
-from collectors._procfs import ProcessOwner, read_boot_id, read_owner
+from collectors._procfs import ProcessOwner, open_files, read_boot_id, read_owner
 from collectors._repair import shared_recurrence
 from collectors._xid import XidCorrelator
 from collectors.gpu import metrics as m
@@ -237,6 +238,13 @@ class GpuCollector:
         """pid -> owner (None: not in /proc), for pids on a GPU last round: read once each."""
         self.pci: PciScan | None = None
         self.pci_read_at: float | None = None
+        self.paused = False
+        """Released on request (agent/contracts/pause.py): rounds make no NVML call."""
+        self._round_lock = asyncio.Lock()
+        """Held by a round and by pause(): NVML is never shut down under a round's calls."""
+        self._before_pause: dict[str, dict[str, str]] = {}
+        """uuid -> labels of the GPUs NVML listed when the pause began, until the first round
+        after it has seen them again (a reset that failed leaves one out)."""
 
     def families(self) -> Sequence[MetricFamily]:
         return m.FAMILIES
@@ -303,12 +311,19 @@ class GpuCollector:
     # -- the round ------------------------------------------------------------------------------
 
     async def collect(self, ctx: CollectContext) -> Collection:
+        async with self._round_lock:
+            if self.paused:  # not even sysfs: a reset in progress makes the bus disagree
+                return Collection()
+            return await self._collect(ctx)
+
+    async def _collect(self, ctx: CollectContext) -> Collection:
         out = _Round()
         self._scan_pci(ctx)
         try:
             if await self._ensure_nvml(ctx, out):
                 await self._collect_gpus(ctx, out)
                 self._compare_pci(out)
+                self._check_returned(out)
         except NvmlUnavailable as exc:
             self._nvml_down(exc.reason, out)
             out.samples = []
@@ -627,6 +642,19 @@ class GpuCollector:
             return None
         return {str(k): str(v) for k, v in labels.items()}
 
+    def _stored_this_boot(self) -> dict[str, dict[str, str]]:
+        """uuid -> labels of the GPUs an earlier agent stored this boot: what a collector that
+        has read nothing yet (paused before its first round, after a restart) compares the
+        GPUs after the pause with."""
+        out: dict[str, dict[str, str]] = {}
+        for index, record in self._stored_identities().items():
+            count = record.get("count") if isinstance(record, dict) else None
+            if index.isdigit() and isinstance(count, int):
+                labels = self._remembered(int(index), count)
+                if labels is not None and labels["uuid"]:
+                    out[labels["uuid"]] = labels
+        return out
+
     def _remember(self, index: int, labels: dict[str, str]) -> None:
         """Store who the GPU at `index` is, when that changed. Best effort: a failed write is
         tried again next round, and costs only the name of a GPU that hangs before it is read."""
@@ -806,6 +834,110 @@ class GpuCollector:
         thread, self.events_thread = self.events_thread, None
         if thread is not None:
             await asyncio.to_thread(thread.stop)
+
+    # -- pause and resume (agent/contracts/pause.py) -------------------------------------------
+
+    async def pause(self) -> Released:
+        """Let go of NVML: no round from now on calls it; the round in flight ends first
+        (NVML is never shut down under a call), then the event thread is stopped and joined,
+        NVML shut down and held shut for the whole process, and this process's NVIDIA device
+        files counted (none may be left for `nvidia-smi -r`)."""
+        self.paused = True
+        async with self._round_lock:
+            if self.events_thread is not None:
+                thread, self.events_thread = self.events_thread, None
+                wait = self.settings.event_wait_ms / 1000.0 + 5.0
+                if not await asyncio.to_thread(thread.stop, wait):
+                    self.backend.hold("gpuwarden pause", 0.0)  # no new call, nothing shut
+                    return Released(
+                        self.name,
+                        False,
+                        f"the NVML event thread did not stop within {wait:g} s (a call into "
+                        "the driver that does not return); NVML stays initialised: stop the "
+                        "agent to release the GPUs",
+                    )
+            self._before_pause = {
+                g.static.identity.uuid: g.static.identity.labels()
+                for g in self.gpus.values()
+                if g.static is not None and g.static.identity.uuid
+            } or self._stored_this_boot()
+            was_up = self.backend.up
+            wait = self.settings.timeout + 1.0
+            if not await asyncio.to_thread(self.backend.hold, "gpuwarden pause", wait):
+                # nvmlShutdown under a call that never returned could wedge the process.
+                return Released(
+                    self.name,
+                    False,
+                    f"an NVML call has not returned within {wait:g} s; NVML is not shut down "
+                    "under it (no new call is made): stop the agent to release the GPUs",
+                )
+            left = await asyncio.to_thread(
+                open_files, Path(self.settings.proc_root), "self", self.backend.device_prefix
+            )
+            self._forget_readings()
+            if left:
+                return Released(
+                    self.name,
+                    False,
+                    "NVML is shut down, but the agent still holds " + ", ".join(left),
+                )
+            done = "NVML shut down" if was_up else "NVML was not initialised"
+            return Released(
+                self.name, True, f"{done}, event thread stopped, no NVIDIA device file open"
+            )
+
+    async def resume(self) -> None:
+        """Lift the hold: the next round initialises NVML, reads every GPU afresh (static
+        facts, slow readings, energy, GPM), starts the event thread again and reports a GPU
+        that did not come back."""
+        async with self._round_lock:
+            self.backend.release()
+            self.next_init_at = 0.0
+            self.count_read_at = float("-inf")
+            self.paused = False
+
+    def _forget_readings(self) -> None:
+        """Nothing read before the pause is kept: a reset or a MIG change may have changed it.
+        The count stays, so that fewer GPUs after the pause is a drop; so do each GPU's error
+        state (one lost before is lost or recovered after, never news twice) and who it was (a
+        GPU that hangs at once is still named)."""
+        self.gpus = {
+            index: _Gpu(
+                error=gpu.error, remembered=gpu.labels(index) if gpu.static else gpu.remembered
+            )
+            for index, gpu in self.gpus.items()
+        }
+        self.owners.clear()
+        self.pci = None
+        self.pci_read_at = None
+
+    def _check_returned(self, out: _Round) -> None:
+        """After a pause: each GPU listed before it that NVML does not list now is lost (the
+        reset failed, or the GPU fell off the bus). Lost at its index is reported by the GPU's
+        own read; this is the GPU that is not enumerated at all."""
+        if not self._before_pause:
+            return
+        before, self._before_pause = self._before_pause, {}
+        # A GPU that did not answer this round is reported by its own read, under the name
+        # it had before the pause.
+        accounted = {g.labels(i)["uuid"] for i, g in self.gpus.items()}
+        for uuid, labels in sorted(before.items()):
+            if uuid in accounted:
+                continue
+            out.events.append(
+                Event(
+                    source=SOURCE,
+                    kind="gpu_lost",
+                    severity=Severity.CRITICAL,
+                    repair_action=RepairAction.REBOOT_NODE,
+                    subject=uuid,
+                    attributes={**labels, "after_pause": True},
+                    message=f"{where(labels)} did not come back after the pause: NVML no "
+                    "longer lists it (a GPU reset or MIG change that failed?)",
+                    action="look for Xid 79 and NVRM errors in the kernel log and for the GPU "
+                    "in lspci; drain the node and reboot it",
+                )
+            )
 
 
 def _boot_id() -> str | None:

@@ -39,6 +39,8 @@ class AgentProcess:
     the agent's): a launcher of a private mount namespace, say."""
     process: subprocess.Popen[bytes] | None = None
     node_id: str = "test-node"
+    entry: list[str] = field(default_factory=lambda: ["-m", "agent"])
+    """What Python runs: the agent, or a launcher of it (tests/support/fake_nvml_agent.py)."""
 
     @property
     def config_path(self) -> Path:
@@ -66,7 +68,7 @@ class AgentProcess:
         if "NOTIFY_SOCKET" not in self.env:
             env.pop("NOTIFY_SOCKET", None)
         self.process = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "agent", "run", "--config", str(self.config_path)],
+            [*self.prefix, sys.executable, *self.entry, "run", "--config", str(self.config_path)],
             cwd=self.repo,
             env=env,
             stdout=self.log_path.open("ab"),

@@ -44,6 +44,7 @@ class FakeGpuActivity:
     driver: str | None = "580.159.04"
     available: bool = True
     calls: int = 0
+    held: bool = False
 
     def gpus(self) -> list[GpuIdentity]:
         self.calls += 1
@@ -59,6 +60,13 @@ class FakeGpuActivity:
 
     def driver_version(self) -> str | None:
         return self.driver
+
+    def hold(self, timeout: float) -> bool:
+        self.held = True
+        return True
+
+    def release(self) -> None:
+        self.held = False
 
 
 def cpu_plan(gpu: GpuIdentity) -> tuple[str, dict[str, str]]:

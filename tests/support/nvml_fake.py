@@ -26,6 +26,9 @@ it through its `FakeGpu`s (mutable on purpose: a test changes a value between ro
   off has no MIG device (nvmlDeviceGetMaxMigDeviceCount answers 0, as NVML does).
 - events naming a MIG instance: `fake.push_event(gpu, type, data, gpu_instance=2,
   compute_instance=0)` (left out: NVML's 0xFFFFFFFF, none).
+- device files: `FakeNvml(gpus, device_dir=path)` opens real files `nvidiactl` and `nvidia<i>`
+  there at nvmlInit and closes them at nvmlShutdown, as the real library holds /dev/nvidia*;
+  `fake.lib_calls` counts every pynvml function looked up (a pause must make none).
 
 The handles it gives out are the `FakeGpu` objects themselves.
 """
@@ -34,11 +37,13 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import queue
 import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -267,7 +272,11 @@ class FakeNvml:
         gpus: list[FakeGpu] | None = None,
         driver_version: str = "580.159.04",
         init_error: int | None = None,
+        device_dir: Path | None = None,
     ) -> None:
+        self.lib_calls: Counter[str] = Counter()
+        self.device_dir = device_dir
+        self._device_fds: list[int] = []
         self.gpus: list[FakeGpu] = list(gpus or [])
         self.driver_version = driver_version
         self.init_error = init_error
@@ -281,6 +290,11 @@ class FakeNvml:
         """Live GPM sample address -> (GPU, or the first MIG device of the GPU instance, for
         nvmlGpmMigSampleGet; sequence number of its last sample)."""
         self._gpm_sequence = itertools.count(1)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("nvml"):  # every library call, whoever makes it
+            object.__getattribute__(self, "lib_calls")[name] += 1
+        return object.__getattribute__(self, name)
 
     @property
     def gpm_samples_live(self) -> int:
@@ -340,11 +354,19 @@ class FakeNvml:
         if self.init_error is not None:
             _fail(self.init_error)
         self.initialised += 1
+        if self.device_dir is not None and self.initialised == 1:
+            names = ["nvidiactl", *(f"nvidia{i}" for i in range(len(self.gpus)))]
+            flags = os.O_RDWR | os.O_CREAT
+            self._device_fds = [os.open(self.device_dir / n, flags, 0o600) for n in names]
 
     def nvmlShutdown(self) -> None:
         if not self.initialised:
             _fail(pynvml.NVML_ERROR_UNINITIALIZED)
         self.initialised -= 1
+        if not self.initialised:
+            fds, self._device_fds = self._device_fds, []
+            for fd in fds:
+                os.close(fd)
 
     def nvmlSystemGetDriverVersion(self) -> str:
         if not self.initialised:

@@ -188,6 +188,12 @@ class _CpuActivity:
     def driver_version(self) -> str | None:
         return None
 
+    def hold(self, timeout: float) -> bool:
+        return True  # no GPU backend to let go of
+
+    def release(self) -> None:
+        return None
+
 
 def _result_json(result: RunResult) -> dict[str, Any]:
     if result.record is not None:

@@ -1,4 +1,5 @@
-"""Run the agent in the foreground until SIGTERM or SIGINT; SIGHUP reloads the configuration.
+"""Run the agent in the foreground until SIGTERM or SIGINT; SIGHUP reloads the configuration;
+`gpuwarden pause` and `resume` reach it on its control socket (agent/program/control.py).
 
 Exit code 0 after a clean stop, 1 if the agent could not start (a port taken, say), 2 for a
 configuration error.
@@ -19,6 +20,8 @@ import structlog
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
 from agent.program import registry
+from agent.program.control import ControlServer
+from agent.program.control_client import socket_path
 from agent.runtime import logs
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
@@ -86,6 +89,11 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         await runtime.stop()
         store.close()
         return 1, runtime.calls_outstanding()
+    control = ControlServer(runtime, socket_path(cfg.state_dir))
+    try:
+        await control.start()
+    except OSError as exc:  # the agent still watches; only pause and resume cannot reach it
+        log.error("control socket not available", path=str(control.path), error=str(exc))
     helpers = [asyncio.create_task(_reload_loop(runtime, path, reloads))]
     if await _first_round_or_stop(runtime, stop):
         notifier.ready(runtime.health().summary())
@@ -106,6 +114,7 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     notifier.stopping()
     for task in helpers:
         task.cancel()
+    await control.stop()
     try:
         await asyncio.wait_for(runtime.stop(), STOP_BUDGET)
     except TimeoutError:

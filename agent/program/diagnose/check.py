@@ -28,6 +28,7 @@ from agent import __version__
 from agent.contracts.collector import SharedServices
 from agent.contracts.config import Config
 from agent.contracts.errors import CallStillHung, CallTimedOut
+from agent.contracts.pause import PauseState
 from agent.program.diagnose import probes
 from agent.program.diagnose.bench_findings import check_bench
 from agent.program.diagnose.checkpoint_findings import check_checkpoints
@@ -43,8 +44,11 @@ from agent.program.diagnose.kernel_findings import (
 )
 from agent.program.diagnose.nvml_versions import read_nvml_versions
 from agent.program.diagnose.state_reader import read_state
+from agent.runtime.pause import KEY as PAUSE_KEY
+from agent.runtime.pause import NAMESPACE as PAUSE_NAMESPACE
 from collectors import io_probe, system
 from collectors._nvml import NvmlBackend
+from collectors._procfs import read_boot_id
 from collectors.gpu.collector import GpuSettings
 from collectors.io_probe import IoProbeSettings
 from collectors.kernel_log.kmsg import KmsgIO
@@ -349,11 +353,54 @@ async def nvidia_versions(runner: OneShotCollectors) -> dict[str, str]:
         return {}
 
 
+PAUSED_SKIP = "not run: the running agent has the GPUs paused (gpuwarden pause)"
+
+
+def running_pause(config: Config, now: float | None = None) -> PauseState | None:
+    """The running agent's pause (`gpuwarden pause`), as its state store holds it: this boot's
+    and before its deadline. None otherwise, or when the store cannot tell."""
+    snapshot = read_state(config.state_dir, event_limit=0)
+    record = snapshot.kv.get(PAUSE_NAMESPACE, {}).get(PAUSE_KEY) if snapshot.available else None
+    if not isinstance(record, dict):
+        return None
+    try:
+        state = PauseState(float(record["since"]), float(record["until"]), str(record["reason"]))
+        boot = str(record.get("boot", ""))
+    except (KeyError, TypeError, ValueError):
+        return None
+    try:
+        this_boot = read_boot_id(Path("/proc"))
+    except OSError:
+        this_boot = ""
+    if (boot and this_boot and boot != this_boot) or state.until <= (now or time.time()):
+        return None
+    return state
+
+
+def paused_lines(state: PauseState) -> list[Finding]:
+    until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(state.until))
+    why = f" ({state.reason})" if state.reason else ""
+    detail = (
+        f"the running agent has the GPUs released until {until}{why}: check does not open "
+        "them meanwhile (a GPU reset or MIG change is under way)"
+    )
+    return [
+        Finding("gpu", "GPUs", Status.SKIP, detail, "gpuwarden resume ends the pause"),
+    ]
+
+
 async def run_check(
     config: Config, options: CheckOptions, shared: SharedServices | None = None
 ) -> CheckReport:
-    """`shared`: the services collectors share (tests put a fake NVML backend there)."""
+    """`shared`: the services collectors share (tests put a fake NVML backend there).
+
+    While the running agent has the GPUs paused, nothing here opens them (NVML, the torch
+    probe, the benchmark): a health check run by Slurm in the middle of a GPU reset would
+    make the reset fail."""
     report = CheckReport(config.node_id)
+    paused = running_pause(config)
+    if paused is not None:
+        options = dataclasses.replace(options, expect_gpus=0, torch=False, bench=False)
     expected = expected_gpus(config, options)
     torch_task = asyncio.create_task(probe_torch(options))
     network_task = asyncio.create_task(check_network(config))
@@ -381,17 +428,22 @@ async def run_check(
                     "bench",
                     "matmul benchmark",
                     Status.SKIP,
-                    "not asked for (--bench)",
+                    "not asked for (--bench)" if paused is None else PAUSED_SKIP,
                     check="bench",
                 )
             ]
         )
         report.hung_calls = runner.hung_calls()
     report.collectors = results
-    report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
+    if paused is not None:
+        report.findings.extend(paused_lines(paused))
+    else:
+        report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
     report.torch_probe = await torch_task
     report.findings.append(
         torch_line(report.torch_probe, expected != 0, options, report.nvidia_versions)
+        if paused is None
+        else Finding("torch", "torch on this driver", Status.SKIP, PAUSED_SKIP)
     )
     try:
         report.kernel_log = await kernel_task

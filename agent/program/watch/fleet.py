@@ -97,6 +97,8 @@ class Node:
     interval: float | None = None
     health_ok: bool | None = None
     problems: tuple[str, ...] = ()
+    paused: tuple[str, ...] = ()
+    """Collectors whose GPUs the node let go of on request (its last heartbeat)."""
 
     @property
     def heartbeat_only(self) -> bool:
@@ -333,7 +335,15 @@ class Fleet:
     def _heartbeat(self, node: Node, beat: Heartbeat, at: float) -> None:
         node.heartbeat_at, node.heard_at, node.heartbeat_ts = at, at, beat.ts
         node.seq, node.interval = beat.seq, beat.interval_s
-        problems = tuple(p for p in beat.problems if not DISPROVED_BY_ARRIVAL.match(p))
+        # A paused collector's problem is the pause's doing (an operator resetting the GPU),
+        # not the node's: no alert for it while the node says it is paused.
+        paused = tuple(f"collector {name} " for name in beat.paused)
+        problems = tuple(
+            p
+            for p in beat.problems
+            if not DISPROVED_BY_ARRIVAL.match(p) and not any(p.startswith(q) for q in paused)
+        )
+        node.paused = beat.paused
         healthy = beat.health_ok is False and bool(beat.problems) and not problems
         node.health_ok, node.problems = (True if healthy else beat.health_ok), problems
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,6 +68,13 @@ class Heartbeat:
     interval_s: float
     health_ok: bool | None
     problems: tuple[str, ...]
+    paused: tuple[str, ...] = ()
+    """Collectors the node has let go of the GPUs for (`gpuwarden pause`): their problems are
+    not the node's while it lasts."""
+
+
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+"""A collector's name, as the registry spells them."""
 
 
 def parse_topic(topic: str, prefix: str) -> Topic | Malformed | None:
@@ -204,4 +212,15 @@ def parse_heartbeat(payload: bytes, limit: int = 65536) -> Heartbeat | Malformed
     elif health is not None:
         health_ok = False
         problems = _problems(health)
-    return Heartbeat(seq, ts, interval, health_ok, problems)
+    return Heartbeat(seq, ts, interval, health_ok, problems, _paused(data))
+
+
+def _paused(data: dict[str, Any]) -> tuple[str, ...]:
+    """`"gpu": "paused"` with `"paused": {"collectors": [...]}`; anything else: not paused."""
+    paused = data.get("paused")
+    if data.get("gpu") != "paused" or not isinstance(paused, dict):
+        return ()
+    names = paused.get("collectors")
+    if not isinstance(names, list):
+        return ()
+    return tuple(n for n in names[:32] if isinstance(n, str) and _NAME.fullmatch(n))

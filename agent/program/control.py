@@ -1,0 +1,189 @@
+"""The running agent's control socket: `gpuwarden pause` and `resume` reach the agent here.
+
+A Unix stream socket, `control.sock` in the state directory. Why this and not a signal or
+the HTTP endpoint:
+
+- who may use it is the file system's and the kernel's say, twice: the state directory is
+  0700 and the socket 0600, both the agent's user's (systemd's StateDirectory=), and each
+  connection's peer credentials (SO_PEERCRED) must be root's or the agent's own uid. The HTTP
+  endpoint listens on the network for scrapes; a command that blinds the node's GPU
+  monitoring does not belong there, whatever its password;
+- it works under the hardened unit as it is: AF_UNIX is allowed, the state directory is
+  writable under ProtectSystem=strict, and root reaches it without joining any group;
+- it answers: the command learns whether NVML was really shut down and the device files
+  closed (or why not), and what the first round after a resume found. A signal carries no
+  duration, no reason and no answer, and needs the agent's pid.
+
+One request per connection: a JSON object on one line, `{"op": "pause", "seconds": 600,
+"reason": "..."}` or `{"op": "resume"}`; one JSON object back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pwd
+import socket
+import stat
+import struct
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from agent.contracts.model import Severity
+from agent.program.control_client import reachable
+from agent.runtime.core import Runtime
+from agent.runtime.pause import PauseRefused
+
+log = structlog.get_logger(component="control")
+
+REQUEST_LIMIT: Final = 4096
+"""Bytes a request may have: a reason of a line, not a file."""
+READ_TIMEOUT: Final = 5.0
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end, as the kernel saw it connect."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", raw)
+    return pid, uid
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class ControlServer:
+    def __init__(self, runtime: Runtime, path: Path) -> None:
+        self.runtime = runtime
+        self.path = path
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        """Bind the socket; a stale one (an agent killed before it removed it) is replaced,
+        anything else at the path is left alone and the error raised."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with reachable(self.path) as name:
+                sock.bind(name)
+            os.chmod(self.path, 0o600)
+            sock.listen(8)
+            sock.setblocking(False)
+            self._server = await asyncio.start_unix_server(
+                self._client, sock=sock, limit=REQUEST_LIMIT
+            )
+        except BaseException:
+            sock.close()
+            raise
+        log.info("control socket ready", path=str(self.path))
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            reply = await self._serve(reader, writer)
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except (ConnectionError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> dict[str, Any]:
+        pid, uid = _peer(writer.get_extra_info("socket"))
+        try:
+            # Read before judging (bounded: 4 KiB, 5 s): a refused client then reads its
+            # refusal, instead of a broken pipe in the middle of its request.
+            line = await asyncio.wait_for(reader.readline(), READ_TIMEOUT)
+        except (ValueError, asyncio.LimitOverrunError) as exc:
+            line, error = b"", str(exc)
+        else:
+            error = ""
+        if uid not in (0, os.geteuid()):
+            log.warning("control request refused", peer_pid=pid, peer_uid=uid)
+            return _error(f"refused: only root and the agent's user (uid {os.geteuid()}) may")
+        try:
+            if error:
+                raise ValueError(error)
+            request = json.loads(line)
+        except ValueError as exc:
+            return _error(f"expected one JSON object on a line: {exc}")
+        if not isinstance(request, dict):
+            return _error("expected a JSON object")
+        by = _user(uid)
+        claimed = request.get("by")
+        if isinstance(claimed, str) and claimed and claimed != by:
+            by += f" ({claimed[:64]})"  # as sudo said it: the socket sees root
+        op = request.get("op")
+        log.info("control request", op=op, by=by, peer_pid=pid)
+        if op == "pause":
+            return await self._pause(request, by)
+        if op == "resume":
+            reply = await self.runtime.pause.resume(by=by)
+            return {
+                "ok": True,
+                "resumed": reply.resumed,
+                "first_round": {
+                    name: [e.message for e in events] for name, events in reply.first_round.items()
+                },
+                # What did not come back (a failed reset): the command's exit code says so.
+                "critical": [
+                    e.message
+                    for events in reply.first_round.values()
+                    for e in events
+                    if e.severity is Severity.CRITICAL
+                ],
+                "waited_out": list(reply.waited_out),
+            }
+        if op == "status":
+            state = self.runtime.pause_state()
+            return {"ok": True, "paused": None if state is None else state.to_dict()}
+        return _error(f"unknown op {op!r}: expected pause, resume or status")
+
+    async def _pause(self, request: dict[str, Any], by: str) -> dict[str, Any]:
+        seconds = request.get("seconds")
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+        ):
+            return _error(f"seconds: expected a number, got {seconds!r}")
+        reason = request.get("reason", "")
+        if not isinstance(reason, str):
+            return _error("reason: expected a string")
+        try:
+            reply = await self.runtime.pause.pause(
+                None if seconds is None else float(seconds), reason[:500], by
+            )
+        except PauseRefused as exc:
+            return _error(str(exc))
+        return {
+            "ok": reply.ok,
+            "extended": reply.extended,
+            "paused": reply.state.to_dict(),
+            "released": {
+                r.component: {"released": r.released, "detail": r.detail} for r in reply.released
+            },
+        }
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"ok": False, "error": message}

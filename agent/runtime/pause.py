@@ -1,0 +1,349 @@
+"""The runtime's side of a pause: who is asked to let go of the GPUs, until when, and the end.
+
+`PauseControl.pause` asks every running `PausableCollector` (agent/contracts/pause.py) to
+release the GPUs, all at once, and returns what each did; a pause already in
+force is extended (its deadline moves, nothing is released twice). `resume` lifts it, wakes
+each such collector for a round at once and returns that round's events (a GPU that did not
+come back is one). A collector built while a pause is in force (a reload) is paused before
+its first round.
+
+Every pause ends: at its deadline the runtime resumes by itself, logs a warning and raises a
+`gpu_resumed` event that says so. The pause is kept in the state store with its deadline and
+the boot id: an agent restarted meanwhile (systemd restarting it, an upgrade) stays paused
+until the same deadline, because the reset it was paused for may still be under way, and a
+reboot ends it (the reset is over, whatever it was).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final
+
+import structlog
+
+from agent.contracts.collector import KeyValueStore
+from agent.contracts.errors import GpuwardenError
+from agent.contracts.model import Event, RepairAction, Severity
+from agent.contracts.pause import PausableCollector, PauseSettings, PauseState, Released
+
+if TYPE_CHECKING:
+    from agent.runtime.core import CollectorStatus
+
+log = structlog.get_logger(component="pause")
+
+NAMESPACE: Final = "runtime"
+KEY: Final = "gpu_pause"
+RELEASE_BOUND: Final = 30.0
+"""Seconds a collector may take to let go (its round in flight ends first)."""
+FIRST_ROUND_BOUND: Final = 20.0
+"""Seconds `resume` waits for the first rounds after the pause (a benchmark run that starts
+right away is not waited for to its end)."""
+
+
+class PauseRefused(GpuwardenError):
+    """A pause the agent does not accept (a duration out of range)."""
+
+
+@dataclass(frozen=True)
+class PauseReply:
+    state: PauseState
+    extended: bool
+    released: tuple[Released, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.released for r in self.released)
+
+
+@dataclass(frozen=True)
+class ResumeReply:
+    resumed: bool
+    """False: there was no pause to end."""
+    why: str = ""
+    first_round: Mapping[str, tuple[Event, ...]] = field(default_factory=dict)
+    """Collector -> the events its first round after the pause raised."""
+    waited_out: tuple[str, ...] = ()
+    """Collectors whose first round did not end within FIRST_ROUND_BOUND."""
+
+
+class PauseControl:
+    def __init__(
+        self,
+        store: KeyValueStore,
+        settings: PauseSettings,
+        boot_id: str,
+        *,
+        collectors: Callable[[], Mapping[str, CollectorStatus]],
+        emit: Callable[[Event], None],
+        flush: Callable[[], Awaitable[object]],
+    ) -> None:
+        """`flush`: store what the store guard holds now (in the runtime's store thread)."""
+        self._store = store
+        self._flush = flush
+        self.settings = settings
+        self._boot = boot_id
+        self._collectors = collectors
+        self._emit = emit
+        self._lock = asyncio.Lock()
+        self._deadline: asyncio.Task[None] | None = None
+        self.state: PauseState | None = None
+        self.released: dict[str, Released] = {}
+        """What each collector said when it was paused (this pause)."""
+        self._restore()
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        """The pause kept by an earlier run of the agent: in force again if this boot's and
+        not past its deadline; otherwise gone, and said so."""
+        try:
+            stored = self._store.get(NAMESPACE, KEY)
+        except GpuwardenError as exc:
+            log.warning("stored pause not read; not paused", error=str(exc))
+            return
+        if stored is None:
+            return
+        try:
+            if not isinstance(stored, dict):
+                raise TypeError(f"expected an object, got {type(stored).__name__}")
+            state = PauseState(
+                float(stored["since"]),
+                float(stored["until"]),
+                str(stored.get("reason", "")),
+                str(stored.get("by", "")),
+            )
+            boot = str(stored.get("boot", ""))
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("stored pause unreadable; dropped", error=str(exc))
+            self._store.delete(NAMESPACE, KEY)
+            return
+        now = time.time()
+        if self._boot and boot and boot != self._boot:
+            self._store.delete(NAMESPACE, KEY)
+            log.info("the pause of an earlier boot ended with the reboot")
+            return
+        if now >= state.until:
+            self._store.delete(NAMESPACE, KEY)
+            self._emit(self._resumed_event(state, "deadline", while_stopped=True))
+            return
+        self.state = state
+        log.warning(
+            "still paused after a restart: the GPUs stay released until the deadline",
+            until=state.until,
+            reason=state.reason,
+        )
+
+    def _persist(self, state: PauseState) -> None:
+        self._store.put(
+            NAMESPACE,
+            KEY,
+            {
+                "since": state.since,
+                "until": state.until,
+                "reason": state.reason,
+                "by": state.by,
+                "boot": self._boot,
+            },
+        )
+
+    # -- pause --------------------------------------------------------------------------------
+
+    def duration(self, seconds: float | None) -> float:
+        if seconds is None:
+            return self.settings.default_duration
+        if not 0 < seconds <= self.settings.max_duration:
+            raise PauseRefused(
+                f"a pause lasts more than 0 and at most {self.settings.max_duration:g} s "
+                f"([pause] max_duration), not {seconds:g} s"
+            )
+        return seconds
+
+    async def pause(self, seconds: float | None, reason: str = "", by: str = "") -> PauseReply:
+        length = self.duration(seconds)
+        async with self._lock:
+            now = time.time()
+            extended = self.state is not None
+            since = self.state.since if self.state is not None else now
+            state = PauseState(since, now + length, reason, by)
+            self.state = state
+            # Stored before letting go: an agent killed meanwhile comes back paused (and
+            # `gpuwarden check` sees it), not up to a store-writer cycle later.
+            self._persist(state)
+            await self._flush()
+            # All at once: every gate shuts before any of them waits for its round, so the
+            # benchmark cannot start a child on a GPU while the gpu collector lets go (NVML
+            # itself waits for the calls in flight, whoever made them).
+            todo = [s for s in self._pausable().values() if not s.paused]
+            for status, released in zip(
+                todo, await asyncio.gather(*(self._pause_one(s) for s in todo)), strict=True
+            ):
+                self.released[status.name] = released
+            self.arm()
+            self._emit(
+                Event(
+                    source="runtime",
+                    kind="gpu_paused",
+                    severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    subject="host",
+                    message=(
+                        f"GPU monitoring {'stays paused' if extended else 'paused'} on request "
+                        f"until {_clock(state.until)} ({length:g} s)"
+                        + (f": {reason}" if reason else "")
+                        + (f" (by {by})" if by else "")
+                    ),
+                    action="gpuwarden resume when the GPU work is done; it resumes by itself "
+                    "at the deadline",
+                    attributes={
+                        **state.to_dict(),
+                        "extended": extended,
+                        "not_released": ", ".join(
+                            n for n, r in sorted(self.released.items()) if not r.released
+                        ),
+                    },
+                )
+            )
+            return PauseReply(state, extended, tuple(self.released.values()))
+
+    async def _pause_one(self, status: CollectorStatus) -> Released:
+        collector = status.collector
+        assert isinstance(collector, PausableCollector)
+        try:
+            released = await asyncio.wait_for(collector.pause(), RELEASE_BOUND)
+        except TimeoutError:
+            released = Released(status.name, False, f"did not let go within {RELEASE_BOUND:g} s")
+        except Exception as exc:  # a bug in one collector must not leave the others holding
+            log.exception("collector failed to pause", collector=status.name)
+            released = Released(status.name, False, f"{type(exc).__name__}: {exc}")
+        status.paused = True  # its gate is shut in any case: no new round uses the GPUs
+        status.samples = ()  # its GPU series go now, not a round later
+        (log.info if released.released else log.warning)(
+            "collector paused",
+            collector=status.name,
+            released=released.released,
+            detail=released.detail,
+        )
+        return released
+
+    async def enter(self, status: CollectorStatus) -> None:
+        """Before a collector's first round: one built while paused (a reload, or a start
+        with a pause kept from the last run) is paused first."""
+        if self.state is None or not isinstance(status.collector, PausableCollector):
+            return
+        async with self._lock:
+            if self.state is not None and not status.paused:
+                self.released[status.name] = await self._pause_one(status)
+
+    def _pausable(self) -> dict[str, CollectorStatus]:
+        return {
+            name: status
+            for name, status in self._collectors().items()
+            if isinstance(status.collector, PausableCollector)
+        }
+
+    # -- resume -------------------------------------------------------------------------------
+
+    async def resume(self, why: str = "requested", by: str = "") -> ResumeReply:
+        async with self._lock:
+            state = self.state
+            if state is None:
+                return ResumeReply(False)
+            self.state = None
+            self.released = {}
+            self._store.delete(NAMESPACE, KEY)
+            await self._flush()
+            if self._deadline is not None and self._deadline is not asyncio.current_task():
+                self._deadline.cancel()
+            self._deadline = None
+            resumed: dict[str, tuple[CollectorStatus, int]] = {}
+            for name, status in self._pausable().items():
+                collector = status.collector
+                assert isinstance(collector, PausableCollector)
+                try:
+                    await asyncio.wait_for(collector.resume(), RELEASE_BOUND)
+                except Exception:
+                    log.exception("collector failed to resume", collector=name)
+                status.paused = False
+                resumed[name] = (status, status.rounds_done)
+                status.wake.set()  # its first round now, not an interval later
+            self._emit(self._resumed_event(state, why, by=by))
+        first, late = await _first_rounds(resumed)
+        return ResumeReply(True, why, first, late)
+
+    def _resumed_event(
+        self, state: PauseState, why: str, *, by: str = "", while_stopped: bool = False
+    ) -> Event:
+        held = time.time() - state.since
+        if why == "deadline":
+            text = (
+                f"the pause that began {_clock(state.since)} reached its deadline "
+                f"{_clock(state.until)}"
+                + (" while the agent was stopped" if while_stopped else "")
+                + ": GPU monitoring resumed by itself"
+            )
+        else:
+            text = f"GPU monitoring resumed on request after {held:.0f} s paused" + (
+                f" (by {by})" if by else ""
+            )
+        return Event(
+            source="runtime",
+            kind="gpu_resumed",
+            severity=Severity.WARNING if why == "deadline" else Severity.INFO,
+            repair_action=RepairAction.NONE,
+            subject="host",
+            message=text,
+            action="if the GPU work is not done, pause again (gpuwarden pause --for ...)"
+            if why == "deadline"
+            else "",
+            attributes={**state.to_dict(), "why": why},
+        )
+
+    # -- the deadline -------------------------------------------------------------------------
+
+    def arm(self) -> None:
+        """(Re)start the timer that ends the pause at its deadline. On the loop."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if self.state is not None:
+            self._deadline = asyncio.create_task(self._expire(self.state.until), name="pause")
+
+    async def _expire(self, until: float) -> None:
+        # Wall clock, checked again after each sleep: a clock step must not end a pause early
+        # or stretch it by more than one check.
+        while (left := until - time.time()) > 0:
+            await asyncio.sleep(min(left, 30.0))
+        log.warning("the pause reached its deadline: resuming GPU monitoring")
+        await self.resume(why="deadline")
+
+    async def stop(self) -> None:
+        task, self._deadline = self._deadline, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def _first_rounds(
+    resumed: Mapping[str, tuple[CollectorStatus, int]],
+) -> tuple[dict[str, tuple[Event, ...]], tuple[str, ...]]:
+    """Wait (bounded) for a round of each collector after `resumed`'s round counts."""
+    deadline = time.monotonic() + FIRST_ROUND_BOUND
+    first: dict[str, tuple[Event, ...]] = {}
+    late: list[str] = []
+    for name, (status, done) in resumed.items():
+        while status.rounds_done <= done and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if status.rounds_done > done:
+            first[name] = tuple(status.last_events)
+        else:
+            late.append(name)
+    return first, tuple(late)
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
