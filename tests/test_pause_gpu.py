@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from collectors._nvml import NvmlBackend, NvmlUnavailable
-from tests.support.agent_proc import REPO, AgentProcess, http_get
+from tests.support.agent_proc import REPO, AgentProcess, http_get, pythonpath
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.gpu]
@@ -74,7 +74,7 @@ def gpuwarden(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "agent", *args],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": pythonpath()},
         capture_output=True,
         text=True,
         timeout=180,

@@ -25,6 +25,12 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return int(exc.code), exc.read().decode()
 
 
+def pythonpath(repo: Path = REPO) -> str:
+    """The checkout first, then whatever the caller's path held: on the GPU machine the
+    dependencies are installed into a folder named there, not into the interpreter."""
+    return os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)
+
+
 @dataclass
 class AgentProcess:
     workdir: Path
@@ -64,7 +70,12 @@ class AgentProcess:
 
     def start(self, wait: bool = True, timeout: float = 15.0) -> AgentProcess:
         self.write_config()
-        env = {**os.environ, "PYTHONPATH": str(self.repo), "PYTHONUNBUFFERED": "1", **self.env}
+        env = {
+            **os.environ,
+            "PYTHONPATH": pythonpath(self.repo),
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
         if "NOTIFY_SOCKET" not in self.env:
             env.pop("NOTIFY_SOCKET", None)
         self.process = subprocess.Popen(
