@@ -20,10 +20,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.contracts.model import AttributeValue
 from agent.program.commands.scan import scan_lines
 from collectors.kernel_log.matchers import Finding, MatcherSet
 from collectors.kernel_log.parse import ParseStats, parse_lines
-from tests.support.klog_shapes import KERNEL_ONLY, SHAPES, Record, render
+from tests.support.klog_shapes import KERNEL_ONLY, Record, render
 
 SXID = "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 11011, "
 XID79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus."
@@ -119,7 +120,7 @@ def both_ways(lines: list[str]) -> tuple[list[Finding], list[Finding]]:
     return fast, full
 
 
-def dicts(findings: list[Finding]) -> list[dict[str, object]]:
+def dicts(findings: list[Finding]) -> list[dict[str, AttributeValue]]:
     return [f.to_dict() for f in findings]
 
 

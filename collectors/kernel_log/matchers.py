@@ -29,8 +29,11 @@ from collectors.kernel_log.finding import (
     Finding,
     Matcher,
     OpenRecords,
+    Position,
     Ready,
     TriggerIndex,
+    arrival,
+    distance,
     pci_or_empty,
     position,
     trigger_search,
@@ -76,13 +79,20 @@ class GpuLostLedger:
     finding, and carries these facts)."""
 
     def __init__(self) -> None:
-        self.waiting: dict[str, tuple[int, dict[str, AttributeValue]]] = {}
+        self.waiting: dict[str, tuple[Position, dict[str, AttributeValue]]] = {}
 
     def claim(self, pci_bus_id: str, record: LogRecord) -> dict[str, AttributeValue]:
         """The facts of a block for this GPU near enough to `record` to be its message."""
-        at, facts = self.waiting.pop(pci_bus_id, (0, {}))
+        waiting = self.waiting.get(pci_bus_id)
+        if waiting is None:
+            return {}
+        at, facts = waiting
         here = position(record)
-        if at > 0 and here > 0 and not 0 <= here - at <= XID79_NEARBY_RECORDS:
+        known, apart = bool(at.scheme and here.scheme), distance(at, here)
+        if known and apart is None:
+            return {}  # the other numbering: not this Xid's; it keeps waiting for its own
+        del self.waiting[pci_bus_id]
+        if known and apart is not None and not 0 <= apart <= XID79_NEARBY_RECORDS:
             return {}  # a block from long before: its own finding (the other matcher's)
         return facts
 
@@ -275,7 +285,7 @@ _BUS_ACTION = lookup(79).action
 class _ThreeLines:
     record: LogRecord
     pci: str
-    last: int
+    last: Position
     """Position of the part seen last; the next part must be in this record or the next."""
     pci_device_id: str = ""
 
@@ -341,8 +351,9 @@ class FallenOffBusMatcher:
         if (xid := _XID.search(message)) is not None:
             if xid["code"] == "79":
                 pci = pci_or_empty(xid["pci"])
-                self._waiting.drop(pci)  # the Xid 79 is the finding now
-                self.ledger.waiting.pop(pci, None)
+                if self._waiting.get(pci) is not None:  # the Xid 79 is the finding now
+                    self._waiting.drop(pci)
+                    self.ledger.waiting.pop(pci, None)
                 self._xid79.hold(pci, Ready(self._finding(record, pci, "xid", "")))
             return []
         if (one := _BUS_ONE_LINE.search(message)) is not None:
@@ -353,7 +364,8 @@ class FallenOffBusMatcher:
             self._three = _ThreeLines(record, pci_or_empty(first["pci"]), here)
             return []
         three, self._three = self._three, None
-        if three is None or not 0 <= here - three.last <= 1:
+        apart = distance(three.last, here) if three is not None else None
+        if three is None or apart is None or not 0 <= apart <= 1:
             return []  # a part without its beginning, or another line came between them
         if (second := _BUS_SECOND.search(message)) is not None:
             three.pci_device_id, three.last = second["id"].lower(), here
@@ -457,4 +469,5 @@ class MatcherSet:
 
 def _in_order(findings: Iterable[Finding]) -> list[Finding]:
     # A record held open for its follow-up lines is handed on after findings of later lines.
-    return sorted(findings, key=lambda f: position(f.record))
+    # Sorted by arrival, not position: a file may mix two numberings (finding.py).
+    return sorted(findings, key=lambda f: arrival(f.record))
