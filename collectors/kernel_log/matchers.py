@@ -363,6 +363,8 @@ class FallenOffBusMatcher:
         if (first := _BUS_FIRST.search(message)) is not None:
             self._three = _ThreeLines(record, pci_or_empty(first["pci"]), here)
             return []
+        if self._three is not None and distance(self._three.last, here) is None:
+            return []  # the other numbering: says nothing of what came between the parts
         three, self._three = self._three, None
         apart = distance(three.last, here) if three is not None else None
         if three is None or apart is None or not 0 <= apart <= 1:
@@ -418,7 +420,9 @@ class MatcherSet:
         self.triggers: tuple[str, ...] = tuple(dict.fromkeys(triggers))
         self._everything = not prefilter or any(not m.triggers for m in self.matchers)
         # Each matcher is fed only the records that hold one of its own words.
-        self._index = TriggerIndex([(m, m.triggers) for m in self.matchers])
+        # Each carries its rank: findings of one record are sorted in the matchers' order.
+        self._ranked = list(enumerate(self.matchers))
+        self._index = TriggerIndex([((i, m), m.triggers) for i, m in self._ranked])
         self._index_untrusted = TriggerIndex([(m, m.triggers) for m in self._untrusted])
         self._search = trigger_search(self.triggers)
         # A saved raw record escapes bytes outside printable ASCII as \\xNN: such a line may
@@ -434,40 +438,48 @@ class MatcherSet:
         return self._everything or self._line_search(line) is not None
 
     def feed(self, record: LogRecord) -> list[Finding]:
-        trusted = record.from_kernel
-        if self._everything:
-            chosen = self.matchers if trusted else self._untrusted
-        else:
-            index = self._index if trusted else self._index_untrusted
-            chosen = index.hits(record.message)
-        if not trusted:
+        return [f for _, f in self._feed(record)]
+
+    def _feed(self, record: LogRecord) -> list[tuple[int, Finding]]:
+        """`feed`'s findings, each with its matcher's rank."""
+        if not record.from_kernel:
+            chosen = (
+                self._untrusted if self._everything else self._index_untrusted.hits(record.message)
+            )
             for matcher in chosen:
                 for finding in matcher.feed(record):
                     self.ignored[finding.kind] += 1
             return []
-        return [f for m in chosen for f in m.feed(record)]
+        ranked = self._ranked if self._everything else self._index.hits(record.message)
+        return [(i, f) for i, m in ranked for f in m.feed(record)]
 
     def settle(self) -> list[Finding]:
         """The reader has nothing more for now: findings held for follow-up lines, in order."""
         for matcher in self._untrusted:
             for finding in matcher.settle():
                 self.ignored[finding.kind] += 1
-        return _in_order(f for m in self.matchers for f in m.settle())
+        return _in_order((i, f) for i, m in self._ranked for f in m.settle())
 
-    def flush(self) -> list[Finding]:
+    def _flush(self) -> list[tuple[int, Finding]]:
         for matcher in self._untrusted:
             for finding in matcher.flush():
                 self.ignored[finding.kind] += 1
-        return _in_order(f for m in self.matchers for f in m.flush())
+        return [(i, f) for i, m in self._ranked for f in m.flush()]
+
+    def flush(self) -> list[Finding]:
+        return _in_order(self._flush())
 
     def scan(self, records: Iterable[LogRecord]) -> Iterator[Finding]:
         """Every finding of a stream, in the order of the records they start at."""
-        found = [f for record in records for f in self.feed(record)]
-        found.extend(self.flush())
+        found = [ranked for record in records for ranked in self._feed(record)]
+        found.extend(self._flush())
         return iter(_in_order(found))
 
 
-def _in_order(findings: Iterable[Finding]) -> list[Finding]:
-    # A record held open for its follow-up lines is handed on after findings of later lines.
-    # Sorted by arrival, not position: a file may mix two numberings (finding.py).
-    return sorted(findings, key=lambda f: arrival(f.record))
+def _in_order(findings: Iterable[tuple[int, Finding]]) -> list[Finding]:
+    """Findings (with their matchers' ranks) in the order of their records, those of one
+    record in the matchers' order: a record held open for its follow-up lines is handed on
+    after findings of later lines, and when depends on which records its matcher was fed.
+    Sorted by arrival, not position: a file may mix two numberings (finding.py)."""
+    ranked = sorted(findings, key=lambda pair: (arrival(pair[1].record), pair[0]))
+    return [f for _, f in ranked]
