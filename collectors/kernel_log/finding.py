@@ -235,7 +235,8 @@ class OpenRecords(Generic[B]):
     """Records being assembled, by key, and the keys of those handed on lately.
 
     `advance` is called once per record fed; it closes (and returns the findings of) every open
-    record whose latest line lies more than `reach` positions back. A key closed within `reach`
+    record whose latest line lies more than `reach` positions back in the current record's
+    numbering (one of the other numbering stays open: `near` and `get` refuse it). A key closed within `reach`
     is remembered, so a follow-up line that comes after its record was handed on (a live batch
     ended between them) is recognised and absorbed instead of raised as a new finding.
     """
