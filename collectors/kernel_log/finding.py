@@ -246,19 +246,31 @@ class OpenRecords(Generic[B]):
         self.open: dict[Hashable, _Open[B]] = {}
         self._closed: dict[Hashable, tuple[Position, int]] = {}
         self._seen = 0
-        self._here = UNKNOWN
+        self._record: LogRecord | None = None
+        self._position: Position | None = UNKNOWN
+
+    @property
+    def _here(self) -> Position:
+        """The current record's position, worked out when first needed (most records fed
+        find nothing open)."""
+        if self._position is None:
+            self._position = position(self._record) if self._record is not None else UNKNOWN
+        return self._position
 
     def _near(self, last: Position, seen: int) -> bool | None:
         """Whether the current record is within reach of `last`; None when nothing says (the
         two count in different numberings): such a record neither closes nor joins."""
-        if not last.scheme or not self._here.scheme:
+        here = self._here
+        if not last.scheme or not here.scheme:
             return self._seen - seen <= self.reach
-        apart = distance(last, self._here)
+        apart = distance(last, here)
         return None if apart is None else 0 <= apart <= self.reach
 
     def advance(self, record: LogRecord) -> list[Finding]:
         self._seen += 1
-        self._here = position(record)
+        self._record, self._position = record, None
+        if not self.open and not self._closed:
+            return []
         out = [
             self.close(key)
             for key, held in list(self.open.items())

@@ -347,7 +347,6 @@ class FallenOffBusMatcher:
             yield from self._part(record, part)
 
     def _part(self, record: LogRecord, message: str) -> list[Finding]:
-        here = position(record)
         if (xid := _XID.search(message)) is not None:
             if xid["code"] == "79":
                 pci = pci_or_empty(xid["pci"])
@@ -360,6 +359,7 @@ class FallenOffBusMatcher:
             return self._found(record, pci_or_empty(one["pci"]), "one line", wait=False)
         if (old := _BUS_OLD.search(message)) is not None:
             return self._found(record, pci_or_empty(old["pci"]), "older one line")
+        here = position(record)
         if (first := _BUS_FIRST.search(message)) is not None:
             self._three = _ThreeLines(record, pci_or_empty(first["pci"]), here)
             return []
