@@ -10,6 +10,9 @@ far away to belong to it, or when the reader has nothing more for now (`settle`)
 Distance is counted in the records' own numbers (a saved line's number, a raw record's
 sequence number), never in records seen: `MatcherSet` does not feed a matcher the records that
 hold none of its trigger words, so a count of records fed would not say what lies between.
+A file can mix the two numberings (raw records pasted among dmesg lines), and a sequence
+number minus a line number says nothing: a record of the other numbering is no evidence of
+distance, it neither ends a held message nor joins one (`Position`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Final, Generic, NamedTuple, Protocol, TypeVar
 
 from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors._xid import normalize_pci_bus_id
@@ -174,10 +177,38 @@ def pci_or_empty(text: str | None) -> str:
         return ""
 
 
-def position(record: LogRecord) -> int:
-    """Where a record stands: its sequence number when it has one (raw records, in a file or
-    live: continuation lines between them do not count), else its line number; 0 unknown."""
-    return record.seq if record.seq is not None else record.line
+SEQ: Final = "seq"
+LINE: Final = "line"
+
+
+class Position(NamedTuple):
+    """Where a record stands, in one of two numberings: `SEQ` (a raw record's sequence number,
+    in a file or live: continuation lines between them do not count) or `LINE` (a saved line's
+    number); `scheme` empty when unknown (a record made without either)."""
+
+    scheme: str
+    value: int
+
+
+UNKNOWN: Final = Position("", 0)
+
+
+def position(record: LogRecord) -> Position:
+    if record.seq is not None:
+        return Position(SEQ, record.seq)  # seq 0 is the boot's first record, a real place
+    return Position(LINE, record.line) if record.line > 0 else UNKNOWN
+
+
+def distance(since: Position, here: Position) -> int | None:
+    """How many places `here` lies after `since`; None when they count in two numberings (a
+    sequence number minus a line number means nothing). Two unknown positions are 0 apart."""
+    return here.value - since.value if since.scheme == here.scheme else None
+
+
+def arrival(record: LogRecord) -> int:
+    """The order records come in, for sorting findings: a file's line number (whatever the
+    record's numbering), or the sequence number of a live record (whose line it is)."""
+    return record.line or record.seq or 0
 
 
 def number(text: str | None) -> int | None:
@@ -194,7 +225,7 @@ B = TypeVar("B", bound=Built)
 @dataclass
 class _Open(Generic[B]):
     state: B
-    last: int
+    last: Position
     """Position of its latest line."""
     seen: int
     """Records fed when its latest line came: the distance when positions are unknown."""
@@ -204,7 +235,8 @@ class OpenRecords(Generic[B]):
     """Records being assembled, by key, and the keys of those handed on lately.
 
     `advance` is called once per record fed; it closes (and returns the findings of) every open
-    record whose latest line lies more than `reach` positions back. A key closed within `reach`
+    record whose latest line lies more than `reach` positions back in the current record's
+    numbering (one of the other numbering stays open: `near` and `get` refuse it). A key closed within `reach`
     is remembered, so a follow-up line that comes after its record was handed on (a live batch
     ended between them) is recognised and absorbed instead of raised as a new finding.
     """
@@ -212,25 +244,40 @@ class OpenRecords(Generic[B]):
     def __init__(self, reach: int) -> None:
         self.reach = reach
         self.open: dict[Hashable, _Open[B]] = {}
-        self._closed: dict[Hashable, tuple[int, int]] = {}
+        self._closed: dict[Hashable, tuple[Position, int]] = {}
         self._seen = 0
-        self._here = 0
+        self._record: LogRecord | None = None
+        self._position: Position | None = UNKNOWN
 
-    def _near(self, last: int, seen: int) -> bool:
-        if last > 0 and self._here > 0:
-            return 0 <= self._here - last <= self.reach
-        return self._seen - seen <= self.reach
+    @property
+    def _here(self) -> Position:
+        """The current record's position, worked out when first needed (most records fed
+        find nothing open)."""
+        if self._position is None:
+            self._position = position(self._record) if self._record is not None else UNKNOWN
+        return self._position
+
+    def _near(self, last: Position, seen: int) -> bool | None:
+        """Whether the current record is within reach of `last`; None when nothing says (the
+        two count in different numberings): such a record neither closes nor joins."""
+        here = self._here
+        if not last.scheme or not here.scheme:
+            return self._seen - seen <= self.reach
+        apart = distance(last, here)
+        return None if apart is None else 0 <= apart <= self.reach
 
     def advance(self, record: LogRecord) -> list[Finding]:
         self._seen += 1
-        self._here = position(record)
+        self._record, self._position = record, None
+        if not self.open and not self._closed:
+            return []
         out = [
             self.close(key)
             for key, held in list(self.open.items())
-            if not self._near(held.last, held.seen)
+            if self._near(held.last, held.seen) is False
         ]
         for key, (last, seen) in list(self._closed.items()):
-            if not self._near(last, seen):
+            if self._near(last, seen) is False:
                 del self._closed[key]
         return [f for f in out if f is not None]
 
@@ -238,12 +285,17 @@ class OpenRecords(Generic[B]):
         """An open or lately closed record of this key is within reach of the current record."""
         held = self.open.get(key)
         if held is not None:
-            return self._near(held.last, held.seen)
-        return key in self._closed
+            return self._near(held.last, held.seen) is True
+        closed = self._closed.get(key)
+        return closed is not None and self._near(*closed) is True
 
     def get(self, key: Hashable) -> B | None:
+        """The open record of this key that the current record can belong to (None for one
+        of the other numbering: it stays open, for the records of its own)."""
         held = self.open.get(key)
-        return held.state if held is not None else None
+        if held is None or self._near(held.last, held.seen) is not True:
+            return None
+        return held.state
 
     def hold(self, key: Hashable, state: B) -> list[Finding]:
         """Open a record (closing and returning one of the same key that was open)."""

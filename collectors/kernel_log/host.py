@@ -488,7 +488,8 @@ class OomMatcher(Assembling[Ready]):
         held = self._open.get(pid)
         if held is None and self._open.near(pid):
             return  # its summary was handed on already (a live batch ended between them)
-        self._open.drop(pid)
+        if held is not None:  # else a summary of the other numbering stays its own finding
+            self._open.drop(pid)
         attributes = dict(held.built.attributes) if held is not None else {}
         uid = kill["uid"] or (uid_match["uid"] if (uid_match := _OOM_UID.search(message)) else "")
         if uid:
@@ -624,7 +625,8 @@ class OopsMatcher(Assembling[_Oops]):
         state.lines.append(message)
         what = message[: die.start()].strip().removeprefix("Oops: ")
         state.what, state.count = what, int(die["n"])
-        self._open.drop("oops")
+        if held is not None:  # else a start of the other numbering stays its own finding
+            self._open.drop("oops")
         yield state.finding()
 
 

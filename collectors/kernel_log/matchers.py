@@ -29,8 +29,11 @@ from collectors.kernel_log.finding import (
     Finding,
     Matcher,
     OpenRecords,
+    Position,
     Ready,
     TriggerIndex,
+    arrival,
+    distance,
     pci_or_empty,
     position,
     trigger_search,
@@ -76,13 +79,20 @@ class GpuLostLedger:
     finding, and carries these facts)."""
 
     def __init__(self) -> None:
-        self.waiting: dict[str, tuple[int, dict[str, AttributeValue]]] = {}
+        self.waiting: dict[str, tuple[Position, dict[str, AttributeValue]]] = {}
 
     def claim(self, pci_bus_id: str, record: LogRecord) -> dict[str, AttributeValue]:
         """The facts of a block for this GPU near enough to `record` to be its message."""
-        at, facts = self.waiting.pop(pci_bus_id, (0, {}))
+        waiting = self.waiting.get(pci_bus_id)
+        if waiting is None:
+            return {}
+        at, facts = waiting
         here = position(record)
-        if at > 0 and here > 0 and not 0 <= here - at <= XID79_NEARBY_RECORDS:
+        known, apart = bool(at.scheme and here.scheme), distance(at, here)
+        if known and apart is None:
+            return {}  # the other numbering: not this Xid's; it keeps waiting for its own
+        del self.waiting[pci_bus_id]
+        if known and apart is not None and not 0 <= apart <= XID79_NEARBY_RECORDS:
             return {}  # a block from long before: its own finding (the other matcher's)
         return facts
 
@@ -275,7 +285,7 @@ _BUS_ACTION = lookup(79).action
 class _ThreeLines:
     record: LogRecord
     pci: str
-    last: int
+    last: Position
     """Position of the part seen last; the next part must be in this record or the next."""
     pci_device_id: str = ""
 
@@ -337,23 +347,27 @@ class FallenOffBusMatcher:
             yield from self._part(record, part)
 
     def _part(self, record: LogRecord, message: str) -> list[Finding]:
-        here = position(record)
         if (xid := _XID.search(message)) is not None:
             if xid["code"] == "79":
                 pci = pci_or_empty(xid["pci"])
-                self._waiting.drop(pci)  # the Xid 79 is the finding now
-                self.ledger.waiting.pop(pci, None)
+                if self._waiting.get(pci) is not None:  # the Xid 79 is the finding now
+                    self._waiting.drop(pci)
+                    self.ledger.waiting.pop(pci, None)
                 self._xid79.hold(pci, Ready(self._finding(record, pci, "xid", "")))
             return []
         if (one := _BUS_ONE_LINE.search(message)) is not None:
             return self._found(record, pci_or_empty(one["pci"]), "one line", wait=False)
         if (old := _BUS_OLD.search(message)) is not None:
             return self._found(record, pci_or_empty(old["pci"]), "older one line")
+        here = position(record)
         if (first := _BUS_FIRST.search(message)) is not None:
             self._three = _ThreeLines(record, pci_or_empty(first["pci"]), here)
             return []
+        if self._three is not None and distance(self._three.last, here) is None:
+            return []  # the other numbering: says nothing of what came between the parts
         three, self._three = self._three, None
-        if three is None or not 0 <= here - three.last <= 1:
+        apart = distance(three.last, here) if three is not None else None
+        if three is None or apart is None or not 0 <= apart <= 1:
             return []  # a part without its beginning, or another line came between them
         if (second := _BUS_SECOND.search(message)) is not None:
             three.pci_device_id, three.last = second["id"].lower(), here
@@ -406,7 +420,9 @@ class MatcherSet:
         self.triggers: tuple[str, ...] = tuple(dict.fromkeys(triggers))
         self._everything = not prefilter or any(not m.triggers for m in self.matchers)
         # Each matcher is fed only the records that hold one of its own words.
-        self._index = TriggerIndex([(m, m.triggers) for m in self.matchers])
+        # Each carries its rank: findings of one record are sorted in the matchers' order.
+        self._ranked = list(enumerate(self.matchers))
+        self._index = TriggerIndex([((i, m), m.triggers) for i, m in self._ranked])
         self._index_untrusted = TriggerIndex([(m, m.triggers) for m in self._untrusted])
         self._search = trigger_search(self.triggers)
         # A saved raw record escapes bytes outside printable ASCII as \\xNN: such a line may
@@ -422,39 +438,48 @@ class MatcherSet:
         return self._everything or self._line_search(line) is not None
 
     def feed(self, record: LogRecord) -> list[Finding]:
-        trusted = record.from_kernel
-        if self._everything:
-            chosen = self.matchers if trusted else self._untrusted
-        else:
-            index = self._index if trusted else self._index_untrusted
-            chosen = index.hits(record.message)
-        if not trusted:
+        return [f for _, f in self._feed(record)]
+
+    def _feed(self, record: LogRecord) -> list[tuple[int, Finding]]:
+        """`feed`'s findings, each with its matcher's rank."""
+        if not record.from_kernel:
+            chosen = (
+                self._untrusted if self._everything else self._index_untrusted.hits(record.message)
+            )
             for matcher in chosen:
                 for finding in matcher.feed(record):
                     self.ignored[finding.kind] += 1
             return []
-        return [f for m in chosen for f in m.feed(record)]
+        ranked = self._ranked if self._everything else self._index.hits(record.message)
+        return [(i, f) for i, m in ranked for f in m.feed(record)]
 
     def settle(self) -> list[Finding]:
         """The reader has nothing more for now: findings held for follow-up lines, in order."""
         for matcher in self._untrusted:
             for finding in matcher.settle():
                 self.ignored[finding.kind] += 1
-        return _in_order(f for m in self.matchers for f in m.settle())
+        return _in_order((i, f) for i, m in self._ranked for f in m.settle())
 
-    def flush(self) -> list[Finding]:
+    def _flush(self) -> list[tuple[int, Finding]]:
         for matcher in self._untrusted:
             for finding in matcher.flush():
                 self.ignored[finding.kind] += 1
-        return _in_order(f for m in self.matchers for f in m.flush())
+        return [(i, f) for i, m in self._ranked for f in m.flush()]
+
+    def flush(self) -> list[Finding]:
+        return _in_order(self._flush())
 
     def scan(self, records: Iterable[LogRecord]) -> Iterator[Finding]:
         """Every finding of a stream, in the order of the records they start at."""
-        found = [f for record in records for f in self.feed(record)]
-        found.extend(self.flush())
+        found = [ranked for record in records for ranked in self._feed(record)]
+        found.extend(self._flush())
         return iter(_in_order(found))
 
 
-def _in_order(findings: Iterable[Finding]) -> list[Finding]:
-    # A record held open for its follow-up lines is handed on after findings of later lines.
-    return sorted(findings, key=lambda f: position(f.record))
+def _in_order(findings: Iterable[tuple[int, Finding]]) -> list[Finding]:
+    """Findings (with their matchers' ranks) in the order of their records, those of one
+    record in the matchers' order: a record held open for its follow-up lines is handed on
+    after findings of later lines, and when depends on which records its matcher was fed.
+    Sorted by arrival, not position: a file may mix two numberings (finding.py)."""
+    ranked = sorted(findings, key=lambda pair: (arrival(pair[1].record), pair[0]))
+    return [f for _, f in ranked]
