@@ -76,7 +76,9 @@ def scan_lines(
 
     Most lines of a real log are noise: a line that holds none of the matchers' trigger words
     costs one search and is counted, never parsed (it cannot hold a finding, nor break or
-    complete a message over several lines: the matchers measure in line numbers). So
+    complete a message over several lines: the matchers measure distance in positions, each
+    within its own numbering, sequence numbers or line numbers: collectors/kernel_log/finding.py).
+    So
     `stats.malformed` counts the malformed lines among those that could hold a finding.
     """
     matchers = matchers if matchers is not None else MatcherSet()
