@@ -78,8 +78,7 @@ def scan_lines(
     costs one search and is counted, never parsed (it cannot hold a finding, nor break or
     complete a message over several lines: the matchers measure distance in positions, each
     within its own numbering, sequence numbers or line numbers: collectors/kernel_log/finding.py).
-    So
-    `stats.malformed` counts the malformed lines among those that could hold a finding.
+    So `stats.malformed` counts the malformed lines among those that could hold a finding.
     """
     matchers = matchers if matchers is not None else MatcherSet()
     stats = stats if stats is not None else ParseStats()
