@@ -45,6 +45,7 @@ from agent.contracts.collector import (
 from agent.runtime.blocking import PooledCaller
 from collectors._nvml import NvmlBackend, NvmlUnavailable
 from collectors.gpu.collector import GpuCollector, GpuSettings
+from collectors.gpu.metrics import reading_samples
 from tests.support.nvml_fake import FakeGpu, FakeNvml, FakeProcess
 
 # What a busy H200 answers for GPM (percent and MiB/s), for the fake.
@@ -145,6 +146,47 @@ def bare_loop(backend: NvmlBackend, runs: int) -> Timing:
     return Timing(f"bare pynvml, the same {len(functions)} calls", wall, cpu)
 
 
+def _median_us(function: Callable[[], object], runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def print_breakdown(backend: NvmlBackend, runs: int = 3000) -> None:
+    """Where a steady round's time goes: the backend's read (NVML calls and their mapping),
+    making the round's samples, and the hand-off to a pool thread and back (the price of
+    timing out a hung call)."""
+    backend.read_gpu(0, static=True, slow=True, energy=True)
+    reading = backend.read_gpu(0).reading
+    labels = {"gpu": "0", "uuid": "GPU-x", "model": "model", "pci_bus_id": "0000:00:00.0"}
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    async def hops() -> float:
+        loop = asyncio.get_running_loop()
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            await loop.run_in_executor(pool, int)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e6
+
+    rows = [
+        (
+            "backend read_gpu, steady (in this thread)",
+            _median_us(lambda: backend.read_gpu(0), runs),
+        ),
+        ("the round's reading samples", _median_us(lambda: reading_samples(labels, reading), runs)),
+        ("hand-off to a pool thread and back", asyncio.run(hops())),
+    ]
+    pool.shutdown()
+    print(f"\n{'steady round, its parts (GPU 0)':<44} {'median us':>9}")
+    for label, micros in rows:
+        print(f"{label:<44} {micros:>9.1f}")
+
+
 def make_backend(force_fake: bool, fake_gpus: int) -> tuple[NvmlBackend, str]:
     if not force_fake:
         backend = NvmlBackend()
@@ -238,6 +280,7 @@ def main() -> int:
     smi = time_nvidia_smi(args.runs)
     rows = [steady, bare, gpm, full] + ([smi] if smi else [])
     print_table(rows, smi)
+    print_breakdown(backend)
     real_lib = backend.lib
     for label, advance, settings in (
         ("steady", 1.0, None),
