@@ -175,6 +175,51 @@ class TestActionsFitTheFailure:
         assert len({line.action for line in lines.values()}) == len(lines)
 
 
+class TestTorchInterpreter:
+    """The torch line checks the interpreter the benchmark child will run under: --python
+    when given, else `[collectors.benchmark] python`, else gpuwarden's own. A packaged host
+    keeps torch in a training venv named in the configuration; checking gpuwarden's own
+    interpreter there says "torch missing" of a host that has it."""
+
+    async def _torch_line(self, tmp_path: Path, configured: str, given: str | None) -> Finding:
+        extra = f'[collectors.benchmark]\npython = "{configured}"\n' if configured else ""
+        cfg = load(
+            write_config(tmp_path / "cfg", proc_root=make_proc_tree(tmp_path / "proc"), extra=extra)
+        )
+        options = CheckOptions(expect_gpus=0, process_gap=0.05, python=given)
+        report = await run_check(cfg, options)
+        (line,) = [f for f in report.findings if f.id == "torch"]
+        return line
+
+    def _python(self, tmp_path: Path, name: str, version: str) -> Path:
+        """An interpreter whose torch answers `version` (the probe's JSON line)."""
+        script = tmp_path / name
+        answer = json.dumps({"version": version, "cuda_build": None, "cuda_available": False})
+        script.write_text(f"#!/bin/sh\necho '{answer}'\n")
+        script.chmod(0o755)
+        return script
+
+    async def test_the_configured_interpreter_by_default(self, tmp_path: Path) -> None:
+        venv = self._python(tmp_path, "training-python", "9.8.7")
+        line = await self._torch_line(tmp_path, str(venv), None)
+        assert "9.8.7" in line.detail, line
+
+    async def test_the_command_line_wins(self, tmp_path: Path) -> None:
+        venv = self._python(tmp_path, "training-python", "9.8.7")
+        other = self._python(tmp_path, "other-python", "1.2.3")
+        line = await self._torch_line(tmp_path, str(venv), str(other))
+        assert "1.2.3" in line.detail, line
+
+    async def test_a_configured_interpreter_that_is_missing_names_the_key(
+        self, tmp_path: Path
+    ) -> None:
+        missing = str(tmp_path / "no-such-python")
+        line = await self._torch_line(tmp_path, missing, None)
+        assert line.status is Status.FAIL
+        assert "[collectors.benchmark] python" in line.action, line
+        assert missing in line.action
+
+
 class TestTable:
     def _report(self, *statuses: Status) -> CheckReport:
         report = CheckReport("node-a")

@@ -57,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--python",
-        default=sys.executable,
+        default=None,
         metavar="PATH",
-        help="interpreter whose torch is checked (default: this one)",
+        help="interpreter whose torch is checked (default: [collectors.benchmark] python, "
+        "the one the benchmark runs under, else gpuwarden's own)",
     )
     parser.add_argument("--no-torch", action="store_true", help="skip the torch child process")
     parser.add_argument(

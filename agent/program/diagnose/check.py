@@ -78,8 +78,9 @@ class CheckOptions:
     bench: bool = False
     expect_gpus: int | None = None
     """From the command line; None: decided by the configuration (module docstring)."""
-    python: str = sys.executable
-    """The interpreter whose torch is checked (a training venv, say)."""
+    python: str | None = None
+    """The interpreter whose torch is checked (a training venv, say); None: the one the
+    benchmark child runs under (`[collectors.benchmark] python`, else gpuwarden's own)."""
     torch: bool = True
     nvidia_proc_version: Path = NVIDIA_PROC_VERSION
     process_gap: float = PROCESS_GAP_SECONDS
@@ -246,29 +247,42 @@ async def check_network(config: Config) -> list[Finding]:
     return findings
 
 
-async def probe_torch(options: CheckOptions) -> dict[str, Any] | None:
+def torch_python(config: Config, options: CheckOptions) -> tuple[str, str]:
+    """The interpreter whose torch is checked, and where it was named (for the action)."""
+    if options.python is not None:
+        return options.python, "--python"
+    configured = config.collectors.get("benchmark")
+    python = getattr(configured, "python", "")
+    if isinstance(python, str) and python:
+        return python, "[collectors.benchmark] python"
+    return sys.executable, "--python"
+
+
+async def probe_torch(config: Config, options: CheckOptions) -> dict[str, Any] | None:
     """The torch child's answer; None when not asked for."""
     if not options.torch:
         return None
-    if options.python == sys.executable:
+    python, _ = torch_python(config, options)
+    if python == sys.executable:
         try:
             metadata.version("torch")  # metadata only: a missing torch needs no child
         except metadata.PackageNotFoundError:
             return {"missing": "torch"}
-    return await probes.run_torch_probe(options.python)
+    return await probes.run_torch_probe(python)
 
 
 def torch_line(
     probe: dict[str, Any] | None,
     gpus_expected: bool,
-    options: CheckOptions,
+    python: tuple[str, str],
     versions: dict[str, str],
 ) -> Finding:
+    """`python`: the interpreter checked and where it was named (torch_python)."""
     if probe is None:
         line = Finding("torch", "torch on this driver", Status.SKIP, "not asked for (--no-torch)")
     else:
         line = probes.classify_torch(
-            probe, gpus_expected, options.python, versions.get("cuda_driver_version")
+            probe, gpus_expected, python[0], versions.get("cuda_driver_version"), python[1]
         )
     return dataclasses.replace(line, check="torch")
 
@@ -402,7 +416,7 @@ async def run_check(
     if paused is not None:
         options = dataclasses.replace(options, expect_gpus=0, torch=False, bench=False)
     expected = expected_gpus(config, options)
-    torch_task = asyncio.create_task(probe_torch(options))
+    torch_task = asyncio.create_task(probe_torch(config, options))
     network_task = asyncio.create_task(check_network(config))
     kernel_task = asyncio.create_task(
         asyncio.wait_for(
@@ -441,7 +455,12 @@ async def run_check(
         report.findings.extend(gpu_lines(results, expected, options, report.nvidia_versions))
     report.torch_probe = await torch_task
     report.findings.append(
-        torch_line(report.torch_probe, expected != 0, options, report.nvidia_versions)
+        torch_line(
+            report.torch_probe,
+            expected != 0,
+            torch_python(config, options),
+            report.nvidia_versions,
+        )
         if paused is None
         else Finding("torch", "torch on this driver", Status.SKIP, PAUSED_SKIP)
     )

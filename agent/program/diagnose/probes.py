@@ -319,12 +319,12 @@ async def run_torch_probe(
     return result
 
 
-def _torch_action(probe: dict[str, Any], python: str) -> str:
+def _torch_action(probe: dict[str, Any], python: str, named_by: str = "--python") -> str:
     """What to do for each way the probe can fail: the interpreter is not there, it did not
-    answer in time, or it ran and failed."""
+    answer in time, or it ran and failed. `named_by`: where the interpreter was named."""
     if probe.get("not_runnable"):
         return (
-            f"--python {python} is not an interpreter that runs here: give the path of one "
+            f"{named_by} {python} is not an interpreter that runs here: give the path of one "
             "(the training environment's bin/python; `command -v python3` finds one)"
         )
     if probe.get("timeout"):
@@ -341,9 +341,14 @@ def _major(version: str | None) -> int | None:
 
 
 def classify_torch(
-    probe: dict[str, Any], gpus_expected: bool, python: str, cuda_driver: str | None = None
+    probe: dict[str, Any],
+    gpus_expected: bool,
+    python: str,
+    cuda_driver: str | None = None,
+    named_by: str = "--python",
 ) -> Finding:
-    """`cuda_driver`: the CUDA version the driver supports (NVML), when known."""
+    """`cuda_driver`: the CUDA version the driver supports (NVML), when known; `named_by`:
+    where `python` was named (the command line or the configuration)."""
     name = "torch on this driver"
     if "missing" in probe:
         return Finding("torch", name, Status.NA, f"torch is not installed for {python}")
@@ -354,7 +359,7 @@ def classify_torch(
             name,
             status,
             f"the torch probe failed: {probe['error']}",
-            _torch_action(probe, python),
+            _torch_action(probe, python, named_by),
         )
     version, cuda = probe.get("version", "?"), probe.get("cuda_build")
     build = f"torch {version} (CUDA {cuda})" if cuda else f"torch {version} (CPU-only build)"
