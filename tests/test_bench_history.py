@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from collectors.benchmark.history import (
     regressed,
 )
 from tests.support.bench import record
+
+NOBODY = 65534
 
 T0 = 1_780_000_000.0
 HOUR = 3600.0
@@ -151,6 +154,32 @@ class TestHistoryFile:
         with path.open("a") as other:
             other.write(record(48.0, T0 + HOUR).to_json() + "\n")
         assert [r.estimated_tflops for r in mine.refresh()] == [50.0, 48.0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a file made by root for another user")
+class TestOwnerOfTheStateDir:
+    """`gpuwarden bench` run by root (sudo, on a packaged host) writes into the service's state
+    dir: a history file it creates must belong to the dir's owner, or the agent (its own user)
+    could no longer append its runs."""
+
+    def _state_dir(self, tmp_path: Path) -> Path:
+        state = tmp_path / "state"
+        state.mkdir()
+        os.chown(state, NOBODY, NOBODY)
+        return state
+
+    def test_a_new_file_takes_the_owner_of_its_directory(self, tmp_path: Path) -> None:
+        history = HistoryFile.in_state_dir(self._state_dir(tmp_path))
+        history.append(record(50.0, T0))
+        owner = history.path.stat()
+        assert (owner.st_uid, owner.st_gid) == (NOBODY, NOBODY)
+
+    def test_an_existing_file_keeps_its_owner(self, tmp_path: Path) -> None:
+        history = HistoryFile.in_state_dir(self._state_dir(tmp_path))
+        history.path.write_text("")
+        os.chown(history.path, 0, 0)
+        history.append(record(50.0, T0))
+        assert history.path.stat().st_uid == 0
 
 
 class TestBaseline:

@@ -271,7 +271,11 @@ class HistoryFile:
         self.refresh()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = (record.to_json() + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            _give_to_directory_owner(fd, self.path.parent)
         try:
             os.write(fd, data)
         finally:
@@ -279,6 +283,17 @@ class HistoryFile:
         self.records.append(record)
         self.records.sort(key=lambda r: r.time)
         self._size = self.path.stat().st_size
+
+
+def _give_to_directory_owner(fd: int, directory: Path) -> None:
+    """A file root creates in another user's directory (`sudo gpuwarden bench` on a host
+    where the agent runs as its own user) is that user's: else the agent cannot append its
+    own runs to it. Root only: nobody else can give a file away."""
+    if os.geteuid() != 0:
+        return
+    owner = directory.stat()
+    if owner.st_uid != 0:
+        os.fchown(fd, owner.st_uid, owner.st_gid)
 
 
 @dataclass(frozen=True)
