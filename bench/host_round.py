@@ -38,21 +38,18 @@ from types import FrameType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.registry import Collector as PromCollector
-
 from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.contracts.model import Event, MetricFamily, Sample
+from agent.contracts.model import Event, Sample
 from agent.runtime.blocking import PooledCaller
 from collectors.disk.collector import SPEC as DISK_SPEC
 from collectors.processes import SPEC as PROCESSES_SPEC
 from collectors.system import SPEC as SYSTEM_SPEC
-from exporters.prometheus import render
+from exporters.exposition import render
 from tests.support.ports import free_port, wait_for_port
 
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
@@ -120,14 +117,6 @@ def scrape(port: int) -> bytes:
     return body
 
 
-class _Snapshot(PromCollector):
-    def __init__(self, families: list[MetricFamily], samples: list[Sample]) -> None:
-        self.families, self.samples = families, samples
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        return render(self.families, self.samples)
-
-
 class HostRound:
     """The three host collectors, run the way the runtime runs them."""
 
@@ -161,9 +150,7 @@ class HostRound:
         samples: list[Sample] = []
         for _ in range(rounds):
             samples = await self.once()
-            registry = CollectorRegistry()
-            registry.register(_Snapshot(self.families, samples))
-            body = generate_latest(registry)
+            body = render(self.families, samples)
         return (
             (time.process_time() - cpu0) / rounds,
             (time.perf_counter() - wall0) / rounds,

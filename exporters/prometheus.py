@@ -1,9 +1,9 @@
 """The Prometheus endpoint: /metrics rendered from the last snapshot, /healthz that never lies.
 
 A small asyncio HTTP/1.1 server (exporters/http.py: the scraper first, whatever else connects)
-so that a scrape is served on the agent's own loop and never waits on hardware. Rendering goes
-through prometheus_client: a custom collector builds fresh metric families from the snapshot at
-each scrape, so series of a GPU or a mount that went away do not linger.
+so that a scrape is served on the agent's own loop and never waits on hardware. Each scrape
+renders the snapshot afresh (exporters/exposition.py), so series of a GPU or a mount that went
+away do not linger, then this process's process_* series.
 """
 
 from __future__ import annotations
@@ -12,19 +12,17 @@ import asyncio
 import gzip
 import ssl
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.process_collector import ProcessCollector
 
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
+from exporters.exposition import ProcessMetrics, snapshot_text
 from exporters.http import (
     CONTENT_TYPE,
     DROP_REASONS,
@@ -120,44 +118,6 @@ class PrometheusSettings:
         return WebConfig(users, self.tls_cert_file, self.tls_key_file)
 
 
-def render(families: Iterable[MetricFamily], samples: Iterable[Sample]) -> list[Metric]:
-    """Snapshot -> prometheus_client metric families (samples grouped by family name)."""
-    declared: dict[str, MetricFamily] = {}
-    for family in families:
-        declared.setdefault(family.name, family)
-    grouped: dict[str, list[Sample]] = {}
-    for sample in samples:
-        declared.setdefault(sample.family.name, sample.family)
-        grouped.setdefault(sample.family.name, []).append(sample)
-    out: list[Metric] = []
-    for name in sorted(grouped):
-        family = declared[name]
-        metric: GaugeMetricFamily | CounterMetricFamily
-        if family.type is MetricType.COUNTER:
-            metric = CounterMetricFamily(name, family.help, labels=family.labels)
-        else:
-            metric = GaugeMetricFamily(name, family.help, labels=family.labels)
-        seen: set[tuple[str, ...]] = set()
-        for sample in grouped[name]:
-            if sample.label_values in seen:  # a duplicate series would make the output invalid
-                continue
-            seen.add(sample.label_values)
-            metric.add_metric(list(sample.label_values), sample.value)
-        out.append(metric)
-    return out
-
-
-class _SnapshotCollector:
-    def __init__(self, runtime: SinkContext) -> None:
-        self._runtime = runtime
-
-    def collect(self) -> Iterable[Metric]:
-        return render(self._runtime.families(), self._runtime.samples())
-
-    def describe(self) -> Sequence[Metric]:
-        return ()
-
-
 class PrometheusSink:
     expected_interval: float | None = None
 
@@ -165,9 +125,7 @@ class PrometheusSink:
         self.name = "prometheus"
         self.settings = settings
         self.runtime = runtime
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_SnapshotCollector(runtime))
-        self.registry.register(ProcessCollector(registry=None))
+        self.process = ProcessMetrics()
         self.scrapes = 0
         self._server: asyncio.Server | None = None
         self._gate: AuthGate | None = None
@@ -234,7 +192,8 @@ class PrometheusSink:
             self._gate.close()
 
     def metrics_body(self) -> bytes:
-        return generate_latest(self.registry)
+        text = snapshot_text(self.runtime.families(), self.runtime.samples())
+        return (text + self.process.text()).encode("utf-8")
 
     def healthz(self) -> tuple[int, bytes]:
         if not self.runtime.first_round.is_set():

@@ -14,13 +14,15 @@ import sys
 
 import pytest
 
-# Installed in the test environment (rich via import-linter, yaml and bcrypt as dependencies),
-# so each would load if anything imported it.
-NOT_AT_START = ("rich", "pygments", "yaml", "bcrypt", "torch")
+# Installed in the test environment (rich via import-linter, yaml and bcrypt as dependencies,
+# prometheus_client as a test dependency: exporters/exposition.py renders /metrics), so each
+# would load if anything imported it.
+NOT_AT_START = ("rich", "pygments", "yaml", "bcrypt", "torch", "prometheus_client")
 
 ENTRY_POINTS = (
     "agent.program.cli",  # the `gpuwarden` command
     "agent.program.registry",  # every collector and sink the daemon can start
+    "agent.program.commands.watch",  # `gpuwarden watch`, the off-node watcher
 )
 
 
@@ -46,7 +48,7 @@ def start_up(module: str) -> tuple[set[str], set[str]]:
 def test_start_up_loads_none_of_the_optional_libraries(module: str) -> None:
     installed, loaded = start_up(module)
     # Installed here, so the check below can fail (torch is not, in CI's environment).
-    assert installed >= {"rich", "pygments", "yaml", "bcrypt"}
+    assert installed >= {"rich", "pygments", "yaml", "bcrypt", "prometheus_client"}
     assert loaded.isdisjoint(NOT_AT_START), sorted(loaded & set(NOT_AT_START))
 
 

@@ -20,9 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from agent.contracts.model import MetricFamily, MetricType, Sample
+from agent.program.watch import metrics as watch_metrics
+from agent.program.watch.fleet import Fleet
 from exporters import exposition
 from exporters.exposition import PROCESS_FAMILIES, ProcessMetrics
 from tests.support import prom_reference
+from tests.test_watch_metrics import T0, fleet_with_nodes
 
 HOSTILE = [
     "",
@@ -125,6 +128,14 @@ class TestSameBytesAsPrometheusClient:
         samples = [family.sample(1.0, "\udcff")]
         assert outcome(exposition.render, [family], samples) == "UnicodeEncodeError"
         assert outcome(prom_reference.snapshot, [family], samples) == "UnicodeEncodeError"
+
+    @pytest.mark.parametrize("fleet", [fleet_with_nodes(), Fleet(now=T0)], ids=["nodes", "empty"])
+    def test_the_watchers_families(self, fleet: Fleet) -> None:
+        snap = watch_metrics.snapshot(fleet, T0 + 20)
+        blocks = watch_metrics.families(snap)
+        assert watch_metrics.render(snap, 10_000) == prom_reference.blocks(blocks)
+        if not fleet.nodes:  # the families of a fleet without nodes are there, empty
+            assert any(not samples for _, samples in blocks)
 
 
 class TestTextFormat:
@@ -252,3 +263,20 @@ class TestProcessSeries:
         process = subprocess.Popen(["true"])
         process.wait(timeout=10)
         assert ProcessMetrics(process.pid).text() == ""
+
+
+def test_the_sink_serves_the_snapshot_then_its_process(tmp_path: Path) -> None:
+    """The agent's /metrics body: the snapshot as prometheus_client gave it, then this
+    process's series (values move between two reads; names and order do not)."""
+    from exporters.prometheus import PrometheusSettings, PrometheusSink
+    from tests.support.collectors import scripted_runtime
+
+    runtime, _ = scripted_runtime({"a": "ok"})
+    sink = PrometheusSink(PrometheusSettings(listen="127.0.0.1:1"), runtime)
+    body = sink.metrics_body().decode()
+    snapshot, _, rest = body.partition("# HELP process_virtual_memory_bytes")
+    assert snapshot.encode() == prom_reference.snapshot(runtime.families(), runtime.samples())
+    assert "gpuwarden_" in snapshot
+    assert list(parsed("# HELP process_virtual_memory_bytes" + rest)) == [
+        f.name for f in PROCESS_FAMILIES
+    ]

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterable, Sequence
 
 import pynvml
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
 
-from agent.contracts.model import Collection, MetricFamily, Sample
+from agent.contracts.model import Collection
 from collectors.gpu.collector import GpuSettings
 from collectors.gpu.metrics import FAMILIES
-from exporters.prometheus import render
+from exporters.exposition import render
 from tests.support.nvml import GpuRig
 from tests.support.nvml_fake import FakeFabric, FakeGpu, FakeNvml, FakeProcess
 from tests.test_gpu_pci import TREES
@@ -22,19 +19,8 @@ from tests.test_gpu_pci import TREES
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 
-class _Snapshot:
-    def __init__(self, families: Sequence[MetricFamily], samples: Sequence[Sample]) -> None:
-        self.families = families
-        self.samples = samples
-
-    def collect(self) -> Iterable[Metric]:
-        return render(self.families, self.samples)
-
-
 def exposition(collection: Collection) -> bytes:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(FAMILIES, collection.samples))
-    return generate_latest(registry)
+    return render(FAMILIES, collection.samples)
 
 
 def everything_gpu(index: int) -> FakeGpu:

@@ -27,7 +27,6 @@ import bcrypt
 import pytest
 import structlog
 import yaml
-from prometheus_client import generate_latest
 
 from agent.contracts.errors import ConfigError
 from agent.contracts.model import RepairAction, Severity
@@ -341,7 +340,7 @@ class TestMetrics:
         sender.change(raised(dead("n1")))
         await until(lambda: sender.members[0].failures["connect"] >= 1, what="a failure")
         server = MetricsServer(Fleet(now=T0), "127.0.0.1", 0, extra=sender.families)
-        text = generate_latest(server.registry).decode()
+        text = server.render_now().decode()
         assert f'gpuwarden_watch_alertmanager_up{{url="{down}"}} 0.0' in text
         assert f'gpuwarden_watch_alertmanager_pending_alerts{{url="{down}"}} 1.0' in text
         assert re.search(
@@ -421,8 +420,8 @@ class TestSender:
             await wait_held(server, node="n2")
             await until(lambda: not late.pending, what="the queue emptied")
         assert any(e["event"] == "Alertmanager member reachable again" for e in logs)
-        families = {f.name: f for f in sender.families()}
-        up = {s.labels["url"]: s.value for s in families["gpuwarden_watch_alertmanager_up"].samples}
+        families = {f.name: samples for f, samples in sender.families()}
+        up = {s.labels["url"]: s.value for s in families["gpuwarden_watch_alertmanager_up"]}
         assert up == {f"http://127.0.0.1:{down}": 1.0, alertmanager.url: 1.0}
 
     async def test_restarted_member_gets_active_alerts_again(

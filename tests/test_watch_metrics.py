@@ -8,8 +8,6 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from prometheus_client import generate_latest
-
 from agent.program.watch.fleet import SETTLE_SECONDS, Fleet
 from agent.program.watch.metrics import MetricsServer
 
@@ -40,7 +38,7 @@ def fleet_with_nodes(inventory: tuple[str, ...] = ("a", "b", "spare")) -> Fleet:
 
 def exposition(fleet: Fleet, now: float) -> str:
     server = MetricsServer(fleet, "127.0.0.1", 0, clock=lambda: now)
-    return generate_latest(server.registry).decode()
+    return server.render_now().decode()
 
 
 class TestExposition:

@@ -38,13 +38,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent.contracts.config import read_secret
 from agent.contracts.errors import ConfigError
+from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.contracts.settings import check_files
 from agent.program.watch.fleet import Alert, AlertChange
 from agent.program.watch.settings import WatchSettings
+from exporters.exposition import Block
 from exporters.mqtt_client import Backoff, tls_context
 
 log = structlog.get_logger(component="watch")
@@ -72,6 +73,43 @@ FAILURE_TEXT = {
     "server_error": "the Alertmanager member answered with a server error",
     "error": "posting to the Alertmanager member failed",
 }
+
+UP = MetricFamily(
+    "gpuwarden_watch_alertmanager_up",
+    MetricType.GAUGE,
+    "1 while the last post to this Alertmanager member succeeded",
+    ("url",),
+)
+PENDING = MetricFamily(
+    "gpuwarden_watch_alertmanager_pending_alerts",
+    MetricType.GAUGE,
+    "Alerts queued for this Alertmanager member",
+    ("url",),
+)
+LAST_SUCCESS = MetricFamily(
+    "gpuwarden_watch_alertmanager_last_success_timestamp_seconds",
+    MetricType.GAUGE,
+    "When a post to this Alertmanager member last succeeded",
+    ("url",),
+)
+SENT = MetricFamily(
+    "gpuwarden_watch_alertmanager_sent_alerts_total",
+    MetricType.COUNTER,
+    "Alerts posted to this Alertmanager member (raised, re-sent and cleared)",
+    ("url",),
+)
+DROPPED = MetricFamily(
+    "gpuwarden_watch_alertmanager_dropped_alerts_total",
+    MetricType.COUNTER,
+    "Alerts dropped for this member: the queue was full, or the member rejected them",
+    ("url",),
+)
+FAILED = MetricFamily(
+    "gpuwarden_watch_alertmanager_failures_total",
+    MetricType.COUNTER,
+    "Failed posts to this Alertmanager member, by reason",
+    ("url", "reason"),
+)
 
 
 def alertname(kind: str) -> str:
@@ -387,45 +425,28 @@ class AlertmanagerSender:
 
     # -- /metrics ---------------------------------------------------------------------------
 
-    def families(self) -> Sequence[Metric]:
+    def families(self) -> Sequence[Block]:
         """Built on the event loop (a few series per member), rendered with the fleet's."""
-        up = GaugeMetricFamily(
-            "gpuwarden_watch_alertmanager_up",
-            "1 while the last post to this Alertmanager member succeeded",
-            labels=["url"],
-        )
-        pending = GaugeMetricFamily(
-            "gpuwarden_watch_alertmanager_pending_alerts",
-            "Alerts queued for this Alertmanager member",
-            labels=["url"],
-        )
-        last = GaugeMetricFamily(
-            "gpuwarden_watch_alertmanager_last_success_timestamp_seconds",
-            "When a post to this Alertmanager member last succeeded",
-            labels=["url"],
-        )
-        sent = CounterMetricFamily(
-            "gpuwarden_watch_alertmanager_sent_alerts",
-            "Alerts posted to this Alertmanager member (raised, re-sent and cleared)",
-            labels=["url"],
-        )
-        dropped = CounterMetricFamily(
-            "gpuwarden_watch_alertmanager_dropped_alerts",
-            "Alerts dropped for this member: the queue was full, or the member rejected them",
-            labels=["url"],
-        )
-        failed = CounterMetricFamily(
-            "gpuwarden_watch_alertmanager_failures",
-            "Failed posts to this Alertmanager member, by reason",
-            labels=["url", "reason"],
-        )
+        up: list[Sample] = []
+        pending: list[Sample] = []
+        last: list[Sample] = []
+        sent: list[Sample] = []
+        dropped: list[Sample] = []
+        failed: list[Sample] = []
         for m in self.members:
-            up.add_metric([m.base], 0.0 if m.failing or m.last_success is None else 1.0)
-            pending.add_metric([m.base], float(len(m.pending)))
+            up.append(UP.sample(0.0 if m.failing or m.last_success is None else 1.0, m.base))
+            pending.append(PENDING.sample(float(len(m.pending)), m.base))
             if m.last_success is not None:
-                last.add_metric([m.base], m.last_success)
-            sent.add_metric([m.base], float(m.sent))
-            dropped.add_metric([m.base], float(m.dropped))
+                last.append(LAST_SUCCESS.sample(m.last_success, m.base))
+            sent.append(SENT.sample(float(m.sent), m.base))
+            dropped.append(DROPPED.sample(float(m.dropped), m.base))
             for reason in FAILURE_REASONS:
-                failed.add_metric([m.base, reason], float(m.failures[reason]))
-        return [up, pending, last, sent, dropped, failed]
+                failed.append(FAILED.sample(float(m.failures[reason]), m.base, reason))
+        return [
+            (UP, up),
+            (PENDING, pending),
+            (LAST_SUCCESS, last),
+            (SENT, sent),
+            (DROPPED, dropped),
+            (FAILED, failed),
+        ]

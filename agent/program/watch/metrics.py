@@ -1,7 +1,7 @@
 """The watcher's own /metrics: per-node heartbeat age and state, alerts, malformed input.
 
-Rendered fresh from the state machine at each scrape (a custom prometheus_client collector),
-so a node removed from the fleet leaves no stale series behind. Served by a tiny asyncio HTTP
+Rendered fresh from the state machine at each scrape (exporters/exposition.py), so a node
+removed from the fleet leaves no stale series behind. Served by a tiny asyncio HTTP
 server like the agent's (exporters/prometheus.py), answering /metrics and /healthz.
 
 Bounded and off the event loop: at 100,000 nodes a full rendering was 56 MB and 5 s of the
@@ -19,11 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
 from agent import __version__
+from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.program.watch.fleet import Alert, Fleet, Node, State
+from exporters.exposition import Block, blocks_text
 from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, request_line
 
 MALFORMED_REASONS = (
@@ -57,11 +56,11 @@ class Snapshot:
     ignored: dict[str, int]
     forgotten: dict[str, int]
     stale_wills: int
-    extra: tuple[Metric, ...] = ()
+    extra: tuple[Block, ...] = ()
     """Families of other parts of the watcher (the Alertmanager sender), built on the loop."""
 
 
-def snapshot(fleet: Fleet, now: float, extra: Sequence[Metric] = ()) -> Snapshot:
+def snapshot(fleet: Fleet, now: float, extra: Sequence[Block] = ()) -> Snapshot:
     counters = fleet.counters
     return Snapshot(
         fleet,
@@ -78,40 +77,79 @@ def snapshot(fleet: Fleet, now: float, extra: Sequence[Metric] = ()) -> Snapshot
     )
 
 
-def _gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=list(labels))
+def _gauge(name: str, doc: str, *labels: str) -> MetricFamily:
+    return MetricFamily(name, MetricType.GAUGE, doc, labels)
 
 
-def _counter(
-    name: str, doc: str, labels: Sequence[str], counts: dict[str, int], keys: Iterable[str]
-) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=list(labels))
-    for key in keys:
-        family.add_metric([key], float(counts.get(key, 0)))
-    return family
+def _counter(name: str, doc: str, *labels: str) -> MetricFamily:
+    return MetricFamily(name, MetricType.COUNTER, doc, labels)
 
 
-def _node_families(snap: Snapshot, limit: int) -> list[Metric]:
+AGE = _gauge(
+    "gpuwarden_watch_node_heartbeat_age_seconds", "Seconds since the node's last heartbeat", "node"
+)
+INTERVAL = _gauge(
+    "gpuwarden_watch_node_heartbeat_interval_seconds",
+    "The node's announced heartbeat interval",
+    "node",
+)
+STATE = _gauge(
+    "gpuwarden_watch_node_state",
+    "1 for the node's current state, 0 for the others",
+    "node",
+    "state",
+)
+BDSEQ = _gauge(
+    "gpuwarden_watch_node_birth_sequence", "The node's current birth number (bdseq)", "node"
+)
+NODES = _gauge("gpuwarden_watch_nodes", "Nodes by state", "state")
+OMITTED = _gauge(
+    "gpuwarden_watch_node_series_omitted",
+    "Nodes left out of the per-node series by metrics_node_limit",
+)
+HEARTBEAT_ONLY = _gauge(
+    "gpuwarden_watch_heartbeat_only_nodes",
+    "Nodes known only from heartbeats (no status): never alerted on, forgotten when silent",
+)
+ALERT_ACTIVE = _gauge(
+    "gpuwarden_watch_alert_active",
+    "1 for each alert the watcher holds raised",
+    "kind",
+    "node",
+    "severity",
+)
+ALERTS = _gauge("gpuwarden_watch_alerts", "Alerts held raised, by kind", "kind", "severity")
+BUILD_INFO = _gauge("gpuwarden_watch_build_info", "Watcher version, always 1", "version")
+CONNECTED = _gauge(
+    "gpuwarden_watch_broker_connected", "1 while the watcher is connected to the broker"
+)
+MESSAGES = _counter("gpuwarden_watch_messages_total", "Messages received", "topic")
+MALFORMED = _counter(
+    "gpuwarden_watch_malformed_messages_total",
+    "Messages skipped as malformed, oversized or hostile",
+    "reason",
+)
+IGNORED = _counter(
+    "gpuwarden_watch_ignored_messages_total",
+    "Well-formed messages not taken: a birth older than the current one, a node outside "
+    "the inventory, a full node table",
+    "reason",
+)
+FORGOTTEN = _counter(
+    "gpuwarden_watch_forgotten_nodes_total", "Nodes dropped from the table", "reason"
+)
+STALE_WILLS = _counter(
+    "gpuwarden_watch_stale_wills_total", "Offline messages ignored for an old birth number"
+)
+
+
+def _counts(family: MetricFamily, counts: dict[str, int], keys: Iterable[str]) -> Block:
+    return family, [family.sample(float(counts.get(key, 0)), key) for key in keys]
+
+
+def _node_families(snap: Snapshot, limit: int) -> list[Block]:
     """Per-node series for up to `limit` nodes (not online, or unhealthy, first), and the
     totals per state for all of them."""
-    age = _gauge(
-        "gpuwarden_watch_node_heartbeat_age_seconds",
-        "Seconds since the node's last heartbeat",
-        ["node"],
-    )
-    interval = _gauge(
-        "gpuwarden_watch_node_heartbeat_interval_seconds",
-        "The node's announced heartbeat interval",
-        ["node"],
-    )
-    state = _gauge(
-        "gpuwarden_watch_node_state",
-        "1 for the node's current state, 0 for the others",
-        ["node", "state"],
-    )
-    bdseq = _gauge(
-        "gpuwarden_watch_node_birth_sequence", "The node's current birth number (bdseq)", ["node"]
-    )
     fleet, now = snap.fleet, snap.now
     counts = dict.fromkeys(State, 0)
     troubled: list[tuple[Node, State]] = []
@@ -129,137 +167,68 @@ def _node_families(snap: Snapshot, limit: int) -> list[Metric]:
         elif len(fine) < limit:
             fine.append((node, current))
     shown = (troubled + fine)[:limit]
+    age: list[Sample] = []
+    interval: list[Sample] = []
+    bdseq: list[Sample] = []
+    state: list[Sample] = []
     for node, current in shown:
         name = node.node
         if node.heartbeat_at is not None:
-            age.add_metric([name], max(0.0, now - node.heartbeat_at))
-        interval.add_metric([name], fleet.interval_of(node))
+            age.append(AGE.sample(max(0.0, now - node.heartbeat_at), name))
+        interval.append(INTERVAL.sample(fleet.interval_of(node), name))
         if node.bdseq is not None:
-            bdseq.add_metric([name], float(node.bdseq))
+            bdseq.append(BDSEQ.sample(float(node.bdseq), name))
         for each in State:
-            state.add_metric([name, each.value], 1.0 if each is current else 0.0)
-    nodes = _gauge("gpuwarden_watch_nodes", "Nodes by state", ["state"])
-    for each, count in counts.items():
-        nodes.add_metric([each.value], float(count))
-    omitted = _gauge(
-        "gpuwarden_watch_node_series_omitted",
-        "Nodes left out of the per-node series by metrics_node_limit",
-    )
-    omitted.add_metric([], float(sum(counts.values()) - len(shown)))
-    unconfirmed = _gauge(
-        "gpuwarden_watch_heartbeat_only_nodes",
-        "Nodes known only from heartbeats (no status): never alerted on, forgotten when silent",
-    )
-    unconfirmed.add_metric([], float(heartbeat_only))
-    return [age, interval, state, bdseq, nodes, omitted, unconfirmed]
+            state.append(STATE.sample(1.0 if each is current else 0.0, name, each.value))
+    nodes = [NODES.sample(float(count), each.value) for each, count in counts.items()]
+    omitted = OMITTED.sample(float(sum(counts.values()) - len(shown)))
+    return [
+        (AGE, age),
+        (INTERVAL, interval),
+        (STATE, state),
+        (BDSEQ, bdseq),
+        (NODES, nodes),
+        (OMITTED, [omitted]),
+        (HEARTBEAT_ONLY, [HEARTBEAT_ONLY.sample(float(heartbeat_only))]),
+    ]
 
 
-def _alert_families(snap: Snapshot, limit: int) -> list[Metric]:
-    active = _gauge(
-        "gpuwarden_watch_alert_active",
-        "1 for each alert the watcher holds raised",
-        ["kind", "node", "severity"],
-    )
+def _alert_families(snap: Snapshot, limit: int) -> list[Block]:
     # Fleet-wide alerts (node "") first: they are never the ones cut off by the limit.
     ordered = sorted(snap.alerts, key=lambda a: a.node != "")
-    for alert in ordered[: max(limit, sum(1 for a in ordered if not a.node))]:
-        active.add_metric([alert.kind, alert.node, alert.severity.label], 1.0)
+    active = [
+        ALERT_ACTIVE.sample(1.0, alert.kind, alert.node, alert.severity.label)
+        for alert in ordered[: max(limit, sum(1 for a in ordered if not a.node))]
+    ]
     totals: dict[tuple[str, str], int] = {}
     for alert in snap.alerts:
         key = (alert.kind, alert.severity.label)
         totals[key] = totals.get(key, 0) + 1
-    counted = _gauge("gpuwarden_watch_alerts", "Alerts held raised, by kind", ["kind", "severity"])
-    for (kind, severity), count in sorted(totals.items()):
-        counted.add_metric([kind, severity], float(count))
-    return [active, counted]
+    counted = [
+        ALERTS.sample(float(count), kind, severity)
+        for (kind, severity), count in sorted(totals.items())
+    ]
+    return [(ALERT_ACTIVE, active), (ALERTS, counted)]
 
 
-def families(snap: Snapshot, limit: int = DEFAULT_NODE_LIMIT) -> list[Metric]:
-    info = _gauge("gpuwarden_watch_build_info", "Watcher version, always 1", ["version"])
-    info.add_metric([__version__], 1.0)
-    connected = _gauge(
-        "gpuwarden_watch_broker_connected", "1 while the watcher is connected to the broker"
-    )
-    connected.add_metric([], 1.0 if snap.connected else 0.0)
-    messages = _counter(
-        "gpuwarden_watch_messages",
-        "Messages received",
-        ["topic"],
-        snap.messages,
-        snap.messages,
-    )
-    malformed = _counter(
-        "gpuwarden_watch_malformed_messages",
-        "Messages skipped as malformed, oversized or hostile",
-        ["reason"],
-        snap.malformed,
-        MALFORMED_REASONS,
-    )
-    ignored = _counter(
-        "gpuwarden_watch_ignored_messages",
-        "Well-formed messages not taken: a birth older than the current one, a node outside "
-        "the inventory, a full node table",
-        ["reason"],
-        snap.ignored,
-        IGNORED_REASONS,
-    )
-    forgotten = _counter(
-        "gpuwarden_watch_forgotten_nodes",
-        "Nodes dropped from the table",
-        ["reason"],
-        snap.forgotten,
-        FORGOTTEN_REASONS,
-    )
-    old = CounterMetricFamily(
-        "gpuwarden_watch_stale_wills", "Offline messages ignored for an old birth number"
-    )
-    old.add_metric([], float(snap.stale_wills))
+def families(snap: Snapshot, limit: int = DEFAULT_NODE_LIMIT) -> list[Block]:
     return [
-        info,
-        connected,
+        (BUILD_INFO, [BUILD_INFO.sample(1.0, __version__)]),
+        (CONNECTED, [CONNECTED.sample(1.0 if snap.connected else 0.0)]),
         *_node_families(snap, limit),
         *_alert_families(snap, limit),
-        messages,
-        malformed,
-        ignored,
-        forgotten,
-        old,
+        _counts(MESSAGES, snap.messages, snap.messages),
+        _counts(MALFORMED, snap.malformed, MALFORMED_REASONS),
+        _counts(IGNORED, snap.ignored, IGNORED_REASONS),
+        _counts(FORGOTTEN, snap.forgotten, FORGOTTEN_REASONS),
+        (STALE_WILLS, [STALE_WILLS.sample(float(snap.stale_wills))]),
         *snap.extra,
     ]
 
 
-class FleetCollector:
-    """A prometheus_client collector over one snapshot, or a fresh one at each collect."""
-
-    def __init__(
-        self,
-        fleet: Fleet,
-        clock: Callable[[], float] = time.time,
-        limit: int = DEFAULT_NODE_LIMIT,
-        fixed: Snapshot | None = None,
-        extra: Callable[[], Sequence[Metric]] | None = None,
-    ) -> None:
-        self.fleet = fleet
-        self.clock = clock
-        self.limit = limit
-        self.fixed = fixed
-        self.extra = extra
-
-    def describe(self) -> Sequence[Metric]:
-        return ()
-
-    def collect(self) -> Iterable[Metric]:
-        if self.fixed is not None:
-            return families(self.fixed, self.limit)
-        extra = self.extra() if self.extra is not None else ()
-        return families(snapshot(self.fleet, self.clock(), extra), self.limit)
-
-
 def render(snap: Snapshot, limit: int) -> bytes:
     """The exposition of one snapshot (run in the rendering thread)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(FleetCollector(snap.fleet, limit=limit, fixed=snap))
-    return generate_latest(registry)
+    return blocks_text(families(snap, limit)).encode("utf-8")
 
 
 class MetricsServer:
@@ -273,15 +242,13 @@ class MetricsServer:
         clock: Callable[[], float] = time.time,
         node_limit: int = DEFAULT_NODE_LIMIT,
         *,
-        extra: Callable[[], Sequence[Metric]] | None = None,
+        extra: Callable[[], Sequence[Block]] | None = None,
     ) -> None:
         self.fleet = fleet
         self.extra = extra
         self.clock = clock
         self.host, self.port = host, port
         self.node_limit = node_limit
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(FleetCollector(fleet, clock, node_limit, extra=extra))
         self._server: asyncio.Server | None = None
         self.http = ScrapeServer(self._answer)
         # Its own thread, not the loop's default executor (shared with aiomqtt's connect):
@@ -305,13 +272,18 @@ class MetricsServer:
             return line
         _, path = line
         if path == "/metrics":
-            text = body() if body is not None else generate_latest(self.registry)
+            text = body() if body is not None else self.render_now()
             return 200, {"Content-Type": CONTENT_TYPE}, text
         if path == "/healthz":
             if self.fleet.connected:
                 return 200, {}, b"ok\n"
             return 503, {}, b"no broker connection\n"
         return 404, {}, b"not found\n"
+
+    def render_now(self) -> bytes:
+        """A fresh exposition, rendered by the caller (tests; a scrape renders in the pool)."""
+        extra = self.extra() if self.extra is not None else ()
+        return render(snapshot(self.fleet, self.clock(), extra), self.node_limit)
 
     async def metrics_body(self) -> bytes:
         """The exposition, rendered in the worker thread; scrapes that arrive while one is
