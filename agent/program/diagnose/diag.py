@@ -50,7 +50,6 @@ PACKAGES = (
     "nvidia-ml-py",
     "pynvml",
     "psutil",
-    "prometheus-client",
     "aiomqtt",
     "paho-mqtt",
     "structlog",
