@@ -256,6 +256,11 @@ class TestProcessSeries:
         assert {n: s[:2] for n, s in ours.items()} == {n: s[:2] for n, s in theirs.items()}
         assert "counter" in {s[0] for s in ours.values()}
 
+    def test_documented(self) -> None:
+        doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+        missing = [f.name for f in PROCESS_FAMILIES if f"`{f.name}`" not in doc]
+        assert not missing, f"docs/metrics.md does not name {missing}"
+
     def test_no_proc_no_series(self, tmp_path: Path) -> None:
         assert ProcessMetrics(proc=tmp_path).text() == ""
 
