@@ -303,7 +303,7 @@ class TestRuleTestSeries:
         wrong = []
         for series in input_series():
             if series.name == "up" or series.name.startswith("gpuwarden_watch_"):
-                # Prometheus' own; the watcher renders with prometheus_client (names only).
+                # Prometheus' own, and the watcher's (its families are not the agent's: names only).
                 assert series.name == "up" or series.name in declared, series
                 continue
             family = families.get(series.name)

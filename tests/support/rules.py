@@ -91,8 +91,9 @@ def declared_metric_names() -> set[str]:
     for folder in ("agent", "collectors", "exporters"):
         for path in (ROOT / folder).rglob("*.py"):
             names.update(re.findall(r'"(gpuwarden_[a-z0-9_]+)"', path.read_text()))
-    # prometheus_client's CounterMetricFamily adds _total to the name it is given.
-    return names | {f"{name}_total" for name in names if not name.endswith("_total")}
+    # Every family is a MetricFamily now, the watcher's too: a counter's name is written with
+    # its _total (prometheus_client's CounterMetricFamily added it, so the literal lacked it).
+    return names
 
 
 def alert_rules(text: str | None = None) -> dict[str, dict[str, Any]]:
