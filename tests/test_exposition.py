@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from agent.program.watch.fleet import Fleet
 from exporters import exposition
 from exporters.exposition import PROCESS_FAMILIES, ProcessMetrics
 from tests.support import prom_reference
+from tests.support.agent_proc import AgentProcess, http_get
 from tests.test_watch_metrics import T0, fleet_with_nodes
 
 HOSTILE = [
@@ -285,3 +288,29 @@ def test_the_sink_serves_the_snapshot_then_its_process(tmp_path: Path) -> None:
     assert list(parsed("# HELP process_virtual_memory_bytes" + rest)) == [
         f.name for f in PROCESS_FAMILIES
     ]
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian package prometheus) missing"
+)
+def test_the_real_agents_body_is_promtool_clean(agent_process: AgentProcess) -> None:
+    """The whole /metrics of a real `gpuwarden run` on the embedded defaults (no GPU here:
+    the GPU collector's failure is series too), process_* of the agent's own pid included."""
+    agent_process.start()
+    assert agent_process.process is not None
+    pid = agent_process.process.pid
+    status, body = http_get(agent_process.metrics_url)
+    assert status == 200
+    lint = subprocess.run(
+        ["promtool", "check", "metrics"], input=body, text=True, capture_output=True, check=False
+    )
+    assert (lint.returncode, lint.stdout + lint.stderr) == (0, "")
+    process = {
+        s.name: s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+        if s.name.startswith("process_")
+    }
+    assert list(process) == [f.name for f in PROCESS_FAMILIES]
+    assert process["process_max_fds"] == resource.prlimit(pid, resource.RLIMIT_NOFILE)[0]
+    assert 0 < process["process_resident_memory_bytes"] < 2**30
