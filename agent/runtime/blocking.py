@@ -36,6 +36,32 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         loop.call_soon_threadsafe(fn, *args)
 
 
+class _Expired(Exception):
+    """Set on a call's waiter by its timer: the timeout passed before the thread answered.
+    A class of its own, so that a TimeoutError the function itself raises (a socket's) is
+    its answer, not a hang."""
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(_Expired())
+
+
+def _settle(waiter: asyncio.Future[T], done: concurrent.futures.Future[T]) -> None:
+    """The thread's answer, on the loop: nothing if the waiter timed out or was cancelled
+    first (the answer is nobody's then; a concurrent future logs nothing left unread)."""
+    if waiter.done():
+        return
+    if done.cancelled():  # still queued when its pool was shut down
+        waiter.cancel()
+        return
+    exc = done.exception()
+    if exc is None:
+        waiter.set_result(done.result())
+    else:
+        waiter.set_exception(exc)
+
+
 def _retrieve(done: asyncio.Future[Any]) -> None:
     if not done.cancelled():
         done.exception()
@@ -79,19 +105,25 @@ class PooledCaller:
             await self._wait_abandoned(key, loop)
         started = time.monotonic()
         future = self._executor.submit(fn, *args, **kwargs)
-        waiter = asyncio.wrap_future(future)
+        # One future of the loop's own, settled from the pool thread's done callback, and a
+        # timer: the answer reaches this task two turns of the loop after the thread ends
+        # (wait_for over shield over wrap_future took four). The round of every GPU makes
+        # such a call, and the hand-off is most of what a steady round costs beyond NVML.
+        waiter: asyncio.Future[T] = loop.create_future()
+        future.add_done_callback(lambda done: _call_soon(loop, _settle, waiter, done))
+        timer = loop.call_later(self.timeout, _expire, waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), self.timeout)
-        except BaseException as exc:
-            # Timed out, or the round was cancelled (a stop, a reload): the thread finishes
-            # later, and what it raises then must not be logged as "Future exception was
-            # never retrieved".
-            waiter.add_done_callback(_retrieve)
-            if not isinstance(exc, TimeoutError):
-                self._abandon(key, started, future, loop)
-                raise
+            return await waiter
+        except _Expired:
             self._mark_hung(key, started, future, loop)
             raise CallTimedOut(key, self.timeout) from None
+        except asyncio.CancelledError:
+            # The round was cancelled (a stop, a reload): the thread finishes later, and
+            # stays this key's call until then.
+            self._abandon(key, started, future, loop)
+            raise
+        finally:
+            timer.cancel()
 
     def _abandon(
         self,

@@ -1,0 +1,234 @@
+"""PooledCaller's contract: what a blocking call returns or raises, its timeout, a hung key,
+and what is left behind (no stray "never retrieved" errors, no second thread per key).
+
+The GPU collector makes one such call per GPU every round: its hand-off is the largest part
+of a steady round after the NVML calls themselves (bench/gpu_round.py), so the caller resolves
+a call with as few turns of the event loop as it can. These tests hold whatever it does to
+the same behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from agent.contracts.errors import CallStillHung, CallTimedOut
+from agent.runtime.blocking import PooledCaller
+from tests.support.waiting import until
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture
+def executor() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    yield pool
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture
+async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
+    """What the running loop's exception handler was given (e.g. "Future exception was
+    never retrieved"): empty when the caller leaves nothing behind."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    yield seen
+    loop.set_exception_handler(previous)
+
+
+class TestAnswers:
+    async def test_returns_the_result_with_arguments_and_keywords(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        caller = PooledCaller(executor, 5.0)
+
+        def add(a: int, b: int, *, times: int) -> tuple[int, str]:
+            return (a + b) * times, threading.current_thread().name
+
+        value, thread = await caller.call("k", add, 2, 3, times=4)
+        assert value == 20
+        assert thread != threading.current_thread().name  # off the event loop's thread
+
+    async def test_raises_what_the_function_raised(
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        loop_errors: list[dict[str, Any]],
+    ) -> None:
+        caller = PooledCaller(executor, 5.0)
+
+        def fail() -> None:
+            raise Boom("driver said no")
+
+        for _ in range(3):  # and again: a failed call marks nothing hung
+            with pytest.raises(Boom, match="driver said no"):
+                await caller.call("k", fail)
+        assert caller.hung == {} and caller.outstanding == 0
+        gc.collect()
+        await asyncio.sleep(0)
+        assert loop_errors == []
+
+    async def test_a_timeout_the_function_raises_is_its_answer_not_a_hang(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        """A socket's or a subprocess's TimeoutError inside the call is what the call
+        answered: the key is not marked hung and no hang is reported."""
+        hangs: list[str] = []
+        caller = PooledCaller(executor, 5.0, on_hang=lambda key, timeout: hangs.append(key))
+
+        def probe() -> None:
+            raise TimeoutError("the probe's own socket timed out")
+
+        with pytest.raises(TimeoutError, match="own socket"):
+            await caller.call("k", probe)
+        assert hangs == [] and caller.hung == {}
+        assert await caller.call("k", str, 3) == "3"
+
+    async def test_many_calls_at_once_each_get_their_own_answer(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        caller = PooledCaller(executor, 5.0)
+        answers = await asyncio.gather(*(caller.call(f"k{i}", pow, i, 2) for i in range(50)))
+        assert answers == [i * i for i in range(50)]
+
+
+class TestTimeout:
+    async def test_times_out_marks_the_key_hung_and_recovers_when_it_returns(
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        loop_errors: list[dict[str, Any]],
+    ) -> None:
+        hangs: list[tuple[str, float]] = []
+        recoveries: list[str] = []
+        caller = PooledCaller(
+            executor,
+            0.2,
+            on_hang=lambda key, timeout: hangs.append((key, timeout)),
+            on_recover=lambda key, seconds: recoveries.append(key),
+        )
+        release = threading.Event()
+        calls: list[int] = []
+
+        def stuck() -> str:
+            calls.append(1)
+            release.wait(30)
+            raise Boom("late")  # what it raises once the driver lets go is nobody's now
+
+        try:
+            with pytest.raises(CallTimedOut) as raised:
+                await caller.call("nvml:gpu0", stuck)
+            assert raised.value.key == "nvml:gpu0"
+            assert hangs == [("nvml:gpu0", 0.2)]
+            assert "nvml:gpu0" in caller.hung
+            with pytest.raises(CallStillHung):  # at once, and no second thread
+                await caller.call("nvml:gpu0", stuck)
+            assert len(calls) == 1
+            assert await caller.call("nvml:gpu1", str, 7) == "7"  # other keys go on
+        finally:
+            release.set()
+        await until(lambda: caller.hung == {}, what="the hung call to return")
+        assert recoveries == ["nvml:gpu0"]
+        assert await caller.call("nvml:gpu0", str, 1) == "1"
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert loop_errors == []
+
+    async def test_a_result_just_after_the_timeout_is_not_an_answer(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        caller = PooledCaller(executor, 0.05)
+        release = threading.Event()
+
+        def slow() -> str:
+            release.wait(30)
+            return "late"
+
+        try:
+            with pytest.raises(CallTimedOut):
+                await caller.call("k", slow)
+        finally:
+            release.set()
+        await until(lambda: caller.outstanding == 0, what="the call to return")
+
+
+class TestCancelled:
+    async def test_a_cancelled_call_is_abandoned_not_repeated(
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        loop_errors: list[dict[str, Any]],
+    ) -> None:
+        caller = PooledCaller(executor, 5.0)
+        started = threading.Event()
+        release = threading.Event()
+
+        def block() -> None:
+            started.set()
+            release.wait(30)
+            raise Boom("after the round was cancelled")
+
+        task = asyncio.create_task(caller.call("k", block))
+        await until(started.is_set, what="the call to start")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert caller.outstanding == 1  # its thread still runs: not waited for at exit
+        release.set()
+        await until(lambda: caller.outstanding == 0, what="the thread to return")
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert loop_errors == []
+
+    async def test_cancelled_while_queued(self, loop_errors: list[dict[str, Any]]) -> None:
+        """One worker, busy: the second call waits in the queue when its round is
+        cancelled; it runs later (or never), and nothing is reported either way."""
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        caller = PooledCaller(pool, 5.0)
+        release = threading.Event()
+        try:
+            busy = asyncio.create_task(caller.call("a", release.wait, 30))
+            queued = asyncio.create_task(caller.call("b", str, 1))
+            await asyncio.sleep(0.05)
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            release.set()
+            assert await busy is True
+            await until(lambda: caller.outstanding == 0, what="the queued call to end")
+            assert await caller.call("b", str, 2) == "2"
+        finally:
+            release.set()
+            pool.shutdown(wait=True)
+        assert loop_errors == []
+
+
+async def test_a_call_that_ends_after_its_loop_closed_is_dropped_quietly() -> None:
+    """The agent stopped while a call hung: the thread ends later with nobody to tell."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    release = threading.Event()
+    errors: list[BaseException] = []
+
+    def run_loop() -> None:
+        async def main() -> None:
+            caller = PooledCaller(pool, 0.05)
+            with pytest.raises(CallTimedOut):
+                await caller.call("k", release.wait, 30)
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run_loop)
+    thread.start()
+    thread.join(10)
+    release.set()  # the hung call returns now, its loop closed
+    pool.shutdown(wait=True)
+    assert errors == []
