@@ -163,13 +163,17 @@ def print_breakdown(backend: NvmlBackend, runs: int = 3000) -> None:
     reading = backend.read_gpu(0).reading
     labels = {"gpu": "0", "uuid": "GPU-x", "model": "model", "pci_bus_id": "0000:00:00.0"}
     pool = concurrent.futures.ThreadPoolExecutor(1)
+    caller = PooledCaller(pool, 5.0)
 
-    async def hops() -> float:
+    async def hops(via_caller: bool) -> float:
         loop = asyncio.get_running_loop()
         times = []
         for _ in range(runs):
             start = time.perf_counter()
-            await loop.run_in_executor(pool, int)
+            if via_caller:
+                await caller.call("bench", int)
+            else:
+                await loop.run_in_executor(pool, int)
             times.append(time.perf_counter() - start)
         return statistics.median(times) * 1e6
 
@@ -179,7 +183,8 @@ def print_breakdown(backend: NvmlBackend, runs: int = 3000) -> None:
             _median_us(lambda: backend.read_gpu(0), runs),
         ),
         ("the round's reading samples", _median_us(lambda: reading_samples(labels, reading), runs)),
-        ("hand-off to a pool thread and back", asyncio.run(hops())),
+        ("hand-off and back, the collector's caller", asyncio.run(hops(True))),
+        ("hand-off and back, bare run_in_executor", asyncio.run(hops(False))),
     ]
     pool.shutdown()
     print(f"\n{'steady round, its parts (GPU 0)':<44} {'median us':>9}")

@@ -165,6 +165,8 @@ class _Gpu:
     gpm_samples: tuple[Sample, ...] | None = None
     processes: tuple[GpuProcess, ...] = ()
     """This round's top processes by memory (at most top_processes)."""
+    memo: m.SampleMemo = field(default_factory=m.SampleMemo)
+    """Its fast readings' samples of the last round (collectors/gpu/metrics.py)."""
     mig_profiles: dict[int, str] = field(default_factory=dict)
     """GPU instance id -> profile, as last told to the Xid correlator."""
     mig_gpm: dict[tuple[int, tuple[str, ...]], GpmReading] = field(default_factory=dict)
@@ -358,9 +360,12 @@ class GpuCollector:
         for index in range(count):
             if index not in self.gpus:
                 self.gpus[index] = _Gpu(remembered=self._remembered(index, count))
-        results = await asyncio.gather(
-            *(self._read_gpu(ctx, index, changed) for index in range(count))
-        )
+        if count == 1:  # one GPU needs no task of its own: a gather costs two turns of the loop
+            results = [await self._read_gpu(ctx, 0, changed)]
+        else:
+            results = await asyncio.gather(
+                *(self._read_gpu(ctx, index, changed) for index in range(count))
+            )
         for index, result in enumerate(results):
             self._handle_gpu(ctx, index, result, out)
         await self._process_samples(ctx, out)
@@ -448,8 +453,8 @@ class GpuCollector:
                 )
             )
             gpu.error = None
-        out.samples.extend(m.state_samples(labels, None))
-        out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules))
+        out.samples.extend(m.state_samples(labels, None, gpu.memo))
+        out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules, gpu.memo))
         # The recovery action rarely changes: its samples (one per action) and its conditions
         # are made again only when it does, as are the static and slow samples.
         action = result.reading.recovery_action

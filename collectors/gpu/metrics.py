@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -327,16 +329,51 @@ def _flag(value: bool | None) -> str:
     return "" if value is None else ("enabled" if value else "disabled")
 
 
+class SampleMemo:
+    """One GPU's samples of the last round, by series. A value that did not change gives the
+    same Sample again: most values of a steady round do not change, and finding a sample costs
+    less than making one (bench/gpu_round.py). Emptied when the GPU's labels change, so it
+    holds at most one round's series."""
+
+    __slots__ = ("base", "series")
+
+    def __init__(self) -> None:
+        self.base: tuple[str, ...] = ()
+        self.series: dict[tuple[str, tuple[str, ...]], Sample] = {}
+
+
 class _Out:
     """Samples of one GPU: `add` leaves absent values out."""
 
-    def __init__(self, labels: Mapping[str, str]) -> None:
+    def __init__(self, labels: Mapping[str, str], memo: SampleMemo | None = None) -> None:
         self.base = tuple(labels[name] for name in GPU_LABELS)
         self.samples: list[Sample] = []
+        self._memo: dict[tuple[str, tuple[str, ...]], Sample] | None = None
+        if memo is not None:
+            if memo.base != self.base:
+                memo.base = self.base
+                memo.series.clear()
+            self._memo = memo.series
 
     def add(self, family: MetricFamily, value: float | bool | None, *extra: str) -> None:
-        if value is not None:
-            self.samples.append(Sample(family, (*self.base, *extra), float(value)))
+        if value is None:
+            return
+        value = float(value)
+        memo = self._memo
+        if memo is None:
+            self.samples.append(Sample(family, (*self.base, *extra), value))
+            return
+        key = (family.name, extra)
+        sample = memo.get(key)
+        # NaN never equals itself, so it is made (and refused) again; 0.0 and -0.0 are equal
+        # but print apart, so a zero's sign is compared too.
+        if (
+            sample is None
+            or sample.value != value
+            or (value == 0.0 and math.copysign(1.0, sample.value) != math.copysign(1.0, value))
+        ):
+            sample = memo[key] = Sample(family, (*self.base, *extra), value)
+        self.samples.append(sample)
 
 
 def nvml_pci_bus_id(linux_form: str) -> str:
@@ -377,11 +414,21 @@ def static_samples(labels: Mapping[str, str], static: GpuStatic) -> list[Sample]
     return out.samples
 
 
+@functools.lru_cache(maxsize=64)
+def _clock_event_reasons(mask: int) -> tuple[tuple[str, bool], ...]:
+    """The decoded mask, once per mask: it is the same round after round."""
+    return tuple(decode_clock_event_reasons(mask).items())
+
+
 def reading_samples(
-    labels: Mapping[str, str], r: GpuReading, energy_joules: float | None = None
+    labels: Mapping[str, str],
+    r: GpuReading,
+    energy_joules: float | None = None,
+    memo: SampleMemo | None = None,
 ) -> list[Sample]:
-    """`energy_joules`: the last energy reading (it is read on its own, slower interval)."""
-    out = _Out(labels)
+    """`energy_joules`: the last energy reading (it is read on its own, slower interval).
+    `memo`: the GPU's samples of its last round, to reuse where a value did not change."""
+    out = _Out(labels, memo)
     out.add(ENERGY, energy_joules)
     out.add(TEMPERATURE, r.temperature_gpu_celsius, "gpu")
     out.add(TEMPERATURE, r.temperature_memory_celsius, "memory")
@@ -390,7 +437,7 @@ def reading_samples(
     out.add(CLOCK, r.sm_clock_hertz, "sm")
     out.add(CLOCK, r.memory_clock_hertz, "memory")
     if r.clock_event_reasons is not None:
-        for reason, active in decode_clock_event_reasons(r.clock_event_reasons).items():
+        for reason, active in _clock_event_reasons(r.clock_event_reasons):
             out.add(CLOCK_EVENT, active, reason)
     out.add(UTILIZATION, r.utilization_gpu_ratio, "gpu")
     out.add(UTILIZATION, r.utilization_memory_ratio, "memory")
@@ -485,8 +532,10 @@ def error_samples(labels: Mapping[str, str], errors: Mapping[str, str]) -> list[
     return out.samples
 
 
-def state_samples(labels: Mapping[str, str], error_reason: str | None) -> list[Sample]:
-    out = _Out(labels)
+def state_samples(
+    labels: Mapping[str, str], error_reason: str | None, memo: SampleMemo | None = None
+) -> list[Sample]:
+    out = _Out(labels, memo)
     out.add(UP, error_reason is None)
     if error_reason is not None:
         out.add(ERROR, 1, error_reason)
