@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import gc
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -232,3 +233,102 @@ async def test_a_call_that_ends_after_its_loop_closed_is_dropped_quietly() -> No
     release.set()  # the hung call returns now, its loop closed
     pool.shutdown(wait=True)
     assert errors == []
+
+
+class TestOneTimerForAll:
+    """The caller times out every call in flight with one timer: each call still ends at its
+    own deadline, whatever else is in flight, whichever loop it runs on."""
+
+    async def test_each_hung_call_times_out_at_its_own_deadline(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        caller = PooledCaller(executor, 0.3)
+        release = threading.Event()
+        loop = asyncio.get_running_loop()
+
+        async def timed(key: str, delay: float) -> float:
+            await asyncio.sleep(delay)
+            began = loop.time()
+            with pytest.raises(CallTimedOut):
+                await caller.call(key, release.wait, 30)
+            return loop.time() - began
+
+        try:
+            # Staggered, and quick calls coming and going beside them.
+            hung = asyncio.gather(timed("a", 0.0), timed("b", 0.1), timed("c", 0.2))
+            for _ in range(20):
+                assert await caller.call("quick", str, 1) == "1"
+                await asyncio.sleep(0.01)
+            took = await hung
+        finally:
+            release.set()
+        for seconds in took:
+            assert 0.3 <= seconds < 1.0, took
+
+    async def test_a_shorter_timeout_set_while_a_call_is_in_flight_applies_to_the_next(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        """A reload can shorten the timeout of a caller whose earlier call still runs: the
+        new call must not wait for the old call's later deadline."""
+        caller = PooledCaller(executor, 20.0)
+        release = threading.Event()
+        try:
+            first = asyncio.create_task(caller.call("old", release.wait, 30))
+            await asyncio.sleep(0.05)
+            caller.timeout = 0.2
+            began = time.monotonic()
+            with pytest.raises(CallTimedOut):
+                await caller.call("new", release.wait, 30)
+            assert time.monotonic() - began < 2.0
+        finally:
+            release.set()
+        assert await first is True
+
+    async def test_a_call_queued_when_its_pool_is_let_go_is_cancelled_not_hung(self) -> None:
+        """A stop or reload lets the pool go with cancel_futures: a call still queued never
+        runs, and must not wait out its timeout to be reported as a hang."""
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        hangs: list[str] = []
+        caller = PooledCaller(pool, 5.0, on_hang=lambda key, timeout: hangs.append(key))
+        release = threading.Event()
+        try:
+            busy = asyncio.create_task(caller.call("a", release.wait, 30))
+            queued = asyncio.create_task(caller.call("b", str, 1))
+            await asyncio.sleep(0.05)
+            began = time.monotonic()
+            pool.shutdown(wait=False, cancel_futures=True)
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            assert time.monotonic() - began < 2.0
+            assert hangs == []
+        finally:
+            release.set()
+        assert await busy is True
+
+
+def test_timeouts_still_fire_on_a_new_loop_after_one_stopped_mid_call() -> None:
+    """One caller, two loops in turn (a test harness, a command run twice): a call left
+    hanging when the first loop ended must not keep the second loop's calls from timing out."""
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    caller = PooledCaller(pool, 0.2)
+    release = threading.Event()
+
+    async def leave_one_hanging() -> None:
+        task = asyncio.create_task(caller.call("first", release.wait, 30))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def then_time_out() -> float:
+        began = time.monotonic()
+        with pytest.raises(CallTimedOut):
+            await caller.call("second", release.wait, 30)
+        return time.monotonic() - began
+
+    try:
+        asyncio.run(leave_one_hanging())
+        assert asyncio.run(asyncio.wait_for(then_time_out(), 5)) < 2.0
+    finally:
+        release.set()
+        pool.shutdown(wait=True)

@@ -37,29 +37,54 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
 
 
 class _Expired(Exception):
-    """Set on a call's waiter by its timer: the timeout passed before the thread answered.
-    A class of its own, so that a TimeoutError the function itself raises (a socket's) is
-    its answer, not a hang."""
+    """Set on a call's waiter when its timeout passed before the thread answered. A class of
+    its own, so that a TimeoutError the function itself raises (a socket's) is its answer,
+    not a hang."""
 
 
-def _expire(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
-        waiter.set_exception(_Expired())
+def _run_and_tell(
+    loop: asyncio.AbstractEventLoop,
+    waiter: asyncio.Future[T],
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    """In the pool thread: the call, then its answer to the loop as the thread's last act
+    (the pool future gets it too, for the hung and abandoned bookkeeping)."""
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:
+        _call_soon(loop, _answer, waiter, exc, False)
+        raise
+    _call_soon(loop, _answer, waiter, value, True)
+    return value
 
 
-def _settle(waiter: asyncio.Future[T], done: concurrent.futures.Future[T]) -> None:
-    """The thread's answer, on the loop: nothing if the waiter timed out or was cancelled
-    first (the answer is nobody's then; a concurrent future logs nothing left unread)."""
+def _answer(waiter: asyncio.Future[Any], value: Any, ok: bool) -> None:
+    """On the loop: the thread's answer, unless the waiter timed out or was cancelled first
+    (the answer is nobody's then)."""
     if waiter.done():
         return
-    if done.cancelled():  # still queued when its pool was shut down
-        waiter.cancel()
-        return
-    exc = done.exception()
-    if exc is None:
-        waiter.set_result(done.result())
+    if ok:
+        waiter.set_result(value)
     else:
-        waiter.set_exception(exc)
+        waiter.set_exception(value)
+
+
+def _cancel_if_never_run(
+    loop: asyncio.AbstractEventLoop,
+    waiter: asyncio.Future[Any],
+    done: concurrent.futures.Future[Any],
+) -> None:
+    """A call still queued when its pool was let go never runs, so never answers: its waiter
+    is cancelled at once rather than timing out as a false hang."""
+    if done.cancelled():
+        _call_soon(loop, _cancel, waiter)
+
+
+def _cancel(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.cancel()
 
 
 def _retrieve(done: asyncio.Future[Any]) -> None:
@@ -84,6 +109,10 @@ class PooledCaller:
         """Calls still running whose caller was cancelled before their timeout."""
         self._on_hang = on_hang
         self._on_recover = on_recover
+        self._deadlines: dict[asyncio.Future[Any], float] = {}
+        """Waiters of calls in flight -> when their timeout passes (the loop's clock)."""
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweeper_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def hung(self) -> dict[str, float]:
@@ -103,15 +132,18 @@ class PooledCaller:
         loop = asyncio.get_running_loop()
         if key in self._abandoned:
             await self._wait_abandoned(key, loop)
-        started = time.monotonic()
-        future = self._executor.submit(fn, *args, **kwargs)
-        # One future of the loop's own, settled from the pool thread's done callback, and a
-        # timer: the answer reaches this task two turns of the loop after the thread ends
-        # (wait_for over shield over wrap_future took four). The round of every GPU makes
-        # such a call, and the hand-off is most of what a steady round costs beyond NVML.
+        # Everything the loop needs is made before the thread starts, and the thread's last
+        # act is to tell the loop: neither thread then waits for the other's hold on the GIL,
+        # each hand-over of which is a futex wake (about 12 µs on the H200's host). The round
+        # of every GPU makes such a call; the hand-off is most of what a steady round costs
+        # beyond the NVML calls (bench/gpu_round.py). One timer for all calls in flight, not
+        # one per call: a steady round's calls return in microseconds.
         waiter: asyncio.Future[T] = loop.create_future()
-        future.add_done_callback(lambda done: _call_soon(loop, _settle, waiter, done))
-        timer = loop.call_later(self.timeout, _expire, waiter)
+        self._deadlines[waiter] = deadline = loop.time() + self.timeout
+        self._arm(loop, deadline)
+        started = time.monotonic()
+        future = self._executor.submit(_run_and_tell, loop, waiter, fn, args, kwargs)
+        future.add_done_callback(lambda done: _cancel_if_never_run(loop, waiter, done))
         try:
             return await waiter
         except _Expired:
@@ -123,7 +155,36 @@ class PooledCaller:
             self._abandon(key, started, future, loop)
             raise
         finally:
-            timer.cancel()
+            del self._deadlines[waiter]
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """The sweeper runs by `deadline` (a shorter timeout set by a reload comes earlier)."""
+        sweeper = self._sweeper
+        if sweeper is not None and self._sweeper_loop is loop and sweeper.when() <= deadline:
+            return
+        if sweeper is not None:
+            sweeper.cancel()
+        self._sweeper = loop.call_at(deadline, self._sweep, loop)
+        self._sweeper_loop = loop
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Time out every call past its deadline; run again by the next one in flight."""
+        self._sweeper = self._sweeper_loop = None
+        now = loop.time()
+        for waiter, deadline in list(self._deadlines.items()):
+            if waiter.get_loop() is not loop:  # a loop that stopped while its call hung
+                if waiter.get_loop().is_closed():
+                    del self._deadlines[waiter]
+                continue
+            if deadline <= now and not waiter.done():
+                waiter.set_exception(_Expired())
+        later = [
+            deadline
+            for waiter, deadline in self._deadlines.items()
+            if deadline > now and waiter.get_loop() is loop
+        ]
+        if later:
+            self._arm(loop, min(later))
 
     def _abandon(
         self,
