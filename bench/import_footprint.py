@@ -1,0 +1,287 @@
+"""What the daemon's start-up imports cost, and what `gpuwarden run` has loaded after its first
+rounds: one table, side by side for two checkouts when `--before` names another.
+
+    python bench/import_footprint.py [--before /path/to/other/checkout] [--top 25] [--run]
+
+Every module stays resident for the daemon's life (issue 14: <= 64 MB RSS on the H200), so the
+figures are of `import agent.program.cli, agent.program.registry` in a fresh interpreter:
+- RSS before and after the import (no tracing in that interpreter), and the modules loaded;
+- tracemalloc of each module's own execution (its code objects, classes, tables, compiled
+  regular expressions; what the modules it imports allocate is theirs), summed per top-level
+  package, and the largest modules;
+- with `--run`: `gpuwarden run` on the embedded defaults and the fake NVML
+  (tests/support/modules_agent.py), short intervals, until every collector has run 3 rounds
+  and the benchmark has tried once: its RSS then, and the modules it loaded after start-up.
+Extension modules' code (a shared object such as _decimal's) is not traced: RSS shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.support.agent_proc import AgentProcess, http_get  # noqa: E402
+from tests.support.modules_agent import ask  # noqa: E402
+
+ENTRY = "import agent.program.cli, agent.program.registry"
+
+# Patches the import system's one loading step (importlib._bootstrap._load_unlocked, which every
+# import statement goes through), so a module's own allocations are the traced growth while it
+# executes less what the imports it starts allocate.
+TRACE = """
+import json, sys, tracemalloc
+import importlib._bootstrap as bootstrap
+tracemalloc.start()
+original = bootstrap._load_unlocked
+nested, own, parent, names = [], {}, {}, []
+def load(spec):
+    parent.setdefault(spec.name, names[-1] if names else None)
+    nested.append(0)
+    names.append(spec.name)
+    before = tracemalloc.get_traced_memory()[0]
+    try:
+        return original(spec)
+    finally:
+        grown = tracemalloc.get_traced_memory()[0] - before
+        names.pop()
+        own[spec.name] = own.get(spec.name, 0) + grown - nested.pop()
+        if nested:
+            nested[-1] += grown
+bootstrap._load_unlocked = load
+ENTRY
+bootstrap._load_unlocked = original
+print(json.dumps({"own": own, "parent": parent}))
+"""
+
+RSS = """
+import json, sys
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+bare, count = rss(), len(sys.modules)
+ENTRY
+print(json.dumps({"bare": bare, "after": rss(), "modules": len(sys.modules) - count,
+                  "names": sorted(m for m, v in sys.modules.items() if v)}))
+"""
+
+
+@dataclass
+class Footprint:
+    label: str
+    own: dict[str, int]
+    parent: dict[str, str | None]
+    rss_bare: int
+    rss_after: int
+    modules: int
+    names: set[str]
+    run_rss: int | None = None
+    run_names: set[str] | None = None
+
+    def packages(self) -> dict[str, tuple[int, int]]:
+        """Top-level package -> (bytes, modules)."""
+        out: dict[str, tuple[int, int]] = {}
+        for name, size in self.own.items():
+            top = name.split(".")[0]
+            total, count = out.get(top, (0, 0))
+            out[top] = (total + size, count + 1)
+        return out
+
+    def chain(self, name: str) -> str:
+        """Who imported `name`, up to the entry point."""
+        links = [name]
+        while (up := self.parent.get(links[-1])) is not None and len(links) < 12:
+            links.append(up)
+        return " <- ".join(links)
+
+
+def python(repo: Path, code: str, *extra: str) -> dict[str, object]:
+    out = subprocess.run(
+        [sys.executable, *extra, "-c", code.replace("ENTRY", ENTRY)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    result: dict[str, object] = json.loads(out.stdout.splitlines()[-1])
+    return result
+
+
+def measure(repo: Path, label: str) -> Footprint:
+    python(repo, "ENTRY\nprint('{}')")  # byte-compile first: compiling is not what stays
+    traced = python(repo, TRACE)
+    # The median of three fresh interpreters: RSS moves by a few hundred kB run to run.
+    runs = sorted((python(repo, RSS) for _ in range(3)), key=lambda r: int(str(r["after"])))
+    rss = runs[1]
+    return Footprint(
+        label=label,
+        own={str(k): int(v) for k, v in dict(traced["own"]).items()},  # type: ignore[call-overload]
+        parent=dict(traced["parent"]),  # type: ignore[call-overload]
+        rss_bare=int(str(rss["bare"])),
+        rss_after=int(str(rss["after"])),
+        modules=int(str(rss["modules"])),
+        names=set(rss["names"]),  # type: ignore[call-overload]
+    )
+
+
+# Rounds every second; the benchmark (whose interval must hold its child) tries at once.
+RUN_CONFIG = (
+    "".join(
+        f"[collectors.{name}]\ninterval = 1.0\n"
+        for name in ("system", "gpu", "disk", "processes", "kernel_log")
+    )
+    + '[collectors.benchmark]\ninterval = 15.0\nchild_timeout = 10.0\nwhen = "always"\n'
+)
+
+
+def rounds_done(agent: AgentProcess, rounds: int) -> bool:
+    _, text = http_get(agent.metrics_url)
+    runs = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("gpuwarden_collector_runs_total{")
+        and 'collector="benchmark"' not in line
+    ]
+    tried = "gpuwarden_benchmark_last_run_timestamp_seconds" in text
+    return bool(runs) and min(runs) >= rounds and tried
+
+
+def run_agent(repo: Path, footprint: Footprint, rounds: int = 3) -> None:
+    """`gpuwarden run` of `repo` for a few rounds: its RSS and what it has loaded then."""
+    # The launcher of this checkout, run by path: the other checkout may not have one.
+    launcher = REPO / "tests" / "support" / "modules_agent.py"
+    work = Path(tempfile.mkdtemp(prefix="gpuwarden-imports-"))
+    (work / "dev").mkdir()
+    request = work / "dump"
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(launcher)!r}, *sys.argv[1:]]\n"
+        f"runpy.run_path({str(launcher)!r}, run_name='__main__')\n"
+    )
+    agent = AgentProcess(
+        work / "agent",
+        config_text=RUN_CONFIG,
+        repo=repo,
+        entry=["-c", code, str(work / "dev"), "2", str(request)],
+    )
+    try:
+        agent.start(timeout=60)
+        deadline = time.monotonic() + 120
+        while not rounds_done(agent, rounds):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {rounds} rounds in 120 s:\n{agent.log()}")
+            time.sleep(0.2)
+        footprint.run_names = set(ask(request))
+        assert agent.process is not None
+        status = Path(f"/proc/{agent.process.pid}/status").read_text()
+        footprint.run_rss = next(
+            int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")
+        )
+    finally:
+        agent.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def kib(size: int | None) -> str:
+    return "-" if size is None else f"{size / 1024:,.0f}"
+
+
+def mib(size: int | None) -> str:
+    return "-" if size is None else f"{size / 2**20:.1f}"
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def report(prints: Sequence[Footprint], top: int) -> str:
+    head = ["", *(p.label for p in prints)]
+    rows: list[list[str]] = [head]
+    rows.append(["RSS, bare interpreter (MiB)", *(mib(p.rss_bare) for p in prints)])
+    rows.append([f"RSS after `{ENTRY}` (MiB)", *(mib(p.rss_after) for p in prints)])
+    rows.append(["modules the import loads", *(str(p.modules) for p in prints)])
+    rows.append(["traced by their execution (kB)", *(kib(sum(p.own.values())) for p in prints)])
+    if any(p.run_rss is not None for p in prints):
+        rows.append(
+            ["`gpuwarden run`, after its rounds: RSS (MiB)", *(mib(p.run_rss) for p in prints)]
+        )
+        rows.append(
+            [
+                "  modules loaded after start-up",
+                *("-" if p.run_names is None else str(len(p.run_names - p.names)) for p in prints),
+            ]
+        )
+    rows.append(["per top-level package: kB (modules)", *("" for _ in prints)])
+    packages = [p.packages() for p in prints]
+    biggest = sorted(
+        {k for pk in packages for k in pk},
+        key=lambda k: -max(pk.get(k, (0, 0))[0] for pk in packages),
+    )
+    for name in biggest[:top]:
+        cells = [f"{kib(pk[name][0])} ({pk[name][1]})" if name in pk else "-" for pk in packages]
+        rows.append([f"  {name}", *cells])
+    rows.append(["largest modules: kB of their own execution", *("" for _ in prints)])
+    largest = sorted(
+        {m for p in prints for m in p.own}, key=lambda m: -max(p.own.get(m, 0) for p in prints)
+    )
+    for name in largest[:top]:
+        rows.append([f"  {name}", *(kib(p.own.get(name)) for p in prints)])
+    out = [table(rows)]
+    last = prints[-1]
+    if len(prints) == 2:
+        gone = sorted(prints[0].names - last.names)
+        new = sorted(last.names - prints[0].names)
+        out.append(
+            f"\nloaded at start-up by {prints[0].label} only ({len(gone)}): {' '.join(gone)}"
+        )
+        out.append(f"loaded at start-up by {last.label} only ({len(new)}): {' '.join(new)}")
+    for p in prints:
+        if p.run_names is not None:
+            late = sorted(p.run_names - p.names)
+            out.append(
+                f"\n{p.label}: `gpuwarden run` loaded after start-up ({len(late)}): {' '.join(late)}"
+            )
+    out.append("\nwho imports the largest of " + last.label + ":")
+    out.extend(f"  {last.chain(name)}" for name in largest[: min(top, 10)] if name in last.parent)
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, help="another checkout, measured beside this one")
+    parser.add_argument("--top", type=int, default=25, help="rows of packages and of modules")
+    parser.add_argument("--run", action="store_true", help="also run the agent for a few rounds")
+    args = parser.parse_args()
+    checkouts = [(args.before.resolve(), "before")] if args.before else []
+    checkouts.append((REPO, "this checkout" if not args.before else "after"))
+    prints = [measure(repo, label) for repo, label in checkouts]
+    if args.run:
+        for (repo, _), footprint in zip(checkouts, prints, strict=True):
+            run_agent(repo, footprint)
+    print(report(prints, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
