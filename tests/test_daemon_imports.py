@@ -11,8 +11,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from tests.support.agent_proc import AgentProcess, http_get
+from tests.support.modules_agent import ask
+from tests.support.waiting import wait_until
 
 # Installed in the test environment (rich via import-linter, yaml and bcrypt as dependencies,
 # prometheus_client as a test dependency: exporters/exposition.py renders /metrics), so each
@@ -68,3 +73,96 @@ def test_web_config_loads_yaml_when_asked(tmp_path: object) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.split() == ["True", "UsersFileError"]
+
+
+# Issue 14, the daemon's own imports: what `gpuwarden run` never runs must not be resident.
+# statistics (with fractions and decimal, whose _decimal is a 1.7 MB shared object) served two
+# medians and the benchmark child's module; zipfile and pickletools read checkpoint files, which
+# only the checkpoints collector opens, and only when it finds one; the benchmark child
+# (collectors/benchmark/child.py) runs in its own process; the one-shot commands (check, diag
+# and its bundle's tarfile, scan, bench, watch, ...) are not the daemon's.
+NOT_IN_DAEMON = (
+    "statistics",
+    "fractions",
+    "decimal",
+    "_decimal",
+    "zipfile",
+    "pickletools",
+    "collectors.benchmark.child",
+    "agent.program.commands.check",
+    "agent.program.commands.diag",
+    "agent.program.commands.scan",
+    "agent.program.commands.bench",
+    "agent.program.commands.watch",
+    "agent.program.diagnose",
+    "agent.program.watch.service",
+    "tarfile",
+)
+
+
+def modules_after(code: str) -> set[str]:
+    """Every module a fresh interpreter holds after running `code`."""
+    probe = (
+        f"{code}\nimport json, sys\n"
+        "print(json.dumps(sorted(m for m, v in sys.modules.items() if v is not None)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    names: list[str] = json.loads(out.stdout.splitlines()[-1])
+    return set(names)
+
+
+# The daemon's own (the watcher, another process, publishes with aiomqtt).
+DAEMON_ENTRY_POINTS = ("agent.program.cli", "agent.program.registry")
+
+
+@pytest.mark.parametrize("module", DAEMON_ENTRY_POINTS)
+def test_start_up_loads_nothing_the_daemon_never_runs(module: str) -> None:
+    loaded = modules_after(f"import {module}")
+    assert module in loaded  # the probe sees what the import loaded
+    assert loaded.isdisjoint(NOT_IN_DAEMON), sorted(loaded & set(NOT_IN_DAEMON))
+
+
+# The embedded defaults with rounds every second, and a benchmark that tries at once (its child
+# fails here, without a GPU: the failure's path runs, history and events included).
+FAST_ROUNDS = (
+    "".join(
+        f"[collectors.{name}]\ninterval = 1.0\n"
+        for name in ("system", "gpu", "disk", "processes", "kernel_log")
+    )
+    + '[collectors.benchmark]\ninterval = 15.0\nchild_timeout = 10.0\nwhen = "always"\n'
+)
+
+
+def rounds_done(agent: AgentProcess, rounds: int) -> bool:
+    _, text = http_get(agent.metrics_url)
+    lines = text.splitlines()
+    runs = [
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("gpuwarden_collector_runs_total{") and "benchmark" not in line
+    ]
+    tried = any(line.startswith("gpuwarden_benchmark_last_run_timestamp") for line in lines)
+    return len(runs) >= 5 and min(runs) >= rounds and tried
+
+
+def test_the_running_agent_loads_nothing_it_never_runs(tmp_path: Path) -> None:
+    """A real `gpuwarden run` on the fake NVML, after 3 rounds of every collector the defaults
+    enable and a benchmark attempt: a collector that imports at its first round counts too."""
+    devices, request = tmp_path / "dev", tmp_path / "modules"
+    devices.mkdir()
+    agent = AgentProcess(
+        tmp_path / "agent",
+        config_text=FAST_ROUNDS,
+        entry=["-m", "tests.support.modules_agent", str(devices), "2", str(request)],
+    )
+    agent.start(timeout=30)
+    try:
+        wait_until(lambda: rounds_done(agent, 3), timeout=60, what="3 rounds of each collector")
+        loaded = set(ask(request))
+    finally:
+        agent.stop()
+    # The probe sees what rounds load: the state store, NVML, the benchmark's runner.
+    assert {"sqlite3", "pynvml", "collectors.benchmark.runner", "agent.runtime.core"} <= loaded
+    assert loaded.isdisjoint(NOT_IN_DAEMON), sorted(loaded & set(NOT_IN_DAEMON))
