@@ -40,7 +40,19 @@ def add_config_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def named_command(argv: Sequence[str]) -> str | None:
+    """The command `argv` names: its first word that is not an option (no option of the top
+    level takes a value), or None when it names none of COMMANDS."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser. With `only`, the other commands are listed with their help line
+    (so usage, `--help` and errors read the same) without importing their modules: what a
+    command imports stays resident for its life, and `run` is the daemon (issue 14)."""
     parser = argparse.ArgumentParser(
         prog="gpuwarden",
         description="Health agent for GPU hosts: GPUs, kernel log, disks, processes and a "
@@ -49,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(f"agent.program.commands.{module_name}")
         command = sub.add_parser(name, help=help_text, description=module.__doc__)
         add_config_argument(command)
@@ -58,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(named_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     code: int = args._module.main(args)
     return code
