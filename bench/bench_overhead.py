@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from collectors._nvml import NvmlBackend  # noqa: E402
-from collectors.benchmark.child import PROFILES, Request, child_arguments  # noqa: E402
 from collectors.benchmark.collector import cuda_device_plan  # noqa: E402
 from collectors.benchmark.gpus import GpuBackendUnavailable, NvmlActivity  # noqa: E402
+from collectors.benchmark.request import PROFILES, Request, child_arguments  # noqa: E402
 from collectors.benchmark.runner import ChildRunner  # noqa: E402
 
 PLAIN_LOOP = r"""

@@ -1,8 +1,9 @@
 """The benchmark child: one matmul test on one device, one JSON object on stdout.
 
 Run as `python -m collectors.benchmark.child --device 0 --profile fp32 --size 2048`. This is the only
-gpuwarden module that imports torch, and it does so inside `main()`: the daemon imports this
-module for `PROFILES` and the argument builder, never torch. A CUDA context costs about 800 MB of
+gpuwarden module that imports torch, and it does so inside `main()`. The daemon never imports
+this module: what parent and child share (the profiles, the request, its arguments) is in
+collectors/benchmark/request.py. A CUDA context costs about 800 MB of
 GPU memory until its process exits (docs/MEASUREMENTS.md), so it lives only in this short-lived child.
 
 The test follows the field guide's script (docs/MEASUREMENTS.md, "The benchmark record") and keeps its record
@@ -31,7 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
-if TYPE_CHECKING:  # the daemon imports this module; torch only ever loads inside main()
+from collectors.benchmark.request import PROFILES, Request
+
+if TYPE_CHECKING:  # torch only ever loads inside main()
     import torch
 
 RECORD_VERSION: Final = 1
@@ -50,52 +53,6 @@ every (row band x column) tile of the output has a checked row in it. A fault th
 tile (a bad SM, a bad memory page under a tile) is caught; one wrong element elsewhere may not be."""
 
 MAX_ITERATIONS: Final = 1_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class Profile:
-    """A benchmark precision with its valid sizes and the error it may show when healthy.
-
-    `tolerance` bounds |C - C_ref| / (|A|·|B|) element-wise, with C_ref and |A|·|B| computed in
-    float64 from the very inputs used (already rounded to `dtype`). Sources of the numbers: the
-    classic bound for a dot product of length K is K·u·(|a|·|b|), but rounding errors of a
-    blocked GEMM are random and grow like sqrt(K)·u, which at K <= 16384 and unit roundoff u is
-    far below these limits; a real fault (a wrong tile, a flipped exponent bit) is orders above.
-    """
-
-    name: str
-    dtype: str
-    matmul_precision: str
-    default_size: int
-    min_size: int
-    max_size: int
-    tolerance: float
-
-
-PROFILES: Final[dict[str, Profile]] = {
-    # Healthy errors measured on an H200 (torch 2.11+cu130) and on a CPU, against the bound
-    # below: fp32 2e-7, tf32 3e-5, bf16 2e-4 (CPU 1e-3 at n=128), fp16 2e-5 (CPU 1e-4): every
-    # tolerance has a margin of 10x or more; the planted wrong tile reads 1e-1 or more.
-    # fp32 "highest": u = 2^-24 ≈ 6e-8. Sizes 128-4096 as in the field guide's smoke test.
-    "fp32": Profile("fp32", "float32", "highest", 2048, 128, 4096, 1e-5),
-    # TF32 ("high"): inputs rounded to a 10-bit mantissa, u = 2^-11 ≈ 4.9e-4 per product.
-    "tf32": Profile("tf32", "float32", "high", 4096, 128, 16384, 1e-3),
-    # bf16: 8-bit mantissa, u = 2^-8 ≈ 3.9e-3, and the output itself is rounded to bf16.
-    "bf16": Profile("bf16", "bfloat16", "highest", 8192, 128, 16384, 1e-2),
-    # fp16: 11-bit mantissa, u = 2^-11, output rounded to fp16.
-    "fp16": Profile("fp16", "float16", "highest", 8192, 128, 16384, 5e-3),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    device: str
-    profile: Profile
-    size: int
-    iterations: int
-    warmup: int
-    samples: int
-    min_window_seconds: float
 
 
 class ChildFailure(Exception):
@@ -130,26 +87,6 @@ def classify_failure(exc: BaseException) -> ChildFailure:
     if "invalid device ordinal" in lower:
         return ChildFailure("device_not_found", text, EXIT_NO_DEVICE)
     return ChildFailure("error", text, EXIT_ERROR)
-
-
-def child_arguments(request: Request) -> list[str]:
-    """The command-line arguments that make `main` run `request` (used by the parent)."""
-    return [
-        "--device",
-        request.device,
-        "--profile",
-        request.profile.name,
-        "--size",
-        str(request.size),
-        "--iterations",
-        str(request.iterations),
-        "--warmup",
-        str(request.warmup),
-        "--samples",
-        str(request.samples),
-        "--min-window",
-        repr(request.min_window_seconds),
-    ]
 
 
 class _JsonArgumentParser(argparse.ArgumentParser):
@@ -316,7 +253,7 @@ def _plant_wrong_block(out: torch.Tensor, rng: random.Random) -> None:
 def run(request: Request) -> dict[str, Any]:
     started = time.monotonic()
     try:
-        import torch  # noqa: PLC0415 - only here: the daemon imports this module
+        import torch  # noqa: PLC0415 - only here: importing this module (tests do) loads none
     except ImportError as exc:
         raise ChildFailure("torch_missing", f"cannot import torch: {exc}", EXIT_NO_DEVICE) from exc
     device = _open_device(torch, request)

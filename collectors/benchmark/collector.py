@@ -36,7 +36,6 @@ from agent.contracts.pause import Released
 from agent.contracts.settings import setting
 from collectors._nvml import NvmlBackend
 from collectors.benchmark import events as bench_events
-from collectors.benchmark.child import PROFILES, Request, child_arguments
 from collectors.benchmark.gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, NvmlActivity
 from collectors.benchmark.history import (
     BaselinePolicy,
@@ -45,6 +44,7 @@ from collectors.benchmark.history import (
     RecordError,
     judge,
 )
+from collectors.benchmark.request import PROFILES, Request, child_arguments
 from collectors.benchmark.runner import ChildOutcome, ChildRunner, default_command
 
 log = structlog.get_logger(component="benchmark")

@@ -29,7 +29,6 @@ from agent.program import config_file as config_module
 from agent.program import output
 from agent.runtime.rounds import collector_pool
 from collectors._nvml import NvmlBackend
-from collectors.benchmark.child import PROFILES
 from collectors.benchmark.collector import BenchmarkCollector, BenchmarkSettings, RunResult
 from collectors.benchmark.events import FAILURE_ACTIONS
 from collectors.benchmark.gpus import GpuActivity, GpuBackendUnavailable, GpuIdentity, NvmlActivity
@@ -40,6 +39,7 @@ from collectors.benchmark.history import (
     is_good,
     parse_lines,
 )
+from collectors.benchmark.request import PROFILES
 from collectors.benchmark.runner import FAILURE_MESSAGES
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_WRONG = 0, 1, 2, 3
