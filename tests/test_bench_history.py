@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from collectors.benchmark.history import (
     RecordError,
     baseline_for,
     judge,
+    median,
     parse_lines,
     peer_median,
     regressed,
@@ -279,3 +281,15 @@ class TestPeers:
             record(50.0, T0, uuid="GPU-E", torch="2.10.0"),
         ]
         assert peer_median(history, record(40.0, T0 + 3, uuid="GPU-A"), POLICY) is None
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=1e4, allow_nan=False), min_size=1))
+def test_median_is_the_standard_librarys(values: list[float]) -> None:
+    """The daemon's own median (statistics stays out of it) gives statistics.median's value,
+    to the bit, for odd and even counts."""
+    assert median(iter(values)) == statistics.median(values)
+
+
+def test_median_of_nothing_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no values"):
+        median([])
