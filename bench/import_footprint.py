@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.support.agent_proc import AgentProcess, http_get  # noqa: E402
-from tests.support.modules_agent import ask  # noqa: E402
+from tests.support.agent_proc import AgentProcess  # noqa: E402
+from tests.support.modules_agent import ask, fast_rounds, rounds_done  # noqa: E402
 
 ENTRY = "import agent.program.cli, agent.program.registry"
 
@@ -138,28 +138,6 @@ def measure(repo: Path, label: str) -> Footprint:
     )
 
 
-# Rounds every second; the benchmark (whose interval must hold its child) tries at once.
-RUN_CONFIG = (
-    "".join(
-        f"[collectors.{name}]\ninterval = 1.0\n"
-        for name in ("system", "gpu", "disk", "processes", "kernel_log")
-    )
-    + '[collectors.benchmark]\ninterval = 15.0\nchild_timeout = 10.0\nwhen = "always"\n'
-)
-
-
-def rounds_done(agent: AgentProcess, rounds: int) -> bool:
-    _, text = http_get(agent.metrics_url)
-    runs = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("gpuwarden_collector_runs_total{")
-        and 'collector="benchmark"' not in line
-    ]
-    tried = "gpuwarden_benchmark_last_run_timestamp_seconds" in text
-    return bool(runs) and min(runs) >= rounds and tried
-
-
 def run_agent(repo: Path, footprint: Footprint, rounds: int = 3) -> None:
     """`gpuwarden run` of `repo` for a few rounds: its RSS and what it has loaded then."""
     # The launcher of this checkout, run by path: the other checkout may not have one.
@@ -174,7 +152,7 @@ def run_agent(repo: Path, footprint: Footprint, rounds: int = 3) -> None:
     )
     agent = AgentProcess(
         work / "agent",
-        config_text=RUN_CONFIG,
+        config_text=fast_rounds(work / "kern.log"),
         repo=repo,
         entry=["-c", code, str(work / "dev"), "2", str(request)],
     )
@@ -185,7 +163,7 @@ def run_agent(repo: Path, footprint: Footprint, rounds: int = 3) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {rounds} rounds in 120 s:\n{agent.log()}")
             time.sleep(0.2)
-        footprint.run_names = set(ask(request))
+        footprint.run_names = ask(request).modules
         assert agent.process is not None
         status = Path(f"/proc/{agent.process.pid}/status").read_text()
         footprint.run_rss = next(

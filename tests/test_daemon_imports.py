@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent_proc import AgentProcess, http_get
-from tests.support.modules_agent import ask
+from tests.support.agent_proc import AgentProcess
+from tests.support.modules_agent import ask, fast_rounds, rounds_done
 from tests.support.waiting import wait_until
 
 # Installed in the test environment (rich via import-linter, yaml and bcrypt as dependencies,
@@ -124,29 +124,6 @@ def test_start_up_loads_nothing_the_daemon_never_runs(module: str) -> None:
     assert loaded.isdisjoint(NOT_IN_DAEMON), sorted(loaded & set(NOT_IN_DAEMON))
 
 
-# The embedded defaults with rounds every second, and a benchmark that tries at once (its child
-# fails here, without a GPU: the failure's path runs, history and events included).
-FAST_ROUNDS = (
-    "".join(
-        f"[collectors.{name}]\ninterval = 1.0\n"
-        for name in ("system", "gpu", "disk", "processes", "kernel_log")
-    )
-    + '[collectors.benchmark]\ninterval = 15.0\nchild_timeout = 10.0\nwhen = "always"\n'
-)
-
-
-def rounds_done(agent: AgentProcess, rounds: int) -> bool:
-    _, text = http_get(agent.metrics_url)
-    lines = text.splitlines()
-    runs = [
-        float(line.rsplit(" ", 1)[1])
-        for line in lines
-        if line.startswith("gpuwarden_collector_runs_total{") and "benchmark" not in line
-    ]
-    tried = any(line.startswith("gpuwarden_benchmark_last_run_timestamp") for line in lines)
-    return len(runs) >= 5 and min(runs) >= rounds and tried
-
-
 def test_the_running_agent_loads_nothing_it_never_runs(tmp_path: Path) -> None:
     """A real `gpuwarden run` on the fake NVML, after 3 rounds of every collector the defaults
     enable and a benchmark attempt: a collector that imports at its first round counts too."""
@@ -154,15 +131,16 @@ def test_the_running_agent_loads_nothing_it_never_runs(tmp_path: Path) -> None:
     devices.mkdir()
     agent = AgentProcess(
         tmp_path / "agent",
-        config_text=FAST_ROUNDS,
+        config_text=fast_rounds(tmp_path / "kern.log"),
         entry=["-m", "tests.support.modules_agent", str(devices), "2", str(request)],
     )
     agent.start(timeout=30)
     try:
         wait_until(lambda: rounds_done(agent, 3), timeout=60, what="3 rounds of each collector")
-        loaded = set(ask(request))
+        held = ask(request)
     finally:
         agent.stop()
     # The probe sees what rounds load: the state store, NVML, the benchmark's runner.
+    loaded = held.modules
     assert {"sqlite3", "pynvml", "collectors.benchmark.runner", "agent.runtime.core"} <= loaded
     assert loaded.isdisjoint(NOT_IN_DAEMON), sorted(loaded & set(NOT_IN_DAEMON))

@@ -2,8 +2,9 @@
 `python -m tests.support.modules_agent DEVICE_DIR GPUS DUMP run --config ...`.
 
 The agent runs as tests/support/fake_nvml_agent.py runs it. Each time the file DUMP appears, the
-process writes the names in its `sys.modules` (one JSON list) to `dumped(DUMP)` and removes
-DUMP, so a caller that has seen the rounds it wants asks, then reads what those rounds loaded.
+process writes the names in its `sys.modules`, and whether it has read the Xid catalog (held
+once read, collectors/_xid_catalog.py), to `dumped(DUMP)` and removes DUMP: a caller that has
+seen the rounds it wants asks, then reads what those rounds loaded.
 """
 
 from __future__ import annotations
@@ -13,18 +14,56 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from agent.program.cli import main
+from tests.support.agent_proc import AgentProcess, http_get
 from tests.support.fake_nvml_agent import _install
+
+# The embedded defaults with rounds every second, and a benchmark that tries at once (its child
+# fails without a GPU: the failure's path runs, history and events included). The kernel log is
+# a file of quiet lines: a test machine's /dev/kmsg may hold the Xids other tests write.
+FAST_ROUNDS = (
+    "".join(
+        f"[collectors.{name}]\ninterval = 1.0\n" for name in ("system", "gpu", "disk", "processes")
+    )
+    + '[collectors.benchmark]\ninterval = 15.0\nchild_timeout = 10.0\nwhen = "always"\n'
+)
+QUIET_LOG = "[    1.000000] Linux version 6.1.0\n[    2.000000] usb 1-1: new device\n"
+
+
+def fast_rounds(kernel_log: Path) -> str:
+    """FAST_ROUNDS, and the kernel log read from `kernel_log` (written here)."""
+    kernel_log.write_text(QUIET_LOG)
+    return f'{FAST_ROUNDS}[collectors.kernel_log]\ninterval = 1.0\npath = "{kernel_log}"\n'
+
+
+def rounds_done(agent: AgentProcess, rounds: int) -> bool:
+    """Every collector but the benchmark has started `rounds` rounds; the benchmark has run."""
+    _, text = http_get(agent.metrics_url)
+    lines = text.splitlines()
+    runs = [
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("gpuwarden_collector_runs_total{") and "benchmark" not in line
+    ]
+    tried = any(line.startswith("gpuwarden_benchmark_last_run_timestamp") for line in lines)
+    return len(runs) >= 5 and min(runs) >= rounds and tried
 
 
 def dumped(request: Path) -> Path:
     return request.with_name(f"{request.name}.json")
 
 
-def ask(request: Path, timeout: float = 20.0) -> list[str]:
-    """From the caller's side: the modules the agent holds now."""
+@dataclass(frozen=True)
+class Loaded:
+    modules: set[str]
+    xid_catalog: bool
+
+
+def ask(request: Path, timeout: float = 20.0) -> Loaded:
+    """From the caller's side: what the agent holds now."""
     answer = dumped(request)
     answer.unlink(missing_ok=True)
     request.touch()
@@ -33,16 +72,22 @@ def ask(request: Path, timeout: float = 20.0) -> list[str]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the agent wrote no {answer} within {timeout} s")
         time.sleep(0.05)
-    names: list[str] = json.loads(answer.read_text())
-    return names
+    held = json.loads(answer.read_text())
+    return Loaded(set(held["modules"]), bool(held["xid_catalog"]))
+
+
+def _held() -> dict[str, object]:
+    names = sorted(name for name, module in list(sys.modules.items()) if module)
+    xid_catalog = sys.modules.get("collectors._xid_catalog")
+    read = xid_catalog is not None and xid_catalog.catalog.cache_info().currsize > 0
+    return {"modules": names, "xid_catalog": read}
 
 
 def _serve(request: Path) -> None:
     while True:
         if request.exists():
-            names = sorted(name for name, module in list(sys.modules.items()) if module)
             tmp = request.with_name(f"{request.name}.tmp")
-            tmp.write_text(json.dumps(names))
+            tmp.write_text(json.dumps(_held()))
             request.unlink()
             os.replace(tmp, dumped(request))  # whole, or not there: the caller polls for it
         time.sleep(0.05)
