@@ -144,3 +144,23 @@ def test_the_running_agent_loads_nothing_it_never_runs(tmp_path: Path) -> None:
     loaded = held.modules
     assert {"sqlite3", "pynvml", "collectors.benchmark.runner", "agent.runtime.core"} <= loaded
     assert loaded.isdisjoint(NOT_IN_DAEMON), sorted(loaded & set(NOT_IN_DAEMON))
+    # Read at the first GPU finding (test_the_xid_catalog_is_read_at_the_first_finding).
+    assert not held.xid_catalog
+
+
+def test_the_xid_catalog_is_read_at_the_first_finding() -> None:
+    """The kernel log's matchers read the catalog when a GPU falls off the bus, not when they
+    are imported, and the finding still carries Xid 79's action."""
+    code = (
+        "from collectors._xid_catalog import catalog, lookup\n"
+        "from collectors.kernel_log.matchers import FallenOffBusMatcher\n"
+        "from collectors.kernel_log.parse import LogRecord\n"
+        "before = catalog.cache_info().currsize\n"
+        "line = LogRecord('NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.')\n"
+        "[found] = FallenOffBusMatcher().feed(line)\n"
+        "print(before, catalog.cache_info().currsize, found.action == lookup(79).action)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.split() == ["0", "1", "True"]
