@@ -12,7 +12,10 @@ figures are of `import agent.program.cli, agent.program.registry` in a fresh int
 - with `--run`: `gpuwarden run` on the embedded defaults and the fake NVML
   (tests/support/modules_agent.py), short intervals, until every collector has run 3 rounds
   and the benchmark has tried once: its RSS then, and the modules it loaded after start-up.
-Extension modules' code (a shared object such as _decimal's) is not traced: RSS shows it.
+Extension modules' code (a shared object such as _decimal's) is not traced: RSS shows it. A
+module is also charged what the interpreter sets up lazily while it runs (the first user of the
+`ast` node types, say). Both checkouts are byte-compiled first (into their __pycache__); for
+the branch point: `git archive main | tar -x -C /tmp/before` and `--before /tmp/before`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ ENTRY = "import agent.program.cli, agent.program.registry"
 TRACE = """
 import json, sys, tracemalloc
 import importlib._bootstrap as bootstrap
+# The table of interned strings grows as modules load, and a resize would be charged to
+# whichever module made it: grown once beforehand (untraced), it stays that size.
+warm = [sys.intern(f"gpuwarden-warm-{i}") for i in range(200_000)]
+del warm
 tracemalloc.start()
 original = bootstrap._load_unlocked
 nested, own, parent, names = [], {}, {}, []
@@ -107,11 +114,14 @@ class Footprint:
         return " <- ".join(links)
 
 
-def python(repo: Path, code: str, *extra: str) -> dict[str, object]:
+def python(repo: Path, code: str, *, write_bytecode: bool = False) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    if write_bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     out = subprocess.run(
-        [sys.executable, *extra, "-c", code.replace("ENTRY", ENTRY)],
+        [sys.executable, "-c", code.replace("ENTRY", ENTRY)],
         cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
+        env=env,
         capture_output=True,
         text=True,
         check=True,
@@ -122,7 +132,9 @@ def python(repo: Path, code: str, *extra: str) -> dict[str, object]:
 
 
 def measure(repo: Path, label: str) -> Footprint:
-    python(repo, "ENTRY\nprint('{}')")  # byte-compile first: compiling is not what stays
+    # Byte-compiled first, as an installed agent is: compiling a module from its source raises
+    # the process's high-water mark (RSS) by more than the differences measured here.
+    python(repo, "ENTRY\nimport agent.program.commands.run\nprint('{}')", write_bytecode=True)
     traced = python(repo, TRACE)
     # The median of three fresh interpreters: RSS moves by a few hundred kB run to run.
     runs = sorted((python(repo, RSS) for _ in range(3)), key=lambda r: int(str(r["after"])))
