@@ -32,7 +32,7 @@ import structlog
 
 from agent.contracts.errors import ConfigError, StateStoreError
 from agent.contracts.model import Event, MetricFamily, MetricType, RepairAction, Sample, Severity
-from agent.contracts.sink import OutboxEntry, SinkContext, SinkSpec
+from agent.contracts.sink import OutboxEntry, SinkContext
 from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
 from exporters.mqtt_client import (
     FAILURE_TEXT,
@@ -549,11 +549,3 @@ class MqttSink:
             for reason, n in sorted(self.connect_failures.items())
         )
         return out
-
-
-SPEC = SinkSpec(
-    name="mqtt",
-    description="MQTT push: status with birth and Will, heartbeat, events, metric snapshots",
-    settings_type=MqttSettings,
-    factory=MqttSink,
-)

@@ -80,7 +80,8 @@ def test_web_config_loads_yaml_when_asked(tmp_path: object) -> None:
 # medians and the benchmark child's module; zipfile and pickletools read checkpoint files, which
 # only the checkpoints collector opens, and only when it finds one; the benchmark child
 # (collectors/benchmark/child.py) runs in its own process; the one-shot commands (check, diag
-# and its bundle's tarfile, scan, bench, watch, ...) are not the daemon's.
+# and its bundle's tarfile, scan, bench, watch, ...) are not the daemon's; the MQTT sink and its
+# client libraries load only when [mqtt] is enabled (off in the embedded defaults).
 NOT_IN_DAEMON = (
     "statistics",
     "fractions",
@@ -97,6 +98,11 @@ NOT_IN_DAEMON = (
     "agent.program.diagnose",
     "agent.program.watch.service",
     "tarfile",
+    "exporters.mqtt",
+    "exporters.mqtt_client",
+    "aiomqtt",
+    "paho",
+    "tenacity",
 )
 
 

@@ -24,7 +24,7 @@ from collectors.checkpoints import collector as checkpoints
 from collectors.disk import collector as disk
 from collectors.gpu import collector as gpu
 from collectors.kernel_log import collector as kernel_log
-from exporters import mqtt, prometheus
+from exporters import mqtt_spec, prometheus
 from exporters.actions import sink as actions
 
 COLLECTORS: Final[Mapping[str, CollectorSpec[Any]]] = {
@@ -42,7 +42,7 @@ COLLECTORS: Final[Mapping[str, CollectorSpec[Any]]] = {
 }
 
 SINKS: Final[Mapping[str, SinkSpec[Any]]] = {
-    spec.name: spec for spec in (prometheus.SPEC, mqtt.SPEC, actions.SPEC)
+    spec.name: spec for spec in (prometheus.SPEC, mqtt_spec.SPEC, actions.SPEC)
 }
 
 SECTIONS: Final[Mapping[str, type[Any]]] = {
