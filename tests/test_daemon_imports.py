@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.program import registry
+from collectors.checkpoints.collector import CheckpointCollector
 from tests.support.agent_proc import AgentProcess
+from tests.support.bench import deps
 from tests.support.modules_agent import ask, fast_rounds, rounds_done
 from tests.support.waiting import wait_until
 
@@ -81,7 +84,8 @@ def test_web_config_loads_yaml_when_asked(tmp_path: object) -> None:
 # only the checkpoints collector opens, and only when it finds one; the benchmark child
 # (collectors/benchmark/child.py) runs in its own process; the one-shot commands (check, diag
 # and its bundle's tarfile, scan, bench, watch, ...) are not the daemon's; the MQTT sink and its
-# client libraries load only when [mqtt] is enabled (off in the embedded defaults).
+# client libraries, and the checkpoints collector, load only when enabled (both are off in the
+# embedded defaults).
 NOT_IN_DAEMON = (
     "statistics",
     "fractions",
@@ -103,6 +107,9 @@ NOT_IN_DAEMON = (
     "aiomqtt",
     "paho",
     "tenacity",
+    "collectors.checkpoints.collector",
+    "collectors.checkpoints.judge",
+    "collectors.checkpoints.offnode",
 )
 
 
@@ -170,3 +177,12 @@ def test_the_xid_catalog_is_read_at_the_first_finding() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.split() == ["0", "1", "True"]
+
+
+def test_an_enabled_checkpoints_collector_is_made_through_the_registry(tmp_path: Path) -> None:
+    """The registry's factory imports the collector it makes (collectors/checkpoints/spec.py)."""
+    spec = registry.collector_spec("checkpoints")
+    made = spec.make(spec.defaults(), deps(tmp_path))
+    assert isinstance(made, CheckpointCollector)
+    names = [f.name for f in made.families()]
+    assert names and all(n.startswith("gpuwarden_checkpoint") for n in names), names

@@ -20,7 +20,7 @@ from agent.program.config_loader import Schema
 from agent.program.watch.settings import WatchSettings
 from collectors import io_probe, processes, system
 from collectors.benchmark import collector as benchmark
-from collectors.checkpoints import collector as checkpoints
+from collectors.checkpoints import spec as checkpoints
 from collectors.disk import collector as disk
 from collectors.gpu import collector as gpu
 from collectors.kernel_log import collector as kernel_log

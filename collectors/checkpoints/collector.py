@@ -18,7 +18,6 @@ import structlog
 from agent.contracts.collector import (
     CollectContext,
     CollectorDeps,
-    CollectorSpec,
     KeyValueStore,
 )
 from agent.contracts.errors import CallStillHung, CallTimedOut, StateStoreError
@@ -508,13 +507,4 @@ def _overwritten_event(
     )
 
 
-SPEC = CollectorSpec(
-    name="checkpoints",
-    description="checkpoints you can restart from: freshness, integrity, the off-node copy",
-    settings_type=CheckpointSettings,
-    factory=CheckpointCollector,
-    default_settings=CheckpointSettings(enabled=False, interval=60.0, timeout=30.0),
-)
-
-
-__all__ = ["SPEC", "STATUSES", "CheckpointCollector", "CheckpointSettings"]
+__all__ = ["STATUSES", "CheckpointCollector", "CheckpointSettings"]
