@@ -1,7 +1,7 @@
 """What the daemon's start-up imports cost, and what `gpuwarden run` has loaded after its first
 rounds: one table, side by side for two checkouts when `--before` names another.
 
-    python bench/import_footprint.py [--before /path/to/other/checkout] [--top 25] [--run]
+    python bench/import_footprint.py [--before CHECKOUT] [--top 25] [--run] [--everything]
 
 Every module stays resident for the daemon's life (issue 14: <= 64 MB RSS on the H200), so the
 figures are of `import agent.program.cli, agent.program.registry` in a fresh interpreter:
@@ -11,7 +11,9 @@ figures are of `import agent.program.cli, agent.program.registry` in a fresh int
   package, and the largest modules;
 - with `--run`: `gpuwarden run` on the embedded defaults and the fake NVML
   (tests/support/modules_agent.py), short intervals, until every collector has run 3 rounds
-  and the benchmark has tried once: its RSS then, and the modules it loaded after start-up.
+  and the benchmark has tried once: its RSS then, and the modules it loaded after start-up;
+  with `--everything`, the same with MQTT (no broker), the I/O probe and the checkpoints
+  collector on too, as on the H200 of docs/MEASUREMENTS.md.
 Extension modules' code (a shared object such as _decimal's) is not traced: RSS shows it. A
 module is also charged what the interpreter sets up lazily while it runs (the first user of the
 `ast` node types, say). Both checkouts are byte-compiled first (into their __pycache__); for
@@ -36,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.support.agent_proc import AgentProcess  # noqa: E402
-from tests.support.modules_agent import ask, fast_rounds, rounds_done  # noqa: E402
+from tests.support.modules_agent import ask, everything_on, fast_rounds, rounds_done  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 ENTRY = "import agent.program.cli, agent.program.registry"
 
@@ -96,6 +99,8 @@ class Footprint:
     names: set[str]
     run_rss: int | None = None
     run_names: set[str] | None = None
+    all_rss: int | None = None
+    all_names: set[str] | None = None
 
     def packages(self) -> dict[str, tuple[int, int]]:
         """Top-level package -> (bytes, modules)."""
@@ -150,8 +155,8 @@ def measure(repo: Path, label: str) -> Footprint:
     )
 
 
-def run_agent(repo: Path, footprint: Footprint, rounds: int = 3) -> None:
-    """`gpuwarden run` of `repo` for a few rounds: its RSS and what it has loaded then."""
+def run_agent(repo: Path, everything: bool, rounds: int = 3) -> tuple[int, set[str]]:
+    """`gpuwarden run` of `repo` for a few rounds: its RSS and the modules it holds then."""
     # The launcher of this checkout, run by path: the other checkout may not have one.
     launcher = REPO / "tests" / "support" / "modules_agent.py"
     work = Path(tempfile.mkdtemp(prefix="gpuwarden-imports-"))
@@ -162,9 +167,10 @@ def run_agent(repo: Path, footprint: Footprint, rounds: int = 3) -> None:
         f"sys.argv = [{str(launcher)!r}, *sys.argv[1:]]\n"
         f"runpy.run_path({str(launcher)!r}, run_name='__main__')\n"
     )
+    config = everything_on(work, free_port()) if everything else fast_rounds(work / "kern.log")
     agent = AgentProcess(
         work / "agent",
-        config_text=fast_rounds(work / "kern.log"),
+        config_text=config,
         repo=repo,
         entry=["-c", code, str(work / "dev"), "2", str(request)],
     )
@@ -175,15 +181,16 @@ def run_agent(repo: Path, footprint: Footprint, rounds: int = 3) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {rounds} rounds in 120 s:\n{agent.log()}")
             time.sleep(0.2)
-        footprint.run_names = ask(request).modules
+        names = ask(request).modules
         assert agent.process is not None
         status = Path(f"/proc/{agent.process.pid}/status").read_text()
-        footprint.run_rss = next(
+        rss = next(
             int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")
         )
     finally:
         agent.stop()
         shutil.rmtree(work, ignore_errors=True)
+    return rss, names
 
 
 def kib(size: int | None) -> str:
@@ -212,16 +219,21 @@ def report(prints: Sequence[Footprint], top: int) -> str:
     rows.append([f"RSS after `{ENTRY}` (MiB)", *(mib(p.rss_after) for p in prints)])
     rows.append(["modules the import loads", *(str(p.modules) for p in prints)])
     rows.append(["traced by their execution (kB)", *(kib(sum(p.own.values())) for p in prints)])
-    if any(p.run_rss is not None for p in prints):
-        rows.append(
-            ["`gpuwarden run`, after its rounds: RSS (MiB)", *(mib(p.run_rss) for p in prints)]
-        )
+    runs = (("`gpuwarden run`", "run"), ("`gpuwarden run`, everything on", "all"))
+    for title, key in runs:
+        if all(getattr(p, f"{key}_rss") is None for p in prints):
+            continue
         rows.append(
             [
-                "  modules loaded after start-up",
-                *("-" if p.run_names is None else str(len(p.run_names - p.names)) for p in prints),
+                f"{title}, after its rounds: RSS (MiB)",
+                *(mib(getattr(p, f"{key}_rss")) for p in prints),
             ]
         )
+        counts = []
+        for p in prints:
+            names = getattr(p, f"{key}_names")
+            counts.append("-" if names is None else str(len(names - p.names)))
+        rows.append(["  modules loaded after start-up", *counts])
     rows.append(["per top-level package: kB (modules)", *("" for _ in prints)])
     packages = [p.packages() for p in prints]
     biggest = sorted(
@@ -247,11 +259,10 @@ def report(prints: Sequence[Footprint], top: int) -> str:
         )
         out.append(f"loaded at start-up by {last.label} only ({len(new)}): {' '.join(new)}")
     for p in prints:
-        if p.run_names is not None:
-            late = sorted(p.run_names - p.names)
-            out.append(
-                f"\n{p.label}: `gpuwarden run` loaded after start-up ({len(late)}): {' '.join(late)}"
-            )
+        for title, held in (("`gpuwarden run`", p.run_names), ("everything on", p.all_names)):
+            if held is not None:
+                late = sorted(held - p.names)
+                out.append(f"\n{p.label}, {title}, after start-up ({len(late)}): {' '.join(late)}")
     out.append("\nwho imports the largest of " + last.label + ":")
     out.extend(f"  {last.chain(name)}" for name in largest[: min(top, 10)] if name in last.parent)
     return "\n".join(out)
@@ -262,13 +273,20 @@ def main() -> int:
     parser.add_argument("--before", type=Path, help="another checkout, measured beside this one")
     parser.add_argument("--top", type=int, default=25, help="rows of packages and of modules")
     parser.add_argument("--run", action="store_true", help="also run the agent for a few rounds")
+    parser.add_argument(
+        "--everything",
+        action="store_true",
+        help="also run it with MQTT, the I/O probe and the checkpoints collector on",
+    )
     args = parser.parse_args()
     checkouts = [(args.before.resolve(), "before")] if args.before else []
     checkouts.append((REPO, "this checkout" if not args.before else "after"))
     prints = [measure(repo, label) for repo, label in checkouts]
-    if args.run:
-        for (repo, _), footprint in zip(checkouts, prints, strict=True):
-            run_agent(repo, footprint)
+    for (repo, _), footprint in zip(checkouts, prints, strict=True):
+        if args.run:
+            footprint.run_rss, footprint.run_names = run_agent(repo, everything=False)
+        if args.everything:
+            footprint.all_rss, footprint.all_names = run_agent(repo, everything=True)
     print(report(prints, args.top))
     return 0
 
