@@ -16,10 +16,10 @@ from collectors.benchmark.child import (
     EXIT_OUT_OF_MEMORY,
     EXIT_USAGE,
     PLANT_WRONG_RESULT_ENV,
-    PROFILES,
     classify_failure,
 )
 from collectors.benchmark.history import BenchmarkRecord
+from collectors.benchmark.request import PROFILES
 
 pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy")
 
