@@ -3,7 +3,9 @@ command-line arguments that carry it.
 
 The daemon imports this module, never collectors/benchmark/child.py: the child's module (its
 argument parser, random inputs, statistics) runs only in its own short-lived process, and a
-module the daemon imports stays resident for its life (issue 14, docs/MEASUREMENTS.md).
+module the daemon imports stays resident for its life (issue 14, docs/MEASUREMENTS.md). Standard
+library only, as the child is: it may run under another interpreter (`[collectors.benchmark]
+python`, a torch environment without gpuwarden's dependencies).
 """
 
 from __future__ import annotations
