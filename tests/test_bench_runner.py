@@ -5,13 +5,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.benchmark.runner import STDOUT_LIMIT, ChildRunner, parse_child_output
+from collectors.benchmark.runner import (
+    STDOUT_LIMIT,
+    ChildRunner,
+    default_command,
+    parse_child_output,
+)
 from tests.support.bench import RECORD_CHILD, fake_child
 
 
@@ -181,3 +188,23 @@ class TestParse:
     def test_an_object_after_noise_is_found(self, obj: dict[str, object], noise: list[str]) -> None:
         data = "\n".join([*noise, json.dumps(obj), ""]).encode()
         assert parse_child_output(data) == obj
+
+
+class TestAnotherInterpreter:
+    """`[collectors.benchmark] python` may name an interpreter that has torch but not gpuwarden:
+    the child must still import from this installation, whatever the working directory."""
+
+    async def test_an_interpreter_without_gpuwarden_finds_the_child(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        python = tmp_path / "bare-python"
+        # -S: no site-packages, so neither an installed gpuwarden nor an editable one
+        python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+        python.chmod(0o755)
+        monkeypatch.chdir(tmp_path)  # the cwd is not the checkout
+        outcome = await ChildRunner(default_command(str(python)), timeout=60).run(
+            ["--device", "cpu", "--size", "128"]
+        )
+        # Without site-packages there is no torch either: the child's own answer says so.
+        assert "No module named 'collectors'" not in outcome.stderr_tail, outcome.stderr_tail
+        assert (outcome.failure, outcome.exit_code) == ("torch_missing", 3), outcome

@@ -24,7 +24,8 @@ import structlog
 
 log = structlog.get_logger(component="benchmark")
 
-PACKAGE_ROOT: Final = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT: Final = Path(__file__).resolve().parents[2]
+"""The directory that holds the `collectors` package (this file is collectors/benchmark/runner.py)."""
 STDOUT_LIMIT: Final = 1 << 20
 """The child prints one short line; more than this is garbage and is not kept."""
 STDERR_TAIL: Final = 4096
