@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.support.agent_proc import AgentProcess  # noqa: E402
-from tests.support.modules_agent import ask, everything_on, fast_rounds, rounds_done  # noqa: E402
+from tests.support.modules_probe import ask, everything_on, fast_rounds, rounds_done  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 ENTRY = "import agent.program.cli, agent.program.registry"

@@ -19,7 +19,7 @@ from agent.program import registry
 from collectors.checkpoints.collector import CheckpointCollector
 from tests.support.agent_proc import AgentProcess
 from tests.support.bench import deps
-from tests.support.modules_agent import ask, fast_rounds, rounds_done
+from tests.support.modules_probe import ask, fast_rounds, rounds_done
 from tests.support.waiting import wait_until
 
 # Installed in the test environment (rich via import-linter, yaml and bcrypt as dependencies,
@@ -107,6 +107,9 @@ NOT_IN_DAEMON = (
     "aiomqtt",
     "paho",
     "tenacity",
+    "urllib.request",  # with http.client and email: paho's, nothing else of the daemon's
+    "http.client",
+    "email",
     "collectors.checkpoints.collector",
     "collectors.checkpoints.judge",
     "collectors.checkpoints.offnode",
