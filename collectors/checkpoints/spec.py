@@ -3,8 +3,8 @@ the collector (collectors/checkpoints/collector.py, with its judge, checksums an
 only when `[collectors.checkpoints]` is enabled.
 
 It is off in the embedded defaults, and a module the daemon imports stays resident for its
-life: about 0.8 MB of RSS in a daemon that watches no checkpoint (docs/MEASUREMENTS.md, "What
-the daemon loads"). Enabled at start or by a reload, the first factory call imports it.
+life: about 0.3 MB (traced) in a daemon that watches no checkpoint (docs/MEASUREMENTS.md,
+"What the daemon loads"). Enabled at start or by a reload, the first factory call imports it.
 """
 
 from __future__ import annotations
