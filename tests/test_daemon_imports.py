@@ -79,8 +79,8 @@ def test_web_config_loads_yaml_when_asked(tmp_path: object) -> None:
 
 
 # Issue 14, the daemon's own imports: what `gpuwarden run` never runs must not be resident.
-# statistics (with fractions and decimal, whose _decimal is a 1.7 MB shared object) served two
-# medians and the benchmark child's module; zipfile and pickletools read checkpoint files, which
+# statistics (with fractions and decimal, whose _decimal is a 1.7 MB shared object) came for two
+# medians and with the benchmark child's module; zipfile and pickletools read checkpoint files, which
 # only the checkpoints collector opens, and only when it finds one; the benchmark child
 # (collectors/benchmark/child.py) runs in its own process; the one-shot commands (check, diag
 # and its bundle's tarfile, scan, bench, watch, ...) are not the daemon's; the MQTT sink and its
