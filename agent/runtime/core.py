@@ -40,6 +40,7 @@ from agent.contracts.pause import PauseSettings, PauseState
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
 from agent.runtime import logs
 from agent.runtime.blocking import PooledCaller
+from agent.runtime.memory import TRIM_INTERVAL, HeapTrimmer
 from agent.runtime.metrics import RuntimeMetrics
 from agent.runtime.pause import PauseControl
 from agent.runtime.repairs import RepairLedger
@@ -529,6 +530,12 @@ class Runtime:
         # The round's state values after its events: never stored before them.
         self._collector_states[status.name].release()
 
+    @functools.cached_property
+    def heap(self) -> HeapTrimmer:
+        """Gives freed heap back to the kernel after the first round and every TRIM_INTERVAL
+        (agent/runtime/memory.py)."""
+        return HeapTrimmer()
+
     def _maybe_first_round_done(self) -> None:
         if all(s.rounds_done > 0 for s in self.collectors.values()):
             self.first_round.set()
@@ -792,11 +799,17 @@ class Runtime:
         sink's write may tell first), into events, once per transition each way; keep the
         event history to its retention and the WAL small."""
         pruned_at = 0.0
+        trimmed_at: float | None = None
         while True:
             interval = self.heartbeat_settings.interval
             await asyncio.sleep(min(max(interval / 2, 0.2), 5.0))
             self.check_stale()
             self._check_store()
+            if self.first_round.is_set() and (
+                trimmed_at is None or time.monotonic() - trimmed_at >= TRIM_INTERVAL
+            ):
+                trimmed_at = time.monotonic()
+                self.heap.trim()  # agent/runtime/memory.py: about a millisecond
             if time.monotonic() - pruned_at >= 3600:
                 pruned_at = time.monotonic()
                 await self.in_store_thread(self.prune_history)
