@@ -36,7 +36,7 @@ from agent.contracts.config import Config
 from agent.contracts.errors import GpuwardenError, StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import ActiveRepair, Event, MetricFamily, RepairAction, Sample, Severity
-from agent.contracts.pause import PauseSettings, PauseState
+from agent.contracts.pause import PauseHistory, PauseSettings, PauseState
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
 from agent.runtime import logs
 from agent.runtime.blocking import PooledCaller
@@ -213,6 +213,7 @@ class Runtime:
             flush=lambda: self.in_store_thread(self.guard.flush, self.outbox_enabled),
         )
         """Releasing the GPUs on request (`gpuwarden pause`); kept across a restart."""
+        self.shared.put(PauseHistory, self.pause.history)  # findings judged by when logged
         self._store_thread = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="gpuwarden-state"
         )

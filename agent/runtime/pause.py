@@ -12,6 +12,10 @@ Every pause ends: at its deadline the runtime resumes by itself, logs a warning 
 the boot id: an agent restarted meanwhile (systemd restarting it, an upgrade) stays paused
 until the same deadline, because the reset it was paused for may still be under way, and a
 reboot ends it (the reset is over, whatever it was).
+
+`history` (shared with the collectors) holds the pause in force and the last ended ones, kept
+in the store too: the kernel-log collector judges a record by the pause it was logged in,
+however late it is read (docs/pause.md, "Kernel-log findings during a pause").
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ import structlog
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
 from agent.contracts.model import Event, RepairAction, Severity
-from agent.contracts.pause import PausableCollector, PauseSettings, PauseState, Released
+from agent.contracts.pause import (
+    PausableCollector,
+    PauseHistory,
+    PauseSettings,
+    PauseState,
+    PauseWindow,
+    Released,
+)
 
 if TYPE_CHECKING:
     from agent.runtime.core import CollectorStatus
@@ -37,6 +48,10 @@ log = structlog.get_logger(component="pause")
 
 NAMESPACE: Final = "runtime"
 KEY: Final = "gpu_pause"
+HISTORY_KEY: Final = "gpu_pause_history"
+HISTORY_KEPT: Final = 16
+"""Ended pauses remembered (with the one in force): records logged in them and read later,
+after the resume or by an agent restarted meanwhile, are still judged paused."""
 RELEASE_BOUND: Final = 30.0
 """Seconds a collector may take to let go (its round in flight ends first)."""
 FIRST_ROUND_BOUND: Final = 20.0
@@ -93,7 +108,13 @@ class PauseControl:
         self.state: PauseState | None = None
         self.released: dict[str, Released] = {}
         """What each collector said when it was paused (this pause)."""
+        self.history = PauseHistory()
+        """This pause and the last ended ones, shared with the collectors (a kernel-log
+        record logged in one is judged by it, whenever it is read)."""
+        self._ended: list[PauseWindow] = []
+        self._restore_history()
         self._restore()
+        self._publish()
 
     # -- persistence --------------------------------------------------------------------------
 
@@ -128,6 +149,7 @@ class PauseControl:
             return
         if now >= state.until:
             self._store.delete(NAMESPACE, KEY)
+            self._end_window(state, state.until)
             self._emit(self._resumed_event(state, "deadline", while_stopped=True))
             return
         self.state = state
@@ -136,6 +158,56 @@ class PauseControl:
             until=state.until,
             reason=state.reason,
         )
+
+    def _restore_history(self) -> None:
+        """The pauses that ended before this run; an unreadable entry is dropped, said once."""
+        try:
+            stored = self._store.get(NAMESPACE, HISTORY_KEY)
+        except GpuwardenError as exc:
+            log.warning(
+                "pause history not read; records are judged by this run's pauses only",
+                error=str(exc),
+            )
+            return
+        if stored is None:
+            return
+        entries = stored if isinstance(stored, list) else [stored]
+        bad = 0
+        for entry in entries:
+            try:
+                if not isinstance(entry, dict):
+                    raise TypeError(f"expected an object, got {type(entry).__name__}")
+                self._ended.append(
+                    PauseWindow(
+                        float(entry["since"]),
+                        float(entry["ended"]),
+                        str(entry.get("reason", "")),
+                        str(entry.get("by", "")),
+                    )
+                )
+            except (KeyError, TypeError, ValueError):
+                bad += 1
+        if bad:
+            log.warning("stored pause history: unreadable entries dropped", dropped=bad)
+
+    def _end_window(self, state: PauseState, ended: float) -> None:
+        """Remember the pause that ended (kept in the store, the last HISTORY_KEPT)."""
+        self._ended.append(PauseWindow(state.since, ended, state.reason, state.by))
+        self._ended = self._ended[-HISTORY_KEPT:]
+        self._store.put(
+            NAMESPACE,
+            HISTORY_KEY,
+            [
+                {"since": w.since, "ended": w.ended, "reason": w.reason, "by": w.by}
+                for w in self._ended
+            ],
+        )
+
+    def _publish(self) -> None:
+        """Hand the collectors the pauses as they are now: the ended ones and this one."""
+        current = self.state
+        live = [PauseWindow(current.since, None, current.reason, current.by)] if current else []
+        self.history.replace([*live, *reversed(self._ended)])
 
     def _persist(self, state: PauseState) -> None:
         self._store.put(
@@ -170,6 +242,7 @@ class PauseControl:
             since = self.state.since if self.state is not None else now
             state = PauseState(since, now + length, reason, by)
             self.state = state
+            self._publish()  # a record logged from now on is the pause's, whoever reads it
             # Stored before letting go: an agent killed meanwhile comes back paused (and
             # `gpuwarden check` sees it), not up to a store-writer cycle later.
             self._persist(state)
@@ -254,6 +327,9 @@ class PauseControl:
                 return ResumeReply(False)
             self.state = None
             self.released = {}
+            # Ended before any collector resumes: a record the GPUs log from here is theirs.
+            self._end_window(state, time.time())
+            self._publish()
             self._store.delete(NAMESPACE, KEY)
             await self._flush()
             if self._deadline is not None and self._deadline is not asyncio.current_task():
