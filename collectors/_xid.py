@@ -261,6 +261,14 @@ class XidCorrelator:
                 return self._first_sight(key, obs)
             return self._join(key, incident, obs)
 
+    def describe(self, obs: XidObservation) -> Event:
+        """The event of an Xid as the builder makes it, and nothing else: not counted, no
+        incident opened for a twin or a repeat, no holdoff. For an Xid logged while the GPUs
+        were paused (the caller marks it, agent/contracts/pause.py): it is no fault count, and
+        an Xid right after the resume must not pass for its twin or its repeat."""
+        with self._lock:
+            return self._event(obs, frozenset({obs.source}), 1, 0)
+
     def _first_sight(self, key: tuple[str, int], obs: XidObservation) -> Event | None:
         self._prune(obs.time)
         self.counts[key] = self.counts.get(key, 0) + 1

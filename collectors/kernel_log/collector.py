@@ -39,6 +39,7 @@ from agent.contracts.model import (
     Sample,
     stable_event_id,
 )
+from agent.contracts.pause import PauseHistory, PauseWindow, logged_during_pause
 from agent.contracts.settings import setting
 from collectors._repair import shared_recurrence
 from collectors._xid import XidCorrelator, XidObservation, gpu_description
@@ -82,7 +83,15 @@ SXID_ERRORS = MetricFamily(
 FINDINGS = MetricFamily(
     "gpuwarden_kernel_log_findings_total",
     C,
-    "Kernel-log lines that are findings, by kind, since the agent started",
+    "Kernel-log lines that are findings, by kind, since the agent started (GPU findings logged "
+    "while the GPUs were paused count in gpuwarden_kernel_log_paused_findings_total instead)",
+    ("kind",),
+)
+PAUSED_FINDINGS = MetricFamily(
+    "gpuwarden_kernel_log_paused_findings_total",
+    C,
+    "GPU findings (Xid, SXid, fallen off the bus) logged while the GPUs were paused "
+    "(gpuwarden pause), by kind: sent as info events marked during_pause, in no other series",
     ("kind",),
 )
 RECORDS = MetricFamily(
@@ -173,7 +182,12 @@ class KernelLogCollector:
         self.sxids: Counter[tuple[str, str, int]] = Counter()
         self.totals: Counter[str] = Counter()
         self.suppressed: Counter[str] = Counter()
-        self._holdoff: dict[tuple[str, str], _Holdoff] = {}
+        self.pauses = deps.shared.get(PauseHistory, PauseHistory)
+        self.paused_findings: Counter[str] = Counter(dict.fromkeys(sorted(GPU_KINDS), 0))
+        self._holdoff: dict[tuple[str, ...], _Holdoff] = {}
+        self._paused_holdoff: dict[tuple[str, ...], _Holdoff] = {}
+        """Apart from `_holdoff`: what the reset logs must not hold back the same finding
+        logged right after the resume (the GPU came back broken)."""
         self._more = False
 
     def families(self) -> Sequence[MetricFamily]:
@@ -182,6 +196,7 @@ class KernelLogCollector:
             XID_CONFIRMED,
             SXID_ERRORS,
             FINDINGS,
+            PAUSED_FINDINGS,
             RECORDS,
             MALFORMED,
             IGNORED,
@@ -264,6 +279,14 @@ class KernelLogCollector:
         for finding in findings:
             origin = (self.deps.node_id, *reader.origin(finding.record))
             when = reader.record_time(finding.record)
+            # Judged by when it was logged: a record of the pause read after the resume is
+            # still the pause's.
+            window = self.pauses.covering(when) if finding.kind in GPU_KINDS else None
+            if window is not None:
+                paused = self._paused(finding, when, batch.predates_agent, origin, window)
+                if paused is not None:
+                    events.append(paused)
+                continue
             xid = self._xid(finding, when, batch.predates_agent, origin)
             if xid is None:
                 event = self._handle(finding, when, batch.predates_agent, origin)
@@ -277,12 +300,41 @@ class KernelLogCollector:
         events.extend(self.recurrence.escalate(e) for e in self.correlator.observe_backlog(backlog))
         return events
 
+    def _paused(
+        self,
+        finding: Finding,
+        when: float,
+        predates: bool,
+        origin: tuple[str, ...],
+        window: PauseWindow,
+    ) -> Event | None:
+        """A GPU finding logged while the GPUs were paused: an event marked as such, counted
+        apart; it touches nothing a finding outside the pause is judged by (the Xid counts
+        and correlation, the recurrence across boots, the holdoff)."""
+        self.paused_findings[finding.kind] += 1
+        if finding.kind == "xid" and finding.code is not None:
+            event: Event | None = self.correlator.describe(
+                self._observation(finding, when, predates, origin)
+            )
+        else:
+            key = (finding.kind, self._subject(finding), str(finding.code))
+            event = self._event(finding, when, predates, self._paused_holdoff, key)
+            if event is not None:
+                event = dataclasses.replace(event, id=stable_event_id(*origin, finding.kind))
+        return logged_during_pause(event, window) if event is not None else None
+
     def _xid(
         self, finding: Finding, when: float, predates: bool, origin: tuple[str, ...]
     ) -> XidObservation | None:
         if finding.kind != "xid" or finding.code is None:
             return None
         self.findings[finding.kind] += 1
+        return self._observation(finding, when, predates, origin)
+
+    def _observation(
+        self, finding: Finding, when: float, predates: bool, origin: tuple[str, ...]
+    ) -> XidObservation:
+        assert finding.code is not None
         return XidObservation(
             source="kmsg",
             pci_bus_id=finding.pci_bus_id,
@@ -300,23 +352,34 @@ class KernelLogCollector:
         self.findings[finding.kind] += 1
         if finding.kind == "sxid" and finding.code is not None:
             self.sxids[(finding.pci_bus_id, finding.device, finding.code)] += 1
-        event = self._event(finding, when, predates)
+        key = (finding.kind, self._subject(finding))
+        event = self._event(finding, when, predates, self._holdoff, key)
         if event is None:
             return None
         # Found again from the same record after a crash, it is the same event: same id.
         return dataclasses.replace(event, id=stable_event_id(*origin, finding.kind))
 
-    def _event(self, finding: Finding, when: float, predates: bool) -> Event | None:
+    def _subject(self, finding: Finding) -> str:
+        identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
+        return identity.get("uuid") or finding.subject
+
+    def _event(
+        self,
+        finding: Finding,
+        when: float,
+        predates: bool,
+        holdoff: dict[tuple[str, ...], _Holdoff],
+        key: tuple[str, ...],
+    ) -> Event | None:
         identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
         subject = identity.get("uuid") or finding.subject
-        key = (finding.kind, subject)
-        held = self._holdoff.get(key)
+        held = holdoff.get(key)
         if held is not None and when - held.last < self.settings.repeat_holdoff:
             held.suppressed += 1
             self.suppressed[finding.kind] += 1
             return None
         repeats = held.suppressed if held is not None else 0
-        self._holdoff[key] = _Holdoff(when)
+        holdoff[key] = _Holdoff(when)
         attributes: dict[str, AttributeValue] = dict(finding.to_dict())
         for name in ("kind", "severity", "meaning", "action"):
             attributes.pop(name, None)
@@ -349,6 +412,7 @@ class KernelLogCollector:
             SKIPPED.sample(self.totals["skipped"]),
         ]
         samples += [FINDINGS.sample(n, kind) for kind, n in sorted(self.findings.items())]
+        samples += [PAUSED_FINDINGS.sample(n, kind) for kind, n in self.paused_findings.items()]
         samples += [IGNORED.sample(self.matchers.ignored[kind], kind) for kind in KINDS]
         samples += [
             SUPPRESSED.sample(self.suppressed[kind], kind) for kind in KINDS if kind not in ("xid",)
@@ -391,8 +455,9 @@ class KernelLogCollector:
 
     def _prune_holdoff(self, now: float) -> None:
         horizon = now - self.settings.repeat_holdoff
-        for key in [k for k, held in self._holdoff.items() if held.last < horizon]:
-            del self._holdoff[key]
+        for holdoff in (self._holdoff, self._paused_holdoff):
+            for key in [k for k, held in holdoff.items() if held.last < horizon]:
+                del holdoff[key]
 
 
 def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:

@@ -1,4 +1,5 @@
-"""`[actions.exec]`: a program run for each new event at or above a severity.
+"""`[actions.exec]`: a program run for each new event at or above a severity (never for a
+finding logged while the GPUs were paused).
 
 The event's JSON (the MQTT payload) is the hook's standard input; it runs without a shell, in
 its own process group, killed with that group at `timeout`. The listener only queues: a slow
@@ -19,6 +20,7 @@ from typing import Final
 import structlog
 
 from agent.contracts.model import Event, MetricFamily, MetricType, RepairAction, Sample, Severity
+from agent.contracts.pause import DURING_PAUSE
 from agent.contracts.sink import SinkContext
 from exporters.actions import process
 from exporters.actions.settings import ExecSettings
@@ -53,9 +55,13 @@ class ExecHook:
         self._failing = False
 
     def on_event(self, event: Event) -> None:
-        # Its own failure events would feed a failing hook forever.
-        if event.severity < self.settings.severity or (
-            event.source == SOURCE and event.kind == KIND_FAILED
+        # Its own failure events would feed a failing hook forever. A finding logged while
+        # the GPUs were paused is what the reset itself writes: no hook acts on it, whatever
+        # min_severity says (agent/contracts/pause.py).
+        if (
+            event.severity < self.settings.severity
+            or (event.source == SOURCE and event.kind == KIND_FAILED)
+            or event.attributes.get(DURING_PAUSE) is True
         ):
             return
         try:
