@@ -4,6 +4,7 @@ kernel-log file: an Xid line appended to the file is what drains the node."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -118,6 +119,38 @@ def test_an_application_xid_does_not_drain(node: SlurmCluster, tmp_path: Path) -
         settle(1.0)  # the action had its chance to (wrongly) drain
         assert not node.drained(), node.reasons()
         assert metric(agent, r'^gpuwarden_slurm_operations_total\{operation="drain"') == []
+    finally:
+        agent.stop()
+
+
+def gpuwarden(agent: AgentProcess, *args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agent", *args, "--config", str(agent.config_path)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_an_xid_79_of_a_paused_reset_does_not_drain(node: SlurmCluster, tmp_path: Path) -> None:
+    """`gpuwarden pause`, then the reset logs an Xid 79: the node stays in service; the same
+    Xid after `gpuwarden resume` (the GPU came back broken) drains it (docs/pause.md)."""
+    agent, log = start_agent(tmp_path, node, resume="never")
+    try:
+        gpuwarden(agent, "pause", "--for", "10m", "--reason", "nvidia-smi -r")
+        log.append(XID79)
+        wait_until(lambda: xid_events(agent) >= 1, 30, "the Xid 79 event")
+        settle(1.0)  # the action had its chance to (wrongly) drain
+        assert not node.drained(), node.reasons()
+        assert metric(agent, r"^gpuwarden_repair_required\{") == []
+        assert metric(agent, r'^gpuwarden_kernel_log_paused_findings_total\{kind="xid"\} 1')
+        gpuwarden(agent, "resume")
+        log.append(XID79)
+        assert "Xid 79" in wait_drained(node)
     finally:
         agent.stop()
 
