@@ -13,6 +13,8 @@ logged before the pause or after the resume, it acts as usual, and so does every
 The agent is the real runtime with the real kernel_log collector reading a /dev/kmsg stand-in
 (tests/support/kmsg.py) whose records carry the kernel's own stamp (microseconds of the
 monotonic clock), the gpu collector on the fake NVML, and the real [actions.exec] hook program.
+The alert rules are run by promtool on the series that agent gives before, during and after
+the pause.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from agent.contracts.collector import CollectorSpec
 from agent.contracts.model import Event, RepairAction, Severity
@@ -45,6 +48,7 @@ from exporters.heartbeat import heartbeat_payload
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
 from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeNvml
+from tests.support.rules import METRIC, RULES, promtool
 from tests.support.waiting import until
 from tests.test_kernel_log_records import HOST_FAULTS
 from tests.test_kmsg_collector import PCI, Harness
@@ -380,3 +384,124 @@ class TestCorrelation:
         assert after.severity is Severity.CRITICAL
         assert after.repair_action is RepairAction.REBOOT_NODE
         assert correlator.counts == {(PCI, 79): 1}
+
+
+# -- the alert rules, on the agent's own series ----------------------------------------------
+
+KERNEL_SERIES = (
+    "gpuwarden_xid_errors_total",
+    "gpuwarden_xid_confirmed_total",
+    "gpuwarden_sxid_errors_total",
+    "gpuwarden_kernel_log_findings_total",
+    "gpuwarden_events_total",
+    "gpuwarden_repair_required",
+)
+"""Every series a kernel-log finding can move (its counters, the event counter, the ledger)."""
+TARGET = {"job": "gpuwarden", "instance": "gpu-node-1:9400"}
+MINUTES = {"before": 15, "findings": 5, "after": 20}
+"""Minutes of each stage of the promtool timeline: long enough before for `offset 10m` to
+see the target up, and after for every `increase(...[10m])` to have seen the findings."""
+
+
+def series(name: str, labels: dict[str, str]) -> str:
+    """A series in promtool's notation, with the target's labels."""
+    text = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted({**labels, **TARGET}.items()))
+    return f"{name}{{{text}}}"
+
+
+def snapshot(agent: Agent) -> dict[str, float]:
+    """Every series of the agent now."""
+    return {series(s.family.name, s.labels): s.value for s in agent.runtime.samples()}
+
+
+def rule_suite(stages: list[dict[str, float]], alerts: list[str]) -> dict[str, Any]:
+    """A promtool test: the stages' series one minute apart (absent where a stage lacks one),
+    `up` throughout, and no alert of `alerts` at any minute from the findings on."""
+    names = sorted({name for stage in stages for name in stage})
+    counts = list(MINUTES.values())
+    values = {
+        name: " ".join(
+            " ".join([_value(stage.get(name))] * n) for stage, n in zip(stages, counts, strict=True)
+        )
+        for name in names
+    }
+    inputs = [{"series": series("up", {}), "values": f"1x{sum(counts)}"}]
+    inputs += [{"series": name, "values": text} for name, text in values.items()]
+    first = MINUTES["before"]
+    checks = [
+        {"eval_time": f"{minute}m", "alertname": alert, "exp_alerts": []}
+        for minute in range(first, sum(counts))
+        for alert in alerts
+    ]
+    return {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": checks}],
+    }
+
+
+def _value(value: float | None) -> str:
+    return "_" if value is None else repr(value)
+
+
+def kernel_alerts() -> list[str]:
+    """The alerts whose expression reads a series a kernel-log finding moves."""
+    out = []
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule and set(METRIC.findall(str(rule["expr"]))) & set(KERNEL_SERIES):
+                out.append(str(rule["alert"]))
+    return out
+
+
+RESET_LINES = [*xid_lines(), *sxid_lines(), BUS_LINE]
+
+
+class TestTheRules:
+    """promtool on the series the agent itself gives before, during and after a pause in which
+    the reset logged every GPU finding: no alert that reads a kernel-log series fires, not
+    while paused and not in the 20 minutes after the resume (the Xid rule's `increase` over 10
+    minutes would still see a count that rose in the pause)."""
+
+    async def test_no_alert_during_or_after_a_paused_reset(
+        self, agent: Agent, tmp_path: Path
+    ) -> None:
+        alerts = kernel_alerts()
+        assert {"GpuwardenCriticalXid", "GpuwardenFatalSxid", "GpuwardenRepairRequired"} <= set(
+            alerts
+        )
+        before = snapshot(agent)
+        await agent.runtime.pause.pause(600.0, "nvidia-smi -r")
+        agent.log(*RESET_LINES)
+        await agent.findings(len(RESET_LINES))
+        during = snapshot(agent)
+        await agent.runtime.pause.resume()
+        after = snapshot(agent)
+        assert during[series("gpuwarden_gpu_paused", {})] == 1
+        assert after[series("gpuwarden_gpu_paused", {})] == 0
+        path = tmp_path / "reset.test.yml"
+        path.write_text(yaml.safe_dump(rule_suite([before, during, after], alerts)))
+        done = promtool("test", "rules", path)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+    @pytest.mark.parametrize(
+        "alert", ["GpuwardenCriticalXid", "GpuwardenFatalSxid", "GpuwardenRepairRequired"]
+    )
+    async def test_the_same_findings_unpaused_fire(
+        self, agent: Agent, tmp_path: Path, alert: str
+    ) -> None:
+        """The check can fail: logged without a pause, the same lines page."""
+        before = snapshot(agent)
+        agent.log(*RESET_LINES)
+        await agent.findings(1)
+        await until(
+            lambda: (
+                agent.sample("gpuwarden_kernel_log_findings_total", kind="gpu_fallen_off_bus") == 1
+            ),
+            what="the last finding counted",
+        )
+        found = snapshot(agent)
+        path = tmp_path / "unpaused.test.yml"
+        path.write_text(yaml.safe_dump(rule_suite([before, found, found], [alert])))
+        done = promtool("test", "rules", path)
+        assert done.returncode != 0 and alert in done.stdout + done.stderr
