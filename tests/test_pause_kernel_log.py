@@ -30,11 +30,14 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.contracts.collector import CollectorSpec
+from agent.contracts.collector import CollectorSpec, SharedServices
 from agent.contracts.model import Event, RepairAction, Severity
 from agent.contracts.pause import DURING_PAUSE, PauseHistory, PauseWindow
 from agent.program import config_file as config
 from agent.program import registry
+from agent.program.diagnose.check import CheckOptions, run_check
+from agent.program.diagnose.findings import Status
+from agent.program.diagnose.kernel_findings import classify_kernel_log, scan_kernel_log
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 from collectors._nvml import NvmlBackend
@@ -45,6 +48,7 @@ from collectors.gpu.collector import GpuSettings
 from collectors.kernel_log.collector import KernelLogCollector, KernelLogSettings
 from collectors.kernel_log.matchers import GPU_KINDS
 from exporters.heartbeat import heartbeat_payload
+from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
 from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeNvml
@@ -505,3 +509,68 @@ class TestTheRules:
         path.write_text(yaml.safe_dump(rule_suite([before, found, found], [alert])))
         done = promtool("test", "rules", path)
         assert done.returncode != 0 and alert in done.stdout + done.stderr
+
+
+# -- gpuwarden check, Slurm's health check ---------------------------------------------------
+
+
+class TestCheck:
+    """`gpuwarden check` reads this boot's whole kernel log: a Slurm HealthCheckProgram run
+    after a planned reset would fail on the reset's Xids, and Slurm drain the node, for the
+    rest of the boot. It lists the GPU findings logged in the running agent's pauses, not
+    judged (SKIP), and judges everything else as usual."""
+
+    @staticmethod
+    def kmsg_with(*records: tuple[str, float]) -> FakeKmsg:
+        kmsg = FakeKmsg.with_records(capture_records())
+        for line, at in records:
+            kmsg.write(line, level=3, usec=int(at * 1e6))
+        return kmsg
+
+    def test_gpu_findings_of_a_pause_are_listed_not_judged(self, tmp_path: Path) -> None:
+        now = time.monotonic()
+        kmsg = self.kmsg_with(
+            (XID79, now), (BUS_LINE, now), (sxid_lines()[0], now), (HOST_FAULTS[0][0], now)
+        )
+        kmsg.write(XID79.replace("): 79,", "): 48,"), level=3, usec=int((now - 60) * 1e6))
+        pauses = PauseHistory([PauseWindow(time.time() - 10, None, "nvidia-smi -r")])
+        settings = KernelLogSettings(boot_id_path=write_boot_id(tmp_path / "boot_id", "b"))
+        scan = scan_kernel_log(settings, io=kmsg, pauses=pauses)
+        lines = {f.name: f for f in classify_kernel_log(scan)}
+        skipped = {n for n, f in lines.items() if f.status is Status.SKIP}
+        assert skipped == {
+            "Xid 79 0000:3b:00.0",
+            f"gpu fallen off bus {BUS_GPU}",
+            f"SXid {known_sxid_codes()[0]} {SWITCH}",
+        }
+        assert all("nvidia-smi -r" in lines[n].detail for n in skipped)
+        assert lines["Xid 48 0000:3b:00.0"].status is Status.FAIL  # logged before the pause
+        assert lines["raid member failed sdb1"].status is Status.FAIL  # a host finding
+        assert len(scan.to_dict()["findings_during_pause"]) == 3
+
+    def test_without_a_pause_the_same_lines_fail(self, tmp_path: Path) -> None:
+        kmsg = self.kmsg_with((XID79, time.monotonic()))
+        settings = KernelLogSettings(boot_id_path=write_boot_id(tmp_path / "boot_id", "b"))
+        (line,) = classify_kernel_log(scan_kernel_log(settings, io=kmsg, pauses=PauseHistory()))
+        assert line.status is Status.FAIL
+
+    async def test_check_reads_the_agents_pauses_from_its_store(self, tmp_path: Path) -> None:
+        cfg = load(write_config(tmp_path, proc_root=make_proc_tree(tmp_path / "proc")))
+        store = StateStore.open(cfg.state_dir)
+        ended = time.time() - 5  # paused, reset, resumed: check runs after it
+        store.put(
+            "runtime",
+            "gpu_pause_history",
+            [{"since": ended - 60, "ended": ended, "reason": "reset GPU 0", "by": "root"}],
+        )
+        store.close()
+        kmsg = self.kmsg_with((XID79, time.monotonic() - 30), (XID79, time.monotonic()))
+        shared = SharedServices()
+        shared.put(NvmlBackend, NvmlBackend(FakeNvml(fake_gpus(2))))
+        options = CheckOptions(kmsg_io=kmsg, process_gap=0.05)
+        report = await run_check(cfg, options, shared=shared)
+        kernel = [f for f in report.findings if f.area == "kernel"]
+        by_status = {f.status: f for f in kernel}
+        assert set(by_status) == {Status.SKIP, Status.FAIL}  # the reset's, and the one after
+        assert "reset GPU 0" in by_status[Status.SKIP].detail
+        assert by_status[Status.FAIL].data["count"] == 1

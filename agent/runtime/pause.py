@@ -169,24 +169,7 @@ class PauseControl:
                 error=str(exc),
             )
             return
-        if stored is None:
-            return
-        entries = stored if isinstance(stored, list) else [stored]
-        bad = 0
-        for entry in entries:
-            try:
-                if not isinstance(entry, dict):
-                    raise TypeError(f"expected an object, got {type(entry).__name__}")
-                self._ended.append(
-                    PauseWindow(
-                        float(entry["since"]),
-                        float(entry["ended"]),
-                        str(entry.get("reason", "")),
-                        str(entry.get("by", "")),
-                    )
-                )
-            except (KeyError, TypeError, ValueError):
-                bad += 1
+        self._ended, bad = ended_pauses(stored)
         if bad:
             log.warning("stored pause history: unreadable entries dropped", dropped=bad)
 
@@ -402,6 +385,30 @@ class PauseControl:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+def ended_pauses(stored: object) -> tuple[list[PauseWindow], int]:
+    """The ended pauses as the store keeps them (HISTORY_KEY), and how many entries could not
+    be read (skipped). Also for `gpuwarden check`, which reads the running agent's store."""
+    if stored is None:
+        return [], 0
+    windows: list[PauseWindow] = []
+    bad = 0
+    for entry in stored if isinstance(stored, list) else [stored]:
+        try:
+            if not isinstance(entry, dict):
+                raise TypeError(f"expected an object, got {type(entry).__name__}")
+            windows.append(
+                PauseWindow(
+                    float(entry["since"]),
+                    float(entry["ended"]),
+                    str(entry.get("reason", "")),
+                    str(entry.get("by", "")),
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            bad += 1
+    return windows, bad
 
 
 async def _first_rounds(

@@ -28,7 +28,7 @@ from agent import __version__
 from agent.contracts.collector import SharedServices
 from agent.contracts.config import Config
 from agent.contracts.errors import CallStillHung, CallTimedOut
-from agent.contracts.pause import PauseState
+from agent.contracts.pause import PauseHistory, PauseState, PauseWindow
 from agent.program.diagnose import probes
 from agent.program.diagnose.bench_findings import check_bench
 from agent.program.diagnose.checkpoint_findings import check_checkpoints
@@ -44,8 +44,10 @@ from agent.program.diagnose.kernel_findings import (
 )
 from agent.program.diagnose.nvml_versions import read_nvml_versions
 from agent.program.diagnose.state_reader import read_state
+from agent.runtime.pause import HISTORY_KEY as PAUSE_HISTORY_KEY
 from agent.runtime.pause import KEY as PAUSE_KEY
 from agent.runtime.pause import NAMESPACE as PAUSE_NAMESPACE
+from agent.runtime.pause import ended_pauses
 from collectors import io_probe, system
 from collectors._nvml import NvmlBackend
 from collectors._procfs import read_boot_id
@@ -391,6 +393,31 @@ def running_pause(config: Config, now: float | None = None) -> PauseState | None
     return state
 
 
+def pause_history(config: Config, now: float | None = None) -> PauseHistory:
+    """The running agent's pauses as its state store keeps them (the one of this boot, in
+    force or ended at its deadline while the agent was down, and the ended ones): the GPU
+    findings the kernel log holds from them are not judged. Empty when the store cannot
+    tell."""
+    snapshot = read_state(config.state_dir, event_limit=0)
+    kept = snapshot.kv.get(PAUSE_NAMESPACE, {}) if snapshot.available else {}
+    windows, _ = ended_pauses(kept.get(PAUSE_HISTORY_KEY))
+    record = kept.get(PAUSE_KEY)
+    try:
+        this_boot = read_boot_id(Path("/proc"))
+    except OSError:
+        this_boot = ""
+    if isinstance(record, dict):
+        try:
+            since, until = float(record["since"]), float(record["until"])
+            boot = str(record.get("boot", ""))
+        except (KeyError, TypeError, ValueError):
+            return PauseHistory(windows)
+        if not (boot and this_boot and boot != this_boot):
+            ended = None if until > (now or time.time()) else until
+            windows.append(PauseWindow(since, ended, str(record.get("reason", ""))))
+    return PauseHistory(windows)
+
+
 def paused_lines(state: PauseState) -> list[Finding]:
     until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(state.until))
     why = f" ({state.reason})" if state.reason else ""
@@ -421,7 +448,10 @@ async def run_check(
     kernel_task = asyncio.create_task(
         asyncio.wait_for(
             asyncio.to_thread(
-                scan_kernel_log, config.collectors.get("kernel_log"), options.kmsg_io
+                scan_kernel_log,
+                config.collectors.get("kernel_log"),
+                options.kmsg_io,
+                pause_history(config),
             ),
             KERNEL_LOG_TIMEOUT,
         )

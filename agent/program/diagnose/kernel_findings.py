@@ -5,6 +5,10 @@ The reading and the matching are the kernel_log collector's own plain parts: `Km
 `FileLogReader` for a file of saved lines) on an in-memory cursor, so the whole ring buffer of
 this boot is read once and the daemon's cursor is never moved, and `MatcherSet` for the
 findings (user-space lines written into /dev/kmsg are not trusted, as in the daemon).
+
+A GPU finding whose /dev/kmsg record was logged while the running agent had the GPUs paused
+(`gpuwarden pause`: what a GPU reset or MIG change logs) is listed and not judged: a Slurm
+health check run after a planned reset must not drain the node for it (docs/pause.md).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.contracts.collector import CollectorSettings, MemoryKeyValueStore
+from agent.contracts.pause import PauseHistory, PauseWindow
 from agent.program.diagnose.findings import Finding, Status
 from collectors._xid_catalog import CatalogError, catalog
 from collectors.kernel_log.collector import KernelLogSettings
@@ -27,8 +32,8 @@ from collectors.kernel_log.kmsg import (
     LogReader,
     is_character_device,
 )
+from collectors.kernel_log.matchers import GPU_KINDS, MatcherSet
 from collectors.kernel_log.matchers import Finding as LogFinding
-from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import LogRecord
 
 AREA = "kernel"
@@ -53,6 +58,9 @@ class KernelLogScan:
     """The records worth a support engineer's eyes (RAW_LINE, or a finding's), in log order,
     the latest MAX_RAW_LINES: not every record, so a saved log of any size fits in memory."""
     findings: list[LogFinding] = field(default_factory=list)
+    paused: list[tuple[LogFinding, PauseWindow]] = field(default_factory=list)
+    """GPU findings logged while the running agent had the GPUs paused, with that pause: not
+    judged (a reset logs them)."""
     ignored: dict[str, int] = field(default_factory=dict)
     lost: int = 0
     malformed: int = 0
@@ -73,6 +81,10 @@ class KernelLogScan:
             "ignored_user_space_findings": self.ignored,
             "xid_catalog": xid_catalog_info(),
             "findings": [f.to_dict() for f in self.findings],
+            "findings_during_pause": [
+                {**f.to_dict(), "pause_since_ts": round(w.since, 3), "pause_reason": w.reason}
+                for f, w in self.paused
+            ],
         }
 
 
@@ -105,9 +117,15 @@ def format_record(record: LogRecord) -> str:
     return message
 
 
-def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None) -> KernelLogScan:
+def scan_kernel_log(
+    settings: CollectorSettings | None,
+    io: KmsgIO | None = None,
+    pauses: PauseHistory | None = None,
+) -> KernelLogScan:
     """Read the configured kernel log once (this boot's ring buffer, or the saved file).
-    `io`: a stand-in for /dev/kmsg (tests), as the collector takes one."""
+    `io`: a stand-in for /dev/kmsg (tests), as the collector takes one. `pauses`: the running
+    agent's; a GPU finding of /dev/kmsg logged in one goes to `paused` (a saved file's lines
+    carry no reliable time: they are all judged)."""
     chosen = settings if isinstance(settings, KernelLogSettings) else KernelLogSettings()
     path = chosen.path
     scan = KernelLogScan(str(path))
@@ -122,6 +140,8 @@ def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None
         matchers = MatcherSet()
         try:
             scan.findings = list(matchers.scan(_records(reader, scan, raw)))
+            if pauses is not None and isinstance(reader, KmsgReader):
+                _set_paused_apart(scan, reader, pauses)
         finally:
             reader.close()
     except (KernelLogError, OSError) as exc:
@@ -130,6 +150,17 @@ def scan_kernel_log(settings: CollectorSettings | None, io: KmsgIO | None = None
     scan.ignored = dict(matchers.ignored)
     scan.raw = _with_finding_records(raw, scan.findings)
     return scan
+
+
+def _set_paused_apart(scan: KernelLogScan, reader: KmsgReader, pauses: PauseHistory) -> None:
+    judged: list[LogFinding] = []
+    for finding in scan.findings:
+        window = pauses.covering(reader.record_time(finding.record))
+        if window is not None and finding.kind in GPU_KINDS:
+            scan.paused.append((finding, window))
+        else:
+            judged.append(finding)
+    scan.findings = judged
 
 
 def _records(reader: LogReader, scan: KernelLogScan, raw: deque[LogRecord]) -> Iterator[LogRecord]:
@@ -175,10 +206,13 @@ def classify_kernel_log(scan: KernelLogScan) -> list[Finding]:
     groups: dict[tuple[str, int | None, str], list[LogFinding]] = {}
     for finding in scan.findings:
         groups.setdefault(_group_key(finding), []).append(finding)
+    paused = _paused_lines(scan.paused)
     if not groups:
         note = ""
         if scan.ignored:
             note = f"; {sum(scan.ignored.values())} look-alike line(s) from user space ignored"
+        if scan.paused:
+            note += f"; {len(scan.paused)} GPU finding(s) logged while the GPUs were paused"
         return [
             Finding(
                 AREA,
@@ -189,7 +223,35 @@ def classify_kernel_log(scan: KernelLogScan) -> list[Finding]:
                 f"records of {scan.source}{note}",
             )
         ]
-    return [_group_line(key, found) for key, found in groups.items()]
+    return [_group_line(key, found) for key, found in groups.items()] + paused
+
+
+def _paused_lines(paused: Sequence[tuple[LogFinding, PauseWindow]]) -> list[Finding]:
+    """One SKIP line per GPU and code of the findings a pause logged: listed, not judged."""
+    groups: dict[tuple[str, int | None, str], list[tuple[LogFinding, PauseWindow]]] = {}
+    for finding, window in paused:
+        groups.setdefault(_group_key(finding), []).append((finding, window))
+    lines = []
+    for (kind, code, where), found in groups.items():
+        first, window = found[0]
+        what = f"Xid {code}" if kind == "xid" else f"SXid {code}" if kind == "sxid" else kind
+        times = f" ({len(found)} times)" if len(found) > 1 else ""
+        why = f" ({window.reason})" if window.reason else ""
+        lines.append(
+            Finding(
+                AREA,
+                f"{what.replace('_', ' ')} {where}".strip(),
+                Status.SKIP,
+                f"not judged: logged while the GPUs were paused{why}, as a GPU reset or MIG "
+                f"change logs it{times}. First: {format_record(first.record)[:200]}",
+                "nothing for the pause's own lines; a GPU that did not come back shows in "
+                "the gpu lines after gpuwarden resume",
+                check=kind,
+                subject=where,
+                data={"count": len(found), **({"code": code} if code is not None else {})},
+            )
+        )
+    return lines
 
 
 def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -> Finding:
