@@ -62,6 +62,11 @@ XID_GPU = "0000:3b:00"
 BUS_GPU = "0000:86:00.0"
 SWITCH = "0000:c6:00.0"
 XID79 = f"NVRM: Xid (PCI:{XID_GPU}): 79, pid=2314, name=python3, GPU has fallen off the bus."
+XID48 = f"NVRM: Xid (PCI:{XID_GPU}): 48, pid=1, name=x, An uncorrectable double bit error"
+XID154_NONE = (
+    f"NVRM: Xid (PCI:{XID_GPU}): 154, GPU recovery action changed from 0x1 (GPU Reset Required) "
+    "to 0x0 (None)"
+)
 HELD = {a for a in RepairAction if a not in (RepairAction.NONE, RepairAction.RESTART_APPLICATION)}
 
 
@@ -303,6 +308,22 @@ class TestDuringAPause:
         if event.repair_action in HELD:
             assert (kind, event.repair_action.value) in active_repairs(agent)
         assert agent.sample("gpuwarden_kernel_log_findings_total", kind=kind) == 1
+
+
+class TestWhatTheResetIsFor:
+    async def test_the_drivers_all_clear_during_the_pause_still_clears(self, agent: Agent) -> None:
+        """An Xid 48 held reset_gpu; the operator pauses and resets the GPU, and the driver
+        says the GPU needs no recovery any more: that clears the repair (a Slurm drain with
+        resume = "when_cleared" ends), though the line itself is marked and asks nothing."""
+        agent.log(XID48)
+        (held,) = await agent.findings(1)
+        assert held.repair_action is RepairAction.RESET_GPU
+        assert ("xid", "reset_gpu") in active_repairs(agent)
+        await agent.runtime.pause.pause(600.0, "reset GPU 0")
+        agent.log(XID154_NONE)
+        (clear,) = await agent.findings(1)
+        assert clear.attributes[DURING_PAUSE] is True and clear.clears == ("*",)
+        assert active_repairs(agent) == set()
 
 
 class TestTheBoundary:
