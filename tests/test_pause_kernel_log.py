@@ -55,7 +55,7 @@ from tests.support.nvml_fake import FakeNvml
 from tests.support.rules import METRIC, RULES, promtool
 from tests.support.waiting import until
 from tests.test_kernel_log_records import HOST_FAULTS
-from tests.test_kmsg_collector import PCI, Harness
+from tests.test_kmsg_collector import PCI, Harness, value
 
 GPU = GpuSettings(interval=0.2, event_thread=True, event_wait_ms=50, sysfs_root="/nonexistent")
 XID_GPU = "0000:3b:00"
@@ -380,6 +380,37 @@ class TestTheBoundary:
         await agent.restart()
         assert_marked(await agent.findings(1, first=0))
         assert active_repairs(agent) == set()
+
+
+class TestHoldoff:
+    """A storm in the pause raises one event per repeat_holdoff, every line counted; and it
+    holds back nothing logged after the resume (the GPU came back broken)."""
+
+    async def test_a_storm_in_the_pause_holds_back_nothing_after_it(self, tmp_path: Path) -> None:
+        kmsg = FakeKmsg.with_records(capture_records())
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            harness = Harness(tmp_path, kmsg, pool)  # repeat_holdoff 300 s
+            await harness.collect()
+            now, mono = time.time(), time.monotonic()
+            harness.shared.get(PauseHistory, PauseHistory).replace(
+                [PauseWindow(now - 100, now - 50, "reset")]
+            )
+            for i in range(5):
+                for line in (XID79, BUS_LINE):
+                    kmsg.write(line, level=3, usec=int((mono - 90 + i) * 1e6))
+            during, samples = await harness.collect()
+            for line in (XID79, BUS_LINE):  # 40 s after the storm, after the resume
+                kmsg.write(line, level=3, usec=int((mono - 10) * 1e6))
+            after, _ = await harness.collect()
+            harness.store.close()
+        assert sorted(e.kind for e in during) == ["gpu_fallen_off_bus", "xid"]
+        assert all(e.attributes[DURING_PAUSE] is True for e in during)
+        for kind in ("xid", "gpu_fallen_off_bus"):
+            counted = value(samples, "gpuwarden_kernel_log_paused_findings_total", kind=kind)
+            assert counted == 5
+        assert sorted(e.kind for e in after) == ["gpu_fallen_off_bus", "xid"]
+        for event in after:
+            assert_acts(event, "critical", "reboot_node")
 
 
 class TestCorrelation:

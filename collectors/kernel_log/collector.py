@@ -312,16 +312,20 @@ class KernelLogCollector:
         apart; it touches nothing a finding outside the pause is judged by (the Xid counts
         and correlation, the recurrence across boots, the holdoff)."""
         self.paused_findings[finding.kind] += 1
+        key = (finding.kind, self._subject(finding), str(finding.code))
         if finding.kind == "xid" and finding.code is not None:
-            event: Event | None = self.correlator.describe(
-                self._observation(finding, when, predates, origin)
-            )
+            repeats = self._held_back(self._paused_holdoff, key, when, finding.kind)
+            if repeats is None:
+                return None
+            event = self.correlator.describe(self._observation(finding, when, predates, origin))
+            attributes = {**event.attributes, "repeats_since_last_event": repeats}
+            event = dataclasses.replace(event, attributes=attributes)
         else:
-            key = (finding.kind, self._subject(finding), str(finding.code))
-            event = self._event(finding, when, predates, self._paused_holdoff, key)
-            if event is not None:
-                event = dataclasses.replace(event, id=stable_event_id(*origin, finding.kind))
-        return logged_during_pause(event, window) if event is not None else None
+            found = self._event(finding, when, predates, self._paused_holdoff, key)
+            if found is None:
+                return None
+            event = dataclasses.replace(found, id=stable_event_id(*origin, finding.kind))
+        return logged_during_pause(event, window)
 
     def _xid(
         self, finding: Finding, when: float, predates: bool, origin: tuple[str, ...]
@@ -359,6 +363,19 @@ class KernelLogCollector:
         # Found again from the same record after a crash, it is the same event: same id.
         return dataclasses.replace(event, id=stable_event_id(*origin, finding.kind))
 
+    def _held_back(
+        self, holdoff: dict[tuple[str, ...], _Holdoff], key: tuple[str, ...], when: float, kind: str
+    ) -> int | None:
+        """None: a repeat within repeat_holdoff of the last event for `key`, counted and
+        raising none; otherwise how many were held back since that event."""
+        held = holdoff.get(key)
+        if held is not None and when - held.last < self.settings.repeat_holdoff:
+            held.suppressed += 1
+            self.suppressed[kind] += 1
+            return None
+        holdoff[key] = _Holdoff(when)
+        return held.suppressed if held is not None else 0
+
     def _subject(self, finding: Finding) -> str:
         identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
         return identity.get("uuid") or finding.subject
@@ -371,15 +388,11 @@ class KernelLogCollector:
         holdoff: dict[tuple[str, ...], _Holdoff],
         key: tuple[str, ...],
     ) -> Event | None:
+        repeats = self._held_back(holdoff, key, when, finding.kind)
+        if repeats is None:
+            return None
         identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
         subject = identity.get("uuid") or finding.subject
-        held = holdoff.get(key)
-        if held is not None and when - held.last < self.settings.repeat_holdoff:
-            held.suppressed += 1
-            self.suppressed[finding.kind] += 1
-            return None
-        repeats = held.suppressed if held is not None else 0
-        holdoff[key] = _Holdoff(when)
         attributes: dict[str, AttributeValue] = dict(finding.to_dict())
         for name in ("kind", "severity", "meaning", "action"):
             attributes.pop(name, None)
