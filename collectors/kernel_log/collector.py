@@ -369,7 +369,10 @@ class KernelLogCollector:
         """None: a repeat within repeat_holdoff of the last event for `key`, counted and
         raising none; otherwise how many were held back since that event."""
         held = holdoff.get(key)
-        if held is not None and when - held.last < self.settings.repeat_holdoff:
+        # Either side: two records of one stamp can come out a few microseconds apart the
+        # wrong way (boot time is taken from the clocks at each read), and with
+        # repeat_holdoff 0 nothing may be held back.
+        if held is not None and abs(when - held.last) < self.settings.repeat_holdoff:
             held.suppressed += 1
             self.suppressed[kind] += 1
             return None
