@@ -77,6 +77,30 @@ class TestCollector:
         assert find(result, "gpuwarden_gpu_pci_not_visible") == []
         assert "gpu_not_enumerated" not in kinds(result)
 
+    async def test_the_counts_follow_the_bus_scan_by_scan(self, tmp_path: Path) -> None:
+        """The PCI series are made once per scan (every slow_interval) and kept between: a
+        GPU that leaves the bus shows at the next scan, not before and not never."""
+        tree = tmp_path / "sys"
+        shutil.copytree(TREES / "hgx-h200-8gpu", tree, symlinks=True)
+        settings = GpuSettings(event_thread=False, sysfs_root=str(tree))
+        rig = GpuRig(FakeNvml(fake_gpus(8)), settings=settings)
+        try:
+            first = await rig.collect(advance=1.0)
+            devices = tree / "bus" / "pci" / "devices"
+            gpus = [
+                d for d in sorted(devices.iterdir()) if (d / "class").read_text() == "0x030200\n"
+            ]
+            shutil.rmtree(gpus[-1])
+            same_scan = await rig.collect(advance=1.0)
+            rig.now += settings.slow_interval
+            next_scan = await rig.collect()
+        finally:
+            await rig.close()
+        assert value(first, "gpuwarden_gpus_pci") == 8
+        assert value(same_scan, "gpuwarden_gpus_pci") == 8  # kept until the next scan
+        assert value(next_scan, "gpuwarden_gpus_pci") == 7
+        assert value(next_scan, "gpuwarden_nvswitches_pci") == 4
+
     async def test_gpu_on_the_bus_that_nvml_does_not_see(self) -> None:
         fake = FakeNvml(fake_gpus(8))
         del fake.gpus[3]  # 0000:48:00.0 did not come up

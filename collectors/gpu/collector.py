@@ -239,6 +239,7 @@ class GpuCollector:
         self.owners: dict[int, ProcessOwner | None] = {}
         """pid -> owner (None: not in /proc), for pids on a GPU last round: read once each."""
         self.pci: PciScan | None = None
+        self._pci_samples_of: tuple[PciScan, tuple[Sample, ...]] | None = None
         self.pci_read_at: float | None = None
         self.paused = False
         """Released on request (agent/contracts/pause.py): rounds make no NVML call."""
@@ -557,16 +558,21 @@ class GpuCollector:
         except OSError:
             self.pci = None  # no sysfs here (a container without /sys): unknown, not 0
 
-    def _pci_samples(self) -> list[Sample]:
+    def _pci_samples(self) -> tuple[Sample, ...]:
+        """Made once per scan (every slow_interval), not every round."""
         scan = self.pci
         if scan is None:
-            return []
+            return ()
+        if self._pci_samples_of is not None and self._pci_samples_of[0] is scan:
+            return self._pci_samples_of[1]
         passed = sum(1 for f in scan.gpus if f.passed_through)
-        return [
+        samples = (
             m.GPUS_PCI.sample(len(scan.gpus) - passed),
             m.GPUS_PCI_PASSTHROUGH.sample(passed),
             m.NVSWITCHES_PCI.sample(len(scan.nvswitches)),
-        ]
+        )
+        self._pci_samples_of = (scan, samples)
+        return samples
 
     def _compare_pci(self, out: _Round) -> None:
         """Name each GPU on the bus that NVML does not list, once while it lasts. Only when
