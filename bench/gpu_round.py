@@ -7,7 +7,10 @@ microsecond, a real call in 2-8 µs: docs/MEASUREMENTS.md), and nvidia-smi is re
 
 Goals on the H200 (issue 14): a steady round costs at most 1/50 of the nvidia-smi call, and at
 most 3 times the same NVML calls made bare. Steady rounds, the bare calls and nvidia-smi are
-taken in turns, batch by batch, so that all three see the machine in the same state.
+taken in turns, batch by batch, so that all three see the machine in the same state. Then
+`--paced` rounds and bare replays one per second, as the agent runs them: with the CPU's caches
+and clock cold, both cost several times what they cost back to back (the agent's own
+gpuwarden_collector_duration_seconds shows the cold figure).
 
 The fake's GPUs are shaped like a busy Hopper node: each has a compute process (this one, so
 its owner is read from the real /proc) and GPM. Rows: a steady round (fast reads, the process
@@ -15,7 +18,7 @@ list and its series; GPM, fabric and owners come from the last read), a round wh
 (one GPM sample and the metrics against the last), and a full round (static and slow reads:
 PCIe replays, NVLink, fabric info, the sysfs PCI count).
 
-    python bench/gpu_round.py [--runs 50] [--fake] [--fake-gpus 8]
+    python bench/gpu_round.py [--runs 50] [--paced 20] [--fake] [--fake-gpus 8]
 """
 
 from __future__ import annotations
@@ -152,16 +155,23 @@ async def side_by_side(
     calls: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]],
     runs: int,
     batch: int = 10,
+    gap: float = 0.0,
 ) -> tuple[Timing, Timing, Timing | None, float]:
     """Steady rounds, the same calls bare, and nvidia-smi, taken in turns (`batch` rounds,
     `batch` bare replays, one nvidia-smi call), so that all three see the machine in the same
     state: on the lent H200 medians of runs taken one after the other differed by up to half.
-    Also the median over batches of (round / bare), each pair taken moments apart."""
+    Also the median over batches of (round / bare), each pair taken moments apart.
+
+    `gap`: seconds of idle before each round and each bare replay, as the agent runs them
+    (once per interval): the CPU's caches and clock are then cold, and both cost more than
+    back to back. No nvidia-smi then (a new process each time, it is always cold)."""
     steady = Timing("gpu round, steady (fast reads)", [], [])
     bare = Timing(f"bare pynvml, the same {len(calls)} calls", [], [])
-    smi = (
-        Timing("nvidia-smi --query-gpu (one call)", [], []) if shutil.which("nvidia-smi") else None
-    )
+    paced = f", one per {gap:g} s" if gap else ""
+    steady.label += paced
+    bare.label += paced
+    smi_there = shutil.which("nvidia-smi") is not None and not gap
+    smi = Timing("nvidia-smi --query-gpu (one call)", [], []) if smi_there else None
     shared = SharedServices()
     shared.put(NvmlBackend, backend)
     deps = CollectorDeps(
@@ -179,11 +189,15 @@ async def side_by_side(
         for _ in range(batch):
             number += 1
             now += 1.0
+            if gap:
+                await asyncio.sleep(gap)
             cpu0, wall0 = time.process_time(), time.perf_counter()
             await collector.collect(CollectContext(caller, now, number))
             steady.wall.append(time.perf_counter() - wall0)
             steady.cpu.append(time.process_time() - cpu0)
         for _ in range(batch):
+            if gap:
+                await asyncio.sleep(gap)
             cpu0, wall0 = time.process_time(), time.perf_counter()
             replay(calls)
             bare.wall.append(time.perf_counter() - wall0)
@@ -328,6 +342,14 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--fake", action="store_true", help="measure the fake even with a GPU")
     parser.add_argument("--fake-gpus", type=int, default=8)
+    parser.add_argument(
+        "--paced",
+        type=int,
+        default=20,
+        metavar="N",
+        help="also N steady rounds and N bare replays one per second, as the agent runs them "
+        "(0: none)",
+    )
     args = parser.parse_args()
     backend, what = make_backend(args.fake, args.fake_gpus)
     print(f"gpu collection round, {what}, median of {args.runs} runs")
@@ -338,11 +360,20 @@ def main() -> int:
         time_rounds(backend, args.runs, 1.0, "gpu round, GPM due (every gpm_interval)", gpm_due)
     )
     full = asyncio.run(time_rounds(backend, args.runs, 1e5, "gpu round, full (static + slow)"))
-    rows = [steady, bare, gpm, full] + ([smi] if smi else [])
+    paced: list[Timing] = []
+    paced_ratio = 0.0
+    if args.paced:
+        paced_round, paced_bare, _, paced_ratio = asyncio.run(
+            side_by_side(backend, calls, args.paced, batch=1, gap=1.0)
+        )
+        paced = [paced_round, paced_bare]
+    rows = [steady, bare, *paced, gpm, full] + ([smi] if smi else [])
     print_table(rows, smi)
     print(
         f"median over batches of (steady round / bare calls), each pair moments apart: {ratio:.2f}"
     )
+    if paced:
+        print(f"the same, one per second: {paced_ratio:.2f}")
     print_breakdown(backend)
     real_lib = backend.lib
     for label, advance, settings in (
@@ -369,6 +400,12 @@ def main() -> int:
     print(f"goal: steady round <= 3 x the bare calls ({floor:.3f} ms): {verdict} the goal")
     verdict = "meets" if ratio <= 3 else "MISSES"
     print(f"      the same, batch by batch: median round / bare = {ratio:.2f}: {verdict} it")
+    if paced:
+        cold = paced[0].wall_ms
+        print(
+            f"one per second, as the agent runs it: round {cold:.3f} ms = "
+            f"1/{smi.wall_ms / cold:,.0f} of nvidia-smi, {paced_ratio:.2f} x its bare calls"
+        )
     return 0
 
 
