@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -19,7 +21,7 @@ from typing import Any
 import pytest
 
 from agent.contracts.errors import CallStillHung, CallTimedOut
-from agent.runtime.blocking import PooledCaller
+from agent.runtime.blocking import CallPool, PooledCaller
 from tests.support.waiting import until
 
 
@@ -332,3 +334,111 @@ def test_timeouts_still_fire_on_a_new_loop_after_one_stopped_mid_call() -> None:
     finally:
         release.set()
         pool.shutdown(wait=True)
+
+
+class TestCallPool:
+    """The collectors' pool (agent/runtime/blocking.py CallPool): a thread is idle again
+    before the caller hears the answer, so a round's next call never starts another."""
+
+    async def test_sequential_calls_run_on_one_thread(self) -> None:
+        pool = CallPool(8, "t")
+        caller = PooledCaller(pool, 5.0)
+        names: set[str] = set()
+        try:
+            for _ in range(300):  # each call made the moment the last one answered
+                names.add(await caller.call("k", lambda: threading.current_thread().name))
+        finally:
+            pool.shutdown()
+        assert len(names) == 1, names
+
+    def test_a_thread_is_idle_before_its_answer_is_out(self) -> None:
+        """What the loop hears through the future's done callback finds the thread idle
+        already: the round's next call reuses it (ThreadPoolExecutor counts it idle only
+        after every callback, so the next call started another thread under load)."""
+        pool = CallPool(8, "t")
+        release = threading.Event()
+        seen: list[int] = []
+        try:
+            future = pool.submit(release.wait, 5)
+            future.add_done_callback(lambda done: seen.append(pool.idle))
+            release.set()
+            assert future.result(5) is True
+            assert seen == [1]
+            assert pool.threads == 1
+        finally:
+            pool.shutdown()
+
+    async def test_busy_threads_grow_the_pool_to_its_bound_then_calls_queue(self) -> None:
+        pool = CallPool(3, "t")
+        caller = PooledCaller(pool, 5.0)
+        release = threading.Event()
+        try:
+            held = [asyncio.create_task(caller.call(f"k{i}", release.wait, 30)) for i in range(3)]
+            await until(lambda: pool.threads == 3, what="three threads")
+            queued = asyncio.create_task(caller.call("q", str, 5))
+            await asyncio.sleep(0.1)
+            assert not queued.done() and pool.threads == 3  # bounded: it waits for a thread
+            release.set()
+            assert await queued == "5"
+            assert await asyncio.gather(*held) == [True, True, True]
+            assert pool.threads == 3
+        finally:
+            release.set()
+            pool.shutdown()
+
+    def test_the_thread_idle_last_takes_the_next_call(self) -> None:
+        pool = CallPool(4, "t")
+        release = [threading.Event() for _ in range(2)]
+        try:
+            first = pool.submit(lambda: (release[0].wait(5), threading.current_thread().name))
+            second = pool.submit(lambda: (release[1].wait(5), threading.current_thread().name))
+            release[0].set()
+            name_first = first.result(5)[1]
+            time.sleep(0.05)
+            release[1].set()
+            name_second = second.result(5)[1]
+            time.sleep(0.05)
+            # Both idle now, the second one last: it takes the next call.
+            assert pool.submit(lambda: threading.current_thread().name).result(5) == name_second
+            assert name_first != name_second
+        finally:
+            for event in release:
+                event.set()
+            pool.shutdown()
+
+    def test_answers_and_exceptions_through_the_future(self) -> None:
+        pool = CallPool(2, "t")
+        try:
+            assert pool.submit(pow, 2, 10).result(5) == 1024
+            with pytest.raises(Boom):
+                pool.submit(lambda: (_ for _ in ()).throw(Boom("no"))).result(5)
+            assert pool.submit(str, 1).result(5) == "1"  # the thread survived the exception
+        finally:
+            pool.shutdown()
+
+    def test_shutdown_cancels_what_waits_and_lets_idle_threads_go(self) -> None:
+        pool = CallPool(1, "t")
+        release = threading.Event()
+        running = pool.submit(release.wait, 30)
+        waiting = pool.submit(str, 1)
+        pool.shutdown(wait=False, cancel_futures=True)
+        assert waiting.cancelled()
+        with pytest.raises(RuntimeError, match="after shutdown"):
+            pool.submit(str, 2)
+        release.set()
+        assert running.result(5) is True
+        pool.shutdown(wait=True)  # the busy thread ends after its call
+        assert all(not t.is_alive() for t in threading.enumerate() if t.name == "t_0")
+
+    def test_a_stuck_call_does_not_keep_the_process_from_exiting(self) -> None:
+        code = (
+            "import threading\n"
+            "from agent.runtime.blocking import CallPool\n"
+            "pool = CallPool(1, 'stuck')\n"
+            "pool.submit(threading.Event().wait)\n"
+            "print('exiting')\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+        )
+        assert out.stdout.strip() == "exiting"

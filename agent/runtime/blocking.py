@@ -17,7 +17,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -42,49 +46,30 @@ class _Expired(Exception):
     not a hang."""
 
 
-def _run_and_tell(
-    loop: asyncio.AbstractEventLoop,
-    waiter: asyncio.Future[T],
-    fn: Callable[..., T],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> T:
-    """In the pool thread: the call, then its answer to the loop as the thread's last act
-    (the pool future gets it too, for the hung and abandoned bookkeeping)."""
-    try:
-        value = fn(*args, **kwargs)
-    except BaseException as exc:
-        _call_soon(loop, _answer, waiter, exc, False)
-        raise
-    _call_soon(loop, _answer, waiter, value, True)
-    return value
-
-
-def _answer(waiter: asyncio.Future[Any], value: Any, ok: bool) -> None:
-    """On the loop: the thread's answer, unless the waiter timed out or was cancelled first
-    (the answer is nobody's then)."""
-    if waiter.done():
-        return
-    if ok:
-        waiter.set_result(value)
-    else:
-        waiter.set_exception(value)
-
-
-def _cancel_if_never_run(
+def _deliver(
     loop: asyncio.AbstractEventLoop,
     waiter: asyncio.Future[Any],
     done: concurrent.futures.Future[Any],
 ) -> None:
-    """A call still queued when its pool was let go never runs, so never answers: its waiter
-    is cancelled at once rather than timing out as a false hang."""
+    """The pool future's done callback, in the pool thread (or on the loop, when the call had
+    ended before the callback was added): the answer goes to the loop."""
+    _call_soon(loop, _settle, waiter, done)
+
+
+def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -> None:
+    """On the loop: the thread's answer, unless the waiter timed out or was cancelled first
+    (the answer is nobody's then). A call still queued when its pool was let go never ran:
+    its waiter is cancelled at once, not left to time out as a false hang."""
+    if waiter.done():
+        return
     if done.cancelled():
-        _call_soon(loop, _cancel, waiter)
-
-
-def _cancel(waiter: asyncio.Future[Any]) -> None:
-    if not waiter.done():
         waiter.cancel()
+        return
+    exc = done.exception()
+    if exc is None:
+        waiter.set_result(done.result())
+    else:
+        waiter.set_exception(exc)
 
 
 def _retrieve(done: asyncio.Future[Any]) -> None:
@@ -132,18 +117,18 @@ class PooledCaller:
         loop = asyncio.get_running_loop()
         if key in self._abandoned:
             await self._wait_abandoned(key, loop)
-        # Everything the loop needs is made before the thread starts, and the thread's last
-        # act is to tell the loop: neither thread then waits for the other's hold on the GIL,
-        # each hand-over of which is a futex wake (about 12 µs on the H200's host). The round
-        # of every GPU makes such a call; the hand-off is most of what a steady round costs
-        # beyond the NVML calls (bench/gpu_round.py). One timer for all calls in flight, not
-        # one per call: a steady round's calls return in microseconds.
+        # Everything the loop needs is made before the thread starts, and the answer comes
+        # from the pool future's done callback (after a CallPool has counted the thread idle
+        # again): one turn of the loop to settle, one to resume. The round of every GPU makes
+        # such a call; the hand-off is most of what a steady round costs beyond the NVML calls
+        # (bench/gpu_round.py). One timer for all calls in flight, not one per call: a steady
+        # round's calls return in microseconds.
         waiter: asyncio.Future[T] = loop.create_future()
         self._deadlines[waiter] = deadline = loop.time() + self.timeout
         self._arm(loop, deadline)
         started = time.monotonic()
-        future = self._executor.submit(_run_and_tell, loop, waiter, fn, args, kwargs)
-        future.add_done_callback(lambda done: _cancel_if_never_run(loop, waiter, done))
+        future = self._executor.submit(fn, *args, **kwargs)
+        future.add_done_callback(functools.partial(_deliver, loop, waiter))
         try:
             return await waiter
         except _Expired:
@@ -245,3 +230,114 @@ class PooledCaller:
         done.exception()  # retrieve it, so a late failure is not logged as never retrieved
         if self._on_recover is not None:
             self._on_recover(key, time.monotonic() - started)
+
+
+_Job = tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+class CallPool(concurrent.futures.Executor):
+    """At most `size` threads for one collector's blocking calls.
+
+    ThreadPoolExecutor counts a thread idle only after the call's future is done, so a round
+    that is told its answer and makes its next call at once often finds no idle thread and
+    starts another (a reload test saw the pool grow under load). Here a thread is idle again
+    before the future is done (the answer reaches PooledCaller from the done callback), and a
+    new thread starts only when every thread is busy. The thread that went idle last takes the
+    next call: sequential calls run on one thread, its stack and caches warm.
+
+    Threads are daemons: one stuck in a driver or on a dead file server must not keep the
+    process from exiting (the agent exits at once when calls are outstanding)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        if size < 1:
+            raise ValueError(f"a pool needs at least one thread, got {size}")
+        self._size = size
+        self._name = name
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._workers: list[_Worker] = []
+        self._backlog: deque[_Job] = deque()
+        self._shut = False
+
+    @property
+    def threads(self) -> int:
+        """Threads started so far (busy or idle)."""
+        with self._lock:
+            return len(self._workers)
+
+    @property
+    def idle(self) -> int:
+        """Threads waiting for a call."""
+        with self._lock:
+            return len(self._idle)
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        job: _Job = (future, fn, args, kwargs)
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            if self._idle:
+                self._idle.pop().inbox.put(job)
+            elif len(self._workers) < self._size:
+                worker = _Worker(self, f"{self._name}_{len(self._workers)}")
+                self._workers.append(worker)
+                worker.inbox.put(job)
+                worker.thread.start()
+            else:
+                self._backlog.append(job)
+        return future
+
+    def _next(self, worker: _Worker) -> None:
+        """A worker's call ended: the next queued call to it, or it is idle (or it ends)."""
+        with self._lock:
+            if self._backlog:
+                worker.inbox.put(self._backlog.popleft())
+            elif self._shut:
+                worker.inbox.put(None)
+            else:
+                self._idle.append(worker)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._shut = True
+            backlog = list(self._backlog) if cancel_futures else []
+            if cancel_futures:
+                self._backlog.clear()
+            idle, self._idle = self._idle, []
+            workers = list(self._workers)
+        for future, *_ in backlog:
+            future.cancel()
+        for worker in idle:
+            worker.inbox.put(None)
+        if wait:
+            for worker in workers:
+                worker.thread.join()
+
+
+class _Worker:
+    def __init__(self, pool: CallPool, name: str) -> None:
+        self.pool = pool
+        self.inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        while (job := self.inbox.get()) is not None:
+            future, fn, args, kwargs = job
+            del job
+            if not future.set_running_or_notify_cancel():
+                self.pool._next(self)
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                self.pool._next(self)  # idle before the answer is out: see CallPool
+                future.set_exception(exc)
+                del exc
+            else:
+                self.pool._next(self)
+                future.set_result(result)
+                del result
+            del future, fn, args, kwargs

@@ -97,7 +97,7 @@ class CollectorStatus:
     settings: CollectorSettings
     collector: Collector
     caller: PooledCaller
-    executor: concurrent.futures.ThreadPoolExecutor
+    executor: concurrent.futures.Executor
     samples: Sequence[Sample] = ()
     success: bool | None = None
     last_success: float | None = None

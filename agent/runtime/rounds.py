@@ -23,7 +23,6 @@ with that path.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import enum
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import NamedTuple
 from agent.contracts.collector import CollectContext, Collector, CollectorSettings
 from agent.contracts.errors import CallStillHung, CallTimedOut
 from agent.contracts.model import Event, RepairAction, Sample, Severity
-from agent.runtime.blocking import PooledCaller
+from agent.runtime.blocking import CallPool, PooledCaller
 
 THREAD_POOL_SIZE = 8
 """Threads per collector. Bounded: each hung resource holds at most one thread. Each collector
@@ -53,7 +52,7 @@ class CollectorPool(NamedTuple):
     """A collector's blocking-call thread pool and the caller its rounds use."""
 
     caller: PooledCaller
-    executor: concurrent.futures.ThreadPoolExecutor
+    executor: CallPool
 
     def shutdown(self) -> None:
         """Let the pool go without waiting: a hung call keeps its thread until it returns."""
@@ -63,9 +62,7 @@ class CollectorPool(NamedTuple):
 def collector_pool(name: str, timeout: float, emit: Callable[[Event], None]) -> CollectorPool:
     """The pool for collector `name`: THREAD_POOL_SIZE threads, `timeout` per call, and a hung
     call (and its late return) told through `emit` as an event of the collector's."""
-    executor = concurrent.futures.ThreadPoolExecutor(
-        THREAD_POOL_SIZE, thread_name_prefix=f"gpuwarden-{name}"
-    )
+    executor = CallPool(THREAD_POOL_SIZE, f"gpuwarden-{name}")
     caller = PooledCaller(
         executor,
         timeout,
