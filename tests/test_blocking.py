@@ -237,6 +237,20 @@ async def test_a_call_that_ends_after_its_loop_closed_is_dropped_quietly() -> No
     assert errors == []
 
 
+async def test_a_call_to_a_pool_let_go_raises_and_leaves_nothing_behind(
+    loop_errors: list[dict[str, Any]],
+) -> None:
+    pool = CallPool(1, "t")
+    pool.shutdown()
+    caller = PooledCaller(pool, 0.05)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        await caller.call("k", str, 1)
+    await asyncio.sleep(0.2)  # past the timeout: no waiter is left for the sweeper
+    gc.collect()
+    await asyncio.sleep(0)
+    assert loop_errors == [] and caller.outstanding == 0 and caller.in_flight == 0
+
+
 class TestOneTimerForAll:
     """The caller times out every call in flight with one timer: each call still ends at its
     own deadline, whatever else is in flight, whichever loop it runs on."""

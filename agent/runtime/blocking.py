@@ -105,6 +105,11 @@ class PooledCaller:
         return dict(self._hung)
 
     @property
+    def in_flight(self) -> int:
+        """Calls awaited now (each with its deadline)."""
+        return len(self._deadlines)
+
+    @property
     def outstanding(self) -> int:
         """Threads running a call nobody awaits any more: hung, or abandoned by a cancelled
         round. The process must not wait for them at exit."""
@@ -127,9 +132,9 @@ class PooledCaller:
         self._deadlines[waiter] = deadline = loop.time() + self.timeout
         self._arm(loop, deadline)
         started = time.monotonic()
-        future = self._executor.submit(fn, *args, **kwargs)
-        future.add_done_callback(functools.partial(_deliver, loop, waiter))
         try:
+            future = self._executor.submit(fn, *args, **kwargs)  # raises once the pool is let go
+            future.add_done_callback(functools.partial(_deliver, loop, waiter))
             return await waiter
         except _Expired:
             self._mark_hung(key, started, future, loop)
