@@ -188,3 +188,14 @@ class TestTheCheckerCatches:
     )
     def test_outside_pointers(self, text: str) -> None:
         assert OUTSIDE.search(text)
+
+
+def test_every_benchmark_is_in_the_development_guide() -> None:
+    """A bench/ script nobody can find is a measurement nobody repeats."""
+    guide = (DOCS / "development.md").read_text()
+    missing = [
+        f"bench/{script.name}"
+        for script in sorted((ROOT / "bench").glob("*.py"))
+        if script.name != "__init__.py" and f"`bench/{script.name}`" not in guide
+    ]
+    assert missing == [], missing
