@@ -278,9 +278,16 @@ class TestHighAvailability:
             nodes[1].signal(signal.SIGKILL)
             await notified(webhook, "firing", 40, "n2 dead with one member down", node="n2")
             assert len(webhook.matching("firing", node="n2")) == 1
+            # Each watcher's post to the stopped member runs in that member's own thread: the
+            # other member's notification can come first, so wait for the failure to count.
+            downs = []
             for watcher in pair:
                 assert watcher.alertmanager is not None
-                assert watcher.alertmanager.members[0].failures["connect"] >= 1
+                downs.append(watcher.alertmanager.members[0])
+            await until(
+                lambda: all(down.failures["connect"] >= 1 for down in downs),
+                what="the refused posts",
+            )
         finally:
             for node in nodes:
                 node.stop()
