@@ -4,7 +4,6 @@ kernel-log file: an Xid line appended to the file is what drains the node."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent_proc import REPO, AgentProcess, http_get
+from tests.support.agent_proc import REPO, AgentProcess, http_get, run_gpuwarden
 from tests.support.slurm import SlurmCluster, cluster, missing_binaries, settle, wait_drained
 from tests.support.waiting import wait_until
 
@@ -124,15 +123,7 @@ def test_an_application_xid_does_not_drain(node: SlurmCluster, tmp_path: Path) -
 
 
 def gpuwarden(agent: AgentProcess, *args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "agent", *args, "--config", str(agent.config_path)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_gpuwarden(*args, "--config", str(agent.config_path))
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from collectors._nvml import NvmlBackend, NvmlUnavailable
-from tests.support.agent_proc import REPO, AgentProcess, http_get, pythonpath
+from tests.support.agent_proc import AgentProcess, http_get, run_gpuwarden
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.gpu]
@@ -71,15 +70,7 @@ def series(agent: AgentProcess, prefix: str) -> list[str]:
 
 
 def gpuwarden(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": pythonpath()},
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    return run_gpuwarden(*args, timeout=180)
 
 
 def test_pause_lets_go_of_every_device_file_and_resume_brings_the_gpus_back(

@@ -9,7 +9,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 
 from agent.program.control_client import socket_path
-from tests.support.agent_proc import REPO, AgentProcess, http_get
+from tests.support.agent_proc import AgentProcess, http_get, run_gpuwarden
 from tests.support.fake_nvml_agent import calls_path
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber
@@ -25,16 +24,7 @@ from tests.support.waiting import wait_until
 
 
 def gpuwarden(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_gpuwarden(*args)
 
 
 def device_files(pid: int, devices: Path) -> list[str]:

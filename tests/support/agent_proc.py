@@ -31,6 +31,20 @@ def pythonpath(repo: Path = REPO) -> str:
     return os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)
 
 
+def run_gpuwarden(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """One `gpuwarden` command as the operator runs it, from this checkout (its PYTHONPATH as
+    the agent's: `pythonpath`)."""
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": pythonpath()},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @dataclass
 class AgentProcess:
     workdir: Path
