@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import resource
@@ -47,7 +46,8 @@ from agent.contracts.collector import (
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.runtime.blocking import PooledCaller
+from agent.runtime.blocking import CallPool, PooledCaller
+from agent.runtime.rounds import WAIT_IN_PLACE, collector_pool
 from collectors._nvml import NvmlBackend, NvmlUnavailable
 from collectors.gpu.collector import GpuCollector, GpuSettings
 from collectors.gpu.metrics import SampleMemo, reading_samples
@@ -156,20 +156,20 @@ async def side_by_side(
     runs: int,
     batch: int = 10,
     gap: float = 0.0,
-) -> tuple[Timing, Timing, Timing | None, float]:
-    """Steady rounds, the same calls bare, and nvidia-smi, taken in turns (`batch` rounds,
-    `batch` bare replays, one nvidia-smi call), so that all three see the machine in the same
+) -> tuple[Timing, Timing, Timing, Timing | None, float]:
+    """Steady rounds, the same rounds with every answer awaited through the loop (no wait in
+    place: what the agent did before), the same calls bare, and nvidia-smi, taken in turns
+    (`batch` of each, then one nvidia-smi call), so that all see the machine in the same
     state: on the lent H200 medians of runs taken one after the other differed by up to half.
     Also the median over batches of (round / bare), each pair taken moments apart.
 
     `gap`: seconds of idle before each round and each bare replay, as the agent runs them
     (once per interval): the CPU's caches and clock are then cold, and both cost more than
     back to back. No nvidia-smi then (a new process each time, it is always cold)."""
-    steady = Timing("gpu round, steady (fast reads)", [], [])
-    bare = Timing(f"bare pynvml, the same {len(calls)} calls", [], [])
     paced = f", one per {gap:g} s" if gap else ""
-    steady.label += paced
-    bare.label += paced
+    steady = Timing(f"gpu round, steady (fast reads){paced}", [], [])
+    awaited = Timing(f"  the same, answers awaited{paced}", [], [])
+    bare = Timing(f"bare pynvml, the same {len(calls)} calls{paced}", [], [])
     smi_there = shutil.which("nvidia-smi") is not None and not gap
     smi = Timing("nvidia-smi --query-gpu (one call)", [], []) if smi_there else None
     shared = SharedServices()
@@ -177,24 +177,29 @@ async def side_by_side(
     deps = CollectorDeps(
         "bench", Path("/nonexistent"), MemoryKeyValueStore(), shared, lambda event: None
     )
-    collector = GpuCollector(GpuSettings(event_thread=False), deps)
-    executor = concurrent.futures.ThreadPoolExecutor(8)
-    caller = PooledCaller(executor, 5.0)
+    pool = collector_pool("gpu", 5.0, lambda event: None)  # the agent's, waiting in place
+    awaiting = PooledCaller(pool.executor, 5.0)
+    rounds = [
+        (steady, pool.caller, GpuCollector(GpuSettings(event_thread=False), deps)),
+        (awaited, awaiting, GpuCollector(GpuSettings(event_thread=False), deps)),
+    ]
     now = time.time()
-    await collector.collect(CollectContext(caller, now, 0))  # first round: static and slow
+    for _, caller, collector in rounds:  # first round: static and slow
+        await collector.collect(CollectContext(caller, now, 0))
     ratios: list[float] = []
     number = 0
     while len(steady.wall) < runs:
         first = len(steady.wall)
-        for _ in range(batch):
-            number += 1
-            now += 1.0
-            if gap:
-                await asyncio.sleep(gap)
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-            await collector.collect(CollectContext(caller, now, number))
-            steady.wall.append(time.perf_counter() - wall0)
-            steady.cpu.append(time.process_time() - cpu0)
+        for timing, caller, collector in rounds:
+            for _ in range(batch):
+                number += 1
+                now += 1.0
+                if gap:
+                    await asyncio.sleep(gap)
+                cpu0, wall0 = time.process_time(), time.perf_counter()
+                await collector.collect(CollectContext(caller, now, number))
+                timing.wall.append(time.perf_counter() - wall0)
+                timing.cpu.append(time.process_time() - cpu0)
         for _ in range(batch):
             if gap:
                 await asyncio.sleep(gap)
@@ -207,9 +212,10 @@ async def side_by_side(
             smi_wall, smi_cpu = nvidia_smi_once()
             smi.wall.append(smi_wall)
             smi.cpu.append(smi_cpu)
-    await collector.close()
-    executor.shutdown()
-    return steady, bare, smi, statistics.median(ratios)
+    for _, _, collector in rounds:
+        await collector.close()
+    pool.shutdown()
+    return steady, awaited, bare, smi, statistics.median(ratios)
 
 
 def _median_us(function: Callable[[], object], runs: int) -> float:
@@ -228,16 +234,17 @@ def print_breakdown(backend: NvmlBackend, runs: int = 3000) -> None:
     backend.read_gpu(0, static=True, slow=True, energy=True)
     reading = backend.read_gpu(0).reading
     labels = {"gpu": "0", "uuid": "GPU-x", "model": "model", "pci_bus_id": "0000:00:00.0"}
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    caller = PooledCaller(pool, 5.0)
+    pool = CallPool(1, "bench")
+    in_place = PooledCaller(pool, 5.0, wait_in_place=WAIT_IN_PLACE["gpu"])
+    awaited = PooledCaller(pool, 5.0)
     memo = SampleMemo()  # as the collector keeps one per GPU; values unchanged (fast reads vary)
 
-    async def hops(via_caller: bool) -> float:
+    async def hops(caller: PooledCaller | None) -> float:
         loop = asyncio.get_running_loop()
         times = []
         for _ in range(runs):
             start = time.perf_counter()
-            if via_caller:
+            if caller is not None:
                 await caller.call("bench", int)
             else:
                 await loop.run_in_executor(pool, int)
@@ -257,8 +264,9 @@ def print_breakdown(backend: NvmlBackend, runs: int = 3000) -> None:
             "the same, from last round's memo",
             _median_us(lambda: reading_samples(labels, reading, memo=memo), runs),
         ),
-        ("hand-off and back, the collector's caller", asyncio.run(hops(True))),
-        ("hand-off and back, bare run_in_executor", asyncio.run(hops(False))),
+        ("hand-off and back, the collector's caller", asyncio.run(hops(in_place))),
+        ("the same, awaited (other collectors')", asyncio.run(hops(awaited))),
+        ("the same, bare run_in_executor", asyncio.run(hops(None))),
     ]
     pool.shutdown()
     print(f"\n{'steady round, its parts (GPU 0)':<44} {'median us':>9}")
@@ -298,8 +306,8 @@ async def time_rounds(
         "bench", Path("/nonexistent"), MemoryKeyValueStore(), shared, lambda event: None
     )
     collector = GpuCollector(settings or GpuSettings(event_thread=False), deps)
-    executor = concurrent.futures.ThreadPoolExecutor(8)
-    caller = PooledCaller(executor, 5.0)
+    pool = collector_pool("gpu", 5.0, lambda event: None)
+    caller = pool.caller
     now = time.time()
     await collector.collect(CollectContext(caller, now, 0))  # first round: static and slow
     if after_first is not None:
@@ -313,7 +321,7 @@ async def time_rounds(
         wall.append(time.perf_counter() - wall0)
         cpu.append(time.process_time() - cpu0)
     await collector.close()
-    executor.shutdown()
+    pool.shutdown()
     return Timing(label, wall, cpu)
 
 
@@ -354,7 +362,7 @@ def main() -> int:
     backend, what = make_backend(args.fake, args.fake_gpus)
     print(f"gpu collection round, {what}, median of {args.runs} runs")
     calls = steady_calls(backend)
-    steady, bare, smi, ratio = asyncio.run(side_by_side(backend, calls, args.runs))
+    steady, awaited, bare, smi, ratio = asyncio.run(side_by_side(backend, calls, args.runs))
     gpm_due = GpuSettings(event_thread=False, gpm_interval=1.0)
     gpm = asyncio.run(
         time_rounds(backend, args.runs, 1.0, "gpu round, GPM due (every gpm_interval)", gpm_due)
@@ -363,11 +371,11 @@ def main() -> int:
     paced: list[Timing] = []
     paced_ratio = 0.0
     if args.paced:
-        paced_round, paced_bare, _, paced_ratio = asyncio.run(
+        paced_round, paced_awaited, paced_bare, _, paced_ratio = asyncio.run(
             side_by_side(backend, calls, args.paced, batch=1, gap=1.0)
         )
-        paced = [paced_round, paced_bare]
-    rows = [steady, bare, *paced, gpm, full] + ([smi] if smi else [])
+        paced = [paced_round, paced_awaited, paced_bare]
+    rows = [steady, awaited, bare, *paced, gpm, full] + ([smi] if smi else [])
     print_table(rows, smi)
     print(
         f"median over batches of (steady round / bare calls), each pair moments apart: {ratio:.2f}"

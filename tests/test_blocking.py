@@ -10,23 +10,37 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import gc
+import itertools
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 
+from agent.contracts.collector import Call
 from agent.contracts.errors import CallStillHung, CallTimedOut
-from agent.runtime.blocking import CallPool, PooledCaller
+from agent.runtime.blocking import CallPool, PooledCaller, _Handoff
 from tests.support.waiting import until
 
 
 class Boom(Exception):
     pass
+
+
+MakeCaller = Callable[..., PooledCaller]
+
+
+@pytest.fixture(params=[0.0, 0.002], ids=["awaits", "waits-in-place"])
+def make(request: pytest.FixtureRequest) -> MakeCaller:
+    """PooledCaller as the collectors get it: awaiting every answer through the loop, or
+    waiting for it in place first (the GPU collector's). The whole contract holds for both."""
+    window: float = request.param
+    return functools.partial(PooledCaller, wait_in_place=window)
 
 
 @pytest.fixture
@@ -50,9 +64,11 @@ async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
 
 class TestAnswers:
     async def test_returns_the_result_with_arguments_and_keywords(
-        self, executor: concurrent.futures.ThreadPoolExecutor
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        make: MakeCaller,
     ) -> None:
-        caller = PooledCaller(executor, 5.0)
+        caller = make(executor, 5.0)
 
         def add(a: int, b: int, *, times: int) -> tuple[int, str]:
             return (a + b) * times, threading.current_thread().name
@@ -65,8 +81,9 @@ class TestAnswers:
         self,
         executor: concurrent.futures.ThreadPoolExecutor,
         loop_errors: list[dict[str, Any]],
+        make: MakeCaller,
     ) -> None:
-        caller = PooledCaller(executor, 5.0)
+        caller = make(executor, 5.0)
 
         def fail() -> None:
             raise Boom("driver said no")
@@ -80,12 +97,14 @@ class TestAnswers:
         assert loop_errors == []
 
     async def test_a_timeout_the_function_raises_is_its_answer_not_a_hang(
-        self, executor: concurrent.futures.ThreadPoolExecutor
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        make: MakeCaller,
     ) -> None:
         """A socket's or a subprocess's TimeoutError inside the call is what the call
         answered: the key is not marked hung and no hang is reported."""
         hangs: list[str] = []
-        caller = PooledCaller(executor, 5.0, on_hang=lambda key, timeout: hangs.append(key))
+        caller = make(executor, 5.0, on_hang=lambda key, timeout: hangs.append(key))
 
         def probe() -> None:
             raise TimeoutError("the probe's own socket timed out")
@@ -96,9 +115,11 @@ class TestAnswers:
         assert await caller.call("k", str, 3) == "3"
 
     async def test_many_calls_at_once_each_get_their_own_answer(
-        self, executor: concurrent.futures.ThreadPoolExecutor
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        make: MakeCaller,
     ) -> None:
-        caller = PooledCaller(executor, 5.0)
+        caller = make(executor, 5.0)
         answers = await asyncio.gather(*(caller.call(f"k{i}", pow, i, 2) for i in range(50)))
         assert answers == [i * i for i in range(50)]
 
@@ -108,10 +129,11 @@ class TestTimeout:
         self,
         executor: concurrent.futures.ThreadPoolExecutor,
         loop_errors: list[dict[str, Any]],
+        make: MakeCaller,
     ) -> None:
         hangs: list[tuple[str, float]] = []
         recoveries: list[str] = []
-        caller = PooledCaller(
+        caller = make(
             executor,
             0.2,
             on_hang=lambda key, timeout: hangs.append((key, timeout)),
@@ -145,9 +167,11 @@ class TestTimeout:
         assert loop_errors == []
 
     async def test_a_result_just_after_the_timeout_is_not_an_answer(
-        self, executor: concurrent.futures.ThreadPoolExecutor
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        make: MakeCaller,
     ) -> None:
-        caller = PooledCaller(executor, 0.05)
+        caller = make(executor, 0.05)
         release = threading.Event()
 
         def slow() -> str:
@@ -167,8 +191,9 @@ class TestCancelled:
         self,
         executor: concurrent.futures.ThreadPoolExecutor,
         loop_errors: list[dict[str, Any]],
+        make: MakeCaller,
     ) -> None:
-        caller = PooledCaller(executor, 5.0)
+        caller = make(executor, 5.0)
         started = threading.Event()
         release = threading.Event()
 
@@ -189,11 +214,13 @@ class TestCancelled:
         await asyncio.sleep(0.05)
         assert loop_errors == []
 
-    async def test_cancelled_while_queued(self, loop_errors: list[dict[str, Any]]) -> None:
+    async def test_cancelled_while_queued(
+        self, loop_errors: list[dict[str, Any]], make: MakeCaller
+    ) -> None:
         """One worker, busy: the second call waits in the queue when its round is
         cancelled; it runs later (or never), and nothing is reported either way."""
         pool = concurrent.futures.ThreadPoolExecutor(1)
-        caller = PooledCaller(pool, 5.0)
+        caller = make(pool, 5.0)
         release = threading.Event()
         try:
             busy = asyncio.create_task(caller.call("a", release.wait, 30))
@@ -212,7 +239,7 @@ class TestCancelled:
         assert loop_errors == []
 
 
-async def test_a_call_that_ends_after_its_loop_closed_is_dropped_quietly() -> None:
+async def test_a_call_that_ends_after_its_loop_closed_is_dropped_quietly(make: MakeCaller) -> None:
     """The agent stopped while a call hung: the thread ends later with nobody to tell."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
     release = threading.Event()
@@ -220,7 +247,7 @@ async def test_a_call_that_ends_after_its_loop_closed_is_dropped_quietly() -> No
 
     def run_loop() -> None:
         async def main() -> None:
-            caller = PooledCaller(pool, 0.05)
+            caller = make(pool, 0.05)
             with pytest.raises(CallTimedOut):
                 await caller.call("k", release.wait, 30)
 
@@ -239,10 +266,11 @@ async def test_a_call_that_ends_after_its_loop_closed_is_dropped_quietly() -> No
 
 async def test_a_call_to_a_pool_let_go_raises_and_leaves_nothing_behind(
     loop_errors: list[dict[str, Any]],
+    make: MakeCaller,
 ) -> None:
     pool = CallPool(1, "t")
     pool.shutdown()
-    caller = PooledCaller(pool, 0.05)
+    caller = make(pool, 0.05)
     with pytest.raises(RuntimeError, match="after shutdown"):
         await caller.call("k", str, 1)
     await asyncio.sleep(0.2)  # past the timeout: no waiter is left for the sweeper
@@ -256,9 +284,11 @@ class TestOneTimerForAll:
     own deadline, whatever else is in flight, whichever loop it runs on."""
 
     async def test_each_hung_call_times_out_at_its_own_deadline(
-        self, executor: concurrent.futures.ThreadPoolExecutor
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        make: MakeCaller,
     ) -> None:
-        caller = PooledCaller(executor, 0.3)
+        caller = make(executor, 0.3)
         release = threading.Event()
         loop = asyncio.get_running_loop()
 
@@ -282,11 +312,13 @@ class TestOneTimerForAll:
             assert 0.3 <= seconds < 1.0, took
 
     async def test_a_shorter_timeout_set_while_a_call_is_in_flight_applies_to_the_next(
-        self, executor: concurrent.futures.ThreadPoolExecutor
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        make: MakeCaller,
     ) -> None:
         """A reload can shorten the timeout of a caller whose earlier call still runs: the
         new call must not wait for the old call's later deadline."""
-        caller = PooledCaller(executor, 20.0)
+        caller = make(executor, 20.0)
         release = threading.Event()
         try:
             first = asyncio.create_task(caller.call("old", release.wait, 30))
@@ -300,12 +332,14 @@ class TestOneTimerForAll:
             release.set()
         assert await first is True
 
-    async def test_a_call_queued_when_its_pool_is_let_go_is_cancelled_not_hung(self) -> None:
+    async def test_a_call_queued_when_its_pool_is_let_go_is_cancelled_not_hung(
+        self, make: MakeCaller
+    ) -> None:
         """A stop or reload lets the pool go with cancel_futures: a call still queued never
         runs, and must not wait out its timeout to be reported as a hang."""
         pool = concurrent.futures.ThreadPoolExecutor(1)
         hangs: list[str] = []
-        caller = PooledCaller(pool, 5.0, on_hang=lambda key, timeout: hangs.append(key))
+        caller = make(pool, 5.0, on_hang=lambda key, timeout: hangs.append(key))
         release = threading.Event()
         try:
             busy = asyncio.create_task(caller.call("a", release.wait, 30))
@@ -322,11 +356,11 @@ class TestOneTimerForAll:
         assert await busy is True
 
 
-def test_timeouts_still_fire_on_a_new_loop_after_one_stopped_mid_call() -> None:
+def test_timeouts_still_fire_on_a_new_loop_after_one_stopped_mid_call(make: MakeCaller) -> None:
     """One caller, two loops in turn (a test harness, a command run twice): a call left
     hanging when the first loop ended must not keep the second loop's calls from timing out."""
     pool = concurrent.futures.ThreadPoolExecutor(4)
-    caller = PooledCaller(pool, 0.2)
+    caller = make(pool, 0.2)
     release = threading.Event()
 
     async def leave_one_hanging() -> None:
@@ -350,13 +384,244 @@ def test_timeouts_still_fire_on_a_new_loop_after_one_stopped_mid_call() -> None:
         pool.shutdown(wait=True)
 
 
+class TestCallEach:
+    """Several calls side by side (one per GPU): each answer or exception, in order."""
+
+    async def test_answers_and_exceptions_in_order(
+        self, executor: concurrent.futures.ThreadPoolExecutor, make: MakeCaller
+    ) -> None:
+        caller = make(executor, 0.3)
+        release = threading.Event()
+
+        def fail() -> None:
+            raise Boom("no")
+
+        try:
+            calls: list[Call[Any]] = [
+                ("a", pow, (2, 3)),
+                ("hangs", release.wait, (30,)),
+                ("b", fail, ()),
+            ]
+            first = await caller.call_each(calls)
+            assert first[0] == 8 and isinstance(first[1], CallTimedOut)
+            assert isinstance(first[2], Boom)
+            again = await caller.call_each([("hangs", str, (1,)), ("a", str, (2,))])
+            assert isinstance(again[0], CallStillHung) and again[1] == "2"
+        finally:
+            release.set()
+        await until(lambda: caller.outstanding == 0, what="the hung call to return")
+        assert caller.in_flight == 0
+
+    async def test_cancelled_every_call_still_running_stays_its_keys(
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        make: MakeCaller,
+        loop_errors: list[dict[str, Any]],
+    ) -> None:
+        """A round cancelled while its calls run (a reload, a stop): none of them is started
+        again beside itself, and nothing is left for the loop to complain about."""
+        caller = make(executor, 5.0)
+        release = threading.Event()
+        runs: list[str] = []
+
+        def block(key: str) -> str:
+            runs.append(key)
+            release.wait(30)
+            raise Boom(f"{key} after the round was cancelled")
+
+        keys = ["gpu0", "gpu1", "gpu2"]
+        task = asyncio.create_task(caller.call_each([(k, block, (k,)) for k in keys]))
+        await until(lambda: len(runs) == 3, what="the three calls to start")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert caller.outstanding == 3 and caller.in_flight == 0
+        second = asyncio.create_task(caller.call_each([(k, block, (k,)) for k in keys]))
+        await asyncio.sleep(0.1)
+        assert sorted(runs) == keys  # each key waits for its own call: no second thread
+        release.set()
+        assert [str(outcome) for outcome in await second] == [
+            f"{k} after the round was cancelled" for k in keys
+        ]
+        assert len(runs) == 6
+        await until(lambda: caller.outstanding == 0, what="the threads to return")
+        gc.collect()
+        await asyncio.sleep(0.05)
+        assert loop_errors == []
+
+
+class TestWaitInPlace:
+    """A caller that waits in place (the GPU collector's) blocks the loop's thread for at most
+    its window per call, and only after the round's other calls have started."""
+
+    async def test_the_calls_of_a_round_run_side_by_side_not_one_after_another(self) -> None:
+        pool = CallPool(4, "t")
+        caller = PooledCaller(pool, 5.0, wait_in_place=1.0)
+
+        def read(index: int) -> int:
+            time.sleep(0.3)
+            return index
+
+        began = time.monotonic()
+        try:
+            answers = await caller.call_each([(f"nvml:gpu{i}", read, (i,)) for i in range(4)])
+        finally:
+            pool.shutdown()
+        assert answers == [0, 1, 2, 3]
+        assert time.monotonic() - began < 1.0  # one after another: 1.2 s
+
+    async def test_calls_side_by_side_block_the_loop_for_one_window_not_one_each(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        caller = PooledCaller(executor, 1.5, wait_in_place=0.2)
+        release = threading.Event()
+        loop = asyncio.get_running_loop()
+        ticks: list[float] = []
+
+        async def tick() -> None:
+            while True:
+                ticks.append(loop.time())
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        try:
+            outcomes = await caller.call_each(
+                [(f"nvml:gpu{i}", release.wait, (30,)) for i in range(4)]
+            )
+            await asyncio.sleep(0.05)  # a tick after the last stall, to measure it
+        finally:
+            release.set()
+            ticker.cancel()
+        assert all(isinstance(outcome, CallTimedOut) for outcome in outcomes), outcomes
+        # The loop stood still for one window in all (a window for each: 0.8 s).
+        stalls = [b - a for a, b in itertools.pairwise(ticks) if b - a > 0.1]
+        assert sum(stalls) < 0.5, stalls
+
+    async def test_the_loop_is_blocked_no_longer_than_the_window(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        """A call that hangs blocks the loop for the window, then the loop runs on (its
+        heartbeat, /metrics, the kernel log) until the call times out."""
+        caller = PooledCaller(executor, 1.0, wait_in_place=0.05)
+        release = threading.Event()
+        loop = asyncio.get_running_loop()
+        ticks: list[float] = []
+
+        async def tick() -> None:
+            while True:
+                ticks.append(loop.time())
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        try:
+            with pytest.raises(CallTimedOut):
+                await caller.call("nvml:gpu0", release.wait, 30)
+            await asyncio.sleep(0.05)  # a tick after the last stall, to measure it
+        finally:
+            release.set()
+            ticker.cancel()
+        gaps = [b - a for a, b in itertools.pairwise(ticks)]
+        assert len(ticks) > 20 and max(gaps) < 0.4, max(gaps)
+
+    async def test_a_window_longer_than_the_timeout_ends_at_the_timeout(
+        self, executor: concurrent.futures.ThreadPoolExecutor
+    ) -> None:
+        caller = PooledCaller(executor, 0.2, wait_in_place=30.0)
+        release = threading.Event()
+        began = time.monotonic()
+        try:
+            with pytest.raises(CallTimedOut):
+                await caller.call("k", release.wait, 30)
+        finally:
+            release.set()
+        assert time.monotonic() - began < 2.0
+        await until(lambda: caller.outstanding == 0, what="the call to return")
+
+    async def test_answers_as_the_window_closes_each_arrive_once(
+        self,
+        executor: concurrent.futures.ThreadPoolExecutor,
+        loop_errors: list[dict[str, Any]],
+    ) -> None:
+        """Answers that come just before, at and just after the end of the window: each is
+        the call's answer, taken in place or through the loop, never lost or given twice."""
+        caller = PooledCaller(executor, 5.0, wait_in_place=0.001)
+
+        def answer(i: int) -> int:
+            time.sleep((i % 5) * 0.0005)  # 0 to 2 ms around a 1 ms window
+            if i % 7 == 0:
+                raise Boom(str(i))
+            return i
+
+        for i in range(300):
+            if i % 7 == 0:
+                with pytest.raises(Boom, match=f"^{i}$"):
+                    await caller.call("k", answer, i)
+            else:
+                assert await caller.call("k", answer, i) == i
+        assert caller.in_flight == 0 and caller.outstanding == 0
+        await asyncio.sleep(0.05)  # anything delivered late through the loop arrives now
+        gc.collect()
+        assert loop_errors == []
+
+
+class TestHandoff:
+    """The two ways an answer reaches a caller that waited in place, whatever the order of the
+    pool thread's done callback and the end of the window."""
+
+    def test_an_answer_as_the_window_closes_is_taken_in_place(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            waiter: asyncio.Future[int] = loop.create_future()
+            handoff = _Handoff(loop, waiter)
+            answered: concurrent.futures.Future[int] = concurrent.futures.Future()
+            answered.set_result(7)
+            ready = threading.Lock()
+            ready.acquire()
+
+            class ClosingWindow:
+                """The timed wait gives up, and the answer lands right after it."""
+
+                def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+                    if blocking and timeout != -1:
+                        handoff.done(answered)
+                        return False
+                    return ready.acquire(blocking, timeout)
+
+                def release(self) -> None:
+                    ready.release()
+
+            monkeypatch.setattr(handoff, "_ready", ClosingWindow())
+            assert handoff.taken_in_place(0.01) is True
+            loop.run_until_complete(asyncio.sleep(0))
+            assert not waiter.done()  # not delivered a second time through the loop
+        finally:
+            loop.close()
+
+    def test_an_answer_after_the_window_goes_through_the_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            waiter: asyncio.Future[int] = loop.create_future()
+            handoff = _Handoff(loop, waiter)
+            assert handoff.taken_in_place(0.001) is False
+            answered: concurrent.futures.Future[int] = concurrent.futures.Future()
+            answered.set_result(7)
+            threading.Thread(target=handoff.done, args=(answered,)).start()
+            assert loop.run_until_complete(asyncio.wait_for(waiter, 5)) == 7
+        finally:
+            loop.close()
+
+
 class TestCallPool:
     """The collectors' pool (agent/runtime/blocking.py CallPool): a thread is idle again
     before the caller hears the answer, so a round's next call never starts another."""
 
-    async def test_sequential_calls_run_on_one_thread(self) -> None:
+    async def test_sequential_calls_run_on_one_thread(self, make: MakeCaller) -> None:
         pool = CallPool(8, "t")
-        caller = PooledCaller(pool, 5.0)
+        caller = make(pool, 5.0)
         names: set[str] = set()
         try:
             for _ in range(300):  # each call made the moment the last one answered
@@ -382,9 +647,11 @@ class TestCallPool:
         finally:
             pool.shutdown()
 
-    async def test_busy_threads_grow_the_pool_to_its_bound_then_calls_queue(self) -> None:
+    async def test_busy_threads_grow_the_pool_to_its_bound_then_calls_queue(
+        self, make: MakeCaller
+    ) -> None:
         pool = CallPool(3, "t")
-        caller = PooledCaller(pool, 5.0)
+        caller = make(pool, 5.0)
         release = threading.Event()
         try:
             held = [asyncio.create_task(caller.call(f"k{i}", release.wait, 30)) for i in range(3)]

@@ -29,6 +29,10 @@ JSONValue = Any
 """Anything `json.dumps` accepts."""
 
 
+Call = tuple[str, Callable[..., T], tuple[Any, ...]]
+"""One blocking call: its key, the function and its arguments."""
+
+
 class BlockingCaller(Protocol):
     async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn(*args)` off the event loop with the collector's call timeout.
@@ -36,6 +40,12 @@ class BlockingCaller(Protocol):
         `key` names the resource (`"statvfs:/mnt/data"`, `"nvml:gpu0"`): while a call with the
         same key hangs, `CallStillHung` is raised at once instead of starting another thread.
         """
+        ...
+
+    async def call_each(self, calls: Sequence[Call[T]]) -> list[T | Exception]:
+        """Several calls side by side (one per GPU, each with its own key): every one is
+        started before any is waited for. Each answer, or the exception its call ended with
+        (`CallStillHung`, `CallTimedOut`, the function's own), in the order of `calls`."""
         ...
 
 
@@ -136,6 +146,9 @@ class CollectContext:
 
     async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         return await self.caller.call(key, fn, *args, **kwargs)
+
+    async def call_each(self, calls: Sequence[Call[T]]) -> list[T | Exception]:
+        return await self.caller.call_each(calls)
 
 
 class Collector(Protocol):

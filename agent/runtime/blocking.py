@@ -10,6 +10,16 @@ a round over its limit) also leaves its thread running. It stays the key's call:
 with that key waits for it for what is left of its timeout and then, if it still runs, marks it
 hung; it never starts a second thread beside it. The runtime keeps one PooledCaller per
 collector across restarts of that collector, so a reload forgets neither.
+
+A caller may wait for a quick answer in place (`wait_in_place`): the loop's thread blocks on a
+lock for at most that long before it goes back to the loop and awaits the answer as usual. On
+the lent H200 the hand-off to the pool thread and back costs a steady GPU round about as much
+as its NVML calls do; waiting in place skips the loop's part of the way back (the wake through
+its self-pipe, the task's resumption), which took a tenth off the round (bench/gpu_handoff.py).
+A round of several calls that should run side by side (one per GPU) starts them all before it
+waits for any (`call_each`), and blocks the loop for one window in all. Whatever the calls do,
+the loop is blocked no longer, so a hung call still times out while heartbeats, /metrics and
+the kernel log go on.
 """
 
 from __future__ import annotations
@@ -22,9 +32,11 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, ParamSpec, TypeVar
 
+from agent.contracts.collector import Call
 from agent.contracts.errors import CallStillHung, CallTimedOut
 
 P = ParamSpec("P")
@@ -72,13 +84,75 @@ def _settle(waiter: asyncio.Future[Any], done: concurrent.futures.Future[Any]) -
         waiter.set_exception(exc)
 
 
+class _Handoff:
+    """A call's answer for a caller that waits in place: the pool thread's done callback
+    releases a lock the loop's thread waits on. Once the loop stops waiting, the answer is
+    delivered like any other (`_deliver`); the guard decides which of the two happens."""
+
+    __slots__ = ("_guard", "_in_place", "_loop", "_ready", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[Any]) -> None:
+        self._loop = loop
+        self._waiter = waiter
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        self._guard = threading.Lock()
+        self._in_place = True
+
+    def done(self, future: concurrent.futures.Future[Any]) -> None:
+        """The pool future's done callback (in the pool thread, or on the loop when the call
+        ended before the callback was added)."""
+        with self._guard:
+            if self._in_place:
+                self._ready.release()
+                return
+        _deliver(self._loop, self._waiter, future)
+
+    def taken_in_place(self, window: float) -> bool:
+        """Block this thread up to `window` seconds for the answer. False: none came, and it
+        will reach the waiter through the loop instead."""
+        if self._ready.acquire(timeout=window):
+            return True
+        with self._guard:
+            if self._ready.acquire(blocking=False):  # it came as the window closed
+                return True
+            self._in_place = False
+            return False
+
+
+def _answer(done: concurrent.futures.Future[T]) -> T:
+    """A finished pool future's outcome, as awaiting its waiter would give it."""
+    if done.cancelled():  # queued when its pool was let go: never ran (see `_settle`)
+        raise asyncio.CancelledError
+    return done.result()
+
+
+@dataclass(slots=True, eq=False)
+class _Pending(Generic[T]):
+    """A call started and not yet waited for."""
+
+    key: str
+    loop: asyncio.AbstractEventLoop
+    waiter: asyncio.Future[T]
+    future: concurrent.futures.Future[T]
+    started: float
+    """Monotonic."""
+    handoff: _Handoff | None
+    """None: the answer is awaited through the loop (no wait in place)."""
+    in_place_until: float
+    """Monotonic: the end of the window to wait in place."""
+
+
 def _retrieve(done: asyncio.Future[Any]) -> None:
     if not done.cancelled():
         done.exception()
 
 
 class PooledCaller:
-    """A `BlockingCaller` for one collector, on a thread pool shared by all of them."""
+    """A `BlockingCaller` for one collector, on a thread pool shared by all of them.
+
+    `wait_in_place`: seconds the loop's thread may block on each call for its answer before
+    it awaits it (0: never block; see the module's docstring)."""
 
     def __init__(
         self,
@@ -86,9 +160,12 @@ class PooledCaller:
         timeout: float,
         on_hang: HangListener | None = None,
         on_recover: HangListener | None = None,
+        *,
+        wait_in_place: float = 0.0,
     ) -> None:
         self._executor = executor
         self.timeout = timeout
+        self.wait_in_place = wait_in_place
         self._hung: dict[str, float] = {}
         self._abandoned: dict[str, tuple[float, concurrent.futures.Future[Any]]] = {}
         """Calls still running whose caller was cancelled before their timeout."""
@@ -116,6 +193,44 @@ class PooledCaller:
         return len(self._hung) + len(self._abandoned)
 
     async def call(self, key: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._finish(await self._start(key, fn, args, kwargs))
+
+    async def call_each(self, calls: Sequence[Call[T]]) -> list[T | Exception]:
+        """Start every call, then wait for each: the answer, or the exception it ended with
+        (`CallStillHung`, `CallTimedOut`, the function's own), in the order of `calls`. The
+        calls run side by side, and a caller that waits in place blocks the loop for at most
+        one window for all of them."""
+        pending: list[_Pending[T] | Exception] = []
+        outcomes: list[T | Exception] = []
+        waiting = False
+        try:
+            for key, fn, args in calls:
+                try:
+                    pending.append(await self._start(key, fn, args, {}))
+                except Exception as exc:
+                    pending.append(exc)
+            waiting = True
+            for call in pending:
+                if isinstance(call, Exception):
+                    outcomes.append(call)
+                    continue
+                try:
+                    answer: T = await self._finish(call)
+                except Exception as exc:
+                    outcomes.append(exc)
+                else:
+                    outcomes.append(answer)
+        except asyncio.CancelledError:
+            # The call being waited for abandoned itself (`_finish`); the rest never were.
+            for call in pending[len(outcomes) + 1 if waiting else 0 :]:
+                if not isinstance(call, Exception):
+                    self._drop(call)
+            raise
+        return outcomes
+
+    async def _start(
+        self, key: str, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _Pending[T]:
         started = self._hung.get(key)
         if started is not None:
             raise CallStillHung(key, time.monotonic() - started)
@@ -124,28 +239,51 @@ class PooledCaller:
             await self._wait_abandoned(key, loop)
         # Everything the loop needs is made before the thread starts, and the answer comes
         # from the pool future's done callback (after a CallPool has counted the thread idle
-        # again): one turn of the loop to settle, one to resume. The round of every GPU makes
-        # such a call; the hand-off is most of what a steady round costs beyond the NVML calls
-        # (bench/gpu_round.py). One timer for all calls in flight, not one per call: a steady
-        # round's calls return in microseconds.
+        # again): taken in place, or in one turn of the loop to settle and one to resume. The
+        # round of every GPU makes such a call; the hand-off is most of what a steady round
+        # costs beyond the NVML calls (bench/gpu_round.py). One timer for all calls in
+        # flight, not one per call: a steady round's calls return in microseconds.
         waiter: asyncio.Future[T] = loop.create_future()
         self._deadlines[waiter] = deadline = loop.time() + self.timeout
         self._arm(loop, deadline)
         started = time.monotonic()
+        window = min(self.wait_in_place, self.timeout)
         try:
             future = self._executor.submit(fn, *args, **kwargs)  # raises once the pool is let go
+        except BaseException:
+            del self._deadlines[waiter]
+            raise
+        handoff = None
+        if window > 0:
+            handoff = _Handoff(loop, waiter)
+            future.add_done_callback(handoff.done)
+        else:
             future.add_done_callback(functools.partial(_deliver, loop, waiter))
-            return await waiter
+        return _Pending(key, loop, waiter, future, started, handoff, started + window)
+
+    async def _finish(self, call: _Pending[T]) -> T:
+        try:
+            if call.handoff is not None and call.handoff.taken_in_place(
+                max(call.in_place_until - time.monotonic(), 0.0)
+            ):
+                return _answer(call.future)
+            return await call.waiter
         except _Expired:
-            self._mark_hung(key, started, future, loop)
-            raise CallTimedOut(key, self.timeout) from None
+            self._mark_hung(call.key, call.started, call.future, call.loop)
+            raise CallTimedOut(call.key, self.timeout) from None
         except asyncio.CancelledError:
             # The round was cancelled (a stop, a reload): the thread finishes later, and
             # stays this key's call until then.
-            self._abandon(key, started, future, loop)
+            self._abandon(call.key, call.started, call.future, call.loop)
             raise
         finally:
-            del self._deadlines[waiter]
+            del self._deadlines[call.waiter]
+
+    def _drop(self, call: _Pending[Any]) -> None:
+        """A call started but never waited for (its round was cancelled first)."""
+        call.waiter.cancel()
+        del self._deadlines[call.waiter]
+        self._abandon(call.key, call.started, call.future, call.loop)
 
     def _arm(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
         """The sweeper runs by `deadline` (a shorter timeout set by a reload comes earlier)."""

@@ -14,7 +14,9 @@ error text whether the daemon runs it or `check` does:
   answer within 5 s"), an overrun as "round did not finish within N s", anything else the
   round raised (a TimeoutError of its own included) as "Type: message";
 - each collector has its own pool of THREAD_POOL_SIZE threads, and a call that hangs is an
-  event (`call_hung`, then `call_recovered` when it returns).
+  event (`call_hung`, then `call_recovered` when it returns);
+- the GPU collector's caller waits for each answer in place for up to 2 ms before it awaits
+  it (`WAIT_IN_PLACE`).
 
 What a path does with an outcome (the daemon's status and snapshot, check's findings) stays
 with that path.
@@ -38,6 +40,13 @@ THREAD_POOL_SIZE = 8
 """Threads per collector. Bounded: each hung resource holds at most one thread. Each collector
 has its own pool, so GPUs hung in NVML cannot queue the disk or kernel-log reads behind them
 (and make those look hung too)."""
+
+WAIT_IN_PLACE = {"gpu": 0.002}
+"""Collectors whose calls the loop's thread waits for in place, and for how long (seconds).
+The GPU collector's steady read answers in 0.2-0.6 ms on the lent H200, and waiting for it in
+place took a tenth off its round there (bench/gpu_round.py, bench/gpu_handoff.py); a slower
+read (a full round, a hung GPU) blocks the loop for 2 ms, then is awaited as usual. Every other
+collector's calls are awaited: a file system or /proc read has no such bound."""
 
 ROUND_LIMIT_FACTOR = 4
 """A round may take this many of the longer of its collector's interval and call timeout."""
@@ -68,6 +77,7 @@ def collector_pool(name: str, timeout: float, emit: Callable[[Event], None]) -> 
         timeout,
         on_hang=lambda key, limit: emit(_hung_event(name, key, limit)),
         on_recover=lambda key, took: emit(_recovered_event(name, key, took)),
+        wait_in_place=WAIT_IN_PLACE.get(name, 0.0),
     )
     return CollectorPool(caller, executor)
 

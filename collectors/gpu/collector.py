@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from agent.contracts.collector import (
+    Call,
     CollectContext,
     CollectorDeps,
     CollectorSettings,
@@ -209,6 +211,21 @@ class _Round:
     events: list[Event] = field(default_factory=list)
 
 
+def _gpu_result(answer: GpuRound | Exception) -> GpuRound | str:
+    """A GPU's round, or the name of its error state: 'lost', 'unresponsive', or
+    'still_unresponsive' (a call from an earlier round still hangs). Any other exception
+    (NVML went away) is the whole round's."""
+    if isinstance(answer, GpuLost):
+        return "lost"
+    if isinstance(answer, CallTimedOut):
+        return "unresponsive"
+    if isinstance(answer, CallStillHung):
+        return "still_unresponsive"
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
 class GpuCollector:
     name = "gpu"
 
@@ -361,12 +378,10 @@ class GpuCollector:
         for index in range(count):
             if index not in self.gpus:
                 self.gpus[index] = _Gpu(remembered=self._remembered(index, count))
-        if count == 1:  # one GPU needs no task of its own: a gather costs two turns of the loop
-            results = [await self._read_gpu(ctx, 0, changed)]
-        else:
-            results = await asyncio.gather(
-                *(self._read_gpu(ctx, index, changed) for index in range(count))
-            )
+        # Every GPU's read is started before any is waited for: they run side by side, and
+        # no task is made per GPU (a gather costs turns of the loop).
+        answers = await ctx.call_each([self._gpu_call(ctx, i, changed) for i in range(count)])
+        results = [_gpu_result(answer) for answer in answers]
         for index, result in enumerate(results):
             self._handle_gpu(ctx, index, result, out)
         await self._process_samples(ctx, out)
@@ -375,9 +390,8 @@ class GpuCollector:
         elif self.settings.event_thread and any(g.static is not None for g in self.gpus.values()):
             self._check_event_thread(ctx.now, out)
 
-    async def _read_gpu(self, ctx: CollectContext, index: int, changed: bool) -> GpuRound | str:
-        """The GPU's round, or the name of its error state: 'lost', 'unresponsive', or
-        'still_unresponsive' (a call from an earlier round still hangs)."""
+    def _gpu_call(self, ctx: CollectContext, index: int, changed: bool) -> Call[GpuRound]:
+        """The blocking call of the GPU's round: which of its reads are due."""
         gpu = self.gpus.setdefault(index, _Gpu())
         static = (
             changed
@@ -392,23 +406,8 @@ class GpuCollector:
         # The one MIG check is the mode read with the static facts: a GPU not in MIG mode
         # costs no MIG call (the lent H200 is not).
         mig = gpu.static is not None and gpu.static.mig_mode is True
-        try:
-            return await ctx.call(
-                f"nvml:gpu{index}",
-                self.backend.read_gpu,
-                index,
-                static,
-                slow,
-                energy,
-                gpm,
-                mig=mig,
-            )
-        except GpuLost:
-            return "lost"
-        except CallTimedOut:
-            return "unresponsive"
-        except CallStillHung:
-            return "still_unresponsive"
+        read = functools.partial(self.backend.read_gpu, mig=mig) if mig else self.backend.read_gpu
+        return f"nvml:gpu{index}", read, (index, static, slow, energy, gpm)
 
     def _handle_gpu(
         self, ctx: CollectContext, index: int, result: GpuRound | str, out: _Round

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.contracts.collector import (
+    Call,
     CollectContext,
     CollectorDeps,
     MemoryKeyValueStore,
@@ -79,6 +80,15 @@ class DirectCaller:
 
     async def call(self, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
+
+    async def call_each(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        outcomes: list[Any] = []
+        for _key, fn, args in calls:
+            try:
+                outcomes.append(fn(*args))
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
 
 
 def context(now: float | None = None, round_number: int = 0) -> CollectContext:

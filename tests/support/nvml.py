@@ -17,6 +17,7 @@ from agent.contracts.collector import (
 )
 from agent.contracts.model import Collection, Event, Sample
 from agent.runtime.blocking import PooledCaller
+from agent.runtime.rounds import WAIT_IN_PLACE
 from collectors._nvml import NvmlBackend
 from collectors._xid import XidCorrelator
 from collectors.gpu.collector import GpuCollector, GpuSettings
@@ -38,7 +39,8 @@ class GpuRig:
 
     def __post_init__(self) -> None:
         self.executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-call")
-        self.caller = PooledCaller(self.executor, self.timeout)
+        # As the agent's GPU collector calls: waiting in place for each answer first.
+        self.caller = PooledCaller(self.executor, self.timeout, wait_in_place=WAIT_IN_PLACE["gpu"])
         self.backend = NvmlBackend(self.fake)
         self.shared.put(NvmlBackend, self.backend)
         self.collector = self.new_collector()
