@@ -44,23 +44,7 @@ from agent.runtime.rounds import collector_pool
 from bench.gpu_round import make_backend, replay, steady_calls
 from collectors._nvml import NvmlBackend
 from collectors.gpu.collector import GpuCollector, GpuSettings
-
-
-class InlineCaller:
-    """Every call on the loop's own thread: the floor, not an option (a hung NVML call would
-    freeze the agent)."""
-
-    async def call(self, key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    async def call_each(self, calls: Sequence[Call[Any]]) -> list[Any]:
-        outcomes: list[Any] = []
-        for _key, fn, args in calls:
-            try:
-                outcomes.append(fn(*args))
-            except Exception as exc:
-                outcomes.append(exc)
-        return outcomes
+from tests.support.bench import DirectCaller  # every call on the loop's own thread
 
 
 class Stamps:
@@ -128,7 +112,7 @@ async def measure(
     callers: dict[str, BlockingCaller] = {
         "the agent's (waits in place <= 2 ms)": StampedCaller(pool.caller, stamps),
         "answers awaited through the loop": PooledCaller(pool.executor, 5.0),
-        "inline (no hand-off: the floor)": InlineCaller(),
+        "inline (no hand-off: the floor)": DirectCaller(),
     }
     collectors = {name: GpuCollector(GpuSettings(event_thread=False), deps) for name in callers}
     now = time.time()
