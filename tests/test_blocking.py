@@ -33,6 +33,15 @@ class Boom(Exception):
     pass
 
 
+async def nothing_left_behind(loop_errors: list[dict[str, Any]]) -> None:
+    """Whatever was still to be delivered through the loop has arrived, the garbage is
+    collected, and the loop was told of nothing (no exception never retrieved)."""
+    await asyncio.sleep(0.05)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert loop_errors == []
+
+
 MakeCaller = Callable[..., PooledCaller]
 
 
@@ -93,9 +102,7 @@ class TestAnswers:
             with pytest.raises(Boom, match="driver said no"):
                 await caller.call("k", fail)
         assert caller.hung == {} and caller.outstanding == 0
-        gc.collect()
-        await asyncio.sleep(0)
-        assert loop_errors == []
+        await nothing_left_behind(loop_errors)
 
     async def test_a_timeout_the_function_raises_is_its_answer_not_a_hang(
         self,
@@ -163,9 +170,7 @@ class TestTimeout:
         await until(lambda: caller.hung == {}, what="the hung call to return")
         assert recoveries == ["nvml:gpu0"]
         assert await caller.call("nvml:gpu0", str, 1) == "1"
-        gc.collect()
-        await asyncio.sleep(0.05)
-        assert loop_errors == []
+        await nothing_left_behind(loop_errors)
 
     async def test_a_result_just_after_the_timeout_is_not_an_answer(
         self,
@@ -211,9 +216,7 @@ class TestCancelled:
         assert caller.outstanding == 1  # its thread still runs: not waited for at exit
         release.set()
         await until(lambda: caller.outstanding == 0, what="the thread to return")
-        gc.collect()
-        await asyncio.sleep(0.05)
-        assert loop_errors == []
+        await nothing_left_behind(loop_errors)
 
     async def test_cancelled_while_queued(
         self, loop_errors: list[dict[str, Any]], make: MakeCaller
@@ -275,9 +278,8 @@ async def test_a_call_to_a_pool_let_go_raises_and_leaves_nothing_behind(
     with pytest.raises(RuntimeError, match="after shutdown"):
         await caller.call("k", str, 1)
     await asyncio.sleep(0.2)  # past the timeout: no waiter is left for the sweeper
-    gc.collect()
-    await asyncio.sleep(0)
-    assert loop_errors == [] and caller.outstanding == 0 and caller.in_flight == 0
+    await nothing_left_behind(loop_errors)
+    assert caller.outstanding == 0 and caller.in_flight == 0
 
 
 class TestOneTimerForAll:
@@ -446,9 +448,7 @@ class TestCallEach:
         ]
         assert len(runs) == 6
         await until(lambda: caller.outstanding == 0, what="the threads to return")
-        gc.collect()
-        await asyncio.sleep(0.05)
-        assert loop_errors == []
+        await nothing_left_behind(loop_errors)
 
 
 @contextlib.asynccontextmanager
@@ -562,9 +562,7 @@ class TestWaitInPlace:
             else:
                 assert await caller.call("k", answer, i) == i
         assert caller.in_flight == 0 and caller.outstanding == 0
-        await asyncio.sleep(0.05)  # anything delivered late through the loop arrives now
-        gc.collect()
-        assert loop_errors == []
+        await nothing_left_behind(loop_errors)
 
 
 class TestHandoff:
