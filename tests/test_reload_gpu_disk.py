@@ -42,14 +42,14 @@ class TestHungGpusAcrossReloads:
         settings = GpuSettings(interval=0.05, timeout=0.2, event_thread=False)
         runtime = gpu_runtime(fake, settings)
         late = threading.Event()
-        if slow_start:  # as on a loaded machine: two GPUs answer the first round after 0.3 s
+        if slow_start:  # as on a loaded machine: two GPUs answer the first round too late
             fake.gpus[0].hang = fake.gpus[1].hang = late
-            threading.Timer(0.3, late.set).start()
         await runtime.start()
         try:
             if slow_start:
                 await until(lambda: runtime.hung_calls() == 2, what="the first round to hang")
                 fake.gpus[0].hang = fake.gpus[1].hang = None
+                late.set()
             await until(lambda: runtime.collectors["gpu"].rounds_done >= 2, what="GPU rounds")
 
             # A first (full) round slower than the 0.2 s timeout on a loaded machine reports its
@@ -98,6 +98,7 @@ class TestHungGpusAcrossReloads:
             assert len(fresh("gpu_unresponsive")) == 4
         finally:
             release.set()
+            late.set()
             await runtime.stop()
 
 
