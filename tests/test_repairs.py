@@ -105,6 +105,75 @@ class TestLedger:
         assert entry.since == first.time
 
 
+class TestAfter:
+    """What the ledger will hold once events on their way to the store are taken in: a
+    collector instance that starts now takes over from it (tests/test_held_across_instances.py)."""
+
+    EVENTS = (
+        ev("gpu_lost", R.REBOOT_NODE),
+        ev("xid", R.RESET_GPU, subject="GPU-2"),
+        ev("gpu_recovered", clears=("gpu_lost",)),
+        ev("filesystem_space_low", R.CHECK_STORAGE, subject="/data", source="disk"),
+        ev("xid", R.RESTART_APPLICATION, subject="GPU-3"),
+    )
+
+    def test_the_same_as_applying_them_and_nothing_changed(self) -> None:
+        store = MemoryKeyValueStore()
+        ledger = RepairLedger(store, "boot-a")
+        ledger.apply(ev("row_remap_failure", R.HARDWARE_INSPECTION, subject="GPU-4"))
+        before, stored = ledger.active(), store.items("repairs")
+        preview = ledger.after(self.EVENTS)
+        assert (ledger.active(), store.items("repairs")) == (before, stored)
+        for event in self.EVENTS:
+            ledger.apply(event)
+        assert preview == ledger.active()
+        assert {(r.kind, r.subject) for r in preview} == {
+            ("row_remap_failure", "GPU-4"),
+            ("xid", "GPU-2"),
+            ("filesystem_space_low", "/data"),
+        }
+
+    async def test_the_runtime_counts_what_is_not_announced_yet(self) -> None:
+        cfg = dataclasses.replace(config.parse({"prometheus": {"enabled": False}}), collectors={})
+        rt = Runtime(cfg, StateStore.in_memory(), collectors={}, sinks=registry.SINKS)
+        await rt.start()
+        try:
+            rt.emit(ev("gpu_lost", R.REBOOT_NODE))  # on the loop: queued for the store writer
+            assert rt.repairs() == []
+            assert [r.kind for r in rt.held_repairs()] == ["gpu_lost"]
+            rt.flush_events()
+            assert rt.held_repairs() == rt.repairs() != []
+            rt.emit(ev("gpu_recovered", clears=("gpu_lost",)))
+            assert rt.held_repairs() == [] != rt.repairs()
+        finally:
+            await rt.stop()
+
+    async def test_and_what_the_store_writer_is_storing(self) -> None:
+        """A slow disk: the store writer has taken the event and is still writing it."""
+        cfg = dataclasses.replace(config.parse({"prometheus": {"enabled": False}}), collectors={})
+        rt = Runtime(cfg, StateStore.in_memory(), collectors={}, sinks=registry.SINKS)
+        await rt.start()
+        writing, done = threading.Event(), threading.Event()
+        flush = rt.guard.flush
+
+        def slow_flush(outbox: bool) -> bool:
+            writing.set()
+            done.wait(10)
+            return flush(outbox)
+
+        rt.guard.flush = slow_flush  # type: ignore[method-assign]
+        try:
+            rt.emit(ev("gpu_lost", R.REBOOT_NODE))
+            assert await asyncio.to_thread(writing.wait, 10)
+            assert rt._unannounced == []  # taken by the writer, not announced yet
+            assert rt.repairs() == []
+            assert [r.kind for r in rt.held_repairs()] == ["gpu_lost"]
+        finally:
+            done.set()
+            await rt.stop()
+        assert [r.kind for r in rt.repairs()] == ["gpu_lost"]
+
+
 async def test_metrics_show_one_series_per_required_action_and_subject() -> None:
     cfg = dataclasses.replace(config.parse({"prometheus": {"enabled": False}}), collectors={})
     rt = Runtime(cfg, StateStore.in_memory(), collectors={}, sinks=registry.SINKS)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from agent.contracts.errors import CallStillHung, CallTimedOut  # noqa: F401 (re-exported)
-from agent.contracts.model import Collection, Event, MetricFamily
+from agent.contracts.model import ActiveRepair, Collection, Event, MetricFamily
 from agent.contracts.settings import setting
 
 P = ParamSpec("P")
@@ -132,6 +132,19 @@ class CollectorDeps:
     shared: SharedServices
     emit: Callable[[Event], None]
     """Emit an event outside a collection round (from a background thread too: thread-safe)."""
+    held: Callable[[], Sequence[ActiveRepair]] = lambda: ()
+    """The repair requirements held now: the runtime's ledger, which outlives a collector
+    instance (a reload) and the process (it is in the state store). A new instance starts
+    from it, so that the fault an earlier instance reported gets its all-clear, under the
+    subject it was raised under, when it ends before this instance saw it."""
+
+    def held_by(self, source: str, kinds: Sequence[str]) -> dict[str, dict[str, ActiveRepair]]:
+        """subject -> kind -> the requirement held, for the events of `source` of `kinds`."""
+        out: dict[str, dict[str, ActiveRepair]] = {}
+        for repair in self.held():
+            if repair.source == source and repair.kind in kinds:
+                out.setdefault(repair.subject, {})[repair.kind] = repair
+        return out
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,9 @@ class StaleItem:
 
 
 class Runtime:
+    _announcing: Sequence[Event] = ()
+    """The events the store writer is storing now, to be announced next."""
+
     def __init__(
         self,
         config: Config,
@@ -254,6 +257,13 @@ class Runtime:
     def repairs(self) -> list[ActiveRepair]:
         return self.repair_ledger.active()
 
+    def held_repairs(self) -> list[ActiveRepair]:
+        """The repairs held once the events emitted so far are taken in (the ledger takes an
+        event in when it is announced, after it is stored): what a collector instance that
+        starts now takes over from the one it replaces, whose last round may be on its way
+        to the store."""
+        return self.repair_ledger.after([*self._announcing, *self._unannounced])
+
     def pause_state(self) -> PauseState | None:
         return self.pause.state
 
@@ -309,6 +319,7 @@ class Runtime:
             await self._store_wait()
             self._store_wake.clear()
             announce, self._unannounced = self._unannounced, []
+            self._announcing = announce
             try:
                 if self.guard.pending and time.monotonic() >= self._retry_at:
                     ok = await self.in_store_thread(self.guard.flush, self.outbox_enabled)
@@ -319,6 +330,8 @@ class Runtime:
             except Exception:  # a bug must not end the writes for good: retried as a refusal
                 log.exception("the state writer failed; retrying")
                 self._flushed(False)
+            finally:
+                self._announcing = ()
             self._announce_all(announce)
 
     async def _store_wait(self) -> None:
@@ -382,6 +395,7 @@ class Runtime:
             state=state,
             shared=self.shared,
             emit=self.emit,
+            held=self.held_repairs,
         )
 
     def _build(self, name: str, settings: CollectorSettings) -> Collector | None:

@@ -76,27 +76,28 @@ class RepairLedger:
 
     def apply(self, event: Event) -> bool:
         """Take in one event; True when the active set changed."""
-        changed = self._clear(event)
+        gone = _cleared(self._active, event)
+        for key in gone:
+            del self._active[key]
+        self._forget(gone)
+        changed = bool(gone)
         if event.repair_action not in NOT_HELD:
             changed = self._raise(event) or changed
         return changed
 
-    def _clear(self, event: Event) -> bool:
-        if not event.clears:
-            return False
-        gone = [
-            key
-            for key, entry in self._active.items()
-            if entry.source == event.source
-            and entry.subject == event.subject
-            and (CLEARS_ALL in event.clears or entry.kind in event.clears)
-        ]
-        for key in gone:
-            del self._active[key]
-        self._forget(gone)
-        return bool(gone)
+    def after(self, events: Iterable[Event]) -> list[ActiveRepair]:
+        """What `active()` will be once `events` (emitted, not yet taken in) are: nothing
+        is changed or stored."""
+        active = dict(self._active)
+        for event in events:
+            for key in _cleared(active, event):
+                del active[key]
+            if event.repair_action not in NOT_HELD:
+                entry = self._entry(event, active)
+                active[entry.key] = entry
+        return sorted(active.values(), key=lambda e: (e.since, e.key))
 
-    def _raise(self, event: Event) -> bool:
+    def _entry(self, event: Event, active: dict[str, ActiveRepair]) -> ActiveRepair:
         fault = event.attributes.get("fault")
         entry = ActiveRepair(
             action=event.repair_action,
@@ -110,9 +111,14 @@ class RepairLedger:
             fault=fault if isinstance(fault, str) else "",
             boot=self._boot,
         )
-        old = self._active.get(entry.key)
+        old = active.get(entry.key)
         if old is not None:  # refreshed: keep when it began, take the latest words
             entry = dataclasses.replace(entry, since=old.since)
+        return entry
+
+    def _raise(self, event: Event) -> bool:
+        entry = self._entry(event, self._active)
+        old = self._active.get(entry.key)
         self._active[entry.key] = entry
         try:
             self._store.put(NAMESPACE, entry.key, entry.to_dict())
@@ -126,3 +132,16 @@ class RepairLedger:
                 self._store.delete(NAMESPACE, key)
             except GpuwardenError as exc:
                 log.warning("cleared repair not removed from the store", key=key, error=str(exc))
+
+
+def _cleared(active: dict[str, ActiveRepair], event: Event) -> list[str]:
+    """The keys of `active` that `event` clears."""
+    if not event.clears:
+        return []
+    return [
+        key
+        for key, entry in active.items()
+        if entry.source == event.source
+        and entry.subject == event.subject
+        and (CLEARS_ALL in event.clears or entry.kind in event.clears)
+    ]
