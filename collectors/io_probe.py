@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from agent.contracts.collector import (
     CollectContext,
@@ -27,6 +28,7 @@ from agent.contracts.collector import (
 )
 from agent.contracts.errors import CallStillHung, CallTimedOut, GpuwardenError
 from agent.contracts.model import (
+    ActiveRepair,
     Collection,
     Event,
     MetricFamily,
@@ -226,6 +228,23 @@ class IoProbeSettings(CollectorSettings):
                 raise ValueError(f"directories: {directory!r} is not an absolute path")
 
 
+HELD_KINDS: Final = ("io_probe_failed", "io_probe_hung")
+"""The probe's events that hold a requirement (check_storage) until io_probe_recovered."""
+_INHERITED: Final = "reported by an earlier instance"
+
+
+def _recovered_event(directory: str, words: str) -> Event:
+    return Event(
+        source=SOURCE,
+        kind="io_probe_recovered",
+        severity=Severity.INFO,
+        repair_action=RepairAction.NONE,
+        clears=("io_probe_failed", "io_probe_hung", "io_probe_refused"),
+        subject=directory,
+        message=f"{directory}: {words}",
+    )
+
+
 class IoProbeCollector:
     name = "io_probe"
 
@@ -233,6 +252,9 @@ class IoProbeCollector:
         self.settings = settings
         self.deps = deps
         self._last_problem: dict[str, str] = {}
+        self._held: dict[str, dict[str, ActiveRepair]] | None = None
+        """directory -> the kinds the ledger held for it when this instance first looked,
+        not yet taken over (`_take_over`)."""
 
     def families(self) -> Sequence[MetricFamily]:
         return (THROUGHPUT, SYNC_LATENCY, DURATION, PROBE_ERROR, LAST_RUN)
@@ -240,6 +262,15 @@ class IoProbeCollector:
     async def collect(self, ctx: CollectContext) -> Collection:
         samples: list[Sample] = []
         events: list[Event] = []
+        if self._held is None:
+            self._held = self.deps.held_by(SOURCE, HELD_KINDS)
+            for directory in sorted(set(self._held) - set(self.settings.directories)):
+                del self._held[directory]
+                events.append(
+                    _recovered_event(
+                        directory, "is no longer probed (left out by the configuration)"
+                    )
+                )
         for directory in self.settings.directories:
             # One at a time: probes running side by side on one disk would measure each other.
             reason, problem, action = "", "", ""
@@ -267,6 +298,7 @@ class IoProbeCollector:
                 ]
             for name in ("refused", "failed", "hung"):
                 samples.append(PROBE_ERROR.sample(int(name == reason), directory, name))
+            self._take_over(directory, f"io_probe_{reason}", problem)
             if problem and self._last_problem.get(directory) != problem:
                 events.append(
                     Event(
@@ -283,19 +315,17 @@ class IoProbeCollector:
                 )
             if not problem and self._last_problem.get(directory):
                 # The all-clear: the requirement the failed or hung probe raised ends here.
-                events.append(
-                    Event(
-                        source=SOURCE,
-                        kind="io_probe_recovered",
-                        severity=Severity.INFO,
-                        repair_action=RepairAction.NONE,
-                        clears=("io_probe_failed", "io_probe_hung", "io_probe_refused"),
-                        subject=directory,
-                        message=f"{directory}: the write probe succeeds again",
-                    )
-                )
+                events.append(_recovered_event(directory, "the write probe succeeds again"))
             self._last_problem[directory] = problem
         return Collection(samples=samples, events=events)
+
+    def _take_over(self, directory: str, kind: str, problem: str) -> None:
+        """The first probe of a directory for which an earlier instance (before a reload or
+        a restart) raised a requirement the ledger still holds: the same problem again is
+        no news; none at all is its all-clear."""
+        kinds = self._held.pop(directory, None) if self._held else None
+        if kinds is not None and directory not in self._last_problem:
+            self._last_problem[directory] = problem if problem and kind in kinds else _INHERITED
 
     async def close(self) -> None:
         return None

@@ -182,6 +182,7 @@ class ProcessesCollector:
         self._d_since: dict[ProcessKey, float] = {}
         self._d_reported: set[ProcessKey] = set()
         self._zombie_reported: set[ProcessKey] = set()
+        self._held_taken = False
 
     def families(self) -> Sequence[MetricFamily]:
         return (PROCESSES, D_STATE, ZOMBIES, PROCESS_SCAN)
@@ -193,6 +194,9 @@ class ProcessesCollector:
         samples = [PROCESSES.sample(n, state) for state, n in count_states(result.stats).items()]
         samples.append(PROCESS_SCAN.sample(len(result.stats)))
         events: list[Event] = []
+        if not self._held_taken:
+            self._held_taken = True
+            self._take_over(result)
         self._d_state(ctx.now, result, samples, events)
         self._zombies(result.stats, samples, events)
         return Collection(samples=samples, events=events)
@@ -230,6 +234,26 @@ class ProcessesCollector:
         rows.sort(key=lambda row: (-row[0], row[1].pid))
         for seconds, stat, wchan in rows[: self.settings.max_d_state_series]:
             samples.append(D_STATE.sample(seconds, str(stat.pid), stat.comm, wchan))
+
+    def _take_over(self, result: Scan) -> None:
+        """At the first round: the stuck processes and zombie parents an earlier instance
+        (before a reload or a restart) reported and the ledger still holds are this one's,
+        so that one still stuck is no news and one that is gone gets its all-clear. The
+        ledger names a process by its pid alone: one of that pid now is taken to be it."""
+        held = self.deps.held_by(SOURCE, ("process_stuck_d_state", "zombies_accumulating"))
+        for subject, kinds in held.items():
+            pid_text = subject.removeprefix("pid ")
+            if not pid_text.isdigit():
+                continue
+            pid = int(pid_text)
+            stat = result.stats.get(pid)
+            key = (pid, stat.starttime if stat is not None else 0)
+            stuck = kinds.get("process_stuck_d_state")
+            if stuck is not None:
+                self._d_since.setdefault(key, stuck.since - self.settings.d_state_threshold)
+                self._d_reported.add(key)
+            if "zombies_accumulating" in kinds:
+                self._zombie_reported.add(key)
 
     def _d_event(self, stat: ProcStat, seconds: float, wchan: str, tid: int | None) -> Event:
         gpu = any(fnmatch.fnmatchcase(stat.comm, p) for p in self.settings.gpu_process_names)

@@ -300,6 +300,8 @@ class _Failed:
 _Outcome = FsStats | _Stuck | _Failed | None  # None: the mount went away meanwhile (normal)
 
 _LEVEL_NAMESPACE = "disk.levels"
+_INHERITED = ""
+"""In `_errors`: the mount_error an earlier instance raised, its words not known here."""
 
 
 class DiskCollector:
@@ -325,6 +327,9 @@ class DiskCollector:
         self._isolated: Statvfs = statvfs if isolated is None else isolated
         self._stuck: set[str] = set()
         self._errors: dict[str, str] = {}
+        """mount point -> the error its mount_error reported (_INHERITED: an earlier instance
+        reported it, and the ledger holds it)."""
+        self._held_adopted = False
         self._read_only: dict[str, bool] = {}
         # Levels persist, so a restart neither re-raises a known full disk nor forgets it.
         self._levels: dict[str, Level] = {
@@ -341,6 +346,7 @@ class DiskCollector:
     async def collect(self, ctx: CollectContext) -> Collection:
         mounts = await ctx.call("proc:mountinfo", read_mountinfo, self.settings.proc_root)
         selected = select_mounts(mounts, self.settings)
+        self._adopt_held()
         # Concurrent, so a newly hung mount costs one timeout per round, not one per mount; but
         # bounded, because the runtime's thread pool is shared and every hung statvfs keeps a
         # thread until the kernel lets it go.
@@ -355,7 +361,7 @@ class DiskCollector:
         events: list[Event] = []
         for mount, outcome in zip(selected, outcomes, strict=True):
             self._report(mount, outcome, samples, events)
-        self._forget_unmounted({m.mount_point for m in selected})
+        self._forget_unmounted({m.mount_point for m in selected}, events)
         self._save_levels()
         return Collection(samples=samples, events=events)
 
@@ -373,9 +379,33 @@ class DiskCollector:
                 self.deps.state.put(_LEVEL_NAMESPACE, key, level)
         self._saved = wanted
 
-    def _forget_unmounted(self, mounted: set[str]) -> None:
-        """Drop what is remembered about mounts that are gone (a stuck one stays: still listed)."""
+    def _adopt_held(self) -> None:
+        """Once, at the first round: take over the stuck, failing and read-only mounts an
+        earlier instance (before a reload or a restart) reported and the ledger still holds,
+        so that one still faulty is no news and one that works again gets its all-clear."""
+        if self._held_adopted:
+            return
+        self._held_adopted = True
+        held = self.deps.held_by(SOURCE, ("mount_stuck", "mount_error", "filesystem_readonly"))
+        for mp, kinds in held.items():
+            if "mount_stuck" in kinds:
+                self._stuck.add(mp)
+            if "mount_error" in kinds:
+                self._errors.setdefault(mp, _INHERITED)
+            if "filesystem_readonly" in kinds:
+                self._read_only.setdefault(mp, True)
+
+    def _forget_unmounted(self, mounted: set[str], events: list[Event]) -> None:
+        """Drop what is remembered about mounts that are gone. What a stuck, failing or
+        read-only mount raised ends with it: the mount detached ('umount -l', as mount_stuck advises) or no
+        longer watched can say nothing more, and its requirement would be held for ever."""
+        for mp in sorted(self._stuck - mounted):
+            events.append(_gone_event(mp, "mount_recovered", "mount_stuck"))
         self._stuck &= mounted
+        for mp in sorted(set(self._errors) - mounted):
+            events.append(_gone_event(mp, "mount_error_cleared", "mount_error"))
+        for mp in sorted(mp for mp, ro in self._read_only.items() if ro and mp not in mounted):
+            events.append(_gone_event(mp, "filesystem_writable", "filesystem_readonly"))
         for table in (self._errors, self._read_only):
             for mp in [mp for mp in table if mp not in mounted]:
                 del table[mp]
@@ -430,7 +460,7 @@ class DiskCollector:
             )
         if isinstance(outcome, _Failed):
             samples.append(ERROR.sample(1, *labels))
-            if self._errors.get(mp) != outcome.error:
+            if self._errors.get(mp) not in (outcome.error, _INHERITED):
                 events.append(
                     Event(
                         source=SOURCE,
@@ -568,6 +598,20 @@ class DiskCollector:
     async def close(self) -> None:
         if self.helpers is not None:
             self.helpers.close()
+
+
+def _gone_event(mp: str, kind: str, clears: str) -> Event:
+    return Event(
+        source=SOURCE,
+        kind=kind,
+        severity=Severity.INFO,
+        repair_action=RepairAction.NONE,
+        clears=(clears,),
+        subject=mp,
+        attributes={"mounted": False},
+        message=f"{mp} is no longer watched (unmounted, or left out by the configuration): "
+        f"its {clears} ends",
+    )
 
 
 def _stuck_event(mount: MountInfo, seconds: float) -> Event:

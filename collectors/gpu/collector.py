@@ -79,6 +79,8 @@ STATE_NAMESPACE: Final = "gpu"
 IDENTITY_NAMESPACE: Final = "gpu.identity"
 """index -> {"boot", "count", "labels"}: who the GPU at this index was, this boot."""
 HOST_SUBJECT: Final = "host"
+HELD_KINDS: Final = ("gpu_lost", "gpu_unresponsive")
+"""The GPU's error events that hold a requirement until its gpu_recovered."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,9 @@ class _Gpu:
     energy_joules: float | None = None
     energy_at: float | None = None
     error: str | None = None
+    error_subjects: tuple[str, ...] = ()
+    """The subjects its error events were raised under (its UUID, or its index when never
+    read): its gpu_recovered says the same, so that it clears what they raised."""
     # Samples of the static and slow readings, built once per reading rather than every
     # round: they are most of a steady round's Python cost (measured on the H200).
     static_samples: tuple[Sample, ...] | None = None
@@ -253,6 +258,10 @@ class GpuCollector:
         self._stored: dict[str, Any] | None = None
         """IDENTITY_NAMESPACE as stored (loaded on first use)."""
         self._identities_unsaved: set[int] = set()
+        self._held: dict[str, str] | None = None
+        """subject -> error state ('lost', 'unresponsive') that the ledger held for this
+        source when this instance first looked, not yet matched to a GPU (`_adopt_held`)."""
+        self._nvml_held_checked = False
         self.owners: dict[int, ProcessOwner | None] = {}
         """pid -> owner (None: not in /proc), for pids on a GPU last round: read once each."""
         self.pci: PciScan | None = None
@@ -272,19 +281,26 @@ class GpuCollector:
     # -- NVML availability ----------------------------------------------------------------------
 
     async def _ensure_nvml(self, ctx: CollectContext, out: _Round) -> bool:
-        if self.backend.up:
+        if self.backend.up and self._nvml_held_checked:
             return True
-        if ctx.now < self.next_init_at:
-            return False
-        self.next_init_at = ctx.now + self.settings.nvml_retry_interval
-        try:
-            await ctx.call("nvml:init", self.backend.start)
-        except NvmlUnavailable as exc:
-            self._nvml_down(exc.reason, out)
-            return False
-        except (CallTimedOut, CallStillHung) as exc:
-            self._nvml_down(f"nvmlInit did not return ({exc})", out)
-            return False
+        if not self._nvml_held_checked:
+            # An outage an earlier instance reported (before a reload or a restart) and the
+            # ledger holds: NVML still down is no news, NVML up is its end.
+            self._nvml_held_checked = True
+            if self.deps.held_by(SOURCE, ("nvml_unavailable",)).get(HOST_SUBJECT):
+                self.nvml_down_reason = "reported by an earlier instance"
+        if not self.backend.up:
+            if ctx.now < self.next_init_at:
+                return False
+            self.next_init_at = ctx.now + self.settings.nvml_retry_interval
+            try:
+                await ctx.call("nvml:init", self.backend.start)
+            except NvmlUnavailable as exc:
+                self._nvml_down(exc.reason, out)
+                return False
+            except (CallTimedOut, CallStillHung) as exc:
+                self._nvml_down(f"nvmlInit did not return ({exc})", out)
+                return False
         if self.nvml_down_reason is not None:
             out.events.append(
                 Event(
@@ -418,8 +434,12 @@ class GpuCollector:
             # Still hung: reported when that call timed out, by this collector or the one a
             # reload replaced (it shares the caller, and so its table of hung calls).
             state = "unresponsive" if result == "still_unresponsive" else result
+            self._adopt_held(index, gpu, labels["uuid"])
             if gpu.error != state and result != "still_unresponsive":
-                out.events.append(self._gpu_error_event(labels, state))
+                event = self._gpu_error_event(labels, state)
+                out.events.append(event)
+                if event.subject not in gpu.error_subjects:
+                    gpu.error_subjects += (event.subject,)
             gpu.error = state
             gpu.gpm = gpu.gpm_at = gpu.gpm_samples = None  # the backend dropped its sample
             gpu.mig_gpm = {}
@@ -439,20 +459,22 @@ class GpuCollector:
         labels = gpu.labels(index)
         if index in self._identities_unsaved and gpu.static is not None:
             self._remember(index, labels)
+        self._adopt_held(index, gpu, labels["uuid"])
         if gpu.error is not None:
-            out.events.append(
-                Event(
-                    source=SOURCE,
-                    kind="gpu_recovered",
-                    severity=Severity.INFO,
-                    repair_action=RepairAction.NONE,
-                    clears=("gpu_lost", "gpu_unresponsive"),
-                    subject=labels["uuid"],
-                    attributes=dict(labels),
-                    message=f"{where(labels)} answers NVML again (was {gpu.error})",
+            for subject in gpu.error_subjects or (labels["uuid"],):
+                out.events.append(
+                    Event(
+                        source=SOURCE,
+                        kind="gpu_recovered",
+                        severity=Severity.INFO,
+                        repair_action=RepairAction.NONE,
+                        clears=HELD_KINDS,
+                        subject=subject,
+                        attributes=dict(labels),
+                        message=f"{where(labels)} answers NVML again (was {gpu.error})",
+                    )
                 )
-            )
-            gpu.error = None
+            gpu.error, gpu.error_subjects = None, ()
         out.samples.extend(m.state_samples(labels, None, gpu.memo))
         out.samples.extend(m.reading_samples(labels, result.reading, gpu.energy_joules, gpu.memo))
         # The recovery action rarely changes: its samples (one per action) and its conditions
@@ -680,6 +702,26 @@ class GpuCollector:
                 return
             stored[str(index)] = record
         self._identities_unsaved.discard(index)
+
+    def _adopt_held(self, index: int, gpu: _Gpu, uuid: str) -> None:
+        """Take over what an earlier instance (before a reload or a restart) raised for this
+        GPU and the ledger still holds: its error state, so that the GPU that still does not
+        answer is no news, and the one that answers again gets its gpu_recovered. Held
+        under its UUID, or under its index where it was never read."""
+        if self._held is None:
+            self._held = {
+                subject: "lost" if "gpu_lost" in kinds else "unresponsive"
+                for subject, kinds in self.deps.held_by(SOURCE, HELD_KINDS).items()
+            }
+        if not self._held:
+            return
+        for subject in (uuid, str(index)):
+            state = self._held.pop(subject, None) if subject else None
+            if state is None:
+                continue
+            gpu.error = gpu.error or state
+            if subject not in gpu.error_subjects:
+                gpu.error_subjects += (subject,)
 
     def _gpu_error_event(self, labels: Mapping[str, str], state: str) -> Event:
         if state == "lost":
@@ -913,7 +955,9 @@ class GpuCollector:
         GPU that hangs at once is still named)."""
         self.gpus = {
             index: _Gpu(
-                error=gpu.error, remembered=gpu.labels(index) if gpu.static else gpu.remembered
+                error=gpu.error,
+                error_subjects=gpu.error_subjects,
+                remembered=gpu.labels(index) if gpu.static else gpu.remembered,
             )
             for index, gpu in self.gpus.items()
         }
