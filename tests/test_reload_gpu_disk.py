@@ -4,6 +4,7 @@ and one mount_stuck per dead mount."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from pathlib import Path
@@ -53,13 +54,17 @@ class TestHungGpusAcrossReloads:
             await until(lambda: runtime.collectors["gpu"].rounds_done >= 2, what="GPU rounds")
 
             # A first (full) round slower than the 0.2 s timeout on a loaded machine reports its
-            # GPUs unresponsive, then recovered: those events are not this test's.
+            # GPUs unresponsive, then recovered: those events are not this test's. They are
+            # announced after the round's samples are seen (stored first): every GPU up is not
+            # enough, the recoveries must have cleared what the timeouts raised.
             def all_answer() -> bool:
                 samples = runtime.collectors["gpu"].samples
                 up = [s.value for s in samples if s.family.name == "gpuwarden_gpu_up"]
-                return runtime.hung_calls() == 0 and up == [1.0] * 4
+                return runtime.hung_calls() == 0 and up == [1.0] * 4 and runtime.repairs() == []
 
             await until(all_answer, what="every GPU to answer")
+            await asyncio.sleep(0.05)  # a call_recovered from a worker thread, then announced
+            runtime.flush_events()
             early = {e.id for e in runtime.recent_events}
 
             def fresh(kind: str) -> list[Event]:
