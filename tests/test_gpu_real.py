@@ -23,8 +23,9 @@ from agent.contracts.collector import (
     MemoryKeyValueStore,
     SharedServices,
 )
-from agent.contracts.model import Collection, Event
+from agent.contracts.model import Collection, Event, RepairAction, Severity
 from agent.runtime.blocking import PooledCaller
+from agent.runtime.repairs import RepairLedger
 from collectors._nvml import EVENT_XID, NvmlBackend, NvmlUnavailable
 from collectors._xid import XidCorrelator, normalize_pci_bus_id
 from collectors.gpu.collector import GpuCollector, GpuSettings
@@ -58,12 +59,17 @@ def backend() -> Iterator[NvmlBackend]:
     instance.stop()
 
 
-async def one_round(backend: NvmlBackend) -> Collection:
+async def one_round(backend: NvmlBackend, ledger: RepairLedger | None = None) -> Collection:
     shared = SharedServices()
     shared.put(NvmlBackend, backend)
     emitted: list[Event] = []
     deps = CollectorDeps(
-        "gpu-test", Path("/nonexistent"), MemoryKeyValueStore(), shared, emitted.append
+        "gpu-test",
+        Path("/nonexistent"),
+        MemoryKeyValueStore(),
+        shared,
+        emitted.append,
+        held=ledger.active if ledger is not None else lambda: (),
     )
     collector = GpuCollector(GpuSettings(event_thread=False), deps)
     executor = concurrent.futures.ThreadPoolExecutor(4)
@@ -198,3 +204,36 @@ class TestAgainstNvidiaSmi:
             assert sm_max is not None
             assert 0 < sm_hertz <= sm_max
             assert 0 < float(row["clocks.sm"]) <= sm_max / 1e6
+
+
+class TestHeldByAnEarlierAgent:
+    """A hang that an earlier agent (before a restart) reported for the real GPUs, by UUID and
+    by index (a GPU it never read), ends at this agent's first answer: every requirement
+    clears (tests/test_held_across_instances.py has the faults themselves, on the fake)."""
+
+    def test_the_first_answer_clears_them(
+        self, backend: NvmlBackend, collection: Collection
+    ) -> None:
+        uuids = [s.labels["uuid"] for s in find(collection, "gpuwarden_gpu_up")]
+        assert uuids
+        ledger = RepairLedger(MemoryKeyValueStore(), "boot")
+        subjects = [*uuids[1:], "0"]  # the first GPU was never read, the others were
+        for subject in subjects:
+            ledger.apply(
+                Event(
+                    "gpu",
+                    "gpu_unresponsive",
+                    Severity.CRITICAL,
+                    "hung",
+                    subject=subject,
+                    repair_action=RepairAction.RESET_GPU,
+                )
+            )
+        result = asyncio.run(one_round(backend, ledger))
+        recovered = [e for e in result.events if e.kind == "gpu_recovered"]
+        assert sorted(e.subject for e in recovered) == sorted(subjects)
+        first = next(e for e in recovered if e.subject == "0")
+        assert first.attributes["uuid"] == uuids[0]
+        for event in result.events:
+            ledger.apply(event)
+        assert ledger.active() == []
