@@ -4,6 +4,7 @@ kernel-log file: an Xid line appended to the file is what drains the node."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -154,6 +155,38 @@ def test_when_cleared_resumes_the_node_it_drained(node: SlurmCluster, tmp_path: 
         log.append(RECOVERED)  # the GPU needs no recovery action any more
         wait_until(lambda: not node.drained(), 30, "the node to be resumed")
         assert metric(agent, r"^gpuwarden_repair_required\{") == []
+    finally:
+        agent.stop()
+
+
+def test_a_person_clears_what_has_no_all_clear_and_the_node_resumes(
+    node: SlurmCluster, tmp_path: Path
+) -> None:
+    """`gpuwarden repairs clear`: the GPU behind an Xid 79 was replaced (no line of the log
+    will ever take it back); the person says so, and the node it drained is resumed."""
+    agent, log = start_agent(tmp_path, node, resume="when_cleared")
+    try:
+        log.append(XID79)
+        assert "Xid 79" in wait_drained(node)
+        listed = run_gpuwarden("repairs", "--json", "--config", str(agent.config_path))
+        assert listed.returncode == 0, listed.stderr
+        (held,) = json.loads(listed.stdout)["repairs"]
+        assert (held["action"], held["kind"]) == ("reboot_node", "xid")
+        done = run_gpuwarden(
+            "repairs",
+            "clear",
+            "--subject",
+            held["subject"],
+            "--reason",
+            "GPU replaced, RMA 1234",
+            "--config",
+            str(agent.config_path),
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.startswith("cleared: reboot_node for ")
+        wait_until(lambda: not node.drained(), 30, "the node to be resumed")
+        assert metric(agent, r"^gpuwarden_repair_required\{") == []
+        assert metric(agent, r'^gpuwarden_events_total\{.*kind="repair_cleared"')
     finally:
         agent.stop()
 

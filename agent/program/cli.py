@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("checkpoint", "verify checkpoints now: which one a restart can use"),
     "pause": ("pause", "let go of the GPUs for a reset or a MIG change (the running agent)"),
     "resume": ("resume", "end a pause: the running agent watches the GPUs again"),
+    "repairs": ("repairs", "the repairs the running agent holds required; clear one done"),
 }
 
 

@@ -1,4 +1,4 @@
-"""The running agent's control socket: `gpuwarden pause` and `resume` reach the agent here.
+"""The running agent's control socket: `gpuwarden pause`, `resume` and `repairs` reach it here.
 
 A Unix stream socket, `control.sock` in the state directory. Why this and not a signal or
 the HTTP endpoint:
@@ -15,7 +15,9 @@ the HTTP endpoint:
   duration, no reason and no answer, and needs the agent's pid.
 
 One request per connection: a JSON object on one line, `{"op": "pause", "seconds": 600,
-"reason": "..."}` or `{"op": "resume"}`; one JSON object back.
+"reason": "..."}`, `{"op": "resume"}`, `{"op": "repairs"}` (the requirements held) or
+`{"op": "clear_repairs", "subject": "...", "reason": "..."}` (`gpuwarden repairs clear`);
+one JSON object back.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from typing import Any, Final
 
 import structlog
 
-from agent.contracts.model import Severity
+from agent.contracts.errors import ModelError
+from agent.contracts.model import ActiveRepair, RepairAction, Severity
 from agent.program.control_client import reachable
 from agent.runtime.core import Runtime
 from agent.runtime.pause import PauseRefused
@@ -158,7 +161,52 @@ class ControlServer:
         if op == "status":
             state = self.runtime.pause_state()
             return {"ok": True, "paused": None if state is None else state.to_dict()}
-        return _error(f"unknown op {op!r}: expected pause, resume or status")
+        if op == "repairs":
+            return {"ok": True, "repairs": [r.to_dict() for r in self.runtime.held_repairs()]}
+        if op == "clear_repairs":
+            return await self._clear_repairs(request, by)
+        return _error(
+            f"unknown op {op!r}: expected pause, resume, status, repairs or clear_repairs"
+        )
+
+    async def _clear_repairs(self, request: dict[str, Any], by: str) -> dict[str, Any]:
+        """`{"op": "clear_repairs", "reason": "...", "subject"/"action"/"kind"/"source": ...}`
+        or `"all": true`: every held requirement that matches each filter given."""
+        filters: dict[str, str] = {}
+        for name in CLEAR_FILTERS:
+            value = request.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                return _error(f"{name}: expected a non-empty string, got {value!r}")
+            filters[name] = value
+        if "action" in filters:
+            try:
+                filters["action"] = RepairAction.parse(filters["action"]).value
+            except ModelError as exc:
+                return _error(f"action: {exc}")
+        every = request.get("all", False)
+        if not isinstance(every, bool):
+            return _error(f"all: expected true or false, got {every!r}")
+        if not filters and not every:
+            return _error(
+                "name what to clear (subject, action, kind, source), or all: nothing is "
+                "cleared by default"
+            )
+        reason = request.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            return _error("reason: say why (the repair done, the GPU replaced): it is kept")
+        chosen = [
+            repair
+            for repair in self.runtime.held_repairs()
+            if all(_field(repair, name) == value for name, value in filters.items())
+        ]
+        cleared = await self.runtime.clear_repairs(chosen, by, reason.strip()[:500])
+        return {
+            "ok": True,
+            "cleared": [r.to_dict() for r in cleared],
+            "held": [r.to_dict() for r in self.runtime.held_repairs()],
+        }
 
     async def _pause(self, request: dict[str, Any], by: str) -> dict[str, Any]:
         seconds = request.get("seconds")
@@ -183,6 +231,13 @@ class ControlServer:
                 r.component: {"released": r.released, "detail": r.detail} for r in reply.released
             },
         }
+
+
+CLEAR_FILTERS: Final = ("subject", "action", "kind", "source")
+
+
+def _field(repair: ActiveRepair, name: str) -> str:
+    return repair.action.value if name == "action" else str(getattr(repair, name))
 
 
 def _error(message: str) -> dict[str, Any]:

@@ -61,6 +61,8 @@ A busy log is read in batches: 200 noise lines a second cost the agent 1.5 % of 
 against 0.01 s, both far inside the 1 s asked (bench/kernel_log_latency.py, docs/MEASUREMENTS.md)."""
 STORE_IDLE_CHECK = 5.0
 """Seconds the store writer sleeps at most: a value held without a wake-up is written then."""
+CLEAR_BOUND = 10.0
+"""Seconds `clear_repairs` waits for the ledger to take its events in (a stalled disk)."""
 
 
 async def _bounded(closing: Awaitable[None], seconds: float, kind: str, name: str) -> None:
@@ -257,12 +259,58 @@ class Runtime:
     def repairs(self) -> list[ActiveRepair]:
         return self.repair_ledger.active()
 
+    async def clear_repairs(
+        self, chosen: Sequence[ActiveRepair], by: str, reason: str
+    ) -> list[ActiveRepair]:
+        """A person says these requirements are met (a GPU replaced; a repair whose finding
+        has no all-clear of its own): one `repair_cleared` event each, of the entry's source
+        and subject, clearing its kind there, stored and sent like any other event. Returns
+        what they cleared (every requirement of that kind on that subject) once the ledger
+        has taken them in, so that an action (Slurm's resume) has seen them too."""
+        findings: dict[tuple[str, str, str], list[str]] = {}
+        for repair in chosen:  # one event per finding: it clears every action of it
+            findings.setdefault((repair.source, repair.kind, repair.subject), []).append(
+                repair.action.value
+            )
+        events = [
+            Event(
+                source=source,
+                kind="repair_cleared",
+                severity=Severity.INFO,
+                repair_action=RepairAction.NONE,
+                clears=(kind,),
+                subject=subject,
+                message=f"{', '.join(actions)} for {subject} ({kind}) cleared by {by}: {reason}",
+                attributes={
+                    "actions": ",".join(actions),
+                    "cleared_kind": kind,
+                    "by": by,
+                    "reason": reason,
+                },
+            )
+            for (source, kind, subject), actions in findings.items()
+        ]
+        before = {r.key: r for r in self.held_repairs()}
+        after = {r.key for r in self.repair_ledger.after([*self._pending_now(), *events])}
+        for event in events:
+            self.emit(event)
+        gone = [repair for key, repair in before.items() if key not in after]
+        deadline = time.monotonic() + CLEAR_BOUND
+        while time.monotonic() < deadline and any(
+            r.key not in after for r in self.repair_ledger.active()
+        ):
+            await asyncio.sleep(0.02)
+        return gone
+
+    def _pending_now(self) -> list[Event]:
+        return [*self._announcing, *self._unannounced]
+
     def held_repairs(self) -> list[ActiveRepair]:
         """The repairs held once the events emitted so far are taken in (the ledger takes an
         event in when it is announced, after it is stored): what a collector instance that
         starts now takes over from the one it replaces, whose last round may be on its way
         to the store."""
-        return self.repair_ledger.after([*self._announcing, *self._unannounced])
+        return self.repair_ledger.after(self._pending_now())
 
     def pause_state(self) -> PauseState | None:
         return self.pause.state

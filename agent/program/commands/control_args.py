@@ -1,4 +1,4 @@
-"""What `pause` and `resume` share: finding the agent and talking to it."""
+"""What `pause`, `resume` and `repairs` share: finding the agent and talking to it."""
 
 from __future__ import annotations
 
