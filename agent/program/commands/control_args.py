@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,18 @@ def caller() -> dict[str, str]:
     """Who is asking, as the user would say it (the socket sees root under sudo)."""
     name = os.environ.get("SUDO_USER") or getpass.getuser()
     return {"by": name} if name else {}
+
+
+def printed(args: argparse.Namespace, reply: dict[str, Any]) -> bool:
+    """Print the answer as JSON (`--json`), or the agent's error: True when one was, False
+    when the command is to say it in its own words."""
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    elif reply.get("error"):
+        print(f"gpuwarden {args.command}: {reply['error']}", file=sys.stderr)
+    else:
+        return False
+    return True
 
 
 def send(args: argparse.Namespace, payload: dict[str, Any]) -> dict[str, Any] | int:

@@ -12,7 +12,6 @@ a usage or configuration error.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -60,11 +59,7 @@ def main(args: argparse.Namespace) -> int:
     reply = control_args.send(args, payload)
     if isinstance(reply, int):
         return reply
-    if args.json:
-        print(json.dumps(reply, indent=2))
-    elif reply.get("error"):
-        print(f"gpuwarden pause: {reply['error']}", file=sys.stderr)
-    else:
+    if not control_args.printed(args, reply):
         _print(reply)
     return 0 if reply.get("ok") else 1
 

@@ -22,7 +22,6 @@ nothing held matched the clear, 2 for a usage or configuration error.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -82,10 +81,8 @@ def main(args: argparse.Namespace) -> int:
     reply = control_args.send(args, payload)
     if isinstance(reply, int):
         return reply
-    if args.json:
-        print(json.dumps(reply, indent=2))
-    elif reply.get("error"):
-        print(f"gpuwarden repairs: {reply['error']}", file=sys.stderr)
+    if control_args.printed(args, reply):
+        pass
     elif args.action == "list":
         _print(reply.get("repairs") or [], "no repair is required")
     else:

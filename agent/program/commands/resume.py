@@ -10,8 +10,6 @@ usage or configuration error.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 from agent.program.commands import control_args
@@ -25,10 +23,8 @@ def main(args: argparse.Namespace) -> int:
     reply = control_args.send(args, {"op": "resume", **control_args.caller()})
     if isinstance(reply, int):
         return reply
-    if args.json:
-        print(json.dumps(reply, indent=2))
-    elif reply.get("error"):
-        print(f"gpuwarden resume: {reply['error']}", file=sys.stderr)
+    if control_args.printed(args, reply):
+        pass
     elif not reply.get("resumed"):
         print("not paused: nothing to resume")
     else:
