@@ -79,6 +79,26 @@ class XidObservation:
     from it, so a re-read gives the same id. Empty: a fresh random id (NVML's events)."""
 
 
+Asks = tuple[str, tuple[str, ...]]
+"""What an Xid line asks: its repair action and the kinds it clears."""
+
+
+def _asks(obs: XidObservation) -> Asks:
+    """What the sighting's event asks: the code's, with the driver's words where it has them.
+
+    Lines of one GPU and code that ask differently are not repeats of each other: Xid 154
+    names the recovery action it moved to, and its move back to None is the all-clear of
+    the one before; NVLink5's Xid 149 says Fatal or Nonfatal."""
+    info = lookup_event(obs.code, obs.text)
+    return repair_for(info).value, clears_for(info)
+
+
+def _words(obs: XidObservation) -> Asks | None:
+    """What the line's words ask; None for NVML's event, which has none: it joins or
+    repeats whatever the kernel log said."""
+    return _asks(obs) if obs.source == "kmsg" else None
+
+
 @dataclass
 class _Incident:
     """One Xid on one GPU, open for twins and repeats for `window` seconds after its first
@@ -90,6 +110,8 @@ class _Incident:
     subject: str
     severity: Severity
     per_source: dict[XidSource, int] = field(default_factory=dict)
+    asks: Asks | None = None
+    """What its event asked (`_asks`)."""
 
     @property
     def occurrences(self) -> int:
@@ -204,7 +226,8 @@ class XidCorrelator:
         """Seconds after an Xid event in which new incidents of the same GPU and code raise no
         event (an application faulting every second would raise one per window); they are
         counted, and the next event says how many were held back."""
-        self._last_event: dict[tuple[str, int], float] = {}
+        self._last_event: dict[tuple[str, int], tuple[float, Asks]] = {}
+        """(pci_bus_id, code) -> when the last event was raised, and what its line asked."""
         self._held: dict[tuple[str, int], int] = {}
         self.held_back = 0
         self._build_event: EventBuilder = build_event or build_xid_event
@@ -274,21 +297,43 @@ class XidCorrelator:
         self.counts[key] = self.counts.get(key, 0) + 1
         identity = self._identities.get(obs.pci_bus_id, {})
         last = self._last_event.get(key)
-        if last is not None and 0 <= obs.time - last < self.holdoff:
+        words = _words(obs)
+        if (
+            last is not None
+            and 0 <= obs.time - last[0] < self.holdoff
+            and (words is None or words == last[1])
+        ):
             self._held[key] = self._held.get(key, 0) + 1
             self.held_back += 1
             self._open[key] = _Incident(
-                obs, None, identity.get("uuid") or obs.pci_bus_id, _word_severity(obs)
+                obs, None, identity.get("uuid") or obs.pci_bus_id, _word_severity(obs), asks=last[1]
             )
             self._open[key].per_source[obs.source] = 1
             return None
-        self._last_event[key] = obs.time
+        return self._raise(key, obs)
+
+    def _raise(self, key: tuple[str, int], obs: XidObservation) -> Event:
+        """The event of a new incident (or of a line that asks otherwise than the last)."""
+        asks = _asks(obs)
+        self._last_event[key] = (obs.time, asks)
         event = self._event(obs, frozenset({obs.source}), 1, self._held.pop(key, 0))
-        incident = self._open[key] = _Incident(obs, event.id, event.subject, event.severity)
+        incident = self._open[key] = _Incident(
+            obs, event.id, event.subject, event.severity, asks=asks
+        )
         incident.per_source[obs.source] = 1
         return event
 
     def _join(self, key: tuple[str, int], incident: _Incident, obs: XidObservation) -> Event | None:
+        words = _words(obs)
+        if (
+            words is not None
+            and words != incident.asks
+            and not _word_severity(obs) > incident.severity  # worse: escalated, below
+        ):
+            # The driver's words ask otherwise than the incident's event (an Xid 154 back to
+            # None): the line's own event, as a new incident; an NVML twin of it joins it.
+            self.counts[key] = self.counts.get(key, 0) + 1
+            return self._raise(key, obs)
         before = incident.occurrences
         new_source = obs.source not in incident.per_source
         incident.per_source[obs.source] = incident.per_source.get(obs.source, 0) + 1
@@ -393,12 +438,15 @@ class XidCorrelator:
     def observe_backlog(self, observations: Sequence[XidObservation]) -> list[Event]:
         """Xids logged before the agent started (one read's worth): one event per GPU and
         code, at once, standing for all of them; no twin is expected, no holdoff applies."""
-        groups: dict[tuple[str, int], list[XidObservation]] = {}
+        # Lines that ask otherwise are apart (an Xid 154 to a reset and back to None): in
+        # the order they were first logged, so the all-clear comes after what it clears.
+        groups: dict[tuple[str, int, Asks | None], list[XidObservation]] = {}
         for obs in observations:
-            groups.setdefault((obs.pci_bus_id, obs.code), []).append(obs)
+            groups.setdefault((obs.pci_bus_id, obs.code, _words(obs)), []).append(obs)
         out: list[Event] = []
         with self._lock:
-            for key, group in groups.items():
+            for (pci_bus_id, code, _), group in groups.items():
+                key = (pci_bus_id, code)
                 self.counts[key] = self.counts.get(key, 0) + len(group)
                 worst = max(group, key=_word_severity)  # the first of the worst words
                 shown = dataclasses.replace(group[0], text=worst.text)

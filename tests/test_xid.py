@@ -264,3 +264,84 @@ class TestCorrelator:
         kinds = sorted(e.kind for e in events)
         assert kinds == ["xid"] * len(codes) + ["xid_confirmed"] * len(codes)
         assert correlator.counts == {(PCI, code): 1 for code in codes}
+
+
+RESET_REQUIRED = "154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)"
+BACK_TO_NONE = "154, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)"
+
+
+def said(source: XidSource, at: float, text: str, predates: bool = False) -> XidObservation:
+    return XidObservation(
+        source=source, pci_bus_id=PCI, code=154, time=at, text=text, predates_agent=predates
+    )
+
+
+def ledger_after(events: list[Event | None]) -> list[tuple[str, str]]:
+    from agent.contracts.collector import MemoryKeyValueStore
+    from agent.runtime.repairs import RepairLedger
+
+    ledger = RepairLedger(MemoryKeyValueStore(), "boot")
+    for event in events:
+        if event is not None:
+            ledger.apply(event)
+    return [(r.action.value, r.kind) for r in ledger.active()]
+
+
+class TestLinesThatSayOtherwise:
+    """A line of the same GPU and code is a repeat only if it asks the same: Xid 154 names
+    the recovery action it moved to, and the one back to None is the all-clear of the one
+    before. Held back as a repeat (within the window or the holdoff) or merged into one
+    backlog event, it was lost, and the reset it cleared stayed required until a reboot."""
+
+    @pytest.mark.parametrize("later", [2.0, 60.0], ids=["within-the-window", "in-the-holdoff"])
+    def test_the_reset_and_its_all_clear(self, later: float) -> None:
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0), holdoff=300.0)
+        raised = correlator.observe(said("kmsg", 1000.0, RESET_REQUIRED))
+        cleared = correlator.observe(said("kmsg", 1000.0 + later, BACK_TO_NONE))
+        assert raised is not None and raised.repair_action.value == "reset_gpu"
+        assert cleared is not None and cleared.clears == ("*",)
+        assert ledger_after([raised, cleared]) == []
+        assert correlator.counts == {(PCI, 154): 2}
+
+    def test_needed_again_soon_after(self) -> None:
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0), holdoff=300.0)
+        events = [
+            correlator.observe(said("kmsg", 1000.0, RESET_REQUIRED)),
+            correlator.observe(said("kmsg", 1010.0, BACK_TO_NONE)),
+            correlator.observe(said("kmsg", 1070.0, RESET_REQUIRED)),
+        ]
+        assert all(e is not None for e in events)
+        assert ledger_after(events) == [("reset_gpu", "xid")]
+
+    def test_the_same_words_again_are_still_a_repeat(self) -> None:
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0), holdoff=300.0)
+        assert correlator.observe(said("kmsg", 1000.0, RESET_REQUIRED)) is not None
+        assert correlator.observe(said("kmsg", 1001.0, RESET_REQUIRED)) is None
+        assert correlator.observe(said("kmsg", 1060.0, RESET_REQUIRED)) is None
+
+    def test_nvml_first_then_the_kernel_logs_words(self) -> None:
+        """NVML's event has no words (its event is the code's default); the kernel log's line
+        of the same Xid says what it asks, and that is not lost as a mere twin."""
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(1000.0), holdoff=300.0)
+        first = correlator.observe(said("nvml", 1000.0, "NVML Xid critical error event"))
+        words = correlator.observe(said("kmsg", 1000.2, BACK_TO_NONE))
+        assert first is not None and first.kind == "xid"
+        assert words is not None and words.clears == ("*",)
+        assert ledger_after([first, words]) == []
+        # and an NVML twin of a line with words is only a confirmation
+        line = correlator.observe(said("kmsg", 2000.0, RESET_REQUIRED))
+        twin = correlator.observe(said("nvml", 2000.3, "NVML Xid critical error event"))
+        assert twin is not None and twin.kind == "xid_confirmed"
+        assert ledger_after([line, twin]) == [("reset_gpu", "xid")]
+
+    def test_both_in_the_backlog(self) -> None:
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(5000.0))
+        events = correlator.observe_backlog(
+            [
+                said("kmsg", 100.0, RESET_REQUIRED, predates=True),
+                said("kmsg", 101.0, RESET_REQUIRED, predates=True),
+                said("kmsg", 150.0, BACK_TO_NONE, predates=True),
+            ]
+        )
+        assert [e.attributes["occurrences"] for e in events] == [2, 1]
+        assert ledger_after(list(events)) == []
