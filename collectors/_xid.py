@@ -195,8 +195,16 @@ def build_xid_event(
         repair_action=repair_for(info),
         clears=clears_for(info),
         attributes=attributes,
+        aliases=gpu_aliases(identity.get("uuid", ""), obs.pci_bus_id),
         time=obs.time,
     )
+
+
+def gpu_aliases(uuid: str, pci_bus_id: str) -> tuple[str, ...]:
+    """The other name of a GPU named by its UUID: its PCI address. A finding logged before
+    the GPU collector read the GPU (the backlog at start, an agent restarted) is named by
+    its address alone, one after by its UUID: the ledger clears either under the other."""
+    return (pci_bus_id,) if uuid and pci_bus_id and pci_bus_id != uuid else ()
 
 
 CONFIRMED: Final = "xid_confirmed"
@@ -429,6 +437,7 @@ class XidCorrelator:
             subject=incident.subject,
             action=info.action if worse else "",
             attributes=attributes,
+            aliases=gpu_aliases(identity.get("uuid", ""), first.pci_bus_id),
             time=obs.time,
         )
         if obs.origin:  # the same record gives the same id after a restart

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent.contracts.collector import MemoryKeyValueStore
+from agent.contracts.errors import ModelError
 from agent.contracts.model import Event, RepairAction, Severity
 from agent.program import config_file as config
 from agent.program import registry
@@ -21,6 +22,7 @@ from agent.runtime.core import Runtime
 from agent.runtime.repairs import RepairLedger
 from agent.runtime.state import StateStore
 from collectors._repair import XidRecurrence
+from collectors._xid import XidCorrelator
 from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
 from tests.test_kmsg_collector import Harness
 
@@ -91,6 +93,33 @@ class TestLedger:
         after_reboot = RepairLedger(store, "boot-b")
         assert {a for a, _, _ in active(after_reboot)} == {"hardware_inspection", "check_storage"}
         store.close()
+
+    def test_a_subject_is_cleared_under_another_of_its_names(self, tmp_path: Path) -> None:
+        """A GPU named by its PCI address before it was read, by its UUID after (with the
+        address as an alias): either name clears the other, also after a restart."""
+        pci, uuid = "0000:3b:00.0", "GPU-1"
+        store = StateStore.open(tmp_path / "state")
+        ledger = RepairLedger(store, "boot-a")
+        ledger.apply(ev("xid", R.RESET_GPU, subject=pci))
+        ledger.apply(dataclasses.replace(ev("xid", R.REBOOT_NODE, subject=uuid), aliases=(pci,)))
+        ledger.apply(ev("xid", R.RESET_GPU, subject="0000:86:00.0"))
+        store.close()
+        store = StateStore.open(tmp_path / "state")
+        ledger = RepairLedger(store, "boot-a")  # the agent restarted: the aliases are kept
+        assert {r.subject: r.aliases for r in ledger.active()}[uuid] == (pci,)
+        ledger.apply(ev("xid", clears=("*",), subject=pci))  # named by its address only
+        assert active(ledger) == {("reset_gpu", "xid", "0000:86:00.0")}
+        store.close()
+
+    def test_aliases_travel_and_older_payloads_have_none(self) -> None:
+        event = dataclasses.replace(ev("xid", R.RESET_GPU), aliases=("0000:3b:00.0",))
+        data = event.to_dict()
+        assert data["aliases"] == ["0000:3b:00.0"]
+        assert Event.from_dict(data) == event
+        assert "aliases" not in ev("xid").to_dict()
+        assert Event.from_dict(ev("xid").to_dict()).aliases == ()
+        with pytest.raises(ModelError, match="aliases must be a list"):
+            Event.from_dict({**data, "aliases": "0000:3b:00.0"})
 
     def test_a_worse_repeat_refreshes_it_keeping_when_it_began(self) -> None:
         ledger = RepairLedger(MemoryKeyValueStore(), "boot-a")
@@ -311,3 +340,59 @@ async def test_the_ledger_writes_no_statement_on_the_loop(tmp_path: Path) -> Non
         f"GPU-{n}" for n in range(5)
     }
     reopened.close()
+
+
+RESET_REQUIRED = (
+    "NVRM: Xid (PCI:0000:3b:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 "
+    "(GPU Reset Required)"
+)
+RECOVERED = (
+    "NVRM: Xid (PCI:0000:3b:00): 154, GPU recovery action changed from 0x1 "
+    "(GPU Reset Required) to 0x0 (None)"
+)
+IDENTITY = {
+    "gpu": "0",
+    "uuid": "GPU-0502fb4c-14ff-1753-75b7-804bfa7d4500",
+    "pci_bus_id": "0000:3b:00.0",
+    "model": "NVIDIA H200",
+}
+
+
+@pytest.mark.parametrize(
+    ("known_at_raise", "known_at_clear"),
+    [(False, True), (True, False)],
+    ids=["raised-before-the-gpu-was-read", "cleared-before-the-gpu-was-read"],
+)
+async def test_a_gpu_named_two_ways_is_still_cleared(
+    tmp_path: Path,
+    executor: concurrent.futures.Executor,
+    known_at_raise: bool,
+    known_at_clear: bool,
+) -> None:
+    """A kernel-log finding names its GPU by UUID once the GPU collector has read it, by PCI
+    address before (the backlog read at start, an agent restarted). The requirement an Xid
+    154 raised under one name is still cleared by the Xid 154 back to None under the other."""
+    h = Harness(tmp_path, FakeKmsg.with_records(capture_records()), executor)
+    ledger = RepairLedger(MemoryKeyValueStore(), "boot-a")
+    try:
+        await h.collect()  # the capture's own records
+        names: list[str] = []
+        for line, known in ((RESET_REQUIRED, known_at_raise), (RECOVERED, known_at_clear)):
+            if not known and names:
+                await h.restart()  # a new agent: it has not read the GPU yet
+            if known:
+                h.shared.get(XidCorrelator, XidCorrelator).set_identity(
+                    IDENTITY["pci_bus_id"], IDENTITY
+                )
+            h.device.write(line)
+            events, _ = await h.collect()
+            (xid,) = [e for e in events if e.kind == "xid"]
+            names.append(xid.subject)
+            ledger.apply(xid)
+            if line is RESET_REQUIRED:
+                assert [r.action for r in ledger.active()] == [R.RESET_GPU]
+        assert len(set(names)) == 2  # the case: two names of one GPU
+        assert ledger.active() == []
+    finally:
+        await h.collector.close()
+        h.store.close()

@@ -143,6 +143,18 @@ class TestClear:
         assert agent.held() == set()
         assert reply["held"] == []
 
+    async def test_a_gpu_by_its_pci_address(self, agent: Agent) -> None:
+        """A GPU's finding named by UUID is found by the PCI address it also goes by."""
+        named = finding("xid", R.RESET_GPU, "GPU-7", source="gpu")
+        agent.runtime.emit(dataclasses.replace(named, aliases=("0000:3b:00.0",)))
+        reply = await agent.ask(
+            {"op": "clear_repairs", "subject": "0000:3b:00.0", "reason": "GPU replaced"}
+        )
+        assert [(r["subject"], r["aliases"]) for r in reply["cleared"]] == [
+            ("GPU-7", ["0000:3b:00.0"])
+        ]
+        assert len(agent.held()) == 5
+
     async def test_nothing_matches(self, agent: Agent) -> None:
         reply = await agent.ask({"op": "clear_repairs", "subject": "GPU-9", "reason": "x"})
         assert reply == {"ok": True, "cleared": [], "held": reply["held"]}

@@ -212,7 +212,9 @@ class Event:
     `repair_action` is what must be done, as data; `action` says it to a person. An event
     with a required repair action makes it active for (source, kind, subject) until an event
     of the same source and subject lists that kind in `clears` (or `CLEARS_ALL`), or a reboot
-    performs it (agent/runtime/repairs.py).
+    performs it (agent/runtime/repairs.py). `aliases` are other names of the subject (a
+    GPU's PCI address beside its UUID): a finding raised under one name is cleared under
+    another.
     """
 
     source: str
@@ -224,6 +226,7 @@ class Event:
     repair_action: RepairAction = RepairAction.NONE
     clears: tuple[str, ...] = ()
     attributes: Mapping[str, AttributeValue] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
     node: str = ""
     time: float = field(default_factory=time.time)
     id: str = field(default_factory=new_event_id)
@@ -241,7 +244,7 @@ class Event:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "id": self.id,
             "time": self.time,
             "node": self.node,
@@ -255,6 +258,9 @@ class Event:
             "clears": list(self.clears),
             "attributes": dict(self.attributes),
         }
+        if self.aliases:  # absent for most events, and from older agents
+            data["aliases"] = list(self.aliases)
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
@@ -279,16 +285,21 @@ class Event:
                 repair_action=RepairAction.parse(str(data.get("repair_action") or "none")),
                 clears=_clears(data.get("clears")),
                 attributes=dict(attributes),
+                aliases=_names(data.get("aliases"), "aliases"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"not an event: {exc}") from exc
 
 
 def _clears(value: Any) -> tuple[str, ...]:
+    return _names(value, "clears", "a list of event kinds")
+
+
+def _names(value: Any, key: str, what: str = "a list of strings") -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ModelError("clears must be a list of event kinds")
+        raise ModelError(f"{key} must be {what}")
     return tuple(value)
 
 
@@ -311,6 +322,13 @@ class ActiveRepair:
     """The catalog's `fault` for an Xid (application, node, either, unknown); empty otherwise."""
     boot: str = ""
     """The boot it was raised in (a reboot performs some actions, and so clears them)."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the subject, from the event (`Event.aliases`)."""
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every name its subject goes by."""
+        return frozenset((self.subject, *self.aliases))
 
     @property
     def key(self) -> str:
@@ -328,6 +346,7 @@ class ActiveRepair:
             "message": self.message,
             "fault": self.fault,
             "boot": self.boot,
+            "aliases": list(self.aliases),
         }
 
     @classmethod
@@ -344,6 +363,7 @@ class ActiveRepair:
                 message=str(data["message"]),
                 fault=str(data.get("fault", "")),
                 boot=str(data.get("boot", "")),
+                aliases=_names(data.get("aliases"), "aliases"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelError(f"not an active repair: {exc}") from exc

@@ -199,7 +199,7 @@ class ControlServer:
         chosen = [
             repair
             for repair in self.runtime.held_repairs()
-            if all(_field(repair, name) == value for name, value in filters.items())
+            if all(_matches(repair, name, value) for name, value in filters.items())
         ]
         cleared = await self.runtime.clear_repairs(chosen, by, reason.strip()[:500])
         return {
@@ -236,8 +236,10 @@ class ControlServer:
 CLEAR_FILTERS: Final = ("subject", "action", "kind", "source")
 
 
-def _field(repair: ActiveRepair, name: str) -> str:
-    return repair.action.value if name == "action" else str(getattr(repair, name))
+def _matches(repair: ActiveRepair, name: str, value: str) -> bool:
+    if name == "subject":  # any of its names: a GPU's UUID or its PCI address
+        return value in repair.names
+    return (repair.action.value if name == "action" else str(getattr(repair, name))) == value
 
 
 def _error(message: str) -> dict[str, Any]:

@@ -267,11 +267,9 @@ class Runtime:
         and subject, clearing its kind there, stored and sent like any other event. Returns
         what they cleared (every requirement of that kind on that subject) once the ledger
         has taken them in, so that an action (Slurm's resume) has seen them too."""
-        findings: dict[tuple[str, str, str], list[str]] = {}
+        findings: dict[tuple[str, str, str], list[ActiveRepair]] = {}
         for repair in chosen:  # one event per finding: it clears every action of it
-            findings.setdefault((repair.source, repair.kind, repair.subject), []).append(
-                repair.action.value
-            )
+            findings.setdefault((repair.source, repair.kind, repair.subject), []).append(repair)
         events = [
             Event(
                 source=source,
@@ -280,15 +278,17 @@ class Runtime:
                 repair_action=RepairAction.NONE,
                 clears=(kind,),
                 subject=subject,
-                message=f"{', '.join(actions)} for {subject} ({kind}) cleared by {by}: {reason}",
+                message=f"{', '.join(r.action.value for r in repairs)} for {subject} ({kind}) "
+                f"cleared by {by}: {reason}",
                 attributes={
-                    "actions": ",".join(actions),
+                    "actions": ",".join(r.action.value for r in repairs),
                     "cleared_kind": kind,
                     "by": by,
                     "reason": reason,
                 },
+                aliases=tuple(sorted({a for r in repairs for a in r.aliases})),
             )
-            for (source, kind, subject), actions in findings.items()
+            for (source, kind, subject), repairs in findings.items()
         ]
         before = {r.key: r for r in self.held_repairs()}
         after = {r.key for r in self.repair_ledger.after([*self._pending_now(), *events])}

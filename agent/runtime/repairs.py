@@ -3,7 +3,8 @@
 An event with a required `repair_action` makes it active for (action, source, kind, subject);
 the same again refreshes it (a file system going from low to critical). It is cleared by
 
-- an event of the same source and subject that lists the kind in `clears` (`*`: every kind),
+- an event of the same source and subject (or another name of it: `Event.aliases`, a GPU's
+  PCI address beside its UUID) that lists the kind in `clears` (`*`: every kind),
   the all-clear its collector raises (gpu_recovered, row_remap_pending_cleared, Xid 154 to
   None, filesystem_space_ok, benchmark_recovered ...);
 - a reboot, for the actions a reboot performs (`RepairAction.cleared_by_reboot`): entries of
@@ -110,10 +111,12 @@ class RepairLedger:
             message=event.message,
             fault=fault if isinstance(fault, str) else "",
             boot=self._boot,
+            aliases=event.aliases,
         )
         old = active.get(entry.key)
         if old is not None:  # refreshed: keep when it began, take the latest words
-            entry = dataclasses.replace(entry, since=old.since)
+            aliases = tuple(sorted({*old.aliases, *entry.aliases} - {entry.subject}))
+            entry = dataclasses.replace(entry, since=old.since, aliases=aliases)
         return entry
 
     def _raise(self, event: Event) -> bool:
@@ -138,10 +141,11 @@ def _cleared(active: dict[str, ActiveRepair], event: Event) -> list[str]:
     """The keys of `active` that `event` clears."""
     if not event.clears:
         return []
+    names = {event.subject, *event.aliases}
     return [
         key
         for key, entry in active.items()
         if entry.source == event.source
-        and entry.subject == event.subject
+        and not names.isdisjoint(entry.names)
         and (CLEARS_ALL in event.clears or entry.kind in event.clears)
     ]

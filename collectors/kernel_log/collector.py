@@ -42,7 +42,7 @@ from agent.contracts.model import (
 from agent.contracts.pause import PauseHistory, PauseWindow, logged_during_pause
 from agent.contracts.settings import setting
 from collectors._repair import shared_recurrence
-from collectors._xid import XidCorrelator, XidObservation, gpu_description
+from collectors._xid import XidCorrelator, XidObservation, gpu_aliases, gpu_description
 from collectors.kernel_log.kmsg import (
     FileLogReader,
     KmsgIO,
@@ -416,6 +416,7 @@ class KernelLogCollector:
             repair_action=finding.repair_action,
             clears=finding.clears,
             attributes=attributes,
+            aliases=gpu_aliases(identity.get("uuid", ""), finding.pci_bus_id or ""),
             time=when,
         )
 
