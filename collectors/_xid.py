@@ -333,11 +333,9 @@ class XidCorrelator:
 
     def _join(self, key: tuple[str, int], incident: _Incident, obs: XidObservation) -> Event | None:
         words = _words(obs)
-        if (
-            words is not None
-            and words != incident.asks
-            and not _word_severity(obs) > incident.severity  # worse: escalated, below
-        ):
+        severity = _word_severity(obs)
+        worse = severity > incident.severity
+        if words is not None and words != incident.asks and not worse:  # worse: escalated
             # The driver's words ask otherwise than the incident's event (an Xid 154 back to
             # None): the line's own event, as a new incident; an NVML twin of it joins it.
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -352,8 +350,6 @@ class XidCorrelator:
         elif incident.event_id is not None:
             # A repeat from the same source: counted now, told with the next event.
             self._held[key] = self._held.get(key, 0) + grown
-        severity = _word_severity(obs)
-        worse = severity > incident.severity
         if incident.event_id is None or not (new_source or worse):
             return None
         if worse:
