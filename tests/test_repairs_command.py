@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,29 @@ class TestClear:
         assert [(r["subject"], r["aliases"]) for r in reply["cleared"]] == [
             ("GPU-7", ["0000:3b:00.0"])
         ]
+        assert len(agent.held()) == 5
+
+    async def test_a_raise_still_on_its_way_is_cleared_before_the_answer(
+        self, agent: Agent
+    ) -> None:
+        """A slow disk holds the raise in the store writer when the clear is asked: the
+        answer waits until both are taken in, so no reader of the ledger sees it after."""
+        writing, release = threading.Event(), threading.Event()
+        flush = agent.runtime.guard.flush
+
+        def slow_flush(outbox: bool) -> bool:
+            writing.set()
+            release.wait(10)
+            return flush(outbox)
+
+        agent.runtime.guard.flush = slow_flush  # type: ignore[method-assign]
+        agent.runtime.emit(finding("xid", R.RESET_GPU, "GPU-7", source="gpu"))
+        assert await asyncio.to_thread(writing.wait, 10)
+        threading.Timer(0.3, release.set).start()
+        reply = await agent.ask({"op": "clear_repairs", "subject": "GPU-7", "reason": "x"})
+        assert [r["subject"] for r in reply["cleared"]] == ["GPU-7"]
+        announced = [(e.kind, e.subject) for e in agent.events if e.subject == "GPU-7"]
+        assert announced == [("xid", "GPU-7"), ("repair_cleared", "GPU-7")]
         assert len(agent.held()) == 5
 
     async def test_nothing_matches(self, agent: Agent) -> None:

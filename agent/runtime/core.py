@@ -295,10 +295,12 @@ class Runtime:
         for event in events:
             self.emit(event)
         gone = [repair for key, repair in before.items() if key not in after]
+        # Until every one of them is announced (the ledger takes an event in then), the
+        # events emitted before them with it: a raise still on its way would otherwise
+        # land after this returns.
+        ours = {event.id for event in events}
         deadline = time.monotonic() + CLEAR_BOUND
-        while time.monotonic() < deadline and any(
-            r.key not in after for r in self.repair_ledger.active()
-        ):
+        while time.monotonic() < deadline and any(e.id in ours for e in self._pending_now()):
             await asyncio.sleep(0.02)
         return gone
 
