@@ -20,7 +20,7 @@ from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 from exporters.actions.sink import ActionsSink
-from tests.support.waiting import until
+from tests.support.waiting import announced, until
 
 
 def hook(tmp_path: Path, body: str) -> str:
@@ -102,7 +102,7 @@ async def test_a_hook_is_killed_at_its_timeout_with_what_it_started(tmp_path: Pa
         await until(lambda: sink.outcomes["timeout"] == 1, 20, "the timeout")
         for pid in (hook_pid, child_pid):  # the whole process group went
             await until(functools.partial(_gone, pid), 10, f"pid {pid} to end")
-        failed = [e for e in rt.recent_events if e.kind == "exec_hook_failed"]
+        failed = await announced(rt, "exec_hook_failed")
         assert len(failed) == 1
         assert failed[0].attributes["reason"] == "timeout"
     finally:
@@ -135,7 +135,7 @@ async def test_failures_are_counted_each_and_raised_once(tmp_path: Path) -> None
         sink = hook_of(rt).exec
         assert sink is not None
         await until(lambda: sink.outcomes["exit_code"] == 4, 30, "four failed runs")
-        failed = [e for e in rt.recent_events if e.kind == "exec_hook_failed"]
+        failed = await announced(rt, "exec_hook_failed")
         assert len(failed) == 1
         assert "exit code 3" in failed[0].message
         series = {(s.family.name, s.label_values): s.value for s in rt.samples()}
@@ -152,7 +152,7 @@ async def test_a_program_that_cannot_start_is_a_failure_not_a_crash(tmp_path: Pa
         sink = hook_of(rt).exec
         assert sink is not None
         await until(lambda: sink.outcomes["not_started"] == 1, 20, "the failed start")
-        assert [e.kind for e in rt.recent_events].count("exec_hook_failed") == 1
+        assert len(await announced(rt, "exec_hook_failed")) == 1
     finally:
         await rt.stop()
 

@@ -8,6 +8,7 @@ import threading
 from agent.contracts.model import Severity
 from agent.runtime.core import Runtime
 from tests.support.collectors import ScriptedCollector, scripted_runtime
+from tests.support.waiting import announced
 
 
 async def run_for(
@@ -37,8 +38,7 @@ class TestIntervals:
         runtime, _ = await run_for(0.3, {"a": "ok"})
         try:
             assert runtime.first_round.is_set()
-            kinds = [e.kind for e in runtime.recent_events]
-            assert kinds.count("first_round") == 1
+            assert len(await announced(runtime, "first_round")) == 1
             assert all(e.node == runtime.node_id for e in runtime.recent_events)
             names = {s.family.name for s in runtime.samples()}
             assert "gpuwarden_test_rounds" in names
@@ -85,7 +85,7 @@ class TestIsolation:
             assert len(made["stuck"].rounds) > 5
             assert stuck.success is False and "hung" in stuck.last_error
             assert threading.active_count() <= threads_before + 1
-            hung_events = [e for e in runtime.recent_events if e.kind == "call_hung"]
+            hung_events = await announced(runtime, "call_hung")
             assert len(hung_events) == 1
             assert hung_events[0].severity is Severity.WARNING
             hung = {
@@ -96,8 +96,7 @@ class TestIsolation:
             assert hung == {"good": 0.0, "stuck": 1.0}
             # The call returns: the hang clears, the collector succeeds again.
             made["stuck"].release.set()
-            await asyncio.sleep(0.4)
-            assert [e.kind for e in runtime.recent_events].count("call_recovered") == 1
+            assert len(await announced(runtime, "call_recovered")) == 1
             recovered = runtime.collectors["stuck"]  # a fresh name: mypy narrowed `stuck`
             assert recovered.success is True
             assert not recovered.caller.hung
