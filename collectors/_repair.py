@@ -10,6 +10,14 @@ recovery action it names.
 Escalation: an Xid whose repair is a reset or a reboot, seen again after two reboots, did not
 go away with them; it becomes `hardware_inspection`. The boots each (GPU, code) was seen in are
 kept in the collector's KeyValueStore, so the count survives the agent's restarts.
+
+A GPU has two names: its UUID once NVML has read it, its PCI address before (an Xid logged at
+boot and read from the kernel log before the GPU collector's first round). A boot is counted
+under the UUID once the GPU at that address is identified in it (`learn`), under the address
+while it is not; a sighting named by its UUID counts its address's unidentified boots too (the
+slot's GPU, as far as anyone can know), one named by its address alone only those. A sighting
+judged by its address before the GPU was identified may cross the line only once it is: `learn`
+then raises `xid_recurred`, with the escalation the first event could not have.
 """
 
 from __future__ import annotations
@@ -22,8 +30,15 @@ from typing import Final
 import structlog
 
 from agent.contracts.collector import CollectorDeps, KeyValueStore
-from agent.contracts.model import AttributeValue, Event, RepairAction
-from collectors._xid_catalog import BUCKETS, NVLINK5_BUCKET, RECOVERY_BUCKET, XidInfo, catalog
+from agent.contracts.model import AttributeValue, Event, RepairAction, Severity, stable_event_id
+from collectors._xid_catalog import (
+    BUCKETS,
+    NVLINK5_BUCKET,
+    RECOVERY_BUCKET,
+    XidInfo,
+    catalog,
+    lookup_event,
+)
 
 log = structlog.get_logger(component="repair")
 
@@ -69,6 +84,8 @@ RECURRING_REPAIRS: Final = frozenset({R.RESET_GPU, R.DRAIN_AND_RESET, R.REBOOT_N
 ESCALATE_AFTER_REBOOTS: Final = 2
 BOOTS_KEPT: Final = 8
 NAMESPACE: Final = "xid_boots"
+RECURRED: Final = "xid_recurred"
+"""The escalation of a sighting named by its PCI address, once the GPU there is identified."""
 
 
 def repair_for(info: XidInfo) -> RepairAction:
@@ -104,7 +121,9 @@ class XidRecurrence:
     """Per (GPU, code): the boots an Xid with a reset/reboot repair was seen in; from the
     third boot on (seen again after two reboots) its events say `hardware_inspection`.
 
-    Shared by the collectors that drain the Xid correlator (one per process). Thread-safe."""
+    Keys are `name:code`, the name a UUID or, for boots the GPU was not identified in, a PCI
+    address. Shared by the collectors that drain the Xid correlator and the one that
+    identifies the GPUs (one per process). Thread-safe."""
 
     def __init__(self, store: KeyValueStore, boot_id: Callable[[], str]) -> None:
         self._store = store
@@ -112,6 +131,8 @@ class XidRecurrence:
         self._boot: str | None = None
         self._lock = threading.Lock()
         self._seen_in: dict[str, list[str]] = {}
+        self._identified: dict[str, str] = {}
+        """PCI address -> the UUID of the GPU there, this boot (`learn`)."""
         self.loaded = False
         """The stored boots are in memory (`load`): `escalate` then only writes, and a
         write to a collector's state is held in memory until the runtime stores it."""
@@ -145,12 +166,15 @@ class XidRecurrence:
         code = event.attributes.get("xid")
         if boot is None or code is None:
             return event
-        key = f"{event.subject}:{code}"
         with self._lock:
+            name = self._identified.get(event.subject, event.subject)
+            others = [a for a in event.aliases if a != name]
             try:
-                boots = self._seen(key, boot)
+                boots = self._record(f"{name}:{code}", boot)
+                for alias in others:  # its address's boots no GPU was identified in
+                    boots = _union(boots, self._boots(f"{alias}:{code}"))
             except Exception as exc:  # the store failing must not lose the event
-                log.warning("Xid recurrence not stored", key=key, error=str(exc))
+                log.warning("Xid recurrence not stored", key=f"{name}:{code}", error=str(exc))
                 return event
         reboots = len(boots) - 1
         attributes: dict[str, AttributeValue] = {**event.attributes, "boots_seen": len(boots)}
@@ -160,24 +184,112 @@ class XidRecurrence:
         return dataclasses.replace(
             event,
             repair_action=R.HARDWARE_INSPECTION,
-            action=f"Xid {code} came back after {reboots} reboots, which should have cleared "
-            f"it ({event.repair_action.value}): take the GPU out of service and have its "
-            f"hardware inspected (NVIDIA: CHECK_MECHANICALS, then contact support); "
-            f"then: {event.action}",
+            action=_inspect(code, reboots, event.repair_action, event.action),
             attributes=attributes,
         )
 
-    def _seen(self, key: str, boot: str) -> list[str]:
+    def learn(self, pci_bus_id: str, labels: Mapping[str, str]) -> list[Event]:
+        """The GPU at `pci_bus_id` is identified this boot (labels gpu, uuid, pci_bus_id,
+        model): the boots counted under its address this boot are its own. The events of
+        the sightings this moves across the line (`xid_recurred`), for the caller to emit.
+
+        Cheap when nothing changed (the identity is read again on every slow round)."""
+        uuid = labels.get("uuid", "")
+        if not self.loaded:  # the boots before this one unknown: tried again on the next read
+            return []
+        boot = self._current_boot()
+        if not uuid or not pci_bus_id or uuid == pci_bus_id or boot is None:
+            return []
+        events: list[Event] = []
+        with self._lock:
+            if self._identified.get(pci_bus_id) == uuid:
+                return []
+            self._identified[pci_bus_id] = uuid
+            prefix = f"{pci_bus_id}:"
+            for key in [k for k, boots in self._seen_in.items() if k.startswith(prefix)]:
+                boots = self._seen_in[key]
+                code = key[len(prefix) :]
+                if boot not in boots or not code.isdigit():
+                    continue
+                judged = len(boots)  # what the sighting under the address was judged by
+                try:
+                    self._forget(key, boot)
+                    ours = self._record(f"{uuid}:{code}", boot)
+                except Exception as exc:  # counted under its address, as before
+                    log.warning("Xid recurrence not moved", key=key, error=str(exc))
+                    continue
+                total = _union(ours, self._seen_in.get(key, []))
+                if judged - 1 < ESCALATE_AFTER_REBOOTS <= len(total) - 1:
+                    events.append(_recurred(int(code), boot, total, labels))
+        return events
+
+    def _boots(self, key: str) -> list[str]:
         boots = self._seen_in.get(key)
         if boots is None and not self.loaded:
             raw = self._store.get(NAMESPACE, key)
             boots = [b for b in raw if isinstance(b, str)] if isinstance(raw, list) else []
-        boots = boots or []
+            self._seen_in[key] = boots
+        return boots or []
+
+    def _record(self, key: str, boot: str) -> list[str]:
+        boots = self._boots(key)
         if boot not in boots:
             boots = [*boots, boot][-BOOTS_KEPT:]
             self._store.put(NAMESPACE, key, list(boots))
         self._seen_in[key] = boots
         return boots
+
+    def _forget(self, key: str, boot: str) -> None:
+        boots = [b for b in self._boots(key) if b != boot]
+        if boots:
+            self._store.put(NAMESPACE, key, boots)
+        else:
+            self._store.delete(NAMESPACE, key)
+        self._seen_in[key] = boots
+
+
+def _union(a: list[str], b: list[str]) -> list[str]:
+    return [*a, *(x for x in b if x not in a)]
+
+
+def _inspect(code: object, reboots: int, repair: RepairAction, then: str) -> str:
+    return (
+        f"Xid {code} came back after {reboots} reboots, which should have cleared it "
+        f"({repair.value}): take the GPU out of service and have its hardware inspected "
+        f"(NVIDIA: CHECK_MECHANICALS, then contact support)" + (f"; then: {then}" if then else "")
+    )
+
+
+def _recurred(code: int, boot: str, boots: list[str], labels: Mapping[str, str]) -> Event:
+    """The escalation of an Xid first judged under its address, the GPU now identified."""
+    info = lookup_event(code, "")
+    pci, uuid = labels.get("pci_bus_id", ""), labels["uuid"]
+    repair = repair_for(info)
+    where = f"GPU {labels['gpu']} ({pci})" if labels.get("gpu") else pci
+    return Event(
+        source="gpu",
+        kind=RECURRED,
+        severity=Severity.CRITICAL,
+        message=f"Xid {code} ({info.name}) on {where} has now been seen in {len(boots)} boots: "
+        f"the reboots did not cure it",
+        subject=uuid,
+        aliases=(pci,) if pci and pci != uuid else (),
+        action=_inspect(code, len(boots) - 1, repair, ""),
+        repair_action=R.HARDWARE_INSPECTION,
+        attributes={
+            "xid": code,
+            "name": info.name,
+            "pci_bus_id": pci,
+            "gpu": labels.get("gpu", ""),
+            "uuid": uuid,
+            "model": labels.get("model", ""),
+            "boots_seen": len(boots),
+            "escalated_from": repair.value,
+        },
+        # The same boot, GPU and code give the same id: an agent restarted in this boot that
+        # raises it again raises the same event, which consumers deduplicate.
+        id=stable_event_id(boot, uuid, str(code), RECURRED),
+    )
 
 
 def shared_recurrence(deps: CollectorDeps, boot_id: Callable[[], str]) -> XidRecurrence:

@@ -28,6 +28,7 @@ that its UUID was never read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -357,6 +358,7 @@ class GpuCollector:
         self._scan_pci(ctx)
         try:
             if await self._ensure_nvml(ctx, out):
+                await self._load_recurrence(ctx)
                 await self._collect_gpus(ctx, out)
                 self._compare_pci(out)
                 self._check_returned(out)
@@ -373,6 +375,13 @@ class GpuCollector:
                 m.GPU_EVENT_THREAD_UP.sample(1 if thread is not None and thread.running else 0)
             )
         return Collection(samples=out.samples, events=out.events)
+
+    async def _load_recurrence(self, ctx: CollectContext) -> None:
+        """The Xid boots in memory before `learn` (which reads no SQL on the loop). A store
+        that does not answer costs the GPUs nothing: tried again next round."""
+        if not self.recurrence.loaded:
+            with contextlib.suppress(CallTimedOut, CallStillHung):
+                await ctx.call("gpu:xid_boots", self.recurrence.load)
 
     def _emit_escalated(self, event: Event) -> None:
         """The NVML event thread's emit: an Xid that came back after two reboots says so (in
@@ -452,6 +461,8 @@ class GpuCollector:
             identity = result.static.identity
             if identity.pci_bus_id:
                 self.correlator.set_identity(identity.pci_bus_id, identity.labels())
+                # An Xid judged under its address before now may have recurred (_repair.py).
+                out.events.extend(self.recurrence.learn(identity.pci_bus_id, identity.labels()))
             self._identities_unsaved.add(index)
         if result.slow is not None:
             gpu.slow, gpu.slow_at, gpu.slow_samples = result.slow, ctx.now, None
