@@ -11,7 +11,7 @@ from tests.support.agent_proc import AgentProcess
 from tests.support.deb import deb_packages  # noqa: F401 (a fixture: the .deb, built once)
 from tests.support.disk import SmallDisk
 from tests.support.mosquitto import Broker
-from tests.support.stores import StateOnDisk
+from tests.support.stores import StateOnDisk, slow_store
 
 
 @pytest.fixture
@@ -37,3 +37,21 @@ def state_on_disk(tmp_path: Path) -> Iterator[StateOnDisk]:
         state = StateOnDisk(disk)
         yield state
         state.store.close()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow-store",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="delay every state-store flush by SECONDS: a stalling disk or a loaded machine, "
+        "under which a test that reads events before they are announced fails every time",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _slow_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    delay = float(request.config.getoption("--slow-store"))
+    if delay > 0:
+        slow_store(monkeypatch, delay)

@@ -168,10 +168,10 @@ class TestSinkDrops:
                 produced = event(i)
                 runtime.emit(produced)
                 ids.append(produced.id)
-            runtime.flush_events()  # emit() stores at the loop's next turn; do it now
-            assert sink.enforce_now().get("metrics", 0) >= 10
+            await runtime.settle()  # stored (the bound enforced as they are) and announced
             sink.enforce_now()
-            runtime.flush_events()
+            sink.enforce_now()
+            await runtime.settle()
             drops = agent.events_of("outbox_dropped")
             assert len(drops) == 1
             assert "raise [mqtt] outbox_max_entries" in drops[0].action

@@ -64,7 +64,8 @@ class TestHungGpusAcrossReloads:
 
             await until(all_answer, what="every GPU to answer")
             await asyncio.sleep(0.05)  # a call_recovered from a worker thread, then announced
-            runtime.flush_events()
+            assert await runtime.settle()  # in order: the first round's raises, then clears
+            assert runtime.repairs() == []
             early = {e.id for e in runtime.recent_events}
 
             def fresh(kind: str) -> list[Event]:

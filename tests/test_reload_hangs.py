@@ -19,7 +19,7 @@ from agent.program import config_file as config
 from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
-from tests.support.waiting import until
+from tests.support.waiting import announced, until
 
 
 def kind_of(runtime: Runtime, kind: str) -> list[Event]:
@@ -107,7 +107,7 @@ class TestHungAcrossReloads:
             assert "hung" in status.last_error
             release.set()
             await until(lambda: runtime.hung_calls() == 0, what="the call to return")
-            assert len(kind_of(runtime, "call_recovered")) == 1
+            assert len(await announced(runtime, "call_recovered")) == 1
         finally:
             release.set()
             await runtime.stop()
@@ -134,7 +134,7 @@ class TestHungAcrossReloads:
             await until(lambda: runtime.hung_calls() == 1, what="the timeout to pass")
             await asyncio.sleep(0.3)
             assert Blocking.entered == 1
-            assert len(kind_of(runtime, "call_hung")) == 1
+            assert len(await announced(runtime, "call_hung")) == 1
             assert runtime.calls_outstanding() == 1
         finally:
             release.set()

@@ -170,7 +170,7 @@ class TestAfter:
             rt.emit(ev("gpu_lost", R.REBOOT_NODE))  # on the loop: queued for the store writer
             assert rt.repairs() == []
             assert [r.kind for r in rt.held_repairs()] == ["gpu_lost"]
-            rt.flush_events()
+            await rt.settle()
             assert rt.held_repairs() == rt.repairs() != []
             rt.emit(ev("gpu_recovered", clears=("gpu_lost",)))
             assert rt.held_repairs() == [] != rt.repairs()
@@ -229,14 +229,14 @@ async def test_metrics_show_one_series_per_required_action_and_subject() -> None
                 severity=Severity.WARNING,
             )
         )
-        rt.flush_events()
+        await rt.settle()
         assert series() == {
             ("reboot_node", "GPU-1", "critical"): 1,
             ("hardware_inspection", "GPU-2", "critical"): 1,
             ("hardware_inspection", "GPU-3", "warning"): 1,
         }
         rt.emit(ev("xid", clears=("*",)))
-        rt.flush_events()
+        await rt.settle()
         assert series() == {
             ("hardware_inspection", "GPU-2", "critical"): 1,
             ("hardware_inspection", "GPU-3", "warning"): 1,

@@ -25,6 +25,7 @@ from agent.runtime.core import Runtime
 from agent.runtime.repairs import RepairLedger
 from agent.runtime.state import StateStore
 from tests.support.agent_proc import run_gpuwarden
+from tests.support.waiting import until
 
 R = RepairAction
 
@@ -76,7 +77,7 @@ async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
         finding("filesystem_space_low", R.CHECK_STORAGE, "/data", source="disk"),
     ):
         runtime.emit(event)
-    runtime.flush_events()
+    await runtime.settle()
     try:
         yield Agent(runtime, state_dir, events)
     finally:
@@ -186,13 +187,15 @@ class TestClear:
 
     async def test_kept_across_a_restart(self, agent: Agent) -> None:
         await agent.ask({"op": "clear_repairs", "subject": "/data", "reason": "freed space"})
-        agent.runtime.flush_events()
-        reopened = StateStore.open(agent.state_dir)
-        try:
-            again = {r.subject for r in RepairLedger(reopened, "boot-a").active()}
-        finally:
-            reopened.close()
-        assert again == {"GPU-old", "GPU-2"}
+
+        def on_disk() -> set[str]:  # what an agent restarted now would hold
+            reopened = StateStore.open(agent.state_dir)
+            try:
+                return {r.subject for r in RepairLedger(reopened, "boot-a").active()}
+            finally:
+                reopened.close()
+
+        await until(lambda: on_disk() == {"GPU-old", "GPU-2"}, what="the clear stored")
 
     @pytest.mark.parametrize(
         ("payload", "words"),

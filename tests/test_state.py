@@ -122,7 +122,7 @@ class TestFullDisk:
         try:
             for i in range(200):
                 runtime.emit(event(f"k{i}"))
-            runtime.flush_events()
+            await runtime.settle()
             assert store.write_failures >= 1
             assert store.last_write_failure is not None
             assert "full" in store.last_write_failure[1]

@@ -298,11 +298,23 @@ class Runtime:
         # Until every one of them is announced (the ledger takes an event in then), the
         # events emitted before them with it: a raise still on its way would otherwise
         # land after this returns.
-        ours = {event.id for event in events}
-        deadline = time.monotonic() + CLEAR_BOUND
-        while time.monotonic() < deadline and any(e.id in ours for e in self._pending_now()):
-            await asyncio.sleep(0.02)
+        await self._until_announced({event.id for event in events}, CLEAR_BOUND)
         return gone
+
+    async def settle(self, bound: float = CLEAR_BOUND) -> bool:
+        """Wait until every event emitted before this call (from a thread too) is stored and
+        announced, in order: what `recent_events`, the ledger and the listeners then show is
+        what was emitted. False if `bound` seconds passed first."""
+        await asyncio.sleep(0)  # what threads handed to the loop before now joins the queue
+        return await self._until_announced({e.id for e in self._pending_now()}, bound)
+
+    async def _until_announced(self, ids: set[str], bound: float) -> bool:
+        deadline = time.monotonic() + bound
+        while any(e.id in ids for e in self._pending_now()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     def _pending_now(self) -> list[Event]:
         return [*self._announcing, *self._unannounced]
@@ -338,7 +350,11 @@ class Runtime:
 
     def flush_events(self) -> None:
         """Store what waits and announce it, now and in the caller's thread: for start and
-        stop (and tests). While running, the store writer does this off the loop."""
+        stop, when no store writer runs. While it runs, it does this off the loop (`settle`
+        waits for it): a flush here would announce what waits before the batch the writer
+        has in hand, out of order, so it is refused."""
+        if self._writer_task is not None and not self._writer_task.done():
+            raise RuntimeError("flush_events while the store writer runs: await settle()")
         for _ in range(3):  # an announcement may raise a store event, stored by the next pass
             announce, self._unannounced = self._unannounced, []
             if self.guard.pending:

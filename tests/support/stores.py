@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from agent.contracts.collector import JSONValue
 from agent.runtime.state import StateStore
 from agent.runtime.store_guard import CollectorState, StoreGuard
@@ -31,3 +35,15 @@ class StateOnDisk:
         write of what waits. True when it was all written."""
         self.state.release()
         return self.guard.flush(outbox=False)
+
+
+def slow_store(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+    """Every store flush takes `delay` seconds longer (in the store writer's thread): a disk
+    that stalls, or a loaded machine. `pytest --slow-store SECONDS` (tests/conftest.py)."""
+    flush = StoreGuard.flush
+
+    def slow_flush(self: StoreGuard, outbox: bool) -> bool:
+        time.sleep(delay)
+        return flush(self, outbox)
+
+    monkeypatch.setattr(StoreGuard, "flush", slow_flush)
