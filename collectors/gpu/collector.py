@@ -374,7 +374,25 @@ class GpuCollector:
             out.samples.append(
                 m.GPU_EVENT_THREAD_UP.sample(1 if thread is not None and thread.running else 0)
             )
-        return Collection(samples=out.samples, events=out.events)
+        return Collection(samples=out.samples, events=self._named(out.events))
+
+    def _named(self, events: list[Event]) -> list[Event]:
+        """A finding about an identified GPU, named by its UUID, carries its PCI address as
+        an alias: cleared under either name (an Xid read at boot names the GPU by its
+        address; `repairs clear --subject` may name either)."""
+        if not events:
+            return events
+        address = {
+            labels["uuid"]: pci
+            for pci, labels in self.correlator.identities().items()
+            if labels.get("uuid")
+        }
+        return [
+            dataclasses.replace(e, aliases=(address[e.subject],))
+            if not e.aliases and e.subject in address
+            else e
+            for e in events
+        ]
 
     async def _load_recurrence(self, ctx: CollectContext) -> None:
         """The Xid boots in memory before `learn` (which reads no SQL on the loop). A store
@@ -386,7 +404,8 @@ class GpuCollector:
     def _emit_escalated(self, event: Event) -> None:
         """The NVML event thread's emit: an Xid that came back after two reboots says so (in
         that thread: the recurrence reads the state store)."""
-        self.deps.emit(self.recurrence.escalate(event))
+        (named,) = self._named([event])
+        self.deps.emit(self.recurrence.escalate(named))
 
     async def _collect_gpus(self, ctx: CollectContext, out: _Round) -> None:
         # The count is read on the slow interval, not every round: each blocking call is a
