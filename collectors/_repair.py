@@ -133,6 +133,9 @@ class XidRecurrence:
         self._seen_in: dict[str, list[str]] = {}
         self._identified: dict[str, str] = {}
         """PCI address -> the UUID of the GPU there, this boot (`learn`)."""
+        self._judged: dict[str, Event] = {}
+        """`address:code` -> the last event judged under the address alone, this process:
+        what `learn` escalates (its repair, its action) if the GPU turns out to have recurred."""
         self.loaded = False
         """The stored boots are in memory (`load`): `escalate` then only writes, and a
         write to a collector's state is held in memory until the runtime stores it."""
@@ -179,6 +182,10 @@ class XidRecurrence:
         reboots = len(boots) - 1
         attributes: dict[str, AttributeValue] = {**event.attributes, "boots_seen": len(boots)}
         if reboots < ESCALATE_AFTER_REBOOTS:
+            # Named by its address alone: `learn` may escalate it once the GPU is identified.
+            if not event.aliases and name == event.subject:
+                with self._lock:
+                    self._judged[f"{name}:{code}"] = event
             return dataclasses.replace(event, attributes=attributes)
         attributes["escalated_from"] = event.repair_action.value
         return dataclasses.replace(
@@ -220,7 +227,8 @@ class XidRecurrence:
                     continue
                 total = _union(ours, self._seen_in.get(key, []))
                 if judged - 1 < ESCALATE_AFTER_REBOOTS <= len(total) - 1:
-                    events.append(_recurred(int(code), boot, total, labels))
+                    judged_event = self._judged.pop(key, None)
+                    events.append(_recurred(int(code), boot, total, labels, judged_event))
         return events
 
     def _boots(self, key: str) -> list[str]:
@@ -260,11 +268,15 @@ def _inspect(code: object, reboots: int, repair: RepairAction, then: str) -> str
     )
 
 
-def _recurred(code: int, boot: str, boots: list[str], labels: Mapping[str, str]) -> Event:
-    """The escalation of an Xid first judged under its address, the GPU now identified."""
+def _recurred(
+    code: int, boot: str, boots: list[str], labels: Mapping[str, str], judged: Event | None
+) -> Event:
+    """The escalation of an Xid first judged under its address, the GPU now identified: with
+    that event's repair and action where this process judged it, else the catalog's."""
     info = lookup_event(code, "")
     pci, uuid = labels.get("pci_bus_id", ""), labels["uuid"]
-    repair = repair_for(info)
+    repair = judged.repair_action if judged is not None else repair_for(info)
+    then = judged.action if judged is not None else ""
     where = f"GPU {labels['gpu']} ({pci})" if labels.get("gpu") else pci
     return Event(
         source="gpu",
@@ -274,7 +286,7 @@ def _recurred(code: int, boot: str, boots: list[str], labels: Mapping[str, str])
         f"the reboots did not cure it",
         subject=uuid,
         aliases=(pci,) if pci and pci != uuid else (),
-        action=_inspect(code, len(boots) - 1, repair, ""),
+        action=_inspect(code, len(boots) - 1, repair, then),
         repair_action=R.HARDWARE_INSPECTION,
         attributes={
             "xid": code,
@@ -285,6 +297,7 @@ def _recurred(code: int, boot: str, boots: list[str], labels: Mapping[str, str])
             "model": labels.get("model", ""),
             "boots_seen": len(boots),
             "escalated_from": repair.value,
+            **({"escalates": judged.id} if judged is not None else {}),
         },
         # The same boot, GPU and code give the same id: an agent restarted in this boot that
         # raises it again raises the same event, which consumers deduplicate.

@@ -115,6 +115,10 @@ def test_the_third_boot_needs_inspection_whatever_each_sighting_was_named(
     # identified in any boot); otherwise once the GPU is identified, after that event went out.
     late = namings[-1] == "pci_identified" and namings[:2].count("pci_never_identified") < 2
     assert inspection.kind == (RECURRED if late else "xid")
+    if late:  # it names the event it escalates, and keeps that event's advice
+        (first,) = [e for e in per_boot[2] if e.kind == "xid"]
+        assert inspection.attributes["escalates"] == first.id
+        assert inspection.action.endswith(first.action)
     assert inspection.subject == ("GPU-a" if late or namings[-1] == "uuid" else PCI)
     # Held in the ledger until cleared under either of the GPU's names.
     for name in ("GPU-a", PCI):
