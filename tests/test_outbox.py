@@ -13,6 +13,7 @@ from agent.runtime.state import StateStore
 from exporters.outbox import Outbox, OutboxLimits
 from tests.support.mqtt import InProcessAgent
 from tests.support.ports import free_port
+from tests.support.waiting import announced
 
 
 def event(i: int) -> Event:
@@ -168,8 +169,11 @@ class TestSinkDrops:
                 produced = event(i)
                 runtime.emit(produced)
                 ids.append(produced.id)
-            await runtime.settle()  # stored (the bound enforced as they are) and announced
+            await runtime.settle()
+            # The drop, by this call or by the sink's own enforcement in the store thread
+            # (its event then follows the thread's answer, on the loop): one event either way.
             sink.enforce_now()
+            await announced(runtime, "outbox_dropped")
             sink.enforce_now()
             await runtime.settle()
             drops = agent.events_of("outbox_dropped")
