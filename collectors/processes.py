@@ -238,8 +238,10 @@ class ProcessesCollector:
     def _take_over(self, result: Scan) -> None:
         """At the first round: the stuck processes and zombie parents an earlier instance
         (before a reload or a restart) reported and the ledger still holds are this one's,
-        so that one still stuck is no news and one that is gone gets its all-clear. The
-        ledger names a process by its pid alone: one of that pid now is taken to be it."""
+        so that one still stuck is no news and one that is gone gets its all-clear. A
+        process is the one reported if it has its pid and its start time (the finding's
+        alias `pid N start T`): another that got the pid is news of its own. A finding of an
+        agent that named the pid alone takes the process of that pid now."""
         held = self.deps.held_by(SOURCE, ("process_stuck_d_state", "zombies_accumulating"))
         for subject, kinds in held.items():
             pid_text = subject.removeprefix("pid ")
@@ -247,13 +249,15 @@ class ProcessesCollector:
                 continue
             pid = int(pid_text)
             stat = result.stats.get(pid)
-            key = (pid, stat.starttime if stat is not None else 0)
-            stuck = kinds.get("process_stuck_d_state")
-            if stuck is not None:
-                self._d_since.setdefault(key, stuck.since - self.settings.d_state_threshold)
-                self._d_reported.add(key)
-            if "zombies_accumulating" in kinds:
-                self._zombie_reported.add(key)
+            now_started = stat.starttime if stat is not None else 0
+            for kind, repair in kinds.items():
+                started = _started(pid, repair.aliases)
+                key = (pid, now_started if started is None else started)
+                if kind == "process_stuck_d_state":
+                    self._d_since.setdefault(key, repair.since - self.settings.d_state_threshold)
+                    self._d_reported.add(key)
+                elif kind == "zombies_accumulating":
+                    self._zombie_reported.add(key)
 
     def _d_event(self, stat: ProcStat, seconds: float, wchan: str, tid: int | None) -> Event:
         gpu = any(fnmatch.fnmatchcase(stat.comm, p) for p in self.settings.gpu_process_names)
@@ -281,6 +285,7 @@ class ProcessesCollector:
             severity=Severity.CRITICAL if gpu else Severity.WARNING,
             repair_action=RepairAction.INVESTIGATE,
             subject=f"pid {stat.pid}",
+            aliases=(_process_name(stat.pid, stat.starttime),),
             message=f"{who} has been in uninterruptible sleep "
             f"(D state) for at least {seconds:.0f} s, waiting {where}",
             action=action,
@@ -301,22 +306,38 @@ class ProcessesCollector:
         for parent in parents[: self.settings.max_zombie_parent_series]:
             samples.append(ZOMBIES.sample(parent.count, str(parent.ppid), parent.name))
         threshold = self.settings.zombie_threshold
-        seen: set[ProcessKey] = set()
+        # The parents gone first: an all-clear names the pid, and a new parent with that pid
+        # raised before it would be cleared with it.
+        seen = {(parent.ppid, parent.starttime) for parent in parents}
+        for key in sorted(self._zombie_reported - seen):
+            self._zombie_reported.discard(key)
+            events.append(_zombies_reaped(key[0], ""))
         for parent in parents:
             key = (parent.ppid, parent.starttime)
-            seen.add(key)
             if parent.count >= threshold and key not in self._zombie_reported:
                 self._zombie_reported.add(key)
                 events.append(_zombie_event(parent))
             elif key in self._zombie_reported and parent.count < max(threshold / 2, 1):
                 self._zombie_reported.discard(key)
                 events.append(_zombies_reaped(parent.ppid, parent.name))
-        for key in self._zombie_reported - seen:
-            self._zombie_reported.discard(key)
-            events.append(_zombies_reaped(key[0], ""))
 
     async def close(self) -> None:
         return None
+
+
+def _process_name(pid: int, starttime: int) -> str:
+    """The name of one process, not of whichever has its pid: its start time (clock ticks
+    after boot, /proc/<pid>/stat field 22) with it."""
+    return f"pid {pid} start {starttime}"
+
+
+def _started(pid: int, aliases: Sequence[str]) -> int | None:
+    """The start time a finding's alias gives its process; None where it has none."""
+    prefix = f"pid {pid} start "
+    for alias in aliases:
+        if alias.startswith(prefix) and alias[len(prefix) :].isdigit():
+            return int(alias[len(prefix) :])
+    return None
 
 
 def _zombie_event(parent: ZombieParent) -> Event:
@@ -338,6 +359,7 @@ def _zombie_event(parent: ZombieParent) -> Event:
         severity=Severity.WARNING,
         repair_action=RepairAction.INVESTIGATE,
         subject=f"pid {parent.ppid}",
+        aliases=(_process_name(parent.ppid, parent.starttime),),
         message=f"{parent.count} zombie processes wait for their parent {name} "
         f"(pid {parent.ppid}) to reap them",
         action=action,

@@ -68,6 +68,9 @@ class Fault:
     remove: Callable[[], CollectorSettings | None] | None = None
     """Stop watching the fault's subject while the fault goes on: new settings to reload
     with, or None where the host changed (the mount is gone)."""
+    reuse: Callable[[], None] | None = None
+    """The fault's subject named by another thing now, in the same fault (a pid reused by
+    a new process after a restart, stuck as the old one was)."""
 
 
 class Statvfs:
@@ -249,6 +252,18 @@ def process_fault(tmp_path: Path, *, zombies: bool) -> Fault:
             if (tree.root / str(pid)).exists():  # ended once already
                 tree.remove_process(pid)
 
+    def reuse() -> None:
+        """pid 700 ended; a new process got its pid, and is stuck (leaves zombies) too."""
+        end()
+        if (tree.root / "700").exists():
+            tree.remove_process(700)
+        if zombies:
+            tree.add_process(700, "other", "S", starttime=5000)
+            for pid in range(711, 715):
+                tree.add_process(pid, "worker", "Z", ppid=700)
+        else:
+            tree.add_process(700, "other", "D", starttime=5000, wchan="blk_mq_get_tag")
+
     def settings(interval: float) -> CollectorSettings:
         values = {
             "proc_root": str(tree.root),
@@ -266,7 +281,7 @@ def process_fault(tmp_path: Path, *, zombies: bool) -> Fault:
             "process_d_state_ended",
         )
     )
-    return Fault("processes", *kinds, "pid 700", settings, start, end)
+    return Fault("processes", *kinds, "pid 700", settings, start, end, reuse=reuse)
 
 
 FAULTS: dict[str, Callable[[Path], Fault]] = {
@@ -450,6 +465,36 @@ class TestStillFaultyAfterAnInstanceChange:
         assert [e.subject for e in agent.of(fault.raised)] == [fault.subject]
         assert agent.of(fault.cleared) == []
         await ends_cleared(agent)
+
+
+@pytest.fixture(params=["process-stuck", "zombies"])
+async def reused(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Agent]:
+    """The faults whose subject's name another thing can take."""
+    async for agent in running(request.param, tmp_path):
+        yield agent
+
+
+class TestNameTakenByAnother:
+    """A pid is reused: after a restart, another process with the pid of the one reported
+    is in the same fault. The one reported is gone (its all-clear), the new one is news (its
+    own raise), and what is held is the new one's."""
+
+    async def test_restarted_agent(self, reused: Agent) -> None:
+        fault = reused.fault
+        assert fault.reuse is not None
+        await start_faulty(reused)
+        await reused.stop()
+        fault.reuse()
+        runtime = await reused.start(FAST)
+        await until(reused.looking_for(fault.cleared), what=fault.cleared)
+        await until(lambda: len(reused.of(fault.raised)) == 2, what="the new process raised")
+        first, second = reused.of(fault.raised)
+        assert second.subject == first.subject == fault.subject
+        assert "other" in second.message or second.attributes.get("comm") == "other"
+        await until(
+            lambda: [r.event_id for r in runtime.repairs()] == [second.id],
+            what="the new one held, alone",
+        )
 
 
 async def ends_cleared(agent: Agent) -> None:
