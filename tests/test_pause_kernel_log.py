@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.contracts.collector import CollectorSpec, SharedServices
+from agent.contracts.collector import SharedServices
 from agent.contracts.model import Event, RepairAction, Severity
 from agent.contracts.pause import DURING_PAUSE, PauseHistory, PauseWindow
 from agent.program import config_file as config
@@ -45,11 +45,11 @@ from collectors._repair import repair_for
 from collectors._xid import XidCorrelator, XidObservation
 from collectors._xid_catalog import known_codes, known_sxid_codes, lookup_event, lookup_sxid
 from collectors.gpu.collector import GpuSettings
-from collectors.kernel_log.collector import KernelLogCollector, KernelLogSettings
+from collectors.kernel_log.collector import KernelLogSettings
 from collectors.kernel_log.matchers import GPU_KINDS
 from exporters.heartbeat import heartbeat_payload
 from tests.support.diag import load, make_proc_tree, write_config
-from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
+from tests.support.kmsg import FakeKmsg, capture_records, kernel_log_spec, write_boot_id
 from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeNvml
 from tests.support.rules import METRIC, RULES, promtool
@@ -140,12 +140,7 @@ class Agent:
         )
         cfg = dataclasses.replace(cfg, collectors={"gpu": GPU, "kernel_log": kernel})
         kmsg = self.kmsg
-        spec = CollectorSpec(
-            "kernel_log",
-            "the kernel log on the stand-in",
-            KernelLogSettings,
-            lambda settings, deps: KernelLogCollector(settings, deps, io=kmsg),
-        )
+        spec = kernel_log_spec(kmsg)
         runtime = Runtime(
             cfg,
             StateStore.open(self.tmp_path / "state"),

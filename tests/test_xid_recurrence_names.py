@@ -22,7 +22,7 @@ from typing import Literal
 import pynvml
 import pytest
 
-from agent.contracts.collector import CollectorSpec, MemoryKeyValueStore
+from agent.contracts.collector import MemoryKeyValueStore
 from agent.contracts.model import Event, RepairAction
 from agent.program import config_file as config
 from agent.program import registry
@@ -33,8 +33,8 @@ from collectors._nvml import NvmlBackend
 from collectors._repair import NAMESPACE, RECURRED, XidRecurrence
 from collectors._xid import XidCorrelator, XidObservation
 from collectors.gpu.collector import GpuSettings
-from collectors.kernel_log.collector import KernelLogCollector, KernelLogSettings
-from tests.support.kmsg import FakeKmsg, capture_records, write_boot_id
+from collectors.kernel_log.collector import KernelLogSettings
+from tests.support.kmsg import FakeKmsg, capture_records, kernel_log_spec, write_boot_id
 from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeNvml
 from tests.support.waiting import announced, until
@@ -190,12 +190,7 @@ class Agent:
         )
         cfg = dataclasses.replace(cfg, collectors={"gpu": gpu, "kernel_log": kernel})
         kmsg = self.kmsg
-        spec = CollectorSpec(
-            "kernel_log",
-            "the kernel log on the stand-in",
-            KernelLogSettings,
-            lambda settings, deps: KernelLogCollector(settings, deps, io=kmsg),
-        )
+        spec = kernel_log_spec(kmsg)
         self.runtime = Runtime(
             cfg,
             StateStore.open(tmp_path / "state"),

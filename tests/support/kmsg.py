@@ -15,6 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.contracts.collector import CollectorSpec
+from collectors.kernel_log.collector import KernelLogCollector, KernelLogSettings
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kernel_log"
 H200_CAPTURE = FIXTURES / "h200-kmsg-records.txt"
 """Raw /dev/kmsg records captured on the lent H200 (driver 580.159.04), copied from the shared
@@ -144,3 +147,13 @@ class FakeKmsg:
 def write_boot_id(path: Path, boot_id: str) -> Path:
     path.write_text(boot_id + "\n", encoding="ascii")
     return path
+
+
+def kernel_log_spec(kmsg: FakeKmsg) -> CollectorSpec[KernelLogSettings]:
+    """The kernel_log collector as the registry makes it, reading `kmsg` for /dev/kmsg."""
+    return CollectorSpec(
+        "kernel_log",
+        "the kernel log on the stand-in",
+        KernelLogSettings,
+        lambda settings, deps: KernelLogCollector(settings, deps, io=kmsg),
+    )
