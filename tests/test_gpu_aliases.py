@@ -9,9 +9,7 @@ that the GPU needs no recovery any more (named by the address before the GPU is 
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 
 import pynvml
 
@@ -21,6 +19,7 @@ from agent.runtime.repairs import RepairLedger
 from collectors.gpu.collector import GpuSettings
 from tests.support.nvml import GpuRig, fake_gpus
 from tests.support.nvml_fake import FakeNvml
+from tests.support.waiting import until
 
 UNCORRECTED_VOLATILE = (
     pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
@@ -53,10 +52,7 @@ async def faults(rig: GpuRig) -> list[Event]:
     await collect()
     gpu.hang = None
     release.set()
-    for _ in range(100):  # the hung call returns in its own thread
-        if "nvml:gpu0" not in rig.caller.hung:
-            break
-        await asyncio.sleep(0.02)
+    await until(lambda: "nvml:gpu0" not in rig.caller.hung, 5, "the hung call to return")
     await collect()
     return events
 
@@ -100,9 +96,7 @@ async def test_the_nvml_event_threads_findings_carry_it_too() -> None:
         await rig.collect()
         await rig.collect()
         fake.push_event(fake.gpus[0], pynvml.nvmlEventTypeDoubleBitEccError)
-        deadline = time.monotonic() + 10
-        while not rig.emitted and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await until(lambda: bool(rig.emitted), 10, "the event thread's event")
     finally:
         await rig.close()
     (event,) = [e for e in rig.emitted if e.repair_action is RepairAction.RESET_GPU]
