@@ -37,6 +37,7 @@ from agent.contracts.model import (
     MetricFamily,
     MetricType,
     Sample,
+    Severity,
     stable_event_id,
 )
 from agent.contracts.pause import PauseHistory, PauseWindow, logged_during_pause
@@ -147,14 +148,17 @@ class KernelLogSettings(CollectorSettings):
         300.0,
         minimum=0.0,
         maximum=86400.0,
-        help="seconds in which repeats of a non-Xid finding (same kind and device, process "
-        "or GPU) raise no new event; they are counted",
+        help="seconds in which repeats of a non-Xid finding (the same fault of the same "
+        "device, process or GPU, no worse than its last event) raise no new event; they "
+        "are counted",
     )
 
 
 @dataclass
 class _Holdoff:
     last: float
+    severity: Severity
+    """The worst raised in this holdoff: a finding worse than it is news."""
     suppressed: int = 0
 
 
@@ -312,9 +316,9 @@ class KernelLogCollector:
         apart; it touches nothing a finding outside the pause is judged by (the Xid counts
         and correlation, the recurrence across boots, the holdoff)."""
         self.paused_findings[finding.kind] += 1
-        key = (finding.kind, self._subject(finding), str(finding.code))
+        key = (finding.kind, self._subject(finding), finding.name, str(finding.code))
         if finding.kind == "xid" and finding.code is not None:
-            repeats = self._held_back(self._paused_holdoff, key, when, finding.kind)
+            repeats = self._held_back(self._paused_holdoff, key, when, finding)
             if repeats is None:
                 return None
             event = self.correlator.describe(self._observation(finding, when, predates, origin))
@@ -356,7 +360,9 @@ class KernelLogCollector:
         self.findings[finding.kind] += 1
         if finding.kind == "sxid" and finding.code is not None:
             self.sxids[(finding.pci_bus_id, finding.device, finding.code)] += 1
-        key = (finding.kind, self._subject(finding))
+        # A repeat is the same fault (the matcher's name for it: an NVMe timeout is not the
+        # controller going down) of the same subject; code apart for an SXid.
+        key = (finding.kind, self._subject(finding), finding.name, str(finding.code))
         event = self._event(finding, when, predates, self._holdoff, key)
         if event is None:
             return None
@@ -364,19 +370,28 @@ class KernelLogCollector:
         return dataclasses.replace(event, id=stable_event_id(*origin, finding.kind))
 
     def _held_back(
-        self, holdoff: dict[tuple[str, ...], _Holdoff], key: tuple[str, ...], when: float, kind: str
+        self,
+        holdoff: dict[tuple[str, ...], _Holdoff],
+        key: tuple[str, ...],
+        when: float,
+        finding: Finding,
     ) -> int | None:
-        """None: a repeat within repeat_holdoff of the last event for `key`, counted and
-        raising none; otherwise how many were held back since that event."""
+        """None: a repeat within repeat_holdoff of the last event for `key`, no worse than
+        the worst raised there, counted and raising none; otherwise how many were held back
+        since that event (a worse one, a corrected error turned uncorrected, is news)."""
         held = holdoff.get(key)
         # Either side: two records of one stamp can come out a few microseconds apart the
         # wrong way (boot time is taken from the clocks at each read), and with
         # repeat_holdoff 0 nothing may be held back.
-        if held is not None and abs(when - held.last) < self.settings.repeat_holdoff:
+        if (
+            held is not None
+            and abs(when - held.last) < self.settings.repeat_holdoff
+            and finding.severity <= held.severity
+        ):
             held.suppressed += 1
-            self.suppressed[kind] += 1
+            self.suppressed[finding.kind] += 1
             return None
-        holdoff[key] = _Holdoff(when)
+        holdoff[key] = _Holdoff(when, finding.severity)
         return held.suppressed if held is not None else 0
 
     def _subject(self, finding: Finding) -> str:
@@ -391,7 +406,7 @@ class KernelLogCollector:
         holdoff: dict[tuple[str, ...], _Holdoff],
         key: tuple[str, ...],
     ) -> Event | None:
-        repeats = self._held_back(holdoff, key, when, finding.kind)
+        repeats = self._held_back(holdoff, key, when, finding)
         if repeats is None:
             return None
         identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}

@@ -1,0 +1,162 @@
+"""The repeat holdoff holds back repeats, never news: within `repeat_holdoff` of an event for
+a device, a finding of the same kind is raised when it is worse than that event, or a different
+fault, and only a repeat of the same fault is counted and held back.
+
+Each case is a pair of real kernel lines of one kind about one subject: the first raises an
+event and opens the holdoff, the second must raise its own (a corrected machine check, then an
+uncorrected one; an NVMe timeout, then the controller down; ...). Read in one round or in two.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from agent.contracts.model import Event, Severity
+from tests.support.kmsg import FakeKmsg
+from tests.test_kmsg_collector import Harness, executor, value
+
+__all__ = ["executor"]  # the fixture, used by name
+
+
+class Pair(NamedTuple):
+    case: str
+    kind: str
+    first: list[str]
+    second: list[str]
+    severity: Severity
+    """The second's."""
+
+
+PAIRS = [
+    Pair(
+        "machine check corrected, then uncorrected",
+        "machine_check",
+        ["mce: [Hardware Error]: Machine check events logged"],
+        [
+            "mce: [Hardware Error]: CPU 3: Machine Check Exception: 5 Bank 7: be00000000800400",
+            "mce: [Hardware Error]: TSC 0 ADDR 12345000 MISC 1234 ",
+        ],
+        Severity.CRITICAL,
+    ),
+    Pair(
+        "NVMe timeout, then the controller down",
+        "nvme_error",
+        ["nvme nvme0: I/O 123 QID 4 timeout, aborting"],
+        ["nvme nvme0: controller is down; will reset: CSTS=0xffffffff, PCI_STATUS=0x10"],
+        Severity.CRITICAL,
+    ),
+    Pair(
+        "firmware error corrected, then fatal",
+        "hardware_error",
+        [
+            "{1}[Hardware Error]: Hardware error from APEI Generic Hardware Error Source: 0",
+            "{1}[Hardware Error]: event severity: corrected",
+        ],
+        [
+            "{2}[Hardware Error]: Hardware error from APEI Generic Hardware Error Source: 0",
+            "{2}[Hardware Error]: event severity: fatal",
+        ],
+        Severity.CRITICAL,
+    ),
+    Pair(
+        "SXid non-fatal, then fatal on the same switch",
+        "sxid",
+        ["nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Non-fatal, Link 30 LTSSM Fault Up"],
+        [
+            "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Fatal, Link 32 egress non-posted "
+            "PRIV error"
+        ],
+        Severity.CRITICAL,
+    ),
+    Pair(
+        "file-system error, then the read-only remount it causes",
+        "fs_error",
+        ["EXT4-fs error (device sda3): ext4_find_entry:1455: inode #2: comm ls: reading dir"],
+        ["EXT4-fs (sda3): Remounting filesystem read-only"],
+        Severity.CRITICAL,
+    ),
+]
+
+
+def _write(device: FakeKmsg, line: str) -> None:
+    """A record logged now: the holdoff is judged by when a record was logged (its stamp is
+    the time since boot, which the reader turns into wall-clock time)."""
+    device.write(line, level=3, usec=int(time.monotonic() * 1e6))
+
+
+def _of(events: list[Event], kind: str) -> list[Event]:
+    return [e for e in events if e.kind == kind]
+
+
+@pytest.mark.parametrize("rounds", [1, 2], ids=["one round", "two rounds"])
+@pytest.mark.parametrize("pair", PAIRS, ids=[p.case for p in PAIRS])
+async def test_news_within_the_holdoff_is_raised(
+    tmp_path: Path, executor: concurrent.futures.Executor, pair: Pair, rounds: int
+) -> None:
+    case, kind, first, second, severity = pair
+    device = FakeKmsg.with_records([])
+    h = Harness(tmp_path, device, executor)
+    await h.collect()
+    for line in first:
+        _write(device, line)
+    events: list[Event] = []
+    if rounds == 2:
+        events += (await h.collect())[0]
+        assert len(_of(events, kind)) == 1, case
+    for line in second:
+        _write(device, line)
+    found, samples = await h.collect()
+    events += found
+    raised = _of(events, kind)
+    assert len(raised) == 2, f"{case}: {[e.message for e in raised]}"
+    assert raised[0].subject == raised[1].subject  # the same device: the holdoff's key
+    assert raised[1].severity is severity
+    assert value(samples, "gpuwarden_kernel_log_suppressed_events_total", kind=kind) in (0, None)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[p.case for p in PAIRS])
+async def test_repeats_of_each_are_still_held_back(
+    tmp_path: Path, executor: concurrent.futures.Executor, pair: Pair
+) -> None:
+    """Both faults three times over: one event each, every other finding a counted repeat
+    (a machine check's `events logged` line after a dump is part of that dump's finding)."""
+    case, kind, first, second, severity = pair
+    device = FakeKmsg.with_records([])
+    h = Harness(tmp_path, device, executor)
+    await h.collect()
+    events: list[Event] = []
+    for lines in (first, second, first, second, first, second):
+        for line in lines:
+            _write(device, line)
+        found, samples = await h.collect()
+        events += found
+    raised = _of(events, kind)
+    assert [e.severity for e in raised] == [raised[0].severity, severity], case
+    findings = value(samples, "gpuwarden_kernel_log_findings_total", kind=kind)
+    assert findings is not None and findings >= 4
+    assert value(samples, "gpuwarden_kernel_log_suppressed_events_total", kind=kind) == findings - 2
+
+
+async def test_a_lesser_finding_after_a_worse_one_is_held_back(
+    tmp_path: Path, executor: concurrent.futures.Executor
+) -> None:
+    """An uncorrected firmware error, then corrected ones of the same source: no news."""
+    device = FakeKmsg.with_records([])
+    h = Harness(tmp_path, device, executor)
+    await h.collect()
+    for n, severity in ((1, "fatal"), (2, "corrected"), (3, "corrected")):
+        _write(
+            device,
+            f"{{{n}}}[Hardware Error]: Hardware error from APEI Generic Hardware Error Source: 0",
+        )
+        _write(device, f"{{{n}}}[Hardware Error]: event severity: {severity}")
+    events, samples = await h.collect()
+    assert [e.severity for e in _of(events, "hardware_error")] == [Severity.CRITICAL]
+    assert (
+        value(samples, "gpuwarden_kernel_log_suppressed_events_total", kind="hardware_error") == 2
+    )
