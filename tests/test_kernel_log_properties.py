@@ -63,6 +63,11 @@ KINDS = (
     "watchdog: BUG: soft lockup - CPU#3 stuck for 23s! [python3:4321]",
     "mce: [Hardware Error]: Machine check events logged",
     "INFO: task python3:55012 blocked for more than 245 seconds.",
+    "nvidia 0000:41:00.0: AER: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction "
+    "Layer, (Receiver ID)",
+    "nvidia 0000:41:00.0: AER:   device [10de:2335] error status/mask=00000020/00000000",
+    "NVRM: GPU 0000:62:00.0: RmInitAdapter failed! (0x24:0x1c:1603)",
+    "EDAC MC0: 1 CE memory read error on CPU_SrcID#0_Ha#0_Chan#1_DIMM#0 (channel:1 slot:0)",
     "usb 1-1: new high-speed USB device number 2 using xhci_hcd",
     "IOAPIC[0]: apic_id 0, version 17, address 0xfec00000, GSI 0-23",
     "python3[1234]: segfault at 0 ip 00007f00 sp 00007ffc error 4 in libc.so.6",

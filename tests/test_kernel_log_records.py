@@ -475,6 +475,21 @@ HOST_FAULTS = [
         "",
         Severity.WARNING,
     ),
+    # drivers/pci/pcie/aer.c aer_print_error, a device that is not a GPU
+    (
+        "mlx5_core 0000:83:00.0: AER: PCIe Bus Error: severity=Uncorrected (Fatal), "
+        "type=Transaction Layer, (Requester ID)",
+        "pcie_error",
+        "0000:83:00.0",
+        Severity.CRITICAL,
+    ),
+    # drivers/edac/edac_mc.c edac_ue_error
+    (
+        "EDAC MC1: 1 UE memory read error on CPU_SrcID#1_Ha#0_Chan#0_DIMM#1 (channel:0 slot:1)",
+        "memory_error",
+        "CPU_SrcID#1_Ha#0_Chan#0_DIMM#1",
+        Severity.CRITICAL,
+    ),
 ]
 
 

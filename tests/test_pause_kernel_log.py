@@ -46,7 +46,7 @@ from collectors._xid import XidCorrelator, XidObservation
 from collectors._xid_catalog import known_codes, known_sxid_codes, lookup_event, lookup_sxid
 from collectors.gpu.collector import GpuSettings
 from collectors.kernel_log.collector import KernelLogSettings
-from collectors.kernel_log.matchers import GPU_KINDS
+from collectors.kernel_log.matchers import PAUSABLE_KINDS
 from exporters.heartbeat import heartbeat_payload
 from tests.support.diag import load, make_proc_tree, write_config
 from tests.support.kmsg import FakeKmsg, capture_records, kernel_log_spec, write_boot_id
@@ -95,6 +95,11 @@ def sxid_lines() -> list[str]:
 
 
 BUS_LINE = f"NVRM: GPU {BUS_GPU}: GPU has fallen off the bus."
+INIT_LINE = f"NVRM: GPU {BUS_GPU}: RmInitAdapter failed! (0x62:0xffff:1785)"
+GPU_AER_LINE = (
+    f"nvidia {BUS_GPU}: AER: PCIe Bus Error: severity=Uncorrected (Fatal), type=Transaction "
+    "Layer, (Receiver ID)"
+)
 
 
 def expected_outside_a_pause(event: Event) -> tuple[str, str]:
@@ -244,11 +249,11 @@ def assert_acts(event: Event, severity: str, repair: str) -> None:
 class TestDuringAPause:
     async def test_every_gpu_finding_is_sent_marked_and_acts_on_nothing(self, agent: Agent) -> None:
         await agent.runtime.pause.pause(600.0, "reset GPU 0", "alice")
-        lines = [*xid_lines(), *sxid_lines(), BUS_LINE]
+        lines = [*xid_lines(), *sxid_lines(), BUS_LINE, INIT_LINE, GPU_AER_LINE]
         agent.log(*lines)
         events = await agent.findings(len(lines))
         assert len(events) == len(lines)
-        assert {e.kind for e in events} == GPU_KINDS
+        assert {e.kind for e in events} == PAUSABLE_KINDS
         assert_marked(events)
         # What the class is about: findings that, outside a pause, would hold a repair (a
         # drain) or page (critical).
@@ -271,14 +276,16 @@ class TestDuringAPause:
         # No series a rule pages on counts them; their own counter does.
         assert agent.sample("gpuwarden_xid_errors_total") is None
         assert agent.sample("gpuwarden_sxid_errors_total") is None
-        for kind in GPU_KINDS:
+        for kind in PAUSABLE_KINDS:
             assert agent.sample("gpuwarden_kernel_log_findings_total", kind=kind) == 0
             counted = agent.sample("gpuwarden_kernel_log_paused_findings_total", kind=kind)
             assert counted == sum(1 for e in events if e.kind == kind)
         critical = [
             key
             for key, n in agent.runtime.events_by_key.items()
-            if key[1] in (*GPU_KINDS, "xid_confirmed", "xid_escalated") and key[2] != "info" and n
+            if key[1] in (*PAUSABLE_KINDS, "xid_confirmed", "xid_escalated")
+            and key[2] != "info"
+            and n
         ]
         assert critical == []
         # Nothing for the watcher either: the node is healthy, its heartbeat names no problem.
@@ -291,7 +298,7 @@ class TestDuringAPause:
         assert beat["health"] == "ok"  # node_unhealthy comes from its problems alone
 
     @pytest.mark.parametrize(("line", "kind", "subject", "severity"), HOST_FAULTS)
-    async def test_host_findings_act_as_usual(
+    async def test_host_findings_act_as_usual(  # a PCIe error of a device not a GPU too
         self, agent: Agent, line: str, kind: str, subject: str, severity: Severity
     ) -> None:
         await agent.runtime.pause.pause(600.0, "reset GPU 0")

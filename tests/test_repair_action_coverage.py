@@ -106,7 +106,8 @@ def test_old_payloads_without_repair_action_still_read() -> None:
 def test_every_host_kind_of_the_kernel_log_has_a_repair() -> None:
     from collectors.kernel_log import host
 
-    per_record = {"machine_check", "hardware_error"}  # decided by the record's severity
+    # decided by the record's severity
+    per_record = {"machine_check", "memory_error", "hardware_error"}
     assert set(host.HOST_KINDS) == set(host.HOST_REPAIR) | per_record
     assert host._hardware_repair(Severity.CRITICAL) is RepairAction.HARDWARE_INSPECTION
     assert host._hardware_repair(Severity.WARNING) is RepairAction.INVESTIGATE

@@ -1,5 +1,6 @@
-"""kernel_log: Xids, SXids, lost GPUs, disk and file-system errors, OOM kills and hung tasks from
-the kernel log (/dev/kmsg live, or a file of saved lines), read without replay across restarts.
+"""kernel_log: Xids, SXids, lost GPUs, GPUs the driver could not bring up, PCIe errors, disk and
+file-system errors, host memory errors, OOM kills and hung tasks from the kernel log
+(/dev/kmsg live, or a file of saved lines), read without replay across restarts.
 
 Xids go to the shared `XidCorrelator`, which raises each at first sight and turns the NVML
 side's sighting of the same Xid into a confirmation, never a second alert; everything else
@@ -53,7 +54,13 @@ from collectors.kernel_log.kmsg import (
     is_character_device,
     read_boot_id,
 )
-from collectors.kernel_log.matchers import GPU_KINDS, KINDS, Finding, MatcherSet
+from collectors.kernel_log.matchers import (
+    KINDS,
+    PAUSABLE_KINDS,
+    Finding,
+    MatcherSet,
+    about_gpu,
+)
 
 # The Xid event's own attributes (collectors/_xid.py build_xid_event); the finding's other
 # attributes (MIG instance, a fallen-off-the-bus block's facts) travel on as details.
@@ -187,7 +194,7 @@ class KernelLogCollector:
         self.totals: Counter[str] = Counter()
         self.suppressed: Counter[str] = Counter()
         self.pauses = deps.shared.get(PauseHistory, PauseHistory)
-        self.paused_findings: Counter[str] = Counter(dict.fromkeys(sorted(GPU_KINDS), 0))
+        self.paused_findings: Counter[str] = Counter(dict.fromkeys(sorted(PAUSABLE_KINDS), 0))
         self._holdoff: dict[tuple[str, ...], _Holdoff] = {}
         self._paused_holdoff: dict[tuple[str, ...], _Holdoff] = {}
         """Apart from `_holdoff`: what the reset logs must not hold back the same finding
@@ -285,7 +292,7 @@ class KernelLogCollector:
             when = reader.record_time(finding.record)
             # Judged by when it was logged: a record of the pause read after the resume is
             # still the pause's.
-            window = self.pauses.covering(when) if finding.kind in GPU_KINDS else None
+            window = self.pauses.covering(when) if about_gpu(finding) else None
             if window is not None:
                 paused = self._paused(finding, when, batch.predates_agent, origin, window)
                 if paused is not None:
@@ -497,7 +504,7 @@ def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:
     line = finding.record.message.strip()
     if len(line) > 240:
         line = line[:237] + "..."
-    if finding.kind in GPU_KINDS:
+    if about_gpu(finding):
         where = (
             gpu_description(finding.pci_bus_id, identity)
             if finding.kind != "sxid"
@@ -511,8 +518,8 @@ def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:
 
 SPEC = CollectorSpec(
     name="kernel_log",
-    description="Xids, SXids, lost GPUs, I/O, file-system and NVMe errors, OOM kills, hung "
-    "tasks from /dev/kmsg or a saved log",
+    description="Xids, SXids, lost GPUs, PCIe, I/O, file-system, NVMe and memory errors, OOM "
+    "kills, hung tasks from /dev/kmsg or a saved log",
     settings_type=KernelLogSettings,
     factory=KernelLogCollector,
     default_settings=KernelLogSettings(interval=2.0),

@@ -1,5 +1,5 @@
-"""Host findings in the kernel log: disks, RAID, file systems, NVMe, OOM kills, hung tasks, and
-what a log saved after a crash shows (panic, oops, CPU lockups, machine checks, firmware
+"""Host findings in the kernel log: disks, RAID, file systems, NVMe, OOM kills, hung tasks, host
+memory errors (EDAC), and what a log saved after a crash shows (panic, oops, CPU lockups, machine checks, firmware
 (CPER) hardware errors). Each has a kind, a short name, a severity, a meaning and an action.
 
 Formats are the kernel's printk strings, by file: block/blk-core.c, fs/buffer.c, fs/ext4
@@ -7,7 +7,8 @@ Formats are the kernel's printk strings, by file: block/blk-core.c, fs/buffer.c,
 (md.c, raid1.c, raid5.c, raid10.c), drivers/nvme/host (pci.c, core.c, multipath.c),
 mm/oom_kill.c (and RHEL 7's wording), kernel/hung_task.c, kernel/panic.c,
 arch/x86/kernel/dumpstack.c and arch/x86/mm/fault.c, kernel/watchdog.c,
-arch/x86/kernel/cpu/mce/core.c, drivers/acpi/apei/ghes.c with drivers/firmware/efi/cper.c.
+arch/x86/kernel/cpu/mce/core.c, drivers/edac/edac_mc.c, drivers/acpi/apei/ghes.c with
+drivers/firmware/efi/cper.c.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ HOST_KINDS: Final = (
     "kernel_oops",
     "cpu_lockup",
     "machine_check",
+    "memory_error",
     "hardware_error",
 )
 
@@ -56,8 +58,8 @@ HOST_REPAIR: Final[dict[str, RepairAction]] = {
     "kernel_oops": R.REBOOT_NODE,
     "cpu_lockup": R.INVESTIGATE,
 }
-"""The repair of each host kind; machine_check and hardware_error depend on the record
-(`_hardware_repair`). A test holds that every kind has one."""
+"""The repair of each host kind; machine_check, memory_error and hardware_error depend on the
+record (`_hardware_repair`). A test holds that every kind has one."""
 
 
 def _hardware_repair(severity: Severity) -> RepairAction:
@@ -84,6 +86,8 @@ class _Rule:
     texts: Mapping[str, str] = field(default_factory=dict)
     """Named groups kept as text attributes: group -> attribute name."""
     fixed: Mapping[str, AttributeValue] = field(default_factory=dict)
+    repair: RepairAction | None = None
+    """The repair where the kind's (`HOST_REPAIR`) depends on the record."""
 
 
 _DISK_ACTION = (
@@ -325,6 +329,42 @@ _RULES: Final[Sequence[_Rule]] = (
         "connections; reconnect or replace the failed path",
         ("no available path",),
     ),
+    # drivers/edac/edac_mc.c edac_ce_error / edac_ue_error, through edac_mc_printk
+    # (`EDAC MC%d: `): `EDAC MC0: 1 CE memory read error on CPU_SrcID#0_Ha#0_Chan#1_DIMM#0
+    # (channel:1 slot:0 page:0x12345 offset:0x0 grain:32 syndrome:0x0 ...)`, `... UE ...`;
+    # ghes_edac writes `1 CE Single-bit ECC on unknown memory (node:0 card:0 ...)`. The
+    # label after ` on ` names the DIMM where the driver knows it.
+    _Rule(
+        "memory_error",
+        "uncorrected memory error",
+        re.compile(
+            r"EDAC (?:\w+ )?MC(?P<mc>\d+): (?:(?P<count>\d+) )?UE\b.*?"
+            r"(?P<where> on (?P<device>[^\s(]+))?(?: \(|$)"
+        ),
+        Severity.CRITICAL,
+        "the memory controller MC{mc} reported uncorrected host memory errors{where}: data "
+        "in host memory was lost",
+        "drain the node; decode the error (rasdaemon: ras-mc-ctl --errors, the BMC's event log) "
+        "and have the DIMM replaced",
+        ("EDAC",),
+        numbers={"mc": "memory_controller", "count": "errors"},
+        repair=RepairAction.HARDWARE_INSPECTION,
+    ),
+    _Rule(
+        "memory_error",
+        "corrected memory error",
+        re.compile(
+            r"EDAC (?:\w+ )?MC(?P<mc>\d+): (?:(?P<count>\d+) )?CE\b.*?"
+            r"(?P<where> on (?P<device>[^\s(]+))?(?: \(|$)"
+        ),
+        Severity.WARNING,
+        "the memory controller MC{mc} corrected host memory errors{where}",
+        "corrected errors at a low rate are normal: watch the count (rasdaemon: ras-mc-ctl "
+        "--summary) and replace the DIMM whose count keeps growing",
+        ("EDAC",),
+        numbers={"mc": "memory_controller", "count": "errors"},
+        repair=RepairAction.INVESTIGATE,
+    ),
     # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.`
     _Rule(
         "hung_task",
@@ -402,7 +442,7 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
     return Finding(
         kind=rule.kind,
         severity=rule.severity,
-        repair_action=HOST_REPAIR[rule.kind],
+        repair_action=rule.repair if rule.repair is not None else HOST_REPAIR[rule.kind],
         record=record,
         meaning=rule.meaning.format_map(_Blank(values)),
         action=rule.action.format_map(_Blank(values)),

@@ -40,23 +40,37 @@ from collectors.kernel_log.finding import (
 )
 from collectors.kernel_log.host import HOST_KINDS, HostMatcher, host_matchers
 from collectors.kernel_log.parse import LogRecord
+from collectors.kernel_log.pcie import PCIE_KINDS, AerMatcher, GpuInitMatcher
 
 __all__ = [
     "GPU_KINDS",
     "KINDS",
+    "PAUSABLE_KINDS",
+    "AerMatcher",
     "FallenOffBusMatcher",
     "Finding",
+    "GpuInitMatcher",
     "GpuLostLedger",
     "HostMatcher",
     "Matcher",
     "MatcherSet",
     "SxidMatcher",
     "XidMatcher",
+    "about_gpu",
     "default_matchers",
 ]
 
-GPU_KINDS: Final = frozenset({"xid", "sxid", "gpu_fallen_off_bus"})
-KINDS: Final = ("xid", "sxid", "gpu_fallen_off_bus", *HOST_KINDS)
+GPU_KINDS: Final = frozenset({"xid", "sxid", "gpu_fallen_off_bus", "gpu_init_failed"})
+KINDS: Final = ("xid", "sxid", "gpu_fallen_off_bus", *PCIE_KINDS, *HOST_KINDS)
+PAUSABLE_KINDS: Final = GPU_KINDS | {"pcie_error"}
+"""Kinds a finding of which can be about a GPU (`about_gpu`)."""
+
+
+def about_gpu(finding: Finding) -> bool:
+    """A finding about a GPU or an NVSwitch: judged by the GPUs' pauses and described as the
+    GPU's. A PCIe error is one when its device is a GPU (it then names the GPU's address)."""
+    return finding.kind in GPU_KINDS or (finding.kind == "pcie_error" and bool(finding.pci_bus_id))
+
 
 # NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus.
 # An Xid the driver attributes to a MIG instance names it after the address (kernel_rc.c,
@@ -395,7 +409,14 @@ def default_matchers() -> list[Matcher]:
     # The Xid matcher comes before the fallen-off-bus one: it claims a waiting block's facts
     # from the ledger before the other drops the block on the same Xid 79 line.
     ledger = GpuLostLedger()
-    return [XidMatcher(ledger), SxidMatcher(), FallenOffBusMatcher(ledger), *host_matchers()]
+    return [
+        XidMatcher(ledger),
+        SxidMatcher(),
+        FallenOffBusMatcher(ledger),
+        GpuInitMatcher(),
+        AerMatcher(),
+        *host_matchers(),
+    ]
 
 
 class MatcherSet:

@@ -32,8 +32,8 @@ from collectors.kernel_log.kmsg import (
     LogReader,
     is_character_device,
 )
-from collectors.kernel_log.matchers import GPU_KINDS, MatcherSet
 from collectors.kernel_log.matchers import Finding as LogFinding
+from collectors.kernel_log.matchers import MatcherSet, about_gpu
 from collectors.kernel_log.parse import LogRecord
 
 AREA = "kernel"
@@ -156,7 +156,7 @@ def _set_paused_apart(scan: KernelLogScan, reader: KmsgReader, pauses: PauseHist
     judged: list[LogFinding] = []
     for finding in scan.findings:
         window = pauses.covering(reader.record_time(finding.record))
-        if window is not None and finding.kind in GPU_KINDS:
+        if window is not None and about_gpu(finding):
             scan.paused.append((finding, window))
         else:
             judged.append(finding)
