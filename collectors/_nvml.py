@@ -433,6 +433,18 @@ class NvmlBackend:
         """GPU index -> GPU instance id -> that instance's GPM samples (MIG mode only)."""
         self._mig_devices: dict[int, dict[str, MigDevice]] = {}
         """GPU index -> MIG device UUID -> the device (ids and profile), read once each."""
+        self._handles: dict[int, Any] = {}
+        self._count: int | None = None
+        """The GPU count NVML gave last; when it changes, the handles are looked up again."""
+        """GPU index -> its NVML handle, looked up once per nvmlInit: NVML numbers the GPUs at
+        init, and the lookup is a driver call (about 40 us once a second on an H200) that every
+        read of the GPU would otherwise repeat. Forgotten by stop(), when the GPU is lost and
+        when the count changes."""
+        self._link_widths: dict[int, tuple[int | None, str | None]] = {}
+        """GPU index -> (current PCIe link width, the read's error), read with the slow reads:
+        the width changes only when the link trains again, and its read is the costliest of a
+        round (33 us back to back, 93 us once a second on an H200, where the other fast reads
+        take 2-12 us). The generation, which the GPU lowers when idle, is read every round."""
         self._held = ""
         """Why NVML is held shut (a pause); "" when it is not."""
         self.device_prefix = DEVICE_PREFIX
@@ -486,6 +498,7 @@ class NvmlBackend:
             if not self._started:
                 return
             self._started = False
+            self._handles, self._link_widths, self._count = {}, {}, None
             gpm, self._gpm = self._gpm, {}
             mig, self._mig_gpm = self._mig_gpm, {}
             self._mig_devices = {}
@@ -506,6 +519,10 @@ class NvmlBackend:
             return fn()
         except NvmlUnavailable:
             self.stop()
+            raise
+        except GpuLost as exc:  # the next read looks the GPU up again
+            self._handles.pop(exc.index, None)
+            self._link_widths.pop(exc.index, None)
             raise
         finally:
             with self._idle:
@@ -528,6 +545,8 @@ class NvmlBackend:
                 raise NvmlError(
                     "nvmlDeviceGetCount failed: " + funnel.errors.get("device_count", "no answer")
                 )
+            if int(count) != self._count:  # numbered anew: an index may name another GPU
+                self._count, self._handles, self._link_widths = int(count), {}, {}
             return int(count)
 
         return self._guard(read)
@@ -540,9 +559,13 @@ class NvmlBackend:
         return self._guard(read)
 
     def _handle(self, index: int, funnel: _Funnel) -> Any:
+        handle = self._handles.get(index)
+        if handle is not None:
+            return handle
         handle = funnel.get("handle", self.lib.nvmlDeviceGetHandleByIndex, index)
         if handle is None:
             raise GpuLost(index, funnel.errors.get("handle", "no handle for this index"))
+        self._handles[index] = handle
         return handle
 
     def identity(self, index: int) -> GpuIdentity:
@@ -627,7 +650,9 @@ class NvmlBackend:
                 self._mig_forget(index)
             return GpuRound(
                 index=index,
-                reading=self._reading(handle, _Funnel(index), energy),
+                reading=self._reading(
+                    handle, _Funnel(index), energy, None if slow or static else index
+                ),
                 static=static_reading,
                 slow=self._slow(handle, _Funnel(index)) if slow else None,
                 energy_read=energy,
@@ -934,7 +959,24 @@ class NvmlBackend:
             memory = f.get(name, self.lib.nvmlDeviceGetMemoryInfo, h)
         return memory
 
-    def _reading(self, h: Any, f: _Funnel, energy: bool = False) -> GpuReading:
+    def _link_width(self, h: Any, f: _Funnel, cached: int | None, index: int | None) -> int | None:
+        """The current link width: read when `cached` is None (a slow or static round), else
+        GPU `cached`'s last one (and its read's error, so the error does not come and go)."""
+        if cached is not None and cached in self._link_widths:
+            width, error = self._link_widths[cached]
+            if error is not None:
+                f.errors["pcie_width"] = error
+            return width
+        width = f.get("pcie_width", self.lib.nvmlDeviceGetCurrPcieLinkWidth, h)
+        if index is not None:
+            self._link_widths[index] = (width, f.errors.get("pcie_width"))
+        return width
+
+    def _reading(
+        self, h: Any, f: _Funnel, energy: bool = False, cached_width: int | None = None
+    ) -> GpuReading:
+        """`cached_width`: the index of a GPU whose link width the last slow read gave is to
+        be used (None: read it now, as slow and static rounds do)."""
         lib = self.lib
         # NVML energy is mJ since the driver loaded.
         energy_joules = (
@@ -981,7 +1023,7 @@ class NvmlBackend:
             memory_used_bytes=None if memory is None else float(memory.used),
             memory_reserved_bytes=_scaled(getattr(memory, "reserved", None), 1.0),
             pcie_generation=f.get("pcie_generation", lib.nvmlDeviceGetCurrPcieLinkGeneration, h),
-            pcie_width=f.get("pcie_width", lib.nvmlDeviceGetCurrPcieLinkWidth, h),
+            pcie_width=self._link_width(h, f, cached_width, f.index),
             compute_processes=None if procs is None else len(procs),
             processes=None if procs is None else tuple(_process(p) for p in procs),
             recovery_action=recovery_action,

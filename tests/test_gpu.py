@@ -82,8 +82,9 @@ class TestNoDriver:
 
     async def test_driver_unloaded_mid_run(self, rig: GpuRig) -> None:
         await rig.collect()
-        for gpu in rig.fake.gpus:
-            gpu.failures["nvmlDeviceGetHandleByIndex"] = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+        for gpu in rig.fake.gpus:  # the driver is gone: the lookup and the round's first read fail
+            for call in ("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUtilizationRates"):
+                gpu.failures[call] = pynvml.NVML_ERROR_DRIVER_NOT_LOADED
         down = await rig.collect()
         assert kinds(down) == ["nvml_unavailable"]
         assert value(down, "gpuwarden_nvml_up") == 0

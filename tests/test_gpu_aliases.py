@@ -39,9 +39,11 @@ async def faults(rig: GpuRig) -> list[Event]:
     gpu.ecc[UNCORRECTED_VOLATILE] = 2
     gpu.remapped_rows = (0, 0, 1, 0)
     other.pcie_width = (8, 16)
+    rig.now += rig.collector.settings.slow_interval  # the link width is a slow read
     await collect()
     gpu.remapped_rows = (0, 0, 0, 1)
     other.pcie_width = (16, 16)
+    rig.now += rig.collector.settings.slow_interval
     await collect()
     other.lost = True
     await collect()

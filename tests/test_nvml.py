@@ -197,3 +197,107 @@ class TestClockEventReasons:
         assert set(decoded) == set(CLOCK_EVENT_REASONS)
         for name, bit in CLOCK_EVENT_REASONS.items():
             assert decoded[name] == bool(mask & bit)
+
+
+class TestHandles:
+    """A GPU's handle is looked up once per nvmlInit (the lookup is a driver call each round
+    would repeat), and again after what can change it: NVML shut and started again, or the
+    GPU lost."""
+
+    def test_looked_up_once_across_rounds(self) -> None:
+        fake = FakeNvml([FakeGpu.h200(0), FakeGpu.h200(1)])
+        backend = NvmlBackend(fake)
+        backend.start()
+        for _ in range(5):
+            for index in (0, 1):
+                backend.read_gpu(index, static=True, slow=True)
+        assert fake.lib_calls["nvmlDeviceGetHandleByIndex"] == 2
+
+    def test_looked_up_again_after_a_restart_of_nvml(self) -> None:
+        fake = FakeNvml([FakeGpu.h200(0)])
+        backend = NvmlBackend(fake)
+        backend.start()
+        before = backend.read_gpu(0, static=True)
+        fake.gpus[0] = FakeGpu.h200(0, uuid="GPU-swapped")  # NVML numbers the GPUs at init
+        backend.stop()
+        backend.start()
+        after = backend.read_gpu(0, static=True)
+        assert fake.lib_calls["nvmlDeviceGetHandleByIndex"] == 2
+        assert before.static is not None and after.static is not None
+        assert after.static.identity.uuid == "GPU-swapped" != before.static.identity.uuid
+
+    def test_looked_up_again_after_the_gpu_was_lost(self) -> None:
+        fake = FakeNvml([FakeGpu.h200(0)])
+        backend = NvmlBackend(fake)
+        backend.start()
+        backend.read_gpu(0)
+        fake.gpus[0].lost = True
+        with pytest.raises(GpuLost):
+            backend.read_gpu(0)
+        fake.gpus[0] = FakeGpu.h200(0)  # NVML's handle of the index once the GPU is back
+        backend.read_gpu(0)
+        assert fake.lib_calls["nvmlDeviceGetHandleByIndex"] == 2
+
+    def test_looked_up_again_when_the_count_changes(self) -> None:
+        fake = FakeNvml([FakeGpu.h200(0), FakeGpu.h200(2)])
+        backend = NvmlBackend(fake)
+        backend.start()
+        assert backend.device_count() == 2
+        backend.read_gpu(1, static=True)
+        fake.gpus.insert(1, FakeGpu.h200(1, uuid="GPU-came-up"))  # index 1 is another GPU now
+        assert backend.device_count() == 3
+        round_ = backend.read_gpu(1, static=True)
+        assert round_.static is not None and round_.static.identity.uuid == "GPU-came-up"
+
+
+class TestLinkWidth:
+    """The current PCIe link width is read with the slow reads (the link trains again only
+    after a reset or a fault, and its read is a round's costliest); every round reports the
+    last one, with its read's error."""
+
+    def test_read_on_slow_rounds_only(self) -> None:
+        gpu = FakeGpu.h200(0)
+        fake = FakeNvml([gpu])
+        backend = NvmlBackend(fake)
+        backend.start()
+        assert backend.read_gpu(0, static=True, slow=True).reading.pcie_width == 16
+        gpu.pcie_width = (8, 16)
+        for _ in range(3):
+            assert backend.read_gpu(0).reading.pcie_width == 16
+        assert gpu.calls["nvmlDeviceGetCurrPcieLinkWidth"] == 1
+        assert backend.read_gpu(0, slow=True).reading.pcie_width == 8
+        assert backend.read_gpu(0).reading.pcie_width == 8
+        assert gpu.calls["nvmlDeviceGetCurrPcieLinkWidth"] == 2
+
+    def test_a_failed_read_keeps_its_error_until_the_next(self) -> None:
+        gpu = FakeGpu.h200(
+            0, failures={"nvmlDeviceGetCurrPcieLinkWidth": pynvml.NVML_ERROR_UNKNOWN}
+        )
+        backend = NvmlBackend(FakeNvml([gpu]))
+        backend.start()
+        first = backend.read_gpu(0, slow=True).reading
+        later = backend.read_gpu(0).reading
+        assert first.pcie_width is None and later.pcie_width is None
+        assert (
+            "pcie_width" in first.errors
+            and later.errors["pcie_width"] == first.errors["pcie_width"]
+        )
+        gpu.failures.clear()
+        assert backend.read_gpu(0, slow=True).reading.errors.get("pcie_width") is None
+        assert "pcie_width" not in backend.read_gpu(0).reading.errors
+
+    def test_read_again_after_the_gpu_was_lost_or_nvml_restarted(self) -> None:
+        gpu = FakeGpu.h200(0)
+        fake = FakeNvml([gpu])
+        backend = NvmlBackend(fake)
+        backend.start()
+        backend.read_gpu(0, slow=True)
+        gpu.lost = True
+        with pytest.raises(GpuLost):
+            backend.read_gpu(0)
+        gpu.lost, gpu.pcie_width = False, (4, 16)
+        assert backend.read_gpu(0).reading.pcie_width == 4  # after the loss: read again
+        gpu.pcie_width = (2, 16)
+        backend.stop()
+        backend.start()
+        assert backend.read_gpu(0).reading.pcie_width == 2

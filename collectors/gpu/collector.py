@@ -3,9 +3,10 @@
 One `ctx.call` per GPU per round, under the key `nvml:gpu<index>`: a GPU whose driver call hangs
 is reported unresponsive and not called again until that call returns, while the other GPUs
 keep reporting. Static facts are read at start, every `static_refresh_interval` and when the
-GPU set changes; costly reads (PCIe replays, retired pages, NVLink) every `slow_interval`, and
-the energy counter (about 3.3 ms per call on the H200) every `energy_interval`, GPM activity
-(Hopper and later) every `gpm_interval`, against the sample the last GPM read kept. No NVIDIA driver is a normal outcome for this collector, not a failure: it
+GPU set changes; costly reads (PCIe replays, the link width, retired pages, NVLink) every
+`slow_interval`, and the energy counter (about 3.3 ms per call on the H200) every
+`energy_interval`, GPM activity (Hopper and later) every `gpm_interval`, against the sample the
+last GPM read kept. No NVIDIA driver is a normal outcome for this collector, not a failure: it
 reports `gpuwarden_nvml_up 0` and one event, and tries `nvmlInit` again every
 `nvml_retry_interval`.
 
@@ -96,7 +97,8 @@ class GpuSettings(CollectorSettings):
         60.0,
         minimum=1.0,
         maximum=86400.0,
-        help="seconds between costly reads: PCIe replays, retired pages, NVLink",
+        help="seconds between costly reads: PCIe replays, the PCIe link width, retired pages, "
+        "NVLink",
     )
     energy_interval: float = setting(
         300.0,
