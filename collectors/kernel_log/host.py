@@ -543,7 +543,10 @@ class OomMatcher(Assembling[Ready]):
 #   python3: attempt to access beyond end of device
 #   sda1: rw=1, sector=123456, nr_sectors = 8 limit=100000
 # before: `attempt to access beyond end of device` / `sda1: rw=0, want=2048, limit=1024`.
-_BEYOND = re.compile(r"(?:(?P<task>\S+): )?attempt to access beyond end of device")
+# Found by its words, then the task read from just before them: a pattern that began with
+# the optional `\S+: ` would try it from every place in a line (tests/test_kernel_log_hostile.py).
+_BEYOND = re.compile(r"attempt to access beyond end of device")
+_BEYOND_TASK = re.compile(r"(?:^|\s)(?P<task>\S{1,64}): $")
 _BEYOND_DEVICE = re.compile(rf"(?m)^\s*(?P<device>{_DEV}): rw=\d+, (?:want|sector)=")
 
 
@@ -581,7 +584,8 @@ class BeyondEndMatcher(Assembling[_Beyond]):
         yield from self._open.advance(record)
         message = record.message
         if (start := _BEYOND.search(message)) is not None:
-            state = _Beyond(record, start["task"] or "")
+            task = _BEYOND_TASK.search(message, max(0, start.start() - 80), start.start())
+            state = _Beyond(record, task["task"] if task is not None else "")
             device = _BEYOND_DEVICE.search(message, start.end())
             if device is not None:
                 state.device = device["device"]

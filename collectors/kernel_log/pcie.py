@@ -39,15 +39,26 @@ from collectors.kernel_log.parse import LogRecord
 PCIE_KINDS: Final = ("pcie_error", "gpu_init_failed")
 
 _BDF: Final = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
-_AER_PREFIX: Final = rf"(?P<driver>[\w.-]+) (?P<bdf>{_BDF}): (?:AER: )?"
+# Each line is found by its fixed words, and the device (`<driver> <bdf>: [AER: ]`) read from
+# just before them, with every field bounded: a pattern that began with the driver's name would
+# try it from every place in a line, the square of its length (tests/test_kernel_log_hostile.py).
+_AER_SOURCE = re.compile(rf"(?:^|\s)(?P<driver>[\w.-]{{1,64}}) (?P<bdf>{_BDF}): (?:AER: )?\s*$")
 _AER_HEADER = re.compile(
-    _AER_PREFIX + r"PCIe Bus Error: severity=(?P<severity>[^,]+), type=(?P<type>[^,]+),"
-    r" (?:id=[0-9a-fA-F]{4})?\((?P<agent>[^)]*)\)"
+    r"PCIe Bus Error: severity=(?P<severity>[^,]{1,40}), type=(?P<type>[^,]{1,40}),"
+    r" (?:id=[0-9a-fA-F]{4})?\((?P<agent>[^)]{0,40})\)"
 )
 _AER_DEVICE = re.compile(
-    _AER_PREFIX + r"\s*device \[(?P<vendor>[0-9a-fA-F]{4}):(?P<device_id>[0-9a-fA-F]{4})\] "
+    r"device \[(?P<vendor>[0-9a-fA-F]{4}):(?P<device_id>[0-9a-fA-F]{4})\] "
     r"error status/mask=(?P<status>[0-9a-fA-F]{8})/(?P<mask>[0-9a-fA-F]{8})"
 )
+
+
+def _aer_source(message: str, match: re.Match[str]) -> re.Match[str] | None:
+    """The `<driver> <bdf>: ` right before a line's fixed words (None: the words stand
+    elsewhere, so this is no AER line)."""
+    return _AER_SOURCE.search(message, max(0, match.start() - 120), match.start())
+
+
 # The device line follows its header at once, unless another CPU's line comes between.
 AER_REACH: Final = 8
 
@@ -210,19 +221,21 @@ class AerMatcher(Assembling[_Aer]):
     def feed(self, record: LogRecord) -> Iterator[Finding]:
         yield from self._open.advance(record)
         message = record.message
-        if (header := _AER_HEADER.search(message)) is not None:
+        header = _AER_HEADER.search(message)
+        if header is not None and (source := _aer_source(message, header)) is not None:
             state = _Aer(
                 record,
-                header["driver"],
-                header["bdf"].lower(),
+                source["driver"],
+                source["bdf"].lower(),
                 header["severity"],
                 header["type"],
                 header["agent"],
             )
             yield from self._open.hold(state.bdf, state)
             return
-        if (device := _AER_DEVICE.search(message)) is not None:
-            key = device["bdf"].lower()
+        device = _AER_DEVICE.search(message)
+        if device is not None and (source := _aer_source(message, device)) is not None:
+            key = source["bdf"].lower()
             held = self._open.get(key)
             if held is not None and not held.vendor:
                 held.add_device(device)
