@@ -36,6 +36,7 @@ from typing import Any, Final
 import structlog
 
 from agent.contracts.errors import ModelError
+from agent.contracts.json_text import parse_json
 from agent.contracts.model import ActiveRepair, RepairAction, Severity
 from agent.program.control_client import reachable
 from agent.runtime.core import Runtime
@@ -128,7 +129,7 @@ class ControlServer:
         try:
             if error:
                 raise ValueError(error)
-            request = json.loads(line)
+            request = parse_json(line)
         except ValueError as exc:
             return _error(f"expected one JSON object on a line: {exc}")
         if not isinstance(request, dict):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.contracts.json_text import parse_json
 from collectors.checkpoints.formats import (
     Structure,
     Unreadable,
@@ -251,7 +252,7 @@ def _read_directory(directory: Path) -> Structure:
 
 def _load_json(path: Path) -> object:
     try:
-        return json.loads(path.read_text())
+        return parse_json(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Unreadable(f"{path}: not valid JSON ({exc})") from None
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.contracts.errors import GpuwardenError
+from agent.contracts.json_text import parse_json
 
 # zipfile and pickletools are imported where a checkpoint file is read: only the checkpoints
 # collector reads one, and only once it finds one, while a module the daemon imports stays
@@ -99,7 +100,7 @@ def read_safetensors(path: Path) -> Structure:
             )
         raw = handle.read(length)
     try:
-        header = json.loads(raw)
+        header = parse_json(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise Unreadable(f"{path}: the header is not JSON ({exc})") from None
     if not isinstance(header, dict):

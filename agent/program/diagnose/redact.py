@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from agent.contracts.json_text import JsonTooDeep, decode_json_at, parse_json
+
 MARKER_PREFIX: Final = "[REDACTED:"
 _MARKER = re.compile(r"\[REDACTED:[a-z0-9_]+(?::\d+ (?:chars|items))?\]")
 MAX_PASSES: Final = 4
@@ -404,12 +406,15 @@ class Redactor:
         stripped = text.strip()
         if stripped[:1] in "{[" and len(stripped) > 1:
             try:
-                data = json.loads(stripped)
+                data = parse_json(stripped)
+                before = counts["prompt"]
+                new = _walk(data, counts, in_conversation=False)
+            except (JsonTooDeep, RecursionError):
+                # What cannot be read into cannot be shown to hold no prompt.
+                return _too_deep(text, counts) + ("\n" if text.endswith("\n") else "")
             except ValueError:
                 pass
             else:
-                before = counts["prompt"]
-                new = _walk(data, counts, in_conversation=False)
                 if counts["prompt"] == before:
                     return text
                 return json.dumps(new, ensure_ascii=False, indent=2) + (
@@ -426,11 +431,14 @@ class Redactor:
         if start < 0:
             return line
         try:
-            data, end = json.JSONDecoder().raw_decode(line, start)
+            data, end = decode_json_at(line, start)
+            before = counts["prompt"]
+            new = _walk(data, counts, in_conversation=False)
+        except (JsonTooDeep, RecursionError):
+            ending = "\n" if line.endswith("\n") else ""
+            return line[:start] + _too_deep(line[start:].rstrip("\n"), counts) + ending
         except ValueError:
             return _PROMPT_FALLBACK.sub(lambda m: _fallback_prompt(m, line, counts), line)
-        before = counts["prompt"]
-        new = _walk(data, counts, in_conversation=False)
         if counts["prompt"] == before:
             return line
         return line[:start] + json.dumps(new, ensure_ascii=False) + line[end:]
@@ -541,6 +549,12 @@ def _fallback_prompt(match: re.Match[str], line: str, counts: Counter[str]) -> s
         return match.group(0)
     counts["prompt"] += 1
     return f'"{key}": "{_prompt_marker(value)}"'
+
+
+def _too_deep(text: str, counts: Counter[str]) -> str:
+    """JSON nested deeper than the parser (or the walk after it) can follow: it goes whole."""
+    counts["deep_json"] += 1
+    return f"{MARKER_PREFIX}deep_json:{len(text)} chars]"
 
 
 def _walk(node: Any, counts: Counter[str], *, in_conversation: bool) -> Any:
