@@ -10,7 +10,6 @@ and objects nested 100 000 deep."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 import struct
@@ -19,15 +18,11 @@ from pathlib import Path
 import pytest
 
 from agent.contracts.json_text import JsonTooDeep, decode_json_at, parse_json
-from agent.program import config_file as config
-from agent.program import registry
-from agent.program.control import ControlServer
 from agent.program.control_client import socket_path
 from agent.program.diagnose.redact import Redactor
-from agent.runtime.core import Runtime
-from agent.runtime.state import StateStore
 from collectors.checkpoints.detect import Candidate, verify_structure
 from collectors.checkpoints.formats import Unreadable
+from tests.support.control import controlled_runtime
 
 DEPTH = 100_000
 
@@ -103,17 +98,7 @@ def test_redaction_leaves_out_what_it_cannot_read_into() -> None:
 
 async def test_a_control_request_of_it_is_answered(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
-    state_dir.mkdir(mode=0o700)
-    cfg = config.parse({"prometheus": {"enabled": False}})
-    cfg = dataclasses.replace(
-        cfg, core=dataclasses.replace(cfg.core, state_dir=state_dir), collectors={}
-    )
-    store = StateStore.open(state_dir)
-    runtime = Runtime(cfg, store, collectors={}, sinks=registry.SINKS, boot_id="boot-a")
-    await runtime.start()
-    control = ControlServer(runtime, socket_path(state_dir))
-    await control.start()
-    try:
+    async with controlled_runtime(state_dir):
         reader, writer = await asyncio.open_unix_connection(str(socket_path(state_dir)))
         writer.write(b"[" * 3000 + b"\n")  # within the 4 KiB a request may be
         await writer.drain()
@@ -121,7 +106,3 @@ async def test_a_control_request_of_it_is_answered(tmp_path: Path) -> None:
         writer.close()
         assert reply.get("ok") is not True
         assert "JSON" in json.dumps(reply)
-    finally:
-        await control.stop()
-        await runtime.stop()
-        store.close()

@@ -17,14 +17,12 @@ from typing import Any
 import pytest
 
 from agent.contracts.model import Event, RepairAction, Severity
-from agent.program import config_file as config
-from agent.program import registry
-from agent.program.control import ControlServer
-from agent.program.control_client import request, socket_path
+from agent.program.control_client import request
 from agent.runtime.core import Runtime
 from agent.runtime.repairs import RepairLedger
 from agent.runtime.state import StateStore
 from tests.support.agent_proc import run_gpuwarden
+from tests.support.control import controlled_runtime
 from tests.support.waiting import until
 
 R = RepairAction
@@ -57,33 +55,19 @@ class Agent:
 @pytest.fixture
 async def agent(tmp_path: Path) -> AsyncIterator[Agent]:
     state_dir = tmp_path / "state"
-    state_dir.mkdir(mode=0o700)
-    cfg = config.parse({"prometheus": {"enabled": False}})
-    cfg = dataclasses.replace(
-        cfg, core=dataclasses.replace(cfg.core, state_dir=state_dir), collectors={}
-    )
-    store = StateStore.open(state_dir)
-    runtime = Runtime(cfg, store, collectors={}, sinks=registry.SINKS, boot_id="boot-a")
-    events: list[Event] = []
-    runtime.subscribe(events.append)
-    await runtime.start()
-    control = ControlServer(runtime, socket_path(state_dir))
-    await control.start()
-    for event in (
-        finding("xid", R.REBOOT_NODE, "GPU-old"),
-        finding("xid", R.HARDWARE_INSPECTION, "GPU-old"),
-        finding("row_remap_failure", R.HARDWARE_INSPECTION, "GPU-old", source="gpu"),
-        finding("xid", R.RESET_GPU, "GPU-2"),
-        finding("filesystem_space_low", R.CHECK_STORAGE, "/data", source="disk"),
-    ):
-        runtime.emit(event)
-    await runtime.settle()
-    try:
+    async with controlled_runtime(state_dir) as runtime:
+        events: list[Event] = []
+        runtime.subscribe(events.append)
+        for event in (
+            finding("xid", R.REBOOT_NODE, "GPU-old"),
+            finding("xid", R.HARDWARE_INSPECTION, "GPU-old"),
+            finding("row_remap_failure", R.HARDWARE_INSPECTION, "GPU-old", source="gpu"),
+            finding("xid", R.RESET_GPU, "GPU-2"),
+            finding("filesystem_space_low", R.CHECK_STORAGE, "/data", source="disk"),
+        ):
+            runtime.emit(event)
+        await runtime.settle()
         yield Agent(runtime, state_dir, events)
-    finally:
-        await control.stop()
-        await runtime.stop()
-        store.close()
 
 
 class TestList:

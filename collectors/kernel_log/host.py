@@ -71,6 +71,15 @@ def _hardware_repair(severity: Severity) -> RepairAction:
 _DEV: Final = r"[\w.:/-]+"
 
 
+def _edac(kind: str) -> re.Pattern[str]:
+    """An EDAC report of `kind` errors (`CE` corrected, `UE` uncorrected), with the DIMM's
+    label after ` on ` where the driver knows it."""
+    return re.compile(
+        rf"EDAC (?:\w+ )?MC(?P<mc>\d+): (?:(?P<count>\d+) )?{kind}\b.*?"
+        r"(?P<where> on (?P<device>[^\s(]+))?(?: \(|$)"
+    )
+
+
 @dataclass(frozen=True)
 class _Rule:
     kind: str
@@ -337,10 +346,7 @@ _RULES: Final[Sequence[_Rule]] = (
     _Rule(
         "memory_error",
         "uncorrected memory error",
-        re.compile(
-            r"EDAC (?:\w+ )?MC(?P<mc>\d+): (?:(?P<count>\d+) )?UE\b.*?"
-            r"(?P<where> on (?P<device>[^\s(]+))?(?: \(|$)"
-        ),
+        _edac("UE"),
         Severity.CRITICAL,
         "the memory controller MC{mc} reported uncorrected host memory errors{where}: data "
         "in host memory was lost",
@@ -353,10 +359,7 @@ _RULES: Final[Sequence[_Rule]] = (
     _Rule(
         "memory_error",
         "corrected memory error",
-        re.compile(
-            r"EDAC (?:\w+ )?MC(?P<mc>\d+): (?:(?P<count>\d+) )?CE\b.*?"
-            r"(?P<where> on (?P<device>[^\s(]+))?(?: \(|$)"
-        ),
+        _edac("CE"),
         Severity.WARNING,
         "the memory controller MC{mc} corrected host memory errors{where}",
         "corrected errors at a low rate are normal: watch the count (rasdaemon: ras-mc-ctl "
