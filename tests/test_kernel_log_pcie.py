@@ -285,3 +285,28 @@ async def test_live_a_gpu_aer_report_is_named_by_the_gpu(
     assert bdf in raised.aliases
     assert raised.repair_action is RepairAction.REBOOT_NODE
     assert raised.attributes["uuid"] == IDENTITY["uuid"]
+
+
+@pytest.mark.parametrize(
+    ("driver", "bdf", "pci_bus_id", "device"),
+    [
+        # Intel VMD puts the devices behind it in domains from 10000 (drivers/pci/controller/vmd.c)
+        ("nvme", "10000:01:00.0", "", "10000:01:00.0"),
+        ("pcieport", "10000:00:02.0", "", "10000:00:02.0"),
+        # a GPU there cannot be named as NVML names it (a domain of 4 digits): by its address,
+        # and still a GPU's fatal error
+        ("nvidia", "10000:e1:00.0", "", "10000:e1:00.0"),
+        ("nvidia", "0001:41:00.0", "0001:41:00.0", ""),
+    ],
+)
+def test_a_device_in_any_pci_domain(driver: str, bdf: str, pci_bus_id: str, device: str) -> None:
+    lines = aer_lines(
+        (driver, bdf, "8086:0a54"), "Uncorrected (Fatal)", "4.19 on", "00000020", "00000000"
+    )
+    (finding,) = in_shape("dmesg", lines[:2])
+    assert (finding.kind, finding.pci_bus_id, finding.device) == ("pcie_error", pci_bus_id, device)
+    assert finding.to_dict()["pci_device_id"] == "8086:0a54"
+    assert finding.severity is Severity.CRITICAL
+    gpu = driver == "nvidia"
+    assert finding.repair_action is (RepairAction.REBOOT_NODE if gpu else RepairAction.INVESTIGATE)
+    assert ("GPU" in finding.meaning) is gpu

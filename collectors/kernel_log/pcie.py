@@ -39,10 +39,12 @@ from collectors.kernel_log.parse import LogRecord
 PCIE_KINDS: Final = ("pcie_error", "gpu_init_failed")
 
 _BDF: Final = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+# Any device's address: Intel VMD puts the devices behind it in domains from 10000.
+_ANY_BDF: Final = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 # Each line is found by its fixed words, and the device (`<driver> <bdf>: [AER: ]`) read from
 # just before them, with every field bounded: a pattern that began with the driver's name would
 # try it from every place in a line, the square of its length (tests/test_kernel_log_hostile.py).
-_AER_SOURCE = re.compile(rf"(?:^|\s)(?P<driver>[\w.-]{{1,64}}) (?P<bdf>{_BDF}): (?:AER: )?\s*$")
+_AER_SOURCE = re.compile(rf"(?:^|\s)(?P<driver>[\w.-]{{1,64}}) (?P<bdf>{_ANY_BDF}): (?:AER: )?\s*$")
 _AER_HEADER = re.compile(
     r"PCIe Bus Error: severity=(?P<severity>[^,]{1,40}), type=(?P<type>[^,]{1,40}),"
     r" (?:id=[0-9a-fA-F]{4})?\((?P<agent>[^)]{0,40})\)"
@@ -144,7 +146,11 @@ class _Aer:
 
     def finding(self) -> Finding:
         klass = _aer_class(self.severity_words)
+        # Only a GPU's address is a pci_bus_id: it ties the finding to the GPU (its UUID, its
+        # pause). Any other device, and a GPU at an address NVML cannot have (a domain past
+        # ffff), is named as a device.
         gpu = self.driver == "nvidia"
+        address = pci_or_empty(self.bdf) if gpu else ""
         what = f"the GPU {self.bdf}" if gpu else f"the PCIe device {self.bdf} ({self.driver})"
         errors = self.attributes.get("errors")
         detail = f": {errors}" if errors else ""
@@ -200,10 +206,8 @@ class _Aer:
             action=action,
             repair_action=repair,
             record=self.record,
-            # Only a GPU's address is a pci_bus_id: it ties the finding to the GPU (its
-            # UUID, its pause); any other device is named as a device.
-            pci_bus_id=pci_or_empty(self.bdf) if gpu else "",
-            device="" if gpu else self.bdf.lower(),
+            pci_bus_id=address,
+            device="" if address else self.bdf.lower(),
             name=f"PCIe {klass} error",
             attributes=attributes,
         )
