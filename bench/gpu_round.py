@@ -159,8 +159,9 @@ async def side_by_side(
 ) -> tuple[Timing, Timing, Timing, Timing | None, float]:
     """Steady rounds, the same rounds with every answer awaited through the loop (no wait in
     place: what the agent did before), the same calls bare, and nvidia-smi, taken in turns
-    (`batch` of each, then one nvidia-smi call), so that all see the machine in the same
-    state: on the lent H200 medians of runs taken one after the other differed by up to half.
+    (`batch` of each, each kind first in turn, then one nvidia-smi call), so that all see the
+    machine in the same state: on the lent H200 medians of runs taken one after the other
+    differed by up to half.
     Also the median over batches of (round / bare), each pair taken moments apart.
 
     `gap`: seconds of idle before each round and each bare replay, as the agent runs them
@@ -188,25 +189,26 @@ async def side_by_side(
         await collector.collect(CollectContext(caller, now, 0))
     ratios: list[float] = []
     number = 0
+    bare_batch = (bare, None, None)
+    takers: list[tuple[Timing, PooledCaller | None, GpuCollector | None]] = [*rounds, bare_batch]
     while len(steady.wall) < runs:
         first = len(steady.wall)
-        for timing, caller, collector in rounds:
+        # Each kind goes first in turn: the batch after an nvidia-smi call (a new process that
+        # leaves the caches cold) is not always the agent's round, nor always the bare calls.
+        shift = (first // batch) % len(takers)
+        for timing, taker_caller, taker in takers[shift:] + takers[:shift]:
             for _ in range(batch):
-                number += 1
-                now += 1.0
                 if gap:
                     await asyncio.sleep(gap)
                 cpu0, wall0 = time.process_time(), time.perf_counter()
-                await collector.collect(CollectContext(caller, now, number))
+                if taker is None or taker_caller is None:
+                    replay(calls)
+                else:
+                    number += 1
+                    now += 1.0
+                    await taker.collect(CollectContext(taker_caller, now, number))
                 timing.wall.append(time.perf_counter() - wall0)
                 timing.cpu.append(time.process_time() - cpu0)
-        for _ in range(batch):
-            if gap:
-                await asyncio.sleep(gap)
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-            replay(calls)
-            bare.wall.append(time.perf_counter() - wall0)
-            bare.cpu.append(time.process_time() - cpu0)
         ratios.append(statistics.median(steady.wall[first:]) / statistics.median(bare.wall[first:]))
         if smi is not None:
             smi_wall, smi_cpu = nvidia_smi_once()
