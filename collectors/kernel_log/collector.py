@@ -31,6 +31,7 @@ from agent.contracts.collector import (
     CollectorSpec,
 )
 from agent.contracts.model import (
+    CLEARS_ALL,
     GPU_LABELS,
     AttributeValue,
     Collection,
@@ -166,7 +167,27 @@ class _Holdoff:
     last: float
     severity: Severity
     """The worst raised in this holdoff: a finding worse than it is news."""
+    clears: tuple[str, ...] = ()
+    """What the finding that opened it clears (an all-clear's kinds)."""
     suppressed: int = 0
+
+
+def _end_turn(
+    holdoff: dict[tuple[str, ...], _Holdoff], key: tuple[str, ...], finding: Finding
+) -> None:
+    """A fault and its all-clear take turns: raising one ends the other's holdoff on the same
+    subject, so that a file server that stops answering again after its `OK` (or a slot whose
+    link goes down again) is news, and so is the all-clear after it. Keys are (kind, subject,
+    name, code)."""
+    kind, subject = key[0], key[1]
+    for other in [k for k in holdoff if k[1] == subject and k != key]:
+        held = holdoff[other]
+        if _clears(finding.clears, other[0]) or _clears(held.clears, kind):
+            del holdoff[other]
+
+
+def _clears(clears: tuple[str, ...], kind: str) -> bool:
+    return kind in clears or CLEARS_ALL in clears
 
 
 @dataclass
@@ -398,7 +419,8 @@ class KernelLogCollector:
             held.suppressed += 1
             self.suppressed[finding.kind] += 1
             return None
-        holdoff[key] = _Holdoff(when, finding.severity)
+        _end_turn(holdoff, key, finding)
+        holdoff[key] = _Holdoff(when, finding.severity, finding.clears)
         return held.suppressed if held is not None else 0
 
     def _subject(self, finding: Finding) -> str:

@@ -26,6 +26,10 @@ from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors._xid import normalize_pci_bus_id
 from collectors.kernel_log.parse import LogRecord
 
+# Any PCI device's address as the kernel prints it: Intel VMD puts the devices behind it in
+# domains from 10000.
+ANY_BDF: Final = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+
 
 @dataclass(frozen=True, slots=True)
 class Finding:

@@ -1,6 +1,9 @@
-"""Host findings in the kernel log: disks, RAID, file systems, NVMe, OOM kills, hung tasks, host
-memory errors (EDAC), and what a log saved after a crash shows (panic, oops, CPU lockups, machine checks, firmware
-(CPER) hardware errors). Each has a kind, a short name, a severity, a meaning and an action.
+"""Host findings in the kernel log: disks, RAID, file systems, NVMe, network file servers, OOM
+kills, hung tasks, RCU stalls, CPUs throttled for heat, host memory errors (EDAC), an NVIDIA
+driver whose kernel module and libraries differ in version, PCIe ports that contained an error
+or lost a slot's link, and what a log saved after a crash shows (panic, oops, CPU lockups,
+machine checks, firmware (CPER) hardware errors). Each has a kind, a short name, a severity, a
+meaning and an action; a line that ends a fault (`nfs: server ... OK`) clears it.
 
 Formats are the kernel's printk strings, by file: block/blk-core.c, fs/buffer.c, fs/ext4
 (super.c, page-io.c), fs/ext3 (before 4.3), fs/jbd2/journal.c, fs/xfs, fs/btrfs, drivers/md
@@ -8,18 +11,22 @@ Formats are the kernel's printk strings, by file: block/blk-core.c, fs/buffer.c,
 mm/oom_kill.c (and RHEL 7's wording), kernel/hung_task.c, kernel/panic.c,
 arch/x86/kernel/dumpstack.c and arch/x86/mm/fault.c, kernel/watchdog.c,
 arch/x86/kernel/cpu/mce/core.c, drivers/edac/edac_mc.c, drivers/acpi/apei/ghes.c with
-drivers/firmware/efi/cper.c.
+drivers/firmware/efi/cper.c, net/sunrpc/clnt.c, fs/smb/client/connect.c, kernel/rcu/tree_stall.h
+and tree_exp.h, drivers/thermal/intel/therm_throt.c, drivers/pci/pcie/dpc.c,
+drivers/pci/hotplug/pciehp_ctrl.c, and NVIDIA's osapi.c and nvidia-modeset (the wordings of
+each version: tests/fixtures/kernel_log/corpus/SOURCES.md).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
 from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors.kernel_log.finding import (
+    ANY_BDF,
     Assembling,
     Finding,
     Matcher,
@@ -43,6 +50,10 @@ HOST_KINDS: Final = (
     "machine_check",
     "memory_error",
     "hardware_error",
+    "network_storage",
+    "cpu_throttled",
+    "driver_mismatch",
+    "pcie_link_down",
 )
 
 R = RepairAction
@@ -57,6 +68,12 @@ HOST_REPAIR: Final[dict[str, RepairAction]] = {
     "kernel_panic": R.REBOOT_NODE,
     "kernel_oops": R.REBOOT_NODE,
     "cpu_lockup": R.INVESTIGATE,
+    # A file server that stops answering hangs every job that reads or writes there.
+    "network_storage": R.CHECK_STORAGE,
+    "cpu_throttled": R.CHECK_COOLING,
+    # The kernel module loaded is not the one the installed libraries need: a restart loads it.
+    "driver_mismatch": R.REBOOT_NODE,
+    "pcie_link_down": R.INVESTIGATE,
 }
 """The repair of each host kind; machine_check, memory_error and hardware_error depend on the
 record (`_hardware_repair`). A test holds that every kind has one."""
@@ -97,6 +114,10 @@ class _Rule:
     fixed: Mapping[str, AttributeValue] = field(default_factory=dict)
     repair: RepairAction | None = None
     """The repair where the kind's (`HOST_REPAIR`) depends on the record."""
+    clears: tuple[str, ...] = ()
+    """An all-clear (`nfs: server ... OK`): the kinds it clears for its subject."""
+    derived: Callable[[Mapping[str, str]], Mapping[str, AttributeValue]] | None = None
+    """Attributes worked out from the match's groups (a register decoded, a word lowered)."""
 
 
 _DISK_ACTION = (
@@ -108,6 +129,44 @@ _READ_ONLY_ACTION = (
     "file-system error before this line, check the disk, then unmount and repair the file "
     "system ({repair}) before remounting it read-write"
 )
+
+
+def _dpc_source(values: Mapping[str, str]) -> dict[str, AttributeValue]:
+    """The device whose error the port contained. Before 6.16 the line gives its requester id
+    (`source:0x4100`: bus, device and function in 16 bits; 0 when not known) in the port's
+    domain; from 6.16 its address, and only when it is known."""
+    out: dict[str, AttributeValue] = {}
+    if values.get("status"):
+        out["dpc_status"] = values["status"].lower()
+    if values.get("from"):
+        out["source_pci_bus_id"] = values["from"].lower()
+        return out
+    requester = int(values["source"], 16) if values.get("source") else 0
+    if requester:
+        domain = values["device"].split(":", 1)[0]
+        bus, slot, function = requester >> 8, (requester >> 3) & 0x1F, requester & 0x7
+        out["source_pci_bus_id"] = f"{domain}:{bus:02x}:{slot:02x}.{function}".lower()
+    return out
+
+
+def _throttle_level(values: Mapping[str, str]) -> dict[str, AttributeValue]:
+    return {"level": values["level"].lower()}
+
+
+def _storage_program(values: Mapping[str, str]) -> dict[str, AttributeValue]:
+    """The RPC program that timed out (`nfs`, `lockd`, ...), or `cifs`."""
+    return {"program": values.get("program") or "cifs"}
+
+
+_NOT_ANSWERING = (
+    "processes reading or writing files there hang (in D state) until it answers; a job "
+    "stuck in I/O with a healthy GPU is often this"
+)
+_SERVER_ACTION = (
+    "check the file server {device} and the network path to it (ping, the storage network's "
+    "links, the server's own logs); jobs recover on their own when it answers again"
+)
+
 
 # {device}, {process}, {pid}, {seconds} ... in meaning/action are filled from the match.
 _RULES: Final[Sequence[_Rule]] = (
@@ -425,6 +484,216 @@ _RULES: Final[Sequence[_Rule]] = (
         ("hard LOCKUP",),
         numbers={"cpu": "cpu"},
     ),
+    # net/sunrpc/clnt.c rpc_check_timeout (call_timeout before 5.1) and call_decode, written
+    # without a prefix: the RPC program (`nfs`, `lockd`, ...) and the server as mounted. At
+    # most once per RPC task, rate-limited from about 5.1.
+    _Rule(
+        "network_storage",
+        "file server not responding",
+        re.compile(
+            r"^(?P<program>[\w.-]{1,32}): server (?P<device>\S{1,255}) not responding, "
+            r"still trying"
+        ),
+        Severity.WARNING,
+        "the file server {device} stopped answering ({program}): " + _NOT_ANSWERING,
+        _SERVER_ACTION,
+        ("not responding, still trying",),
+        derived=_storage_program,
+    ),
+    _Rule(
+        "network_storage",
+        "file server timed out",
+        re.compile(
+            r"^(?P<program>[\w.-]{1,32}): server (?P<device>\S{1,255}) not responding, "
+            r"timed out"
+        ),
+        Severity.CRITICAL,
+        "the file server {device} stopped answering ({program}) and a soft mount gave up: "
+        "reads and writes there failed with I/O errors (a checkpoint being written may be "
+        "incomplete)",
+        _SERVER_ACTION + "; check the files written while it was down",
+        ("not responding, timed out",),
+        derived=_storage_program,
+    ),
+    _Rule(
+        "network_storage",
+        "file server answers again",
+        re.compile(r"^(?P<program>[\w.-]{1,32}): server (?P<device>\S{1,255}) OK$"),
+        Severity.INFO,
+        "the file server {device} answers again ({program})",
+        "nothing: jobs that waited on it carry on",
+        (": server ",),
+        repair=R.NONE,
+        clears=("network_storage",),
+        derived=_storage_program,
+    ),
+    # fs/smb/client (fs/cifs before 6.4) connect.c server_unresponsive: up to 5.3 `CIFS VFS:
+    # Server <host> has not responded...`, from 5.4 `\\<host> has not responded...`, with
+    # the prefix `CIFS: VFS: ` from 5.8.
+    _Rule(
+        "network_storage",
+        "file server not responding",
+        re.compile(
+            r"CIFS:? VFS: (?:Server |\\\\)(?P<device>[^\s\\]{1,255}) has not responded in "
+            r"(?P<seconds>\d{1,9}) seconds"
+        ),
+        Severity.WARNING,
+        "the SMB file server {device} has not answered for {seconds} s and the client "
+        "reconnects: " + _NOT_ANSWERING,
+        _SERVER_ACTION,
+        ("has not responded in",),
+        numbers={"seconds": "silent_seconds"},
+        derived=_storage_program,
+    ),
+    # kernel/rcu/tree_stall.h (tree.c before 5.2) and tree_exp.h; `rcu: ` from 4.19. The
+    # flavour is rcu_sched or rcu_preempt (also rcu_bh before 4.20).
+    _Rule(
+        "cpu_lockup",
+        "RCU stall",
+        re.compile(
+            r"INFO: (?P<flavor>rcu_\w{1,16}) (?:self-detected stall on CPU|detected "
+            r"(?:expedited )?stalls on CPUs/tasks)"
+        ),
+        Severity.WARNING,
+        "a CPU did not pass through a quiescent state for RCU ({flavor}) for over 20 s: a "
+        "driver or the kernel held it in a loop or with interrupts off, and tasks waiting on "
+        "RCU hang meanwhile",
+        "look at the stack trace after this line (the module it names: nvidia, a file system, "
+        "a network driver); if stalls repeat, drain the node and restart it",
+        ("self-detected stall on CPU", "stalls on CPUs/tasks"),
+        texts={"flavor": "rcu_flavor"},
+    ),
+    # therm_throt.c (arch/x86/kernel/cpu/mcheck, then mce with pr_fmt `mce: ` from about 5.0,
+    # drivers/thermal/intel from 5.12). 5.5 changed the words (`is above threshold, cpu clock
+    # is throttled`) and added the count to the all-clear. At most once per 300 s per CPU.
+    _Rule(
+        "cpu_throttled",
+        "CPU throttled for heat",
+        re.compile(
+            r"CPU(?P<cpu>\d{1,5}): (?P<level>Core|Package) temperature (?:is )?above threshold, "
+            r"cpu clock (?:is )?throttled(?: \(total events = (?P<count>\d{1,12})\))?"
+        ),
+        Severity.WARNING,
+        "the host CPUs are too hot (CPU {cpu}'s {level} temperature passed its threshold) and "
+        "run at lower clocks: data loading and every CPU-side step of a job slow down",
+        "check the node's cooling (fans, inlet temperature, the BMC's sensor log) and "
+        "whether the CPU load is normal for this job",
+        ("above threshold, cpu clock",),
+        numbers={"cpu": "cpu", "count": "throttle_events"},
+        derived=_throttle_level,
+    ),
+    _Rule(
+        "cpu_throttled",
+        "CPU temperature normal",
+        re.compile(r"CPU(?P<cpu>\d{1,5}): (?P<level>Core|Package) temperature/speed normal"),
+        Severity.INFO,
+        "the host CPUs' temperature and clocks are back to normal (CPU {cpu}'s {level})",
+        "nothing",
+        ("temperature/speed normal",),
+        numbers={"cpu": "cpu"},
+        repair=R.NONE,
+        clears=("cpu_throttled",),
+        derived=_throttle_level,
+    ),
+    # NVIDIA's osapi.c (open-gpu-kernel-modules), one printk over four or five lines: 515-570
+    # `the client has the version <v>, but / this kernel module has the version <v>.`, from
+    # 575 `the client '<comm>' (pid <n>) / has the version <v>, but this kernel module has /
+    # the version <v>.` A `dmesg` line holds only the first of them.
+    _Rule(
+        "driver_mismatch",
+        "NVIDIA driver version mismatch",
+        re.compile(
+            r"NVRM: API mismatch: the client(?: '(?P<client>[^'\n]{0,64})' "
+            r"\(pid (?P<client_pid>\d{1,10})\))?(?:\s+(?:NVRM: )?has the version|"
+            r" has the version)?(?: (?P<client_version>\d[\w.-]{0,63}?), but)?"
+            r"(?:\s+(?:NVRM: )?this kernel module has\s+(?:NVRM: )?the version "
+            r"(?P<module_version>\d[\w.-]{0,63}?)\.\s)?"
+        ),
+        Severity.CRITICAL,
+        "the NVIDIA kernel module loaded is not the version of the driver's libraries: no "
+        "program can use the GPUs (CUDA and NVML fail with 'Driver/library version "
+        "mismatch'); a driver upgrade that is not in effect until the next restart does this",
+        "restart the node to load the kernel module that matches the installed driver (or, "
+        "with no process on the GPUs, unload and reload the nvidia modules); in a container, "
+        "check that the runtime mounts the host's driver libraries",
+        ("API mismatch",),
+        numbers={"client_pid": "client_pid"},
+        texts={
+            "client": "client",
+            "client_version": "client_version",
+            "module_version": "module_version",
+        },
+    ),
+    # NVIDIA's nvidia-modeset (nvidia-modeset-linux.c): the modules loaded differ in version.
+    _Rule(
+        "driver_mismatch",
+        "NVIDIA driver version mismatch",
+        re.compile(
+            r"Version mismatch: (?P<first>nvidia[\w-]{0,16}\.ko)\((?P<a>[^)\s]{1,64})\) "
+            r"(?P<second>nvidia[\w-]{0,16}\.ko)\((?P<b>[^)\s]{1,64})\)"
+        ),
+        Severity.CRITICAL,
+        "the NVIDIA kernel modules loaded are of different versions ({first} {a}, {second} "
+        "{b}): a driver upgrade is half in effect",
+        "restart the node so that every NVIDIA module is loaded from the installed driver",
+        ("Version mismatch: nvidia",),
+    ),
+    # drivers/pci/pcie/dpc.c: 4.9-4.18 on the port service device (`dpc <bdf>:pcie008: DPC
+    # containment event, status:... source:...`), 5.3-6.15 `<driver> <bdf>: DPC: containment
+    # event, status:... source:...` (its `... detected` line after it says no more), from 6.16
+    # one line naming the source only when it is valid.
+    _Rule(
+        "pcie_link_down",
+        "PCIe port contained an error",
+        re.compile(
+            rf"(?P<device>{ANY_BDF})(?::pcie\d{{2,3}})?: DPC:? containment event, "
+            r"status:(?P<status>0x[0-9a-fA-F]{1,8})(?: source:(?P<source>0x[0-9a-fA-F]{1,8})|"
+            rf".{{0,40}}? received from (?P<from>{ANY_BDF}))?"
+        ),
+        Severity.CRITICAL,
+        "the PCIe port {device} took its link down to contain an uncorrectable error "
+        "(Downstream Port Containment): the devices below it stopped answering and are "
+        "recovered or removed; a GPU there is lost to its jobs",
+        "find the device below {device} (lspci -t) and its AER report just before this line; "
+        "if it is a GPU or NIC that does not come back, drain the node and restart it",
+        ("containment event",),
+        derived=_dpc_source,
+    ),
+    # drivers/pci/hotplug: pciehp_ctrl.c from 4.19 (pciehp_hpc.c 4.2-4.18, the same words);
+    # `pciehp <bdf>:pcie004: ` before 5.3, `<driver> <bdf>: pciehp: ` from 5.3; before 4.2
+    # `slot(<n>): Link Down event` and `Card not present on Slot(<n>)`. `Link Down/Up ignored`
+    # (DPC recovered the link) is no fault.
+    _Rule(
+        "pcie_link_down",
+        "PCIe slot lost its device",
+        re.compile(
+            rf"(?P<device>{ANY_BDF})(?::pcie\d{{2,3}})?: (?:pciehp: )?"
+            r"(?:[Ss]lot\((?P<slot>[^)\s]{1,32})\): (?:Link Down(?!/)|Card not present)|"
+            r"Card not present on Slot\((?P<old_slot>[^)\s]{1,32})\))"
+        ),
+        Severity.WARNING,
+        "the PCIe slot below port {device} lost its link or its card: the device there "
+        "(a GPU, a NIC, an NVMe drive) is gone until it trains again",
+        "if nobody removed it, find what was in the slot (lspci -t, the gpu collector's PCI "
+        "count); a GPU or NIC that does not come back needs the node drained and restarted",
+        ("Link Down", "Card not present"),
+        texts={"slot": "slot", "old_slot": "slot"},
+    ),
+    _Rule(
+        "pcie_link_down",
+        "PCIe slot link up",
+        re.compile(
+            rf"(?P<device>{ANY_BDF})(?::pcie\d{{2,3}})?: (?:pciehp: )?[Ss]lot\("
+            r"(?P<slot>[^)\s]{1,32})\): Link Up(?!/)"
+        ),
+        Severity.INFO,
+        "the PCIe slot below port {device} has its link up again",
+        "check that the device in it came back (lspci, the gpu collector's PCI count)",
+        ("Link Up",),
+        texts={"slot": "slot"},
+        repair=R.NONE,
+        clears=("pcie_link_down",),
+    ),
 )
 
 
@@ -442,6 +711,8 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
     for group, key in rule.texts.items():
         if values.get(group):
             attributes[key] = values[group].strip()
+    if rule.derived is not None:
+        attributes.update(rule.derived(values))
     return Finding(
         kind=rule.kind,
         severity=rule.severity,
@@ -453,6 +724,7 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
         process=values.get("process", ""),
         pid=number(values.get("pid")),
         name=rule.name,
+        clears=rule.clears,
         attributes=attributes,
     )
 

@@ -29,6 +29,7 @@ from typing import Final
 
 from agent.contracts.model import AttributeValue, RepairAction, Severity
 from collectors.kernel_log.finding import (
+    ANY_BDF,
     Assembling,
     Finding,
     OpenRecords,
@@ -39,12 +40,10 @@ from collectors.kernel_log.parse import LogRecord
 PCIE_KINDS: Final = ("pcie_error", "gpu_init_failed")
 
 _BDF: Final = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
-# Any device's address: Intel VMD puts the devices behind it in domains from 10000.
-_ANY_BDF: Final = r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 # Each line is found by its fixed words, and the device (`<driver> <bdf>: [AER: ]`) read from
 # just before them, with every field bounded: a pattern that began with the driver's name would
 # try it from every place in a line, the square of its length (tests/test_kernel_log_hostile.py).
-_AER_SOURCE = re.compile(rf"(?:^|\s)(?P<driver>[\w.-]{{1,64}}) (?P<bdf>{_ANY_BDF}): (?:AER: )?\s*$")
+_AER_SOURCE = re.compile(rf"(?:^|\s)(?P<driver>[\w.-]{{1,64}}) (?P<bdf>{ANY_BDF}): (?:AER: )?\s*$")
 _AER_HEADER = re.compile(
     r"PCIe Bus Error: severity=(?P<severity>[^,]{1,40}), type=(?P<type>[^,]{1,40}),"
     r" (?:id=[0-9a-fA-F]{4})?\((?P<agent>[^)]{0,40})\)"
