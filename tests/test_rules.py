@@ -369,3 +369,16 @@ class TestRepairRules:
         named = set(re.findall(r"\b[a-z]+(?:_[a-z]+)+\b", " ".join(DRAIN_ACTIONS)))
         assert named <= {a.value for a in RepairAction}
         assert {RepairAction.NONE, RepairAction.RESTART_APPLICATION} == NOT_HELD
+
+    def test_investigate_pages_at_critical_only(self) -> None:
+        """A held `investigate` has no remedy to queue, but at critical (a PCIe port that
+        contained an error, a hard lockup) it must not pass unseen; below that it stays quiet."""
+        rule = alert_rules()["GpuwardenCriticalToInvestigate"]
+        selector = re.search(r"gpuwarden_repair_required\{([^}]*)\}", rule["expr"])
+        assert selector is not None
+        assert 'action="investigate"' in selector[1]
+        severities = re.search(r'severity=~"([a-z_|]+)"', selector[1])
+        assert severities is not None
+        assert set(severities[1].split("|")) == {
+            s.label for s in Severity if s >= Severity.CRITICAL
+        }
