@@ -51,6 +51,7 @@ STORAGE = "network_storage"
 THROTTLED = "cpu_throttled"
 MISMATCH = "driver_mismatch"
 LINK = "pcie_link_down"
+NET = "network_link"
 
 LINES = [
     # net/sunrpc/clnt.c rpc_check_timeout (call_timeout before 5.1) and call_decode: the RPC
@@ -309,6 +310,134 @@ LINES = [
         R.NONE,
         (LINK,),
     ),
+    # drivers/pci/pcie/err.c pcie_do_recovery, on the port (`AER: ` from 4.19; `AER: Device`
+    # in aerdrv_core.c before): a containment the kernel recovered from, or could not
+    Line(
+        "pcieport 0000:00:1c.0: AER: device recovery successful",
+        LINK,
+        "0000:00:1c.0",
+        Severity.INFO,
+        R.NONE,
+        (LINK,),
+    ),
+    Line(
+        "pcieport 0000:00:1c.0: AER: Device recovery successful",
+        LINK,
+        "0000:00:1c.0",
+        Severity.INFO,
+        R.NONE,
+        (LINK,),
+    ),
+    Line(
+        "pcieport 0000:00:1c.0: AER: device recovery failed",
+        LINK,
+        "0000:00:1c.0",
+        Severity.CRITICAL,
+        R.INVESTIGATE,
+    ),
+    # A NIC's link (netdev_info: `<driver> <bus address> <interface>: ...`): mlx5e_update_carrier,
+    # Intel's e1000e, igb (its own name again), ixgbe, i40e, ice, Broadcom's bnxt_en and tg3;
+    # drivers/net/bonding/bond_main.c (`(slave %s)` from 4.x, `for interface %s` before)
+    Line(
+        "mlx5_core 0000:17:00.0 ens1f0np0: Link down",
+        NET,
+        "ens1f0np0",
+        Severity.WARNING,
+        R.INVESTIGATE,
+        attributes={"driver": "mlx5_core", "pci_address": "0000:17:00.0"},
+    ),
+    Line(
+        "mlx5_core 0000:17:00.0 ens1f0np0: Link up", NET, "ens1f0np0", Severity.INFO, R.NONE, (NET,)
+    ),
+    Line(
+        "ice 0000:31:00.0 ens801f0: NIC Link is Down",
+        NET,
+        "ens801f0",
+        Severity.WARNING,
+        R.INVESTIGATE,
+    ),
+    Line(
+        "igb 0000:03:00.0 eno1: igb: eno1 NIC Link is Down",
+        NET,
+        "eno1",
+        Severity.WARNING,
+        R.INVESTIGATE,
+    ),
+    Line(
+        "ixgbe 0000:01:00.0 eth0: NIC Link is Up 10 Gbps, Flow Control: RX/TX",
+        NET,
+        "eth0",
+        Severity.INFO,
+        R.NONE,
+        (NET,),
+    ),
+    Line(
+        "bnxt_en 0000:3b:00.0 ens2f0np0: NIC Link is Up, 100000 Mbps (NRZ) full duplex, Flow "
+        "control: none",
+        NET,
+        "ens2f0np0",
+        Severity.INFO,
+        R.NONE,
+        (NET,),
+    ),
+    Line("tg3 0000:01:00.0 eno2: Link is down", NET, "eno2", Severity.WARNING, R.INVESTIGATE),
+    Line(
+        "tg3 0000:01:00.0 eno2: Link is up at 1000 Mbps, full duplex",
+        NET,
+        "eno2",
+        Severity.INFO,
+        R.NONE,
+        (NET,),
+    ),
+    Line(
+        "bond0: (slave ens1f1): link status definitely down, disabling slave",
+        NET,
+        "ens1f1",
+        Severity.WARNING,
+        R.INVESTIGATE,
+        attributes={"bond": "bond0"},
+    ),
+    Line(
+        "bond0: link status definitely down for interface ens1f1, disabling it",
+        NET,
+        "ens1f1",
+        Severity.WARNING,
+        R.INVESTIGATE,
+    ),
+    Line(
+        "bond0: (slave ens1f1): link status definitely up, 25000 Mbps full duplex",
+        NET,
+        "ens1f1",
+        Severity.INFO,
+        R.NONE,
+        (NET,),
+    ),
+    # net/sched/sch_generic.c dev_watchdog: `%s (%s): transmit queue %u timed out`, in 6.x
+    # through netdev_crit as `CPU: %d: transmit queue %u timed out %u ms`
+    Line(
+        "NETDEV WATCHDOG: ens1f0np0 (mlx5_core): transmit queue 12 timed out 5340 ms",
+        NET,
+        "ens1f0np0",
+        Severity.WARNING,
+        R.INVESTIGATE,
+        attributes={"driver": "mlx5_core"},
+    ),
+    Line(
+        "ice 0000:b1:00.0 ens801f0np0: NETDEV WATCHDOG: CPU: 38: transmit queue 14 timed out "
+        "5376 ms",
+        NET,
+        "ens801f0np0",
+        Severity.WARNING,
+        R.INVESTIGATE,
+        attributes={"driver": "ice", "tx_queue": 14},
+    ),
+    Line(
+        "NETDEV WATCHDOG: eth0 (e1000e): transmit queue 0 timed out",
+        NET,
+        "eth0",
+        Severity.WARNING,
+        R.INVESTIGATE,
+    ),
 ]
 
 QUIET = [
@@ -330,6 +459,11 @@ QUIET = [
     # DPC recovered the link: pciehp says it let the bounce pass
     "pcieport 0000:00:1c.0: pciehp: Slot(21): Link Down/Up ignored",
     "pcieport 0000:00:1c.0: pciehp: Slot(21) Powering on due to button press",
+    "mlx5_core 0000:17:00.0: firmware version: 28.39.1002",
+    "mlx5_core 0000:17:00.0 ens1f0np0: renamed from eth0",
+    "ice 0000:31:00.0: The DDP package was successfully loaded: ICE OS Default Package",
+    "bond0: (slave ens1f1): Enslaving as a backup interface with a down link",
+    "IPv6: ADDRCONF(NETDEV_CHANGE): ens1f0np0: link becomes ready",
 ]
 
 
@@ -422,6 +556,18 @@ FLAPS = [
             for n in range(8)
         ],
         [f"CPU{n}: Package temperature/speed normal" for n in range(8)],
+    ),
+    Flap(
+        "a NIC whose link goes down twice",
+        NET,
+        ["mlx5_core 0000:17:00.0 ens1f0np0: Link down"],
+        ["mlx5_core 0000:17:00.0 ens1f0np0: Link up"],
+    ),
+    Flap(
+        "a PCIe port that contains an error twice and recovers",
+        LINK,
+        ["pcieport 0000:00:1c.0: DPC: containment event, status:0x1f01 source:0x4100"],
+        ["pcieport 0000:00:1c.0: AER: device recovery successful"],
     ),
     Flap(
         "a slot whose link goes down twice",

@@ -1,8 +1,8 @@
 """Host findings in the kernel log: disks, RAID, file systems, NVMe, network file servers, OOM
 kills, hung tasks, RCU stalls, CPUs throttled for heat, host memory errors (EDAC), an NVIDIA
 driver whose kernel module and libraries differ in version, PCIe ports that contained an error
-or lost a slot's link, and what a log saved after a crash shows (panic, oops, CPU lockups,
-machine checks, firmware (CPER) hardware errors). Each has a kind, a short name, a severity, a
+or lost a slot's link, NIC links and transmit timeouts, and what a log saved after a crash
+shows (panic, oops, CPU lockups, machine checks, firmware (CPER) hardware errors). Each has a kind, a short name, a severity, a
 meaning and an action; a line that ends a fault (`nfs: server ... OK`) clears it.
 
 Formats are the kernel's printk strings, by file: block/blk-core.c, fs/buffer.c, fs/ext4
@@ -13,8 +13,9 @@ arch/x86/kernel/dumpstack.c and arch/x86/mm/fault.c, kernel/watchdog.c,
 arch/x86/kernel/cpu/mce/core.c, drivers/edac/edac_mc.c, drivers/acpi/apei/ghes.c with
 drivers/firmware/efi/cper.c, net/sunrpc/clnt.c, fs/smb/client/connect.c, kernel/rcu/tree_stall.h
 and tree_exp.h, drivers/thermal/intel/therm_throt.c, drivers/pci/pcie/dpc.c,
-drivers/pci/hotplug/pciehp_ctrl.c, and NVIDIA's osapi.c and nvidia-modeset (the wordings of
-each version: tests/fixtures/kernel_log/corpus/SOURCES.md).
+drivers/pci/pcie/err.c, drivers/pci/hotplug/pciehp_ctrl.c, NIC drivers through netdev_info,
+drivers/net/bonding, net/sched/sch_generic.c, and NVIDIA's osapi.c and nvidia-modeset (the
+wordings of each version: tests/fixtures/kernel_log/corpus/SOURCES.md).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ HOST_KINDS: Final = (
     "cpu_throttled",
     "driver_mismatch",
     "pcie_link_down",
+    "network_link",
 )
 
 R = RepairAction
@@ -74,6 +76,8 @@ HOST_REPAIR: Final[dict[str, RepairAction]] = {
     # The kernel module loaded is not the one the installed libraries need: a restart loads it.
     "driver_mismatch": R.REBOOT_NODE,
     "pcie_link_down": R.INVESTIGATE,
+    # A NIC of the training network going down stalls every collective on the node.
+    "network_link": R.INVESTIGATE,
 }
 """The repair of each host kind; machine_check, memory_error and hardware_error depend on the
 record (`_hardware_repair`). A test holds that every kind has one."""
@@ -165,6 +169,30 @@ _NOT_ANSWERING = (
 _SERVER_ACTION = (
     "check the file server {device} and the network path to it (ping, the storage network's "
     "links, the server's own logs); jobs recover on their own when it answers again"
+)
+
+
+# netdev_info's prefix (net/core/dev.c __netdev_printk): `<driver> <bus address> <interface>: `;
+# a device without a parent prints the interface alone.
+_NETDEV: Final = (
+    r"(?:(?:^|\s)(?P<driver>[\w.-]{1,32}) (?P<address>[\w.:-]{1,64}) )?"
+    r"(?P<device>[\w.@-]{1,32}): "
+)
+
+
+def _netdev(values: Mapping[str, str]) -> dict[str, AttributeValue]:
+    out: dict[str, AttributeValue] = {}
+    if values.get("driver") or values.get("old_driver"):
+        out["driver"] = values.get("driver") or values["old_driver"]
+    if values.get("address"):
+        out["pci_address"] = values["address"]
+    return out
+
+
+_LINK_ACTION = (
+    "check the link of {device} (ip -s link, ethtool {device}, the switch port); if nobody took "
+    "it down, look at the cable or transceiver and the NIC's firmware; jobs whose collectives "
+    "run over it (NCCL) stall or fail while it is down"
 )
 
 
@@ -694,6 +722,115 @@ _RULES: Final[Sequence[_Rule]] = (
         repair=R.NONE,
         clears=("pcie_link_down",),
     ),
+    # drivers/pci/pcie/err.c pcie_do_recovery, on the port (`AER: ` from 4.19, aerdrv_core.c's
+    # `AER: Device recovery ...` before): the devices below a contained error came back, or not.
+    _Rule(
+        "pcie_link_down",
+        "PCIe port recovered",
+        re.compile(rf"(?P<device>{ANY_BDF}): (?:AER: )?[Dd]evice recovery successful"),
+        Severity.INFO,
+        "the kernel recovered the devices below PCIe port {device} after an error (the link "
+        "was reset and their drivers resumed)",
+        "check that the devices below it work again (lspci, the gpu collector's PCI count)",
+        ("recovery successful",),
+        repair=R.NONE,
+        clears=("pcie_link_down",),
+    ),
+    _Rule(
+        "pcie_link_down",
+        "PCIe recovery failed",
+        re.compile(rf"(?P<device>{ANY_BDF}): (?:AER: )?[Dd]evice recovery failed"),
+        Severity.CRITICAL,
+        "the kernel could not recover the devices below PCIe port {device} after an error: "
+        "they stay unusable (a GPU there is lost until the node restarts)",
+        "find the device below {device} (lspci -t) and its AER or DPC report before this line; "
+        "drain the node and restart it; if it fails again, have the device and its slot looked at",
+        ("recovery failed",),
+    ),
+    # A NIC's link, through netdev_info: mlx5e_update_carrier (`Link down`, `Link up`), Intel's
+    # e1000e, ixgbe, i40e, ice and Broadcom's bnxt_en (`NIC Link is Down`, `NIC Link is Up ...`,
+    # igb with `igb: <interface> ` before it), tg3 (`Link is down`, `Link is up at ...`),
+    # phylib's phy_print_status (`Link is Down`, `Link is Up - ...`).
+    _Rule(
+        "network_link",
+        "network link down",
+        re.compile(
+            _NETDEV + r"(?:[\w-]{1,16}: [\w.@-]{1,32} )?(?:NIC Link is Down|Link down|"
+            r"Link is [Dd]own)"
+        ),
+        Severity.WARNING,
+        "the network interface {device} lost its link",
+        _LINK_ACTION,
+        ("Link is Down", "Link down", "Link is down"),
+        derived=_netdev,
+    ),
+    _Rule(
+        "network_link",
+        "network link up",
+        re.compile(
+            _NETDEV + r"(?:[\w-]{1,16}: [\w.@-]{1,32} )?(?:NIC Link is Up|Link up|Link is [Uu]p)"
+        ),
+        Severity.INFO,
+        "the network interface {device} has its link again",
+        "nothing; if it went down unasked, watch it for flaps (ip -s link, ethtool -S {device})",
+        ("Link is Up", "Link up", "Link is up"),
+        repair=R.NONE,
+        clears=("network_link",),
+        derived=_netdev,
+    ),
+    # drivers/net/bonding/bond_main.c: `(slave <interface>): link status definitely down,
+    # disabling slave` (slave_info, 4.x on), before `link status definitely down for interface
+    # <interface>, disabling it`; `definitely up` when it is back.
+    _Rule(
+        "network_link",
+        "bond member down",
+        re.compile(
+            r"(?P<bond>[\w.@-]{1,32}): (?:\(slave (?P<device>[\w.@-]{1,32})\): link status "
+            r"definitely down|link status definitely down for interface "
+            r"(?P<old_device>[\w.@-]{1,32}))"
+        ),
+        Severity.WARNING,
+        "the bond {bond} disabled its member {device}: its link went down; the bond runs on the "
+        "members left, with less bandwidth (or none, if it was the last)",
+        _LINK_ACTION,
+        ("link status definitely down",),
+        texts={"bond": "bond"},
+    ),
+    _Rule(
+        "network_link",
+        "bond member up",
+        re.compile(
+            r"(?P<bond>[\w.@-]{1,32}): (?:\(slave (?P<device>[\w.@-]{1,32})\): link status "
+            r"definitely up|link status definitely up for interface (?P<old_device>[\w.@-]{1,32}))"
+        ),
+        Severity.INFO,
+        "the bond {bond} has its member {device} back",
+        "nothing",
+        ("link status definitely up",),
+        texts={"bond": "bond"},
+        repair=R.NONE,
+        clears=("network_link",),
+    ),
+    # net/sched/sch_generic.c dev_watchdog: `NETDEV WATCHDOG: <interface> (<driver>): transmit
+    # queue <n> timed out`; in 6.x through netdev_crit, `NETDEV WATCHDOG: CPU: <n>: transmit
+    # queue <n> timed out <ms> ms`.
+    _Rule(
+        "network_link",
+        "network transmit timeout",
+        re.compile(
+            r"(?:" + _NETDEV + r")?NETDEV WATCHDOG: (?:(?P<old_device>[\w.@-]{1,32}) "
+            r"\((?P<old_driver>[\w.-]{1,32})\)|CPU: \d{1,5}): transmit queue "
+            r"(?P<queue>\d{1,5}) timed out(?: (?P<waited>\d{1,12}) ms)?"
+        ),
+        Severity.WARNING,
+        "the network interface {device} sent nothing from a transmit queue for seconds: the "
+        "NIC or its driver hung and is being reset; traffic over it stalls meanwhile",
+        "if it repeats, look at the NIC's firmware and driver (ethtool -i {device}) and the "
+        "kernel log around this line; jobs whose collectives run over it (NCCL) time out",
+        ("NETDEV WATCHDOG",),
+        numbers={"queue": "tx_queue", "waited": "waited_ms"},
+        derived=_netdev,
+    ),
 )
 
 
@@ -704,6 +841,8 @@ class _Blank(dict[str, str]):
 
 def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Finding:
     values = {k: v or "" for k, v in match.groupdict().items()}
+    # A pattern cannot name two groups alike: an older wording's device is `old_device`.
+    values["device"] = values.get("device") or values.get("old_device", "")
     attributes: dict[str, AttributeValue] = dict(rule.fixed)
     for group, key in rule.numbers.items():
         if values.get(group):
