@@ -22,6 +22,11 @@ import pytest
 
 from agent.contracts.collector import MemoryKeyValueStore
 from agent.contracts.model import Event, RepairAction, Sample, Severity
+from agent.program.commands.scan import EXIT_CLEAN, EXIT_WARNINGS
+from agent.program.commands.scan import exit_code as scan_exit_code
+from agent.program.diagnose.findings import Finding as CheckFinding
+from agent.program.diagnose.findings import Status
+from agent.program.diagnose.kernel_findings import KernelLogScan, classify_kernel_log
 from agent.runtime.repairs import RepairLedger
 from collectors.kernel_log.matchers import KINDS, Finding
 from tests.support.klog_shapes import SHAPES
@@ -639,3 +644,52 @@ async def test_an_all_clear_for_another_subject_holds_nothing_back(
         ("nas02", Severity.WARNING),
         ("nas02", Severity.INFO),
     ]
+
+
+# -- check and scan judge what the log says now ----------------------------------------------------
+
+
+def _check_lines(*messages: str) -> list[CheckFinding]:
+    return classify_kernel_log(
+        KernelLogScan("test", records_read=len(messages), findings=scan(*messages))
+    )
+
+
+@pytest.mark.parametrize("flap", FLAPS, ids=[f.case for f in FLAPS])
+def test_check_calls_a_fault_the_log_shows_ended_ok(flap: Flap) -> None:
+    """`gpuwarden check` judges a host as it is: a fault its all-clear ended is history (the
+    line says so, and counts every line), one raised again after it is current."""
+    [ended] = _check_lines(*flap.down, *flap.up)
+    assert ended.status is Status.OK, ended.detail
+    assert ended.repair_action is RepairAction.NONE
+    assert "ended" in ended.detail
+    assert ended.data["count"] == len(flap.down) + len(flap.up)
+    [again] = _check_lines(*flap.down, *flap.up, *flap.down)
+    assert again.status in (Status.WARN, Status.FAIL), again.detail
+    assert again.repair_action.required
+    [current] = _check_lines(*flap.down)
+    assert (current.status, current.repair_action) == (again.status, again.repair_action)
+
+
+def test_an_all_clear_ends_only_its_own_subject() -> None:
+    lines = _check_lines(
+        "nfs: server nas01 not responding, still trying",
+        "nfs: server nas02 not responding, still trying",
+        "nfs: server nas02 OK",
+    )
+    assert sorted((line.subject, line.status) for line in lines) == [
+        ("nas01", Status.WARN),
+        ("nas02", Status.OK),
+    ]
+
+
+def test_scan_of_all_clears_alone_exits_clean() -> None:
+    """A boot's `Link up` lines are no reason for `gpuwarden scan` to say there are warnings."""
+    clears = scan(
+        "mlx5_core 0000:17:00.0 ens1f0np0: Link up",
+        "pcieport 0000:00:1c.0: AER: device recovery successful",
+    )
+    assert clears and all(f.severity is Severity.INFO for f in clears)
+    assert scan_exit_code(clears) == EXIT_CLEAN
+    warning = scan("mlx5_core 0000:17:00.0 ens1f0np0: Link down")
+    assert scan_exit_code([*clears, *warning]) == EXIT_WARNINGS

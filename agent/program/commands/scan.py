@@ -138,10 +138,11 @@ def scan_stream(
 
 
 def exit_code(findings: Sequence[Finding]) -> int:
-    if not findings:
-        return EXIT_CLEAN
-    worst = max(f.severity for f in findings)
-    return EXIT_CRITICAL if worst >= Severity.CRITICAL else EXIT_WARNINGS
+    """By the worst finding; info alone (an all-clear, a corrected PCIe error) is clean."""
+    worst = max((f.severity for f in findings), default=Severity.INFO)
+    if worst >= Severity.CRITICAL:
+        return EXIT_CRITICAL
+    return EXIT_WARNINGS if worst >= Severity.WARNING else EXIT_CLEAN
 
 
 def _where(finding: Finding) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.contracts.collector import CollectorSettings, MemoryKeyValueStore
+from agent.contracts.model import CLEARS_ALL
 from agent.contracts.pause import PauseHistory, PauseWindow
 from agent.program.diagnose.findings import Finding, Status
 from collectors._xid_catalog import CatalogError, catalog
@@ -254,10 +255,21 @@ def _paused_lines(paused: Sequence[tuple[LogFinding, PauseWindow]]) -> list[Find
     return lines
 
 
+def _ends(finding: LogFinding, kind: str) -> bool:
+    """An all-clear of `kind` (`nfs: server ... OK` for network_storage)."""
+    return kind in finding.clears or CLEARS_ALL in finding.clears
+
+
 def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -> Finding:
+    """One line per kind, code and subject, judged by what the log says now: the findings
+    after the last all-clear of the kind (all of them when there is none)."""
     kind, code, where = key
-    first = found[0]
-    worst = max(f.severity for f in found)
+    ended = max((i for i, f in enumerate(found) if _ends(f, kind)), default=None)
+    if ended is not None and ended == len(found) - 1:
+        return _ended_line(key, found)
+    current = found if ended is None else found[ended + 1 :]
+    first = current[0]
+    worst = max(f.severity for f in current)
     what = (
         f"Xid {code}"
         if kind == "xid"
@@ -269,7 +281,7 @@ def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -
     times = f" ({len(found)} times)" if len(found) > 1 else ""
     label = f"{first.name}: " if first.name else ""
     detail = f"{label}{first.meaning}{times}. First: {format_record(first.record)[:200]}"
-    repair = max(found, key=lambda f: f.severity).repair_action
+    repair = max(current, key=lambda f: f.severity).repair_action
     data: dict[str, int] = {"count": len(found)}
     if code is not None:
         data["code"] = code
@@ -280,6 +292,27 @@ def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -
         detail,
         first.action,
         repair,
+        check=kind,
+        subject=where,
+        data=data,
+    )
+
+
+def _ended_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -> Finding:
+    """The last word of the log on it is its all-clear: history, not a fault of the host now."""
+    kind, code, where = key
+    end = found[-1]
+    faults = [f for f in found if not _ends(f, kind)]
+    was = f"{faults[0].name or kind.replace('_', ' ')} ({len(faults)} times), " if faults else ""
+    detail = f"{was}ended: {end.name}. Last: {format_record(end.record)[:200]}"
+    data: dict[str, int] = {"count": len(found)}
+    if code is not None:
+        data["code"] = code
+    return Finding(
+        AREA,
+        f"{kind.replace('_', ' ')} {where}".strip(),
+        Status.OK,
+        detail,
         check=kind,
         subject=where,
         data=data,
