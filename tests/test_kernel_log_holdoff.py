@@ -15,8 +15,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent.contracts.model import Event, Severity
+from collectors.kernel_log.collector import _Holdoff, _Holdoffs
+from collectors.kernel_log.matchers import MatcherSet
+from collectors.kernel_log.parse import LogRecord
 from tests.support.kmsg import FakeKmsg
 from tests.test_kmsg_collector import Harness, executor, value
 
@@ -160,3 +165,65 @@ async def test_a_lesser_finding_after_a_worse_one_is_held_back(
     assert (
         value(samples, "gpuwarden_kernel_log_suppressed_events_total", kind="hardware_error") == 2
     )
+
+
+def test_a_flood_of_subjects_costs_in_proportion_to_its_size(tmp_path: Path) -> None:
+    """A read holds up to 50,000 records: a flood of findings about as many subjects (hung
+    tasks, each its own pid) must cost each finding a look at its own subject's holdoff, not
+    at every subject's. Time grows with the count, never with its square: four times the
+    findings take about four times as long (sixteen if each looked at every other)."""
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        collector = Harness(tmp_path, FakeKmsg.with_records([]), executor).collector
+    finally:
+        executor.shutdown()
+    records = [
+        LogRecord(
+            message=f"INFO: task python3:{1000 + i} blocked for more than 120 seconds.", line=i
+        )
+        for i in range(20_000)
+    ]
+    findings = list(MatcherSet().scan(records))
+    assert len(findings) == len(records)
+
+    def handled(count: int) -> float:
+        best = float("inf")
+        for attempt in range(3):
+            collector._holdoff.clear()
+            now = time.time()
+            start = time.perf_counter()
+            for i, finding in enumerate(findings[:count]):
+                collector._handle(finding, now, False, ("flood", str(attempt), str(i)))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    small, large = handled(5_000), handled(20_000)
+    assert large / small < 8, f"5,000 in {small:.3f} s, 20,000 in {large:.3f} s"
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["fault", "clear", "other", "prune"]),
+            st.sampled_from(["s1", "s2"]),
+            st.floats(0, 1000),
+        ),
+        max_size=40,
+    )
+)
+def test_the_index_of_subjects_stays_whole(steps: list[tuple[str, str, float]]) -> None:
+    """Whatever opens and prunes come, each open holdoff is found under its subject: an
+    all-clear and its fault always see each other."""
+    holdoffs = _Holdoffs()
+    for what, subject, when in steps:
+        if what == "prune":
+            holdoffs.prune(when)
+            continue
+        kind = "other_kind" if what == "other" else "k"
+        clears = ("k",) if what == "clear" else ()
+        holdoffs.open((kind, subject, what, "None"), _Holdoff(when, Severity.WARNING, clears))
+        fault, clear = (("k", subject, n, "None") for n in ("fault", "clear"))
+        assert holdoffs.get(fault) is None or holdoffs.get(clear) is None
+    indexed = {key for keys in holdoffs._keys.values() for key in keys}
+    assert indexed == set(holdoffs._held)
+    assert all(keys for keys in holdoffs._keys.values())

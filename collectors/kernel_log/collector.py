@@ -172,18 +172,52 @@ class _Holdoff:
     suppressed: int = 0
 
 
-def _end_turn(
-    holdoff: dict[tuple[str, ...], _Holdoff], key: tuple[str, ...], finding: Finding
-) -> None:
-    """A fault and its all-clear take turns: raising one ends the other's holdoff on the same
-    subject, so that a file server that stops answering again after its `OK` (or a slot whose
-    link goes down again) is news, and so is the all-clear after it. Keys are (kind, subject,
-    name, code)."""
-    kind, subject = key[0], key[1]
-    for other in [k for k in holdoff if k[1] == subject and k != key]:
-        held = holdoff[other]
-        if _clears(finding.clears, other[0]) or _clears(held.clears, kind):
-            del holdoff[other]
+_Key = tuple[str, ...]
+"""A holdoff's key: (kind, subject, name, code)."""
+
+
+class _Holdoffs:
+    """The open holdoffs by key, and the keys of each subject. A fault and its all-clear take
+    turns: raising one ends the other's holdoff on the same subject, so that a file server that
+    stops answering again after its `OK` (or a slot whose link goes down again) is news, and
+    so is the all-clear after it. They are found among the subject's own keys: a look at every
+    key would make a read of 50,000 findings about as many subjects (hung tasks, each its own
+    pid) cost its square."""
+
+    def __init__(self) -> None:
+        self._held: dict[_Key, _Holdoff] = {}
+        self._keys: dict[str, set[_Key]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def get(self, key: _Key) -> _Holdoff | None:
+        return self._held.get(key)
+
+    def open(self, key: _Key, held: _Holdoff) -> None:
+        """A new holdoff for `key` (its finding raised an event); the other side's ends."""
+        subject = key[1]
+        for other in [k for k in self._keys.get(subject, ()) if k != key]:
+            if _clears(held.clears, other[0]) or _clears(self._held[other].clears, key[0]):
+                self._drop(other)
+        self._held[key] = held
+        self._keys.setdefault(subject, set()).add(key)
+
+    def prune(self, horizon: float) -> None:
+        """Forget the holdoffs whose last event is older than `horizon`."""
+        for key in [k for k, held in self._held.items() if held.last < horizon]:
+            self._drop(key)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._keys.clear()
+
+    def _drop(self, key: _Key) -> None:
+        del self._held[key]
+        keys = self._keys[key[1]]
+        keys.discard(key)
+        if not keys:
+            del self._keys[key[1]]
 
 
 def _clears(clears: tuple[str, ...], kind: str) -> bool:
@@ -216,8 +250,8 @@ class KernelLogCollector:
         self.suppressed: Counter[str] = Counter()
         self.pauses = deps.shared.get(PauseHistory, PauseHistory)
         self.paused_findings: Counter[str] = Counter(dict.fromkeys(sorted(PAUSABLE_KINDS), 0))
-        self._holdoff: dict[tuple[str, ...], _Holdoff] = {}
-        self._paused_holdoff: dict[tuple[str, ...], _Holdoff] = {}
+        self._holdoff = _Holdoffs()
+        self._paused_holdoff = _Holdoffs()
         """Apart from `_holdoff`: what the reset logs must not hold back the same finding
         logged right after the resume (the GPU came back broken)."""
         self._more = False
@@ -399,8 +433,8 @@ class KernelLogCollector:
 
     def _held_back(
         self,
-        holdoff: dict[tuple[str, ...], _Holdoff],
-        key: tuple[str, ...],
+        holdoff: _Holdoffs,
+        key: _Key,
         when: float,
         finding: Finding,
     ) -> int | None:
@@ -419,8 +453,7 @@ class KernelLogCollector:
             held.suppressed += 1
             self.suppressed[finding.kind] += 1
             return None
-        _end_turn(holdoff, key, finding)
-        holdoff[key] = _Holdoff(when, finding.severity, finding.clears)
+        holdoff.open(key, _Holdoff(when, finding.severity, finding.clears))
         return held.suppressed if held is not None else 0
 
     def _subject(self, finding: Finding) -> str:
@@ -432,8 +465,8 @@ class KernelLogCollector:
         finding: Finding,
         when: float,
         predates: bool,
-        holdoff: dict[tuple[str, ...], _Holdoff],
-        key: tuple[str, ...],
+        holdoff: _Holdoffs,
+        key: _Key,
     ) -> Event | None:
         repeats = self._held_back(holdoff, key, when, finding)
         if repeats is None:
@@ -516,9 +549,8 @@ class KernelLogCollector:
 
     def _prune_holdoff(self, now: float) -> None:
         horizon = now - self.settings.repeat_holdoff
-        for holdoff in (self._holdoff, self._paused_holdoff):
-            for key in [k for k, held in holdoff.items() if held.last < horizon]:
-                del holdoff[key]
+        self._holdoff.prune(horizon)
+        self._paused_holdoff.prune(horizon)
 
 
 def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:
