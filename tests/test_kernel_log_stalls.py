@@ -387,6 +387,22 @@ LINES = [
     ),
     Line("tg3 0000:01:00.0 eno2: Link is down", NET, "eno2", Severity.WARNING, R.INVESTIGATE),
     Line(
+        "r8169 0000:02:00.0 enp2s0: Link is Down",
+        NET,
+        "enp2s0",
+        Severity.WARNING,
+        R.INVESTIGATE,
+        attributes={"driver": "r8169", "pci_address": "0000:02:00.0"},
+    ),
+    Line(
+        "r8169 0000:02:00.0 enp2s0: Link is Up - 1Gbps/Full - flow control rx/tx",
+        NET,
+        "enp2s0",
+        Severity.INFO,
+        R.NONE,
+        (NET,),
+    ),
+    Line(
         "tg3 0000:01:00.0 eno2: Link is up at 1000 Mbps, full duplex",
         NET,
         "eno2",
@@ -469,6 +485,9 @@ QUIET = [
     "ice 0000:31:00.0: The DDP package was successfully loaded: ICE OS Default Package",
     "bond0: (slave ens1f1): Enslaving as a backup interface with a down link",
     "IPv6: ADDRCONF(NETDEV_CHANGE): ens1f0np0: link becomes ready",
+    # a PCI function's own line names no interface: no name is made up from its address
+    "mlx5_core 0000:17:00.0: Link down",
+    "ata3: SATA link down (SStatus 0 SControl 300)",
 ]
 
 

@@ -173,10 +173,11 @@ _SERVER_ACTION = (
 
 
 # netdev_info's prefix (net/core/dev.c __netdev_printk): `<driver> <bus address> <interface>: `;
-# a device without a parent prints the interface alone.
+# a device without a parent prints the interface alone. An interface name starts with a letter
+# and after a space or the line's start: a PCI function's own `<driver> <address>: ` names none.
 _NETDEV: Final = (
-    r"(?:(?:^|\s)(?P<driver>[\w.-]{1,32}) (?P<address>[\w.:-]{1,64}) )?"
-    r"(?P<device>[\w.@-]{1,32}): "
+    r"(?:^|(?<=\s))(?:(?P<driver>[\w.-]{1,32}) (?P<address>[\w.:-]{1,64}) )?"
+    r"(?P<device>[A-Za-z][\w.@-]{0,31}): "
 )
 
 
