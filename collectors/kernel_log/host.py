@@ -124,6 +124,36 @@ class _Rule:
     """Attributes worked out from the match's groups (a register decoded, a word lowered)."""
 
 
+def _all_clear(
+    kind: str,
+    name: str,
+    pattern: re.Pattern[str],
+    meaning: str,
+    action: str,
+    *,
+    triggers: tuple[str, ...],
+    numbers: Mapping[str, str] | None = None,
+    texts: Mapping[str, str] | None = None,
+    derived: Callable[[Mapping[str, str]], Mapping[str, AttributeValue]] | None = None,
+) -> _Rule:
+    """A line that says the kind's fault is over on its subject (`nfs: server ... OK`): info,
+    no repair, and it clears that kind (the repair ledger and the holdoff both follow it)."""
+    return _Rule(
+        kind,
+        name,
+        pattern,
+        Severity.INFO,
+        meaning,
+        action,
+        triggers,
+        numbers=numbers or {},
+        texts=texts or {},
+        repair=R.NONE,
+        clears=(kind,),
+        derived=derived,
+    )
+
+
 _DISK_ACTION = (
     "check {device}'s health (smartctl -a, nvme smart-log) and the kernel log around this line; "
     "plan to replace the disk if errors repeat"
@@ -544,16 +574,13 @@ _RULES: Final[Sequence[_Rule]] = (
         ("not responding, timed out",),
         derived=_storage_program,
     ),
-    _Rule(
+    _all_clear(
         "network_storage",
         "file server answers again",
         re.compile(r"^(?P<program>[\w.-]{1,32}): server (?P<device>\S{1,255}) OK$"),
-        Severity.INFO,
         "the file server {device} answers again ({program})",
         "nothing: jobs that waited on it carry on",
-        (": server ",),
-        repair=R.NONE,
-        clears=("network_storage",),
+        triggers=(": server ",),
         derived=_storage_program,
     ),
     # fs/smb/client (fs/cifs before 6.4) connect.c server_unresponsive: up to 5.3 `CIFS VFS:
@@ -611,17 +638,14 @@ _RULES: Final[Sequence[_Rule]] = (
         numbers={"cpu": "cpu", "count": "throttle_events"},
         derived=_throttle_level,
     ),
-    _Rule(
+    _all_clear(
         "cpu_throttled",
         "CPU temperature normal",
         re.compile(r"CPU(?P<cpu>\d{1,5}): (?P<level>Core|Package) temperature/speed normal"),
-        Severity.INFO,
         "the host CPUs' temperature and clocks are back to normal (CPU {cpu}'s {level})",
         "nothing",
-        ("temperature/speed normal",),
+        triggers=("temperature/speed normal",),
         numbers={"cpu": "cpu"},
-        repair=R.NONE,
-        clears=("cpu_throttled",),
         derived=_throttle_level,
     ),
     # NVIDIA's osapi.c (open-gpu-kernel-modules), one printk over four or five lines: 515-570
@@ -708,34 +732,28 @@ _RULES: Final[Sequence[_Rule]] = (
         ("Link Down", "Card not present"),
         texts={"slot": "slot", "old_slot": "slot"},
     ),
-    _Rule(
+    _all_clear(
         "pcie_link_down",
         "PCIe slot link up",
         re.compile(
             rf"(?P<device>{ANY_BDF})(?::pcie\d{{2,3}})?: (?:pciehp: )?[Ss]lot\("
             r"(?P<slot>[^)\s]{1,32})\): Link Up(?!/)"
         ),
-        Severity.INFO,
         "the PCIe slot below port {device} has its link up again",
         "check that the device in it came back (lspci, the gpu collector's PCI count)",
-        ("Link Up",),
+        triggers=("Link Up",),
         texts={"slot": "slot"},
-        repair=R.NONE,
-        clears=("pcie_link_down",),
     ),
     # drivers/pci/pcie/err.c pcie_do_recovery, on the port (`AER: ` from 4.19, aerdrv_core.c's
     # `AER: Device recovery ...` before): the devices below a contained error came back, or not.
-    _Rule(
+    _all_clear(
         "pcie_link_down",
         "PCIe port recovered",
         re.compile(rf"(?P<device>{ANY_BDF}): (?:AER: )?[Dd]evice recovery successful"),
-        Severity.INFO,
         "the kernel recovered the devices below PCIe port {device} after an error (the link "
         "was reset and their drivers resumed)",
         "check that the devices below it work again (lspci, the gpu collector's PCI count)",
-        ("recovery successful",),
-        repair=R.NONE,
-        clears=("pcie_link_down",),
+        triggers=("recovery successful",),
     ),
     _Rule(
         "pcie_link_down",
@@ -765,18 +783,15 @@ _RULES: Final[Sequence[_Rule]] = (
         ("Link is Down", "Link down", "Link is down"),
         derived=_netdev,
     ),
-    _Rule(
+    _all_clear(
         "network_link",
         "network link up",
         re.compile(
             _NETDEV + r"(?:[\w-]{1,16}: [\w.@-]{1,32} )?(?:NIC Link is Up|Link up|Link is [Uu]p)"
         ),
-        Severity.INFO,
         "the network interface {device} has its link again",
         "nothing; if it went down unasked, watch it for flaps (ip -s link, ethtool -S {device})",
-        ("Link is Up", "Link up", "Link is up"),
-        repair=R.NONE,
-        clears=("network_link",),
+        triggers=("Link is Up", "Link up", "Link is up"),
         derived=_netdev,
     ),
     # drivers/net/bonding/bond_main.c: `(slave <interface>): link status definitely down,
@@ -797,20 +812,17 @@ _RULES: Final[Sequence[_Rule]] = (
         ("link status definitely down",),
         texts={"bond": "bond"},
     ),
-    _Rule(
+    _all_clear(
         "network_link",
         "bond member up",
         re.compile(
             r"(?P<bond>[\w.@-]{1,32}): (?:\(slave (?P<device>[\w.@-]{1,32})\): link status "
             r"definitely up|link status definitely up for interface (?P<old_device>[\w.@-]{1,32}))"
         ),
-        Severity.INFO,
         "the bond {bond} has its member {device} back",
         "nothing",
-        ("link status definitely up",),
+        triggers=("link status definitely up",),
         texts={"bond": "bond"},
-        repair=R.NONE,
-        clears=("network_link",),
     ),
     # net/sched/sch_generic.c dev_watchdog: `NETDEV WATCHDOG: <interface> (<driver>): transmit
     # queue <n> timed out`; in 6.x through netdev_crit, `NETDEV WATCHDOG: CPU: <n>: transmit
