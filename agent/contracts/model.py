@@ -13,7 +13,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -111,6 +111,11 @@ _CLEARED_BY_REBOOT: Final = frozenset(
 
 CLEARS_ALL: Final = "*"
 """In `Event.clears`: every requirement on the event's subject from the event's source."""
+
+
+def clears_kind(clears: Iterable[str], kind: str) -> bool:
+    """Whether `clears` (an event's or a kernel-log finding's) ends what `kind` raised."""
+    return any(name in (kind, CLEARS_ALL) for name in clears)
 
 
 class MetricType(enum.StrEnum):

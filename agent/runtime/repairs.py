@@ -27,7 +27,7 @@ import structlog
 
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
-from agent.contracts.model import CLEARS_ALL, ActiveRepair, Event, RepairAction
+from agent.contracts.model import ActiveRepair, Event, RepairAction, clears_kind
 
 log = structlog.get_logger(component="repairs")
 
@@ -147,5 +147,5 @@ def _cleared(active: dict[str, ActiveRepair], event: Event) -> list[str]:
         for key, entry in active.items()
         if entry.source == event.source
         and not names.isdisjoint(entry.names)
-        and (CLEARS_ALL in event.clears or entry.kind in event.clears)
+        and clears_kind(event.clears, entry.kind)
     ]

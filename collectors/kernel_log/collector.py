@@ -31,7 +31,6 @@ from agent.contracts.collector import (
     CollectorSpec,
 )
 from agent.contracts.model import (
-    CLEARS_ALL,
     GPU_LABELS,
     AttributeValue,
     Collection,
@@ -40,6 +39,7 @@ from agent.contracts.model import (
     MetricType,
     Sample,
     Severity,
+    clears_kind,
     stable_event_id,
 )
 from agent.contracts.pause import PauseHistory, PauseWindow, logged_during_pause
@@ -188,9 +188,6 @@ class _Holdoffs:
         self._held: dict[_Key, _Holdoff] = {}
         self._keys: dict[str, set[_Key]] = {}
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def get(self, key: _Key) -> _Holdoff | None:
         return self._held.get(key)
 
@@ -198,7 +195,7 @@ class _Holdoffs:
         """A new holdoff for `key` (its finding raised an event); the other side's ends."""
         subject = key[1]
         for other in [k for k in self._keys.get(subject, ()) if k != key]:
-            if _clears(held.clears, other[0]) or _clears(self._held[other].clears, key[0]):
+            if clears_kind(held.clears, other[0]) or clears_kind(self._held[other].clears, key[0]):
                 self._drop(other)
         self._held[key] = held
         self._keys.setdefault(subject, set()).add(key)
@@ -218,10 +215,6 @@ class _Holdoffs:
         keys.discard(key)
         if not keys:
             del self._keys[key[1]]
-
-
-def _clears(clears: tuple[str, ...], kind: str) -> bool:
-    return kind in clears or CLEARS_ALL in clears
 
 
 @dataclass

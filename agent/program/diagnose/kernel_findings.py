@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.contracts.collector import CollectorSettings, MemoryKeyValueStore
-from agent.contracts.model import CLEARS_ALL
+from agent.contracts.model import clears_kind
 from agent.contracts.pause import PauseHistory, PauseWindow
 from agent.program.diagnose.findings import Finding, Status
 from collectors._xid_catalog import CatalogError, catalog
@@ -257,7 +257,7 @@ def _paused_lines(paused: Sequence[tuple[LogFinding, PauseWindow]]) -> list[Find
 
 def _ends(finding: LogFinding, kind: str) -> bool:
     """An all-clear of `kind` (`nfs: server ... OK` for network_storage)."""
-    return kind in finding.clears or CLEARS_ALL in finding.clears
+    return clears_kind(finding.clears, kind)
 
 
 def _group_line(key: tuple[str, int | None, str], found: Sequence[LogFinding]) -> Finding:
