@@ -58,7 +58,7 @@ def _lines(trigger: str) -> list[str]:
 def _slow(lines: list[str]) -> list[str]:
     """The lines (cut to LENGTH) that took longer than BOUND_S to read, with the time. The
     garbage collector is off while a line is timed: late in the whole suite the heap is large,
-    and a full collection there (its pages gone cold) took 0.3 s, landing on whichever line was
+    and a collection there (about 0.3 s in a clean-clone run) landed on whichever line was
     being read."""
     slow = []
     gc.collect()
