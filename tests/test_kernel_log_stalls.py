@@ -640,6 +640,12 @@ async def test_a_fault_after_its_all_clear_is_news(
     repeats = 2 * (len(flap.down) - 1 + len(flap.up) - 1)
     suppressed = value(samples, "gpuwarden_kernel_log_suppressed_events_total", kind=flap.kind)
     assert (suppressed or 0) == repeats
+    # An all-clear that ends a fault says how often the fault repeated unraised since its
+    # event: those repeats are news of no other event.
+    assert [e.attributes.get("fault_repeats_held_back") for e in raised[1::2]] == [
+        len(flap.down) - 1
+    ] * 2
+    assert all("fault_repeats_held_back" not in e.attributes for e in raised[::2])
 
 
 async def test_an_all_clear_for_another_subject_holds_nothing_back(

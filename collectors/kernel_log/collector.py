@@ -191,14 +191,21 @@ class _Holdoffs:
     def get(self, key: _Key) -> _Holdoff | None:
         return self._held.get(key)
 
-    def open(self, key: _Key, held: _Holdoff) -> None:
-        """A new holdoff for `key` (its finding raised an event); the other side's ends."""
+    def open(self, key: _Key, held: _Holdoff) -> int:
+        """A new holdoff for `key` (its finding raised an event); the other side's ends. Returns
+        how many repeats the faults it clears held back since their last event (an all-clear's
+        news: nothing else raises them)."""
         subject = key[1]
+        ended = 0
         for other in [k for k in self._keys.get(subject, ()) if k != key]:
-            if clears_kind(held.clears, other[0]) or clears_kind(self._held[other].clears, key[0]):
+            if clears_kind(held.clears, other[0]):
+                ended += self._held[other].suppressed
+                self._drop(other)
+            elif clears_kind(self._held[other].clears, key[0]):
                 self._drop(other)
         self._held[key] = held
         self._keys.setdefault(subject, set()).add(key)
+        return ended
 
     def prune(self, horizon: float) -> None:
         """Forget the holdoffs whose last event is older than `horizon`."""
@@ -373,11 +380,11 @@ class KernelLogCollector:
         self.paused_findings[finding.kind] += 1
         key = (finding.kind, self._subject(finding), finding.name, str(finding.code))
         if finding.kind == "xid" and finding.code is not None:
-            repeats = self._held_back(self._paused_holdoff, key, when, finding)
-            if repeats is None:
+            held_back = self._held_back(self._paused_holdoff, key, when, finding)
+            if held_back is None:
                 return None
             event = self.correlator.describe(self._observation(finding, when, predates, origin))
-            attributes = {**event.attributes, "repeats_since_last_event": repeats}
+            attributes = {**event.attributes, "repeats_since_last_event": held_back[0]}
             event = dataclasses.replace(event, attributes=attributes)
         else:
             found = self._event(finding, when, predates, self._paused_holdoff, key)
@@ -430,10 +437,11 @@ class KernelLogCollector:
         key: _Key,
         when: float,
         finding: Finding,
-    ) -> int | None:
+    ) -> tuple[int, int] | None:
         """None: a repeat within repeat_holdoff of the last event for `key`, no worse than
         the worst raised there, counted and raising none; otherwise how many were held back
-        since that event (a worse one, a corrected error turned uncorrected, is news)."""
+        since that event (a worse one, a corrected error turned uncorrected, is news), and for
+        an all-clear how many repeats of the faults it ends were (`_Holdoffs.open`)."""
         held = holdoff.get(key)
         # Either side: two records of one stamp can come out a few microseconds apart the
         # wrong way (boot time is taken from the clocks at each read), and with
@@ -446,8 +454,8 @@ class KernelLogCollector:
             held.suppressed += 1
             self.suppressed[finding.kind] += 1
             return None
-        holdoff.open(key, _Holdoff(when, finding.severity, finding.clears))
-        return held.suppressed if held is not None else 0
+        ended = holdoff.open(key, _Holdoff(when, finding.severity, finding.clears))
+        return (held.suppressed if held is not None else 0), ended
 
     def _subject(self, finding: Finding) -> str:
         identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
@@ -461,9 +469,10 @@ class KernelLogCollector:
         holdoff: _Holdoffs,
         key: _Key,
     ) -> Event | None:
-        repeats = self._held_back(holdoff, key, when, finding)
-        if repeats is None:
+        held_back = self._held_back(holdoff, key, when, finding)
+        if held_back is None:
             return None
+        repeats, fault_repeats = held_back
         identity = self.correlator.identity(finding.pci_bus_id) if finding.pci_bus_id else {}
         subject = identity.get("uuid") or finding.subject
         attributes: dict[str, AttributeValue] = dict(finding.to_dict())
@@ -473,6 +482,7 @@ class KernelLogCollector:
             {
                 "predates_agent": predates,
                 "repeats_since_last_event": repeats,
+                **({"fault_repeats_held_back": fault_repeats} if finding.clears else {}),
                 **{k: v for k, v in identity.items() if k in ("gpu", "uuid", "model")},
             }
         )
