@@ -17,6 +17,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 # Ansible's apt module on this host needs python3-apt (tests/test_ansible_role.py).
 DEBS += python3-apt
+# gpuwarden scan reads journals and rotated logs: systemd-journal-remote makes a real journal
+# file, journalctl writes its output modes, and the compressors make what logrotate leaves.
+DEBS += systemd-journal-remote zstd xz-utils bzip2 gzip
 
 .PHONY: run test check lint typecheck unit debs bench clean install deb
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Final
+from typing import Final, Protocol
 
 MAX_LINE_BYTES: Final = 64 * 1024
 CHUNK_BYTES: Final = 1024 * 1024
@@ -94,7 +94,11 @@ def split_lines(
     return Split(lines, end, skipping=False)
 
 
-def iter_lines(stream: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str | None]:
+class Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def iter_lines(stream: Readable, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str | None]:
     """Every line of a stream read to its end (a saved log, standard input), holding at most
     one chunk and one unfinished line in memory."""
     carry = b""

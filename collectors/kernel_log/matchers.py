@@ -39,6 +39,7 @@ from collectors.kernel_log.finding import (
     trigger_search,
 )
 from collectors.kernel_log.host import HOST_KINDS, HostMatcher, host_matchers
+from collectors.kernel_log.journal import LINE_WORDS as JOURNAL_LINE_WORDS
 from collectors.kernel_log.parse import LogRecord
 from collectors.kernel_log.pcie import PCIE_KINDS, AerMatcher, GpuInitMatcher
 
@@ -449,7 +450,8 @@ class MatcherSet:
         self._search = trigger_search(self.triggers)
         # A saved raw record escapes bytes outside printable ASCII as \\xNN: such a line may
         # spell a trigger word only once unescaped, so it is always parsed.
-        self._line_search = trigger_search((*self.triggers, "\\x"))
+        # A journal line whose message is given as bytes, or left out, is parsed too.
+        self._line_search = trigger_search((*self.triggers, "\\x", *JOURNAL_LINE_WORDS))
 
     def candidate(self, message: str) -> bool:
         """Whether a record's message can matter to any matcher."""

@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Final, NamedTuple
 
 from agent.contracts.errors import GpuwardenError
+from collectors.kernel_log.journal import json_entry, left_out
 
 # syslog(3) facility names as `dmesg --decode` prints them, in facility-number order.
 FACILITIES: Final = (
@@ -380,6 +381,8 @@ def _body(text: str, line: int) -> LogRecord | None:
         return _digit_first(text, line)
     if first.isupper():
         return _upper_first(text, line)
+    if first in "{\x1e" or (first == "d" and text.startswith("data: {")):
+        return _journal_object(text, line) or LogRecord(text, line, "plain")
     if first.islower():
         return _decoded(text, line)
     if first == "-" and _JOURNAL_META.fullmatch(text):
@@ -387,6 +390,21 @@ def _body(text: str, line: int) -> LogRecord | None:
     if first.isspace() and not text.strip():
         return None
     return LogRecord(text, line, "plain")
+
+
+def _journal_object(text: str, line: int) -> LogRecord | None:
+    entry = json_entry(text)
+    if entry is None:
+        return None
+    return LogRecord(
+        message=entry.message,
+        line=line,
+        format="journal-json",
+        facility=entry.facility,
+        level=entry.level,
+        monotonic_usec=entry.monotonic_usec,
+        timestamp=entry.timestamp,
+    )
 
 
 def parse_line(text: str, line: int = 0) -> LogRecord | None:
@@ -415,6 +433,9 @@ class ParseStats:
     malformed_examples: list[tuple[int, str]] = field(default_factory=list)
     bad_timestamps: int = 0
     """Records whose stamp could not be read (kept, without a timestamp)."""
+    left_out: int = 0
+    """Kernel records whose message journalctl did not print (`[68B blob data]`, `null`):
+    saved without `journalctl --all`, they cannot be read."""
     holes: int = 0
     """Lines holding NUL bytes (a file-system hole left by a crash): the text around them
     was parsed."""
@@ -481,6 +502,10 @@ def _parse_counted(text: str, number: int, stats: ParseStats) -> LogRecord | Non
         stats.records += 1
         if record.unreadable_timestamp:
             stats.bad_timestamps += 1
+        ends = record.message[-1:]
+        if ends in ("]", "") and record.from_kernel and left_out(record.format, record.message):
+            stats.left_out += 1
+            return None
     return record
 
 

@@ -1,9 +1,10 @@
 """List the findings in a saved kernel log: Xids, SXids, GPUs fallen off the bus, disk, file
 system and NVMe errors, OOM kills and hung tasks, each with its meaning and what to do.
 
-FILE may be raw /dev/kmsg records, `dmesg` (also -T, -r, -x, --time-format iso), `journalctl -k`
-(any short output mode, with or without host names) or a syslog file (shapes may be mixed; `-`
-reads standard input). Lines that are not findings print nothing; malformed lines are counted
+FILE may be raw /dev/kmsg records, `dmesg` (also -T, -r, -x, --time-format iso), `journalctl`
+(any short output mode, with or without host names; json, json-seq, json-sse, json-pretty,
+export, verbose), a syslog file, or a journal file itself (shapes may be mixed; `-` reads
+standard input); compressed with gzip, bzip2, xz or zstd, as logrotate leaves it. Lines that are not findings print nothing; malformed lines are counted
 and skipped; a line with an unreadable timestamp is still read. Lines that say they were
 written from user space (facility >= 1, a program's name instead of `kernel:`) are not trusted
 as findings and are counted instead. The file is read in bounded pieces: any size will do.
@@ -26,7 +27,6 @@ from typing import BinaryIO, TextIO
 from agent.contracts.model import Severity
 from agent.program import output
 from collectors._xid_catalog import CatalogError, catalog
-from collectors.kernel_log.lines import iter_lines
 from collectors.kernel_log.matchers import Finding, MatcherSet
 from collectors.kernel_log.parse import (
     LogRecord,
@@ -35,6 +35,7 @@ from collectors.kernel_log.parse import (
     parse_line,
     parse_lines,
 )
+from collectors.kernel_log.saved import ReadNotes, SavedLogError, saved_lines
 
 EXIT_CLEAN = 0
 EXIT_WARNINGS = 1
@@ -130,11 +131,16 @@ def _head_record(text: str | None) -> LogRecord | None:
 
 
 def scan_stream(
-    stream: BinaryIO, stats: ParseStats | None = None, matchers: MatcherSet | None = None
+    stream: BinaryIO,
+    stats: ParseStats | None = None,
+    matchers: MatcherSet | None = None,
+    name: str = "-",
+    notes: ReadNotes | None = None,
 ) -> list[Finding]:
     """Every finding in a saved log read from `stream` in bounded chunks, lines cut at `\\n`
-    only (collectors/kernel_log/lines.py)."""
-    return scan_lines(iter_lines(stream), stats, matchers)
+    only (collectors/kernel_log/lines.py), decompressed and a journal's export read as it
+    goes (collectors/kernel_log/saved.py; what it saw goes in `notes`)."""
+    return scan_lines(saved_lines(stream, name, notes), stats, matchers)
 
 
 def exit_code(findings: Sequence[Finding]) -> int:
@@ -286,6 +292,11 @@ def summary_text(findings: Sequence[Finding], stats: ParseStats, matchers: Match
         notes[0] += f", first at line {stats.malformed_examples[0][0]}"
     if stats.bad_timestamps:
         notes.append(f"{stats.bad_timestamps} record(s) with an unreadable timestamp, read")
+    if stats.left_out:
+        notes.append(
+            f"{stats.left_out} kernel record(s) whose message journalctl did not print "
+            "(`[blob data]` or null): save the log again with `journalctl --all`"
+        )
     if stats.holes:
         notes.append(f"{stats.holes} line(s) with NUL bytes, the text around them read")
     ignored = sum(matchers.ignored.values())
@@ -304,14 +315,17 @@ def _open(name: str) -> BinaryIO:
 
 
 def main(args: argparse.Namespace) -> int:
-    stats, matchers = ParseStats(), MatcherSet()
+    stats, matchers, notes = ParseStats(), MatcherSet(), ReadNotes()
     try:
         handle = _open(args.file)
         with handle:
-            findings = scan_stream(handle, stats, matchers)
+            findings = scan_stream(handle, stats, matchers, args.file, notes)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         print(f"gpuwarden scan: cannot read {args.file}: {reason}", file=sys.stderr)
+        return EXIT_CRITICAL
+    except SavedLogError as exc:
+        print(f"gpuwarden scan: {exc}", file=sys.stderr)
         return EXIT_CRITICAL
     try:
         if args.json:
@@ -324,4 +338,12 @@ def main(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     for line in output.wrap(summary_text(findings, stats, matchers), output.width(sys.stderr)):
         print(line, file=sys.stderr)
-    return exit_code(findings)
+    for problem in notes.problems:
+        for line in output.wrap(
+            f"gpuwarden scan: {args.file}: {problem}", output.width(sys.stderr)
+        ):
+            print(line, file=sys.stderr)
+    if notes.problems:
+        return EXIT_CRITICAL  # not read to its end: a clean result would say what it cannot
+    code = exit_code(findings)
+    return max(code, EXIT_WARNINGS) if stats.left_out else code
