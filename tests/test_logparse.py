@@ -408,6 +408,20 @@ class TestUnreadableTimestamps:
         [record] = list(parse_lines([line], stats))
         assert (record.message, record.timestamp, stats.bad_timestamps) == (XID, stamp, 0)
 
+    @pytest.mark.parametrize(
+        ("line", "stamp"),
+        [
+            (f"[  123.456000                ] gpu1 kernel: {XID}", "123.456000"),
+            (f"[  123.456790 <    0.000790 >] gpu1 kernel: {XID}", "123.456790 <    0.000790 >"),
+        ],
+    )
+    def test_journal_short_delta_stamps_are_read(self, line: str, stamp: str) -> None:
+        """`journalctl -o short-delta` pads its first stamp and spaces its `>`."""
+        stats = ParseStats()
+        [record] = list(parse_lines([line], stats))
+        assert (record.message, record.timestamp, record.facility) == (XID, stamp, 0)
+        assert stats.bad_timestamps == 0
+
     @pytest.mark.parametrize("line", ["[drm] Initialized nvidia-drm 0.0.0", "[Firmware Bug]: TSC"])
     def test_bracketed_words_are_messages(self, line: str) -> None:
         """A message that starts with `[word]` has no stamp to be broken."""

@@ -90,7 +90,17 @@ EXPECTED = [
     Seen("hung_task", "python3"),
 ]
 STRUCTURED = ("json", "json-seq", "json-sse", "json-pretty", "export", "verbose")
-SHORT = ("short", "short-precise", "short-iso", "short-iso-precise", "short-full", "short-unix")
+SHORT = (
+    "short",
+    "short-precise",
+    "short-iso",
+    "short-iso-precise",
+    "short-full",
+    "short-unix",
+    "short-monotonic",
+    "short-delta",
+    "with-unit",
+)
 
 
 def _field(name: str, value: Field) -> bytes:

@@ -153,7 +153,8 @@ _DMESG_T = re.compile(
 # than any dmesg stamp, and keeps an unclosed `[` from scanning a whole line).
 _BRACKET = re.compile(r"\[([^\]\n]{0,64})\] ?(.*)", re.DOTALL)
 _STAMPS = re.compile(
-    r"(?P<dmesg> *\d+\.\d+(?: <\s*\d+\.\d+>)?)"
+    # journalctl -o short-delta: `[  12.345678 <    0.000123 >]`, the first `[  12.345678    ]`
+    r"(?P<dmesg> *\d+\.\d+(?: <\s*\d+\.\d+ ?>| *)?)"
     r"|(?P<ctime>[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}(?: <\s*\d+\.\d+>)?)"
     r"|(?P<delta> *[+-]\d+\.\d+|[A-Z][a-z]{2}\d\d \d\d:\d\d|<\s*\d+\.\d+>)",
     re.ASCII,
