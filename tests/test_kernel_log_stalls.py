@@ -594,6 +594,12 @@ FLAPS = [
         ["pcieport 0000:00:1c.0: AER: device recovery successful"],
     ),
     Flap(
+        "a NIC cable pulled twice",
+        NET,
+        ["mlx5_core 0000:3b:00.0: Port module event: module 0, Cable unplugged"],
+        ["mlx5_core 0000:3b:00.0: Port module event: module 0, Cable plugged"],
+    ),
+    Flap(
         "a slot whose link goes down twice",
         LINK,
         ["pcieport 0000:00:1c.0: pciehp: Slot(8): Link Down"],

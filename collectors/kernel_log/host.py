@@ -1,8 +1,10 @@
 """Host findings in the kernel log: disks, RAID, file systems, NVMe, network file servers, OOM
 kills, hung tasks, RCU stalls, CPUs throttled for heat, host memory errors (EDAC), an NVIDIA
 driver whose kernel module and libraries differ in version, PCIe ports that contained an error
-or lost a slot's link, NIC links and transmit timeouts, and what a log saved after a crash
-shows (panic, oops, CPU lockups, machine checks, firmware (CPER) hardware errors). Each has a kind, a short name, a severity, a
+or lost a slot's link, NIC links, cables and transmit timeouts, processes killed for corrupt
+host memory, failed kernel allocations, workqueue lockups, connection tracking and TCP out of
+room, processes that crash, clocks marked unstable, and what a log saved after a crash shows
+(panic, oops, CPU lockups, machine checks, firmware (CPER) hardware errors). Each has a kind, a short name, a severity, a
 meaning and an action; a line that ends a fault (`nfs: server ... OK`) clears it.
 
 Formats are the kernel's printk strings, by file: block/blk-core.c, fs/buffer.c, fs/ext4
@@ -14,7 +16,10 @@ arch/x86/kernel/cpu/mce/core.c, drivers/edac/edac_mc.c, drivers/acpi/apei/ghes.c
 drivers/firmware/efi/cper.c, net/sunrpc/clnt.c, fs/smb/client/connect.c, kernel/rcu/tree_stall.h
 and tree_exp.h, drivers/thermal/intel/therm_throt.c, drivers/pci/pcie/dpc.c,
 drivers/pci/pcie/err.c, drivers/pci/hotplug/pciehp_ctrl.c, NIC drivers through netdev_info,
-drivers/net/bonding, net/sched/sch_generic.c, and NVIDIA's osapi.c and nvidia-modeset (the
+drivers/net/bonding, net/sched/sch_generic.c, mlx5's events.c, mm/memory-failure.c,
+mm/page_alloc.c and mm/vmalloc.c, kernel/workqueue.c, nf_conntrack_core.c, net/ipv4/tcp.c,
+arch/x86/mm/fault.c and arch/x86/kernel/traps.c, kernel/time/clocksource.c and
+arch/x86/kernel/tsc.c, and NVIDIA's osapi.c and nvidia-modeset (the
 wordings of each version: tests/fixtures/kernel_log/corpus/SOURCES.md).
 """
 
@@ -56,6 +61,10 @@ HOST_KINDS: Final = (
     "driver_mismatch",
     "pcie_link_down",
     "network_link",
+    "memory_pressure",
+    "network_drops",
+    "process_crash",
+    "clock_unstable",
 )
 
 R = RepairAction
@@ -78,6 +87,11 @@ HOST_REPAIR: Final[dict[str, RepairAction]] = {
     "pcie_link_down": R.INVESTIGATE,
     # A NIC of the training network going down stalls every collective on the node.
     "network_link": R.INVESTIGATE,
+    "memory_pressure": R.INVESTIGATE,
+    "network_drops": R.INVESTIGATE,
+    # A process's own crash: the job's to restart, the node's to look at only if it repeats.
+    "process_crash": R.INVESTIGATE,
+    "clock_unstable": R.INVESTIGATE,
 }
 """The repair of each host kind; machine_check, memory_error and hardware_error depend on the
 record (`_hardware_repair`). A test holds that every kind has one."""
@@ -224,6 +238,26 @@ _LINK_ACTION = (
     "check the link of {device} (ip -s link, ethtool {device}, the switch port); if nobody took "
     "it down, look at the cable or transceiver and the NIC's firmware; jobs whose collectives "
     "run over it (NCCL) stall or fail while it is down"
+)
+
+
+_CRASH = (
+    "the program died; in a CUDA, NCCL or NVIDIA library (libcuda, libnccl, libnvidia-*) the "
+    "driver or the library may be at fault, elsewhere the program or its memory"
+)
+_CRASH_ACTION = (
+    "read the job's own log and core dump (coredumpctl info {pid}); a crash in a CUDA library "
+    "after a driver update, or on one node only, points at that node's driver"
+)
+_CLOCK = (
+    "every clock read (time.time(), CUDA event timings, NCCL's timeouts) costs more, and steps "
+    "that read the time often slow down; on a virtual machine the host may be overloaded"
+)
+_CLOCK_ACTION = (
+    "check the clock in use (cat /sys/devices/system/clocksource/clocksource0/"
+    "current_clocksource); on a virtual machine ask the provider; on bare metal check the "
+    "firmware's TSC and power settings; a restart brings the fast clock back if the cause is "
+    "gone"
 )
 
 
@@ -843,6 +877,280 @@ _RULES: Final[Sequence[_Rule]] = (
         ("NETDEV WATCHDOG",),
         numbers={"queue": "tx_queue", "waited": "waited_ms"},
         derived=_netdev,
+    ),
+    # mlx5 events.c port_module (port.c mlx5_port_module_event 4.10-4.19): the cable or
+    # transceiver of a port. Upstream 5.3+ writes the error through mlx5_core_err, which puts
+    # `<function>:<line>:(pid <n>): ` before it (so does MLNX_OFED 4.5-4.6); plug and unplug
+    # have no such prefix.
+    _Rule(
+        "network_link",
+        "NIC cable or module error",
+        re.compile(
+            rf"(?P<device>{ANY_BDF}): (?:\w{{1,40}}:\d{{1,6}}:\(pid \d{{1,10}}\): )?Port module "
+            r"event\[error\]: module (?P<module>\d{1,4}), (?P<status>[A-Za-z ]{1,32}), "
+            r"(?P<error>[^\n]{1,200}?)\.?$"
+        ),
+        Severity.WARNING,
+        "the cable or transceiver module {module} of the NIC {device} failed ({error}): its "
+        "port's link is down or unreliable",
+        "reseat or replace the cable or transceiver of module {module} (mlxlink -d {device} "
+        "-m shows its state); a module too hot needs the node's airflow checked; jobs whose "
+        "collectives run over the port (NCCL) stall or fail meanwhile",
+        ("Port module event[error]",),
+        numbers={"module": "module"},
+        texts={"error": "module_error", "status": "module_status"},
+    ),
+    _Rule(
+        "network_link",
+        "NIC cable removed",
+        re.compile(
+            rf"(?P<device>{ANY_BDF}): Port module event: module (?P<module>\d{{1,4}}), "
+            r"(?P<status>Cable unplugged|Cable disabled)"
+        ),
+        Severity.WARNING,
+        "the cable or transceiver module {module} of the NIC {device} was removed or disabled "
+        "({status}): its port has no link",
+        "if nobody took it out, reseat the cable or transceiver of module {module}; jobs whose "
+        "collectives run over the port (NCCL) stall or fail meanwhile",
+        ("Port module event: ",),
+        numbers={"module": "module"},
+        texts={"status": "module_status"},
+    ),
+    _all_clear(
+        "network_link",
+        "NIC cable plugged",
+        re.compile(
+            rf"(?P<device>{ANY_BDF}): Port module event: module (?P<module>\d{{1,4}}), "
+            r"Cable plugged"
+        ),
+        "the cable or transceiver module {module} of the NIC {device} is plugged in",
+        "check that the port's link comes up (ethtool, ibstat)",
+        triggers=("Port module event: ",),
+        numbers={"module": "module"},
+    ),
+    # mm/memory-failure.c kill_proc: the page a process used holds an uncorrected error
+    # (hwpoison): `Memory failure: <pfn>: Sending SIGBUS to <comm>:<pid> due to hardware
+    # memory corruption` (5.3+; `Killing` 4.8-4.19; `MCE <pfn>: Killing ...` before, `early`
+    # in 3.0), and `... forcibly killing <comm>:<pid> because of failure to unmap corrupted page`.
+    _Rule(
+        "memory_error",
+        "process killed for corrupt memory",
+        re.compile(
+            r"(?:Memory failure: |MCE )(?P<pfn>0x[0-9a-fA-F]{1,16}): (?:Sending SIGBUS to|"
+            r"Killing|forcibly killing) (?P<process>.{1,64}?):(?P<pid>\d{1,10}) (?:early )?"
+            r"(?:due to hardware memory corruption|because of failure to unmap corrupted page)"
+        ),
+        Severity.CRITICAL,
+        "the process {process} (pid {pid}) was killed (SIGBUS, 'Bus error') because host memory "
+        "it used holds an uncorrected error (page frame {pfn}): a job dies this way with no "
+        "fault of its own",
+        "have the DIMM looked at: find it in the machine check and EDAC lines before this one "
+        "(ras-mc-ctl --errors, the BMC's event log); drain the node until it is replaced, then "
+        "rerun the job from its last checkpoint",
+        ("hardware memory corruption", "unmap corrupted page"),
+        texts={"pfn": "page_frame"},
+        repair=RepairAction.HARDWARE_INSPECTION,
+    ),
+    # mm/memory-failure.c action_result: `Memory failure: <pfn>: recovery action for <page
+    # type>: <Ignored|Failed|Delayed|Recovered>` (4.8+; `MCE <pfn>: recovery action for ...`
+    # 4.2-4.7; `MCE <pfn>: <page type> page recovery: <result>` before).
+    _Rule(
+        "memory_error",
+        "corrupt memory not recovered",
+        re.compile(
+            r"(?:Memory failure: |MCE )(?P<pfn>0x[0-9a-fA-F]{1,16}): (?:recovery action for "
+            r"(?P<page>[^:\n]{1,64}): |(?P<old_page>[^:\n]{1,64}) page recovery: )Failed"
+        ),
+        Severity.CRITICAL,
+        "host memory holds an uncorrected error (page frame {pfn}) that the kernel could not "
+        "take out of use: what uses that page may read corrupt data or be killed",
+        "drain the node and have the DIMM replaced (ras-mc-ctl --errors, the BMC's event log "
+        "name it); restart the node",
+        ("recovery action for", "page recovery:"),
+        texts={"pfn": "page_frame", "page": "page_type", "old_page": "page_type"},
+        fixed={"recovery": "failed"},
+        repair=RepairAction.HARDWARE_INSPECTION,
+    ),
+    _Rule(
+        "memory_error",
+        "corrupt memory taken out of use",
+        re.compile(
+            r"(?:Memory failure: |MCE )(?P<pfn>0x[0-9a-fA-F]{1,16}): (?:recovery action for "
+            r"(?P<page>[^:\n]{1,64}): |(?P<old_page>[^:\n]{1,64}) page recovery: )"
+            r"(?P<result>Recovered|Delayed|Ignored)"
+        ),
+        Severity.WARNING,
+        "host memory holds an uncorrected error (page frame {pfn}); the kernel took the page "
+        "out of use ({result}): the DIMM is failing",
+        "plan to replace the DIMM (ras-mc-ctl --errors, the BMC's event log name it); more such "
+        "lines mean it is getting worse",
+        ("recovery action for", "page recovery:"),
+        texts={"pfn": "page_frame", "page": "page_type", "old_page": "page_type"},
+        derived=lambda values: {"recovery": values["result"].lower()},
+        repair=RepairAction.HARDWARE_INSPECTION,
+    ),
+    # mm/page_alloc.c warn_alloc (warn_alloc_failed before 4.9): `<comm>: page allocation
+    # failure: order:<n>, mode:<gfp>(<flags>), nodemask=...` (`failure.` before 3.0; the flags
+    # from 4.6, nodemask from 4.11, cpuset on the same line from 5.x); the stall warning of
+    # 4.9-4.12; mm/vmalloc.c's reasons through it (`vmalloc: allocation failure: <n> bytes`
+    # up to 5.12, `vmalloc error: size <n>, ...` from 5.13).
+    _Rule(
+        "memory_pressure",
+        "kernel memory allocation failed",
+        re.compile(
+            r"^(?P<process>.{1,64}?): (?:page allocation (?:failure[.:] order:(?P<order>\d{1,2})|"
+            r"stalls for (?P<stall_ms>\d{1,12})ms, order:(?P<stall_order>\d{1,2}))|vmalloc(?::| "
+            r"error:) (?:allocation failure[,:] (?:allocated \d{1,20} of )?(?P<bytes>\d{1,20}) "
+            r"bytes|size (?P<size>\d{1,20}),))(?:.*?mode:(?P<mode>0x[0-9a-fA-F]{1,10})"
+            r"(?:\((?P<flags>[\w|]{1,200})\))?)?"
+        ),
+        Severity.WARNING,
+        "a kernel memory allocation for {process} failed: host memory is short, or too "
+        "fragmented for the size asked; the call that needed it failed (a driver's buffer, a "
+        "network buffer, memory pinned for RDMA or GPUDirect), and a job that made it may fail "
+        "with 'out of memory' or 'cannot allocate memory'",
+        "look at the host's memory (free -m; /proc/buddyinfo: few free blocks of large order "
+        "mean fragmentation) and what holds it (page cache, pinned and huge pages, the job); "
+        "compacting (echo 1 > /proc/sys/vm/compact_memory) helps a fragmented host; if it "
+        "repeats under the job, keep more memory free (vm.min_free_kbytes) or pin less",
+        ("page allocation failure", "page allocation stalls", "vmalloc error:", "vmalloc: "),
+        numbers={
+            "order": "order",
+            "stall_order": "order",
+            "stall_ms": "stalled_ms",
+            "bytes": "bytes",
+            "size": "bytes",
+        },
+        texts={"mode": "gfp_mode", "flags": "gfp_flags"},
+    ),
+    # kernel/workqueue.c wq_watchdog_timer_fn (4.5+): `BUG: workqueue lockup - pool cpus=<list>
+    # [node=<n>] flags=0x<f> nice=<n> stuck for <n>s!` (` bh`/` bh-hi` for a BH pool from
+    # 6.12); it repeats every 30 s while the pool is stuck.
+    _Rule(
+        "cpu_lockup",
+        "workqueue lockup",
+        re.compile(
+            r"BUG: workqueue lockup - pool cpus=(?P<cpus>[\d,-]{1,256})(?: node=\d{1,5})? "
+            r"flags=0x[0-9a-fA-F]{1,8}(?: nice=-?\d{1,3}| bh(?:-hi)?)? stuck for "
+            r"(?P<seconds>\d{1,10})s!"
+        ),
+        Severity.WARNING,
+        "a kernel worker pool (CPUs {cpus}) ran none of its queued work for {seconds} s: what "
+        "waits on that work (I/O completions, a driver's deferred work, the NVIDIA driver's "
+        "among them) hangs meanwhile",
+        "look at the busy workqueues and the stack traces the kernel prints after this line "
+        "(the module they name); if it repeats, drain the node and restart it",
+        ("workqueue lockup",),
+        numbers={"seconds": "stuck_seconds"},
+        texts={"cpus": "cpus"},
+    ),
+    # net/netfilter/nf_conntrack_core.c __nf_conntrack_alloc: `nf_conntrack: table full,
+    # dropping packet` (a period after it in 3.0; from about 4.8 the module's pr_fmt doubles
+    # the prefix: `nf_conntrack: nf_conntrack: table full, dropping packet`).
+    _Rule(
+        "network_drops",
+        "connection tracking table full",
+        re.compile(r"nf_conntrack: table full, dropping packet"),
+        Severity.WARNING,
+        "the kernel's connection-tracking table is full and it drops the packets of new "
+        "connections: new connections (NCCL's bootstrap, the storage, SSH) fail or time out "
+        "while old ones carry on",
+        "raise net.netfilter.nf_conntrack_max (sysctl; conntrack -C counts what is tracked), or "
+        "leave the training network's traffic untracked (a NOTRACK rule in the raw table)",
+        ("table full, dropping packet",),
+    ),
+    # net/ipv4/tcp.c tcp_check_oom (pr_fmt `TCP: `, 3.2+): `out of memory -- consider tuning
+    # tcp_mem`, `too many orphaned sockets`; 3.0 wrote `Out of socket memory` and `TCP: too
+    # many of orphaned sockets`.
+    _Rule(
+        "network_drops",
+        "TCP out of memory",
+        re.compile(r"TCP: out of memory -- consider tuning tcp_mem|^Out of socket memory$"),
+        Severity.WARNING,
+        "TCP has used all the memory net.ipv4.tcp_mem allows: the kernel drops data and resets "
+        "connections (a job's TCP transport, a data loader reading over the network, the "
+        "storage) until sockets free some",
+        "see which sockets hold memory (ss -tm) and what TCP uses (/proc/net/sockstat); raise "
+        "net.ipv4.tcp_mem if the node needs it",
+        ("consider tuning tcp_mem", "Out of socket memory"),
+    ),
+    _Rule(
+        "network_drops",
+        "too many orphaned sockets",
+        re.compile(r"TCP: too many (?:of )?orphaned sockets"),
+        Severity.WARNING,
+        "more closed TCP connections wait to finish than net.ipv4.tcp_max_orphans allows: the "
+        "kernel resets them at once, and their last data is lost",
+        "find what opens and drops connections that fast (ss -s); raise "
+        "net.ipv4.tcp_max_orphans if that is the node's normal load",
+        ("orphaned sockets",),
+    ),
+    # arch/x86/mm/fault.c show_signal_msg, with debug.exception-trace (default on):
+    # `<comm>[<pid>]: segfault at <addr> ip <ip> sp <sp> error <n> in <object>[<base>+<size>]`
+    # (`[<offset>,<base>+<size>]` from 6.12; ` likely on CPU <n> (core <n>, socket <n>)` from
+    # 6.1); arch/x86/kernel/traps.c (pr_fmt `traps: `): `<comm>[<pid>] trap <name> ip:...`,
+    # `<comm>[<pid>] general protection fault ip:...` (`general protection ip:` to 4.19).
+    _Rule(
+        "process_crash",
+        "process crashed",
+        re.compile(
+            r"^(?P<process>.{1,64}?)\[(?P<pid>\d{1,10})\]: segfault at (?P<address>[0-9a-fA-F]{1,16}) "
+            r"ip [0-9a-fA-F]{1,16} sp [0-9a-fA-F]{1,16} error [0-9a-fA-F]{1,8}"
+            r"(?:(?P<where> in (?P<object>[^\[\n]{1,255}))\[)?(?:.*? likely on CPU (?P<cpu>\d{1,5}))?"
+        ),
+        Severity.WARNING,
+        "the process {process} (pid {pid}) was killed by a segmentation fault (a bad memory "
+        "access, at address {address}){where}: " + _CRASH,
+        _CRASH_ACTION,
+        ("segfault at",),
+        texts={"object": "object", "address": "fault_address"},
+        numbers={"cpu": "cpu"},
+        fixed={"fault": "segfault"},
+    ),
+    _Rule(
+        "process_crash",
+        "process crashed",
+        re.compile(
+            r"^traps: (?P<process>.{1,64}?)\[(?P<pid>\d{1,10})\] (?:trap (?P<trap>[a-z0-9 ]{1,40}?)|"
+            r"(?P<gp>general protection)(?: fault)?) ip:[0-9a-fA-F]{1,16} sp:[0-9a-fA-F]{1,16} "
+            r"error:[0-9a-fA-F]{1,8}(?:(?P<where> in (?P<object>[^\[\n]{1,255}))\[)?"
+        ),
+        Severity.WARNING,
+        "the process {process} (pid {pid}) was killed by a CPU fault ({trap}{gp}){where}: "
+        + _CRASH,
+        _CRASH_ACTION,
+        ("traps: ",),
+        texts={"object": "object", "trap": "fault", "gp": "fault"},
+    ),
+    # kernel/time/clocksource.c clocksource_watchdog (pr_fmt `clocksource: `, 4.4+; `on CPU<n>`
+    # from 4.6): `timekeeping watchdog on CPU<n>: Marking clocksource '<name>' as unstable
+    # because the skew is too large:`; before 4.4 `Clocksource <name> unstable (delta = <n>
+    # ns)`; arch/x86/kernel/tsc.c: `tsc: Marking TSC unstable due to <reason>`.
+    _Rule(
+        "clock_unstable",
+        "clock marked unstable",
+        re.compile(
+            r"(?:timekeeping watchdog(?: on CPU(?P<cpu>\d{1,5}))?: Marking clocksource "
+            r"'(?P<device>[\w.-]{1,32})' as unstable|^Clocksource (?P<old_device>[\w.-]{1,32}) "
+            r"unstable \(delta = (?P<delta>-?\d{1,20}) ns\))"
+        ),
+        Severity.WARNING,
+        "the kernel stopped trusting the {device} clock (it drifted from another) and moved to "
+        "a slower one: " + _CLOCK,
+        _CLOCK_ACTION,
+        ("as unstable", "unstable (delta"),
+        numbers={"cpu": "cpu", "delta": "skew_ns"},
+    ),
+    _Rule(
+        "clock_unstable",
+        "TSC marked unstable",
+        re.compile(r"Marking (?P<device>TSC) unstable due to (?P<reason>[^\n]{1,80})"),
+        Severity.WARNING,
+        "the kernel stopped trusting the CPU's time-stamp counter ({device}: {reason}) and moved to a "
+        "slower clock: " + _CLOCK,
+        _CLOCK_ACTION,
+        ("TSC unstable",),
+        texts={"reason": "reason"},
     ),
 )
 
