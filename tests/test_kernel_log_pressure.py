@@ -8,10 +8,20 @@ tests/fixtures/kernel_log/corpus/SOURCES.md (class 13).
 
 from __future__ import annotations
 
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
+from agent.contracts.collector import MemoryKeyValueStore
 from agent.contracts.model import RepairAction, Severity
-from collectors.kernel_log.matchers import KINDS
+from collectors.kernel_log.kmsg import KmsgReader, OsKmsgIO
+from collectors.kernel_log.matchers import KINDS, Finding, MatcherSet
 from tests.support.klog_shapes import SHAPES
 from tests.test_kernel_log_pcie import in_shape
 from tests.test_kernel_log_records import BOTH, scan_dmesg
@@ -247,6 +257,16 @@ LINES = [
         R.INVESTIGATE,
         attributes={"object": "libnccl.so.2.21.5", "pid": 4242},
     ),
+    # captured from /dev/kmsg on the development machine (kernel 6.18), a NULL dereference
+    Line(
+        "python3[17022]: segfault at 0 ip 00007f2ee9b85ad8 sp 00007ffd03c90028 error 4 in "
+        "libc.so.6[167ad8,7f2ee9a44000+156000] likely on CPU 1 (core 1, socket 0)",
+        CRASH,
+        "",
+        Severity.WARNING,
+        R.INVESTIGATE,
+        attributes={"object": "libc.so.6", "pid": 17022, "cpu": 1, "fault_address": "0"},
+    ),
     Line(
         "a.out[4321]: segfault at 0 ip 000055d5e1a9a139 sp 00007ffd2b3c4d50 error 6 in "
         "a.out[55d5e1a9a000+1000]",
@@ -446,3 +466,50 @@ def test_every_new_kind_has_its_repair_and_is_counted() -> None:
         assert kind in HOST_KINDS
         assert kind in KINDS
         assert HOST_REPAIR[kind] is R.INVESTIGATE
+
+
+# -- a real crash, read from this machine's /dev/kmsg ---------------------------------------------
+
+
+def _segfaults_logged() -> bool:
+    try:
+        os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
+        return Path("/proc/sys/debug/exception-trace").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def _no_core() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+@pytest.mark.skipif(not _segfaults_logged(), reason="no readable /dev/kmsg or exception-trace off")
+def test_a_real_segfault_read_from_dev_kmsg() -> None:
+    """A child that dereferences NULL: the kernel's own record of it (facility 0, this
+    machine's kernel's wording) is a process_crash naming the child and the library."""
+    state = MemoryKeyValueStore()
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    reader = KmsgReader(Path("/dev/kmsg"), boot, state, io=OsKmsgIO())
+    reader.commit(reader.read())
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import ctypes; ctypes.string_at(0)"],
+        preexec_fn=_no_core,  # noqa: PLW1509 - only the child's core limit, before exec
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert child.wait(timeout=30) == -signal.SIGSEGV
+    matchers = MatcherSet()
+    found: list[Finding] = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not found:
+        for record in reader.read().records:
+            found += [f for f in matchers.feed(record) if f.kind == CRASH]
+        time.sleep(0.05)
+    reader.close()
+    assert found, "the kernel logged no segfault (printk_ratelimit may have held it back)"
+    crash = found[-1].to_dict()
+    assert crash["fault"] == "segfault"
+    assert crash["severity"] == "warning"
+    assert crash["pid"] == child.pid
+    assert str(crash["process"]).startswith("python")
+    assert "libc" in str(crash.get("object", "")), crash
