@@ -31,6 +31,12 @@ def make_proc_tree(
     return root
 
 
+def _empty_log(directory: Path) -> Path:
+    path = directory / "kern.log"
+    path.touch()
+    return path
+
+
 def write_config(
     directory: Path, proc_root: Path | None = None, extra: str = "", port: int | None = None
 ) -> Path:
@@ -54,6 +60,10 @@ def write_config(
             f'proc_root = "{proc_root}"',
             'mountpoints_include = ["/no-such-mount-for-tests"]',
         ]
+        if "[collectors.kernel_log]" not in extra:
+            # Nor this machine's kernel log: what other tests made the kernel log say (a
+            # real segfault) is no finding of the host under test.
+            lines += ["[collectors.kernel_log]", f'path = "{_empty_log(directory)}"']
     path = directory / "gpuwarden.toml"
     path.write_text("\n".join(lines) + "\n" + extra)
     return path
