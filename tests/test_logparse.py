@@ -441,6 +441,40 @@ class TestForgedLines:
     journal or as raw records, is counted and never trusted."""
 
     @pytest.mark.parametrize(
+        "line",
+        [
+            f"[  123.456789] gpu1 forger: {XID}",
+            f"[  123.456789] forger: {XID}",
+            f"[  123.456000                ] gpu1 forger: {XID}",
+            f"1764650000.123456 gpu1 forger: {XID}",
+        ],
+    )
+    def test_a_program_quoting_the_driver_after_a_monotonic_stamp(self, line: str) -> None:
+        """journalctl -o short-monotonic (-delta, -unix) writes a program's line that has no
+        pid as `host program: ...`: when it quotes the driver it is the program's, not the
+        kernel's (which starts with the driver's prefix)."""
+        record = parse_line(line)
+        assert record is not None
+        assert (record.message, record.facility) == (XID, 1)
+
+    @pytest.mark.parametrize(
+        "line",
+        [
+            f"[  123.456789] {XID}",
+            "[  123.456789] nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 20034, Fatal",
+            "[  123.456789] nvidia-modeset: Loading NVIDIA Kernel Mode Setting Driver",
+            "[  123.456789] usb 1-1: new high-speed USB device number 2 using xhci_hcd",
+        ],
+    )
+    def test_the_drivers_own_lines_after_a_monotonic_stamp_stay_the_kernels(
+        self, line: str
+    ) -> None:
+        record = parse_line(line)
+        assert record is not None
+        assert record.facility is None  # a dmesg line: taken as given
+        assert record.message == line.split("] ", 1)[1]
+
+    @pytest.mark.parametrize(
         ("line", "facility", "level"),
         [
             (f"<14>[   12.345678] {XID}", 1, 6),

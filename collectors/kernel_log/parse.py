@@ -191,6 +191,7 @@ _TAIL = re.compile(r"(?:([^\s:\[\]]+) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTA
 # The NVIDIA drivers' own message prefixes: after a stamp (the `kernel:` tag lost with the
 # host), they start the driver's message; no program of that name logs without a pid.
 _DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
+_DRIVER_SAYS = re.compile(r"(?:NVRM|nvidia(?:-[a-z]+\d*)?): ")
 _JOURNAL_META = re.compile(r"-- .* --")
 
 
@@ -251,6 +252,11 @@ def _journal(stamp: str, rest: str, line: int, *, strict: bool) -> LogRecord | N
     if ident == "kernel" and pid is None:
         return LogRecord(_kernel_text(message), line, "journal", KERNEL_FACILITY, timestamp=stamp)
     if strict and (pid is None or host is None):
+        if _DRIVER_SAYS.match(message) and not _DRIVER_IDENT.fullmatch(ident):
+            # `[ 12.3] host program: NVRM: ...` (journalctl -o short-monotonic, -unix,
+            # -delta): a program quoting the driver. The kernel's own line starts with the
+            # driver's prefix, never with another word and a colon before it.
+            return LogRecord(message, line, "journal", USER_FACILITY, timestamp=stamp)
         return None  # `IOAPIC[0]: ...`, `python3[42]: segfault at ...` are kernel messages
     if pid is None and _DRIVER_IDENT.fullmatch(ident):
         return LogRecord(rest[match.start(2) :], line, "journal", timestamp=stamp)
@@ -295,7 +301,12 @@ def _after_stamp(
 ) -> LogRecord | None:
     if rest[:1] == "[" and (caller := _CALLER.match(rest)) is not None:
         rest = rest[caller.end() :]  # CONFIG_PRINTK_CALLER's `[  T1234]`
-    if fmt == "dmesg" and (rest.find("kernel: ", 0, 80) >= 0 or rest.find("]: ", 0, 100) >= 0):
+    if fmt == "dmesg" and (
+        rest.find("kernel: ", 0, 80) >= 0
+        or rest.find("]: ", 0, 100) >= 0
+        or rest.find(": NVRM: ", 0, 100) > 0
+        or rest.find(": nvidia", 0, 100) > 0
+    ):
         journal = _journal(stamp, rest, line, strict=True)  # journalctl -o short-monotonic
         if journal is not None:
             return journal
