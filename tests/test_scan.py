@@ -151,8 +151,10 @@ class TestExitCodes:
             check=True,
         ).stdout
         assert (
-            "Exit codes: 0 no findings; 1 findings, none worse than warning; 2 a critical"
-            in " ".join(helptext.split())
+            "Exit codes: 0 no findings (info findings alone, such as all-clears, are clean); 1 "
+            "findings, none worse than warning, or a kernel record journalctl did not print "
+            "(saved without --all); 2 a critical (or fatal) finding, or the file could not be "
+            "read to its end." in " ".join(helptext.split())
         )
 
     def test_help_names_the_catalog_version(self, capsys: pytest.CaptureFixture[str]) -> None:

@@ -153,3 +153,46 @@ def test_zstd_without_the_program_says_what_to_run(
     code = cli_main(["scan", str(path)])
     assert code == 2
     assert f"zstd -dc {path} | gpuwarden scan -" in capsys.readouterr().err.replace("\n", " ")
+
+
+# -- encodings ------------------------------------------------------------------------------------
+
+XID = "NVRM: Xid (PCI:0000:17:00): 79, pid=1, name=x, GPU has fallen off the bus."
+
+
+@pytest.mark.parametrize(
+    ("data", "form"),
+    [
+        (f"<3>[    1.000000] {XID}\n<14>[    2.000000] {XID}\n".encode("utf-8-sig"), "text"),
+        (
+            f"<3>[    1.000000] {XID}\r\n<14>[    2.000000] {XID}\r\n".encode("utf-16"),
+            "text+utf-16",
+        ),
+        (
+            f"<3>[    1.000000] {XID}\n<14>[    2.000000] {XID}\n".encode("utf-16-be"),
+            "text+utf-16",
+        ),
+    ],
+    ids=["utf-8 with a byte-order mark", "utf-16 with one (PowerShell)", "utf-16 without one"],
+)
+def test_a_byte_order_mark_says_how_to_read_the_file(
+    data: bytes, form: str, tmp_path: Path
+) -> None:
+    """A mark before the first line no longer hides its shape (`<3>` read as the kernel's,
+    `<14>` as user space); UTF-16 with its mark, or known by its NUL bytes without one,
+    reads as the log."""
+    path = tmp_path / "saved.log"
+    path.write_bytes(data)
+    found, _, notes = scan_file(path)
+    assert notes.form == form
+    assert [(kind, line) for kind, _, line, _ in found] == [("xid", 1)]
+
+
+def test_a_log_with_holes_is_not_taken_for_utf16(tmp_path: Path) -> None:
+    """NUL bytes where a crash left a hole are text's, not every second byte."""
+    path = tmp_path / "holes.log"
+    path.write_bytes(b"\x00" * 64 + f"[    1.000000] {XID}\n".encode())
+    found, stats, notes = scan_file(path)
+    assert notes.form == "text"
+    assert [kind for kind, *_ in found] == ["xid"]
+    assert stats.holes == 1

@@ -364,3 +364,63 @@ def test_read_notes_say_what_the_file_was(journal: Path, tmp_path: Path) -> None
     with path.open("rb") as handle:
         assert len(list(saved_lines(handle, str(path), notes))) > 0
     assert (notes.form, notes.problems) == ("text+export", [])
+
+
+# -- dmesg --json (util-linux 2.38 and later) ------------------------------------------------------
+
+
+def _dmesg(*args: str) -> bytes | None:
+    """What this machine's dmesg writes, or None where it cannot (no --json, no access)."""
+    done = subprocess.run(["dmesg", *args], capture_output=True, check=False)
+    return done.stdout if done.returncode == 0 and done.stdout else None
+
+
+def _found(data: bytes, tmp_path: Path) -> tuple[list[tuple[str, str]], int]:
+    findings, _, matchers = scan_bytes(data, tmp_path)
+    return [(f.kind, f.record.message) for f in findings], sum(matchers.ignored.values())
+
+
+def test_dmesg_json_reads_as_dmesg_decode(tmp_path: Path) -> None:
+    """This machine's own ring buffer: `dmesg --json -x` gives the findings `dmesg -x` gives,
+    user-space records ignored alike (the `fac` field says who wrote each)."""
+    as_json, decoded = _dmesg("--json", "-x"), _dmesg("-x")
+    if as_json is None or decoded is None:
+        pytest.skip("this dmesg cannot write JSON, or the ring buffer cannot be read")
+    assert _found(as_json, tmp_path) == _found(decoded, tmp_path)
+
+
+DMESG_JSON = """{
+   "dmesg": [
+      {
+         "fac": "kern",
+         "pri": "err",
+         "time":    12.345678,
+         "msg": "NVRM: Xid (PCI:0000:17:00): 79, pid=1234, name=python3, GPU has fallen off the bus."
+      },{
+         "fac": "user",
+         "pri": "warn",
+         "time":    13.000000,
+         "msg": "NVRM: Xid (PCI:0000:18:00): 48, pid=1, name=x, DBE (Double Bit Error)"
+      },{
+         "pri": 3,
+         "time":    14.000000,
+         "msg": "INFO: task \\"py thon\\":4321 blocked for more than 120 seconds."
+      },{
+         "pri": 12,
+         "time":    15.000000,
+         "msg": "NVRM: Xid (PCI:0000:19:00): 48, pid=1, name=x, DBE (Double Bit Error)"
+      }
+   ]
+}
+"""
+
+
+def test_dmesg_json_records_and_who_wrote_them(tmp_path: Path) -> None:
+    """`fac` (with -x) or a `pri` over 7 names the facility; a bare level says nothing, as a
+    dmesg line says nothing. Each finding is on its record's `msg` line; escapes are read."""
+    data = DMESG_JSON.encode()
+    findings, stats, matchers = scan_bytes(data, tmp_path)
+    assert [(f.kind, f.line) for f in findings] == [("xid", 7), ("hung_task", 16)]
+    assert findings[1].process == '"py thon"'
+    assert sum(matchers.ignored.values()) == 2
+    assert stats.lines == data.count(b"\n")

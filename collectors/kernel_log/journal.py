@@ -23,6 +23,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
+from itertools import chain
 from typing import Final, NamedTuple
 
 KERNEL_FACILITY: Final = 0
@@ -253,10 +254,75 @@ def _keep(fields: dict[str, object], name: str, text: str) -> None:
         return
 
 
+_DMESG_FIELD: Final = re.compile(r'^\s*"(pri|fac|time|msg|caller)": (.*?),?$')
+_FACILITY_NAMES: Final = (
+    "kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron",
+    "authpriv", "ftp", "res0", "res1", "res2", "res3", "local0", "local1", "local2", "local3",
+    "local4", "local5", "local6", "local7",
+)  # fmt: skip
+_LEVEL_NAMES: Final = ("emerg", "alert", "crit", "err", "warn", "notice", "info", "debug")
+
+
+def _dmesg_entry(fields: dict[str, object]) -> dict[str, object]:
+    """A `dmesg --json` record as the journal's fields: the facility only where dmesg gave it
+    (`-x` names it; a number over 7 holds it); else, like a dmesg line, nothing is said."""
+    out: dict[str, object] = {"MESSAGE": fields.get("msg")}
+    facility, level = fields.get("fac"), fields.get("pri")
+    if isinstance(facility, str) and facility in _FACILITY_NAMES:
+        out["SYSLOG_FACILITY"] = str(_FACILITY_NAMES.index(facility))
+    if isinstance(level, str) and level in _LEVEL_NAMES:
+        out["PRIORITY"] = str(_LEVEL_NAMES.index(level))
+    elif isinstance(level, int) and level >= 0:
+        out["PRIORITY"] = str(level & 7)
+        if level > 7:
+            out["SYSLOG_FACILITY"] = str(level >> 3)
+    stamp = fields.get("time")
+    if (
+        isinstance(stamp, int | float)
+        and "SYSLOG_FACILITY" in out
+        and out["SYSLOG_FACILITY"] == "0"
+    ):
+        out["_TRANSPORT"] = "kernel"
+        out["_SOURCE_MONOTONIC_TIMESTAMP"] = str(int(stamp * 1_000_000))
+    return out
+
+
+def _dmesg_json(lines: Iterator[str | None], first: str) -> Iterator[str | None]:
+    """`dmesg --json` (util-linux 2.38+): `{ "dmesg": [ {"pri": ..., "time": ..., "msg":
+    ...},{ ... } ] }`, a field a line (`fac` too with `-x`). Each record becomes a journal JSON
+    line on the line of its `msg`."""
+    yield from ("", "")  # the opening `{` and `"dmesg": [`
+    record: list[str] = []
+    fields: dict[str, object] = {}
+    message_at: int | None = None
+    for text in lines:
+        if text is None:
+            yield from record
+            yield None
+            record, fields, message_at = [], {}, None
+            continue
+        record.append(text)
+        match = _DMESG_FIELD.match(text)
+        if match is not None:
+            _keep(fields, match[1], match[2])
+            if match[1] == "msg":
+                message_at = len(record) - 1
+        elif "}" in text or len(record) >= MAX_RECORD_LINES:
+            if "msg" in fields:
+                yield from _emit(record, _dmesg_entry(fields), message_at)
+            else:
+                yield from ("" for _ in record)
+            record, fields, message_at = [], {}, None
+    if "msg" in fields:
+        yield from _emit(record, _dmesg_entry(fields), message_at)
+    else:
+        yield from ("" for _ in record)
+
+
 def assemble(lines: Iterable[str | None]) -> Iterator[str | None]:
-    """`lines` with the records of `journalctl -o verbose` or `-o json-pretty` made one JSON
-    line each (the mode is known from the first line that is not blank); other lines as
-    they are."""
+    """`lines` with the records of `journalctl -o verbose`, `-o json-pretty` or `dmesg
+    --json` made one JSON line each (the mode is known from the first lines that are not
+    blank); other lines as they are."""
     it = iter(lines)
     for text in it:
         if text is None or not text.strip():
@@ -265,7 +331,11 @@ def assemble(lines: Iterable[str | None]) -> Iterator[str | None]:
         if _VERBOSE_HEAD.match(text):
             yield from _verbose(it, text)
         elif text == "{":
-            yield from _pretty(it, text)
+            second = next(it, None)
+            if second is not None and second.strip() == '"dmesg": [':
+                yield from _dmesg_json(it, text)
+                return
+            yield from _pretty(chain([] if second is None else [second], it), text)
         else:
             yield text
             yield from it

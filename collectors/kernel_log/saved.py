@@ -13,6 +13,7 @@ there and the problem is reported: the findings before it are kept.
 from __future__ import annotations
 
 import bz2
+import codecs
 import contextlib
 import lzma
 import shutil
@@ -221,6 +222,11 @@ class _Chunks:
             self._head += chunk
         return self._head[:size]
 
+    def drop(self, size: int) -> None:
+        """Leave out the first `size` bytes (looked at with `head`)."""
+        self.head(size)
+        self._head = self._head[size:]
+
     def read(self, size: int = -1, /) -> bytes:
         if self._head:
             out, self._head = self._head, b""
@@ -232,6 +238,45 @@ class _Chunks:
             yield chunk
 
 
+def _utf16(chunks: Iterable[bytes], codec: str) -> Iterator[bytes]:
+    """A UTF-16 file (PowerShell's `>` writes one) as UTF-8, a chunk at a time."""
+    decoder = codecs.getincrementaldecoder(codec)(errors="replace")
+    for chunk in chunks:
+        if text := decoder.decode(chunk):
+            yield text.encode("utf-8")
+    if tail := decoder.decode(b"", final=True):
+        yield tail.encode("utf-8")
+
+
+def _text_chunks(chunks: _Chunks, notes: ReadNotes) -> _Chunks:
+    """Text whatever its encoding's mark: a UTF-8 one is dropped, UTF-16 (with its mark, or
+    known without one) is read as UTF-8: its lines would hold a NUL byte after each letter and
+    match nothing."""
+    head = chunks.head(4)
+    if head.startswith(codecs.BOM_UTF8):
+        chunks.drop(len(codecs.BOM_UTF8))
+    elif head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        notes.form += "+utf-16"
+        return _Chunks(_utf16(chunks, "utf-16"))
+    elif (codec := _unmarked_utf16(chunks.head(64))) is not None:
+        notes.form += "+utf-16"
+        return _Chunks(_utf16(chunks, codec))
+    return chunks
+
+
+def _unmarked_utf16(head: bytes) -> str | None:
+    """UTF-16 without a mark, known from its first bytes: every other one NUL (a kernel log
+    holds NUL bytes only where a crash left a hole, never in every second place)."""
+    if len(head) < 16:
+        return None
+    even, odd = head[0::2], head[1::2]
+    if odd.count(0) == len(odd) and 0 not in even:
+        return "utf-16-le"
+    if even.count(0) == len(even) and 0 not in odd:
+        return "utf-16-be"
+    return None
+
+
 def saved_lines(
     stream: BinaryIO, name: str, notes: ReadNotes | None = None
 ) -> Iterator[str | None]:
@@ -240,7 +285,7 @@ def saved_lines(
     line per record (collectors/kernel_log/journal.py). Raises SavedLogError, before any
     line, for a file that can be read only with a program this host lacks."""
     notes = notes if notes is not None else ReadNotes()
-    chunks = _Chunks(_raw_chunks(stream, name, notes))
+    chunks = _text_chunks(_Chunks(_raw_chunks(stream, name, notes)), notes)
     if chunks.head(32).startswith(EXPORT_STARTS):
         notes.form += "+export"
         return ExportReader(chunks).lines()

@@ -1,16 +1,18 @@
 """List the findings in a saved kernel log: Xids, SXids, GPUs fallen off the bus, disk, file
 system and NVMe errors, OOM kills and hung tasks, each with its meaning and what to do.
 
-FILE may be raw /dev/kmsg records, `dmesg` (also -T, -r, -x, --time-format iso), `journalctl`
-(any short output mode, with or without host names; json, json-seq, json-sse, json-pretty,
-export, verbose), a syslog file, or a journal file itself (shapes may be mixed; `-` reads
-standard input); compressed with gzip, bzip2, xz or zstd, as logrotate leaves it. Lines that are not findings print nothing; malformed lines are counted
-and skipped; a line with an unreadable timestamp is still read. Lines that say they were
-written from user space (facility >= 1, a program's name instead of `kernel:`) are not trusted
-as findings and are counted instead. The file is read in bounded pieces: any size will do.
+FILE may be raw /dev/kmsg records, `dmesg` (also -T, -r, -x, --json, --time-format iso),
+`journalctl` (any short output mode, with or without host names; json, json-seq, json-sse,
+json-pretty, export, verbose), a syslog file, or a journal file itself (shapes may be mixed;
+`-` reads standard input); compressed with gzip, bzip2, xz or zstd, as logrotate leaves it.
+Lines that are not findings print nothing; malformed lines are counted and skipped; a line
+with an unreadable timestamp is still read. Lines that say they were written from user space
+(facility >= 1, a program's name instead of `kernel:`) are not trusted as findings and are
+counted instead. The file is read in bounded pieces: any size will do.
 
-Exit codes: 0 no findings; 1 findings, none worse than warning; 2 a critical (or fatal)
-finding, or the file could not be read.
+Exit codes: 0 no findings (info findings alone, such as all-clears, are clean); 1 findings,
+none worse than warning, or a kernel record journalctl did not print (saved without --all);
+2 a critical (or fatal) finding, or the file could not be read to its end.
 """
 
 from __future__ import annotations
