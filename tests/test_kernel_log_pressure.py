@@ -486,7 +486,9 @@ def _no_core() -> None:
 @pytest.mark.skipif(not _segfaults_logged(), reason="no readable /dev/kmsg or exception-trace off")
 def test_a_real_segfault_read_from_dev_kmsg() -> None:
     """A child that dereferences NULL: the kernel's own record of it (facility 0, this
-    machine's kernel's wording) is a process_crash naming the child and the library."""
+    machine's kernel's wording) is a process_crash naming the child and the library. The
+    record stays in this machine's kernel log: tests that judge a host read their own log
+    (tests/support/diag.py)."""
     state = MemoryKeyValueStore()
     boot = Path("/proc/sys/kernel/random/boot_id")
     reader = KmsgReader(Path("/dev/kmsg"), boot, state, io=OsKmsgIO())
