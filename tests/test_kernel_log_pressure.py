@@ -24,8 +24,8 @@ from collectors.kernel_log.kmsg import KmsgReader, OsKmsgIO
 from collectors.kernel_log.matchers import KINDS, Finding, MatcherSet
 from tests.support.klog_shapes import SHAPES
 from tests.test_kernel_log_pcie import in_shape
-from tests.test_kernel_log_records import BOTH, scan_dmesg
-from tests.test_kernel_log_stalls import Line, _only
+from tests.test_kernel_log_records import BOTH
+from tests.test_kernel_log_stalls import Line, _only, assert_line
 
 R = RepairAction
 MEMORY = "memory_error"
@@ -431,19 +431,7 @@ class TestLines:
     @BOTH
     @pytest.mark.parametrize("line", LINES, ids=[line.text[:60] for line in LINES])
     def test_line(self, way: object, line: Line) -> None:
-        assert callable(way)
-        finding = _only(way(*line.text.split("\n")) if way is scan_dmesg else way(line.text))
-        got = (finding.kind, finding.device, finding.severity, finding.repair_action)
-        assert got == (line.kind, line.device, line.severity, line.repair)
-        assert finding.clears == line.clears
-        assert line.kind in KINDS
-        assert finding.name and finding.meaning and finding.action
-        assert "?" not in finding.meaning, finding.meaning  # every field the text names is read
-        if line.device:
-            assert line.device in finding.meaning
-        as_dict = finding.to_dict()
-        for key, expected in line.attributes.items():
-            assert as_dict.get(key) == expected, key
+        assert_line(way, line)
 
     @pytest.mark.parametrize("shape", SHAPES)
     def test_every_line_in_every_saved_shape(self, shape: str) -> None:

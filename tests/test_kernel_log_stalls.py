@@ -496,22 +496,28 @@ def _only(findings: list[Finding]) -> Finding:
     return findings[0]
 
 
+def assert_line(way: object, line: Line) -> None:
+    """`line` read one way (as a record, as `dmesg` lines) is the one finding it names."""
+    assert callable(way)
+    finding = _only(way(*line.text.split("\n")) if way is scan_dmesg else way(line.text))
+    got = (finding.kind, finding.device, finding.severity, finding.repair_action)
+    assert got == (line.kind, line.device, line.severity, line.repair)
+    assert finding.clears == line.clears
+    assert line.kind in KINDS
+    assert finding.name and finding.meaning and finding.action
+    assert "?" not in finding.meaning, finding.meaning  # every field the text names is read
+    if line.device:
+        assert line.device in finding.meaning
+    as_dict = finding.to_dict()
+    for key, expected in line.attributes.items():
+        assert as_dict.get(key) == expected, key
+
+
 class TestLines:
     @BOTH
     @pytest.mark.parametrize("line", LINES, ids=[line.text[:60] for line in LINES])
     def test_line(self, way: object, line: Line) -> None:
-        assert callable(way)
-        finding = _only(way(*line.text.split("\n")) if way is scan_dmesg else way(line.text))
-        got = (finding.kind, finding.device, finding.severity, finding.repair_action)
-        assert got == (line.kind, line.device, line.severity, line.repair)
-        assert finding.clears == line.clears
-        assert line.kind in KINDS
-        assert finding.name and finding.meaning and finding.action
-        if line.device:
-            assert line.device in finding.meaning
-        as_dict = finding.to_dict()
-        for key, expected in line.attributes.items():
-            assert as_dict.get(key) == expected, key
+        assert_line(way, line)
 
     @pytest.mark.parametrize("shape", SHAPES)
     def test_every_line_in_every_saved_shape(self, shape: str) -> None:
