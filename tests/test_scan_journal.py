@@ -341,12 +341,17 @@ def test_export_records_keep_their_line_numbers(records: list[dict[str, Field]])
     for index, record in enumerate(records):
         fields_bytes = _record_fields(index, record)
         names = [name for name, _ in fields_bytes]
-        before = names.index("MESSAGE") if "MESSAGE" in names else 0
+        size = sum(data.count(b"\n") for _, data in fields_bytes) + 1
+        if "MESSAGE" not in names:  # nothing of it is a message
+            assert out[at : at + size] == [""] * size
+            at += size
+            continue
+        before = names.index("MESSAGE")
         line = at + sum(data.count(b"\n") for _, data in fields_bytes[:before])
         fields = json.loads(out[line] or "{}")
         for name, value in record.items():
             assert fields[name] == (list(value) if isinstance(value, bytes) else value)
-        at += sum(data.count(b"\n") for _, data in fields_bytes) + 1
+        at += size
     assert at == len(out)
 
 
@@ -424,3 +429,15 @@ def test_dmesg_json_records_and_who_wrote_them(tmp_path: Path) -> None:
     assert findings[1].process == '"py thon"'
     assert sum(matchers.ignored.values()) == 2
     assert stats.lines == data.count(b"\n")
+
+
+@pytest.mark.parametrize("mode", ["export", "verbose", "json-pretty"])
+def test_a_record_without_a_message_says_nothing(journal: Path, mode: str, tmp_path: Path) -> None:
+    """`--output-fields` without MESSAGE: a field that holds the driver's words (a program's
+    command line) is no kernel message."""
+    data = journalctl(journal, "-o", mode, "--all", "--output-fields=_TRANSPORT,_CMDLINE")
+    data = data.replace(b"_TRANSPORT=kernel", b"_CMDLINE=echo " + XID.encode())
+    data = data.replace(b'"_TRANSPORT" : "kernel"', b'"_CMDLINE" : "echo ' + XID.encode() + b'"')
+    assert XID.encode() in data
+    findings, _, _ = scan_bytes(data, tmp_path)
+    assert findings == []

@@ -140,9 +140,10 @@ def _compact(fields: dict[str, object]) -> str:
 
 
 def _emit(lines: list[str], fields: dict[str, object], message_at: int | None) -> Iterator[str]:
-    """The record's lines: its JSON where its MESSAGE was (else its first line), blank lines
-    for the rest."""
-    at = message_at if message_at is not None else 0
+    """The record's lines: its JSON where its MESSAGE was, blank lines for the rest. A record
+    without a MESSAGE is blank lines only: its other fields (a command line, a unit's name)
+    are no kernel message, whatever words they hold."""
+    at = message_at if message_at is not None and "MESSAGE" in fields else -1
     for index in range(len(lines)):
         yield _compact(fields) if index == at else ""
 
