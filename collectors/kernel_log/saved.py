@@ -88,6 +88,8 @@ def _inflate(chunks: Iterable[bytes], notes: ReadNotes) -> Iterator[bytes]:
                     data = inflater.unused_data
                     inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
                     started = False
+        if rest := inflater.flush():  # what the last member's inflater still holds
+            yield rest
     except zlib.error as exc:
         notes.problems.append(f"the gzip data is damaged ({exc}): read up to there")
         return
