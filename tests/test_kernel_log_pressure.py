@@ -23,9 +23,8 @@ from agent.contracts.model import RepairAction, Severity
 from collectors.kernel_log.kmsg import KmsgReader, OsKmsgIO
 from collectors.kernel_log.matchers import KINDS, Finding, MatcherSet
 from tests.support.klog_shapes import SHAPES
-from tests.test_kernel_log_pcie import in_shape
 from tests.test_kernel_log_records import BOTH
-from tests.test_kernel_log_stalls import Line, _only, assert_line
+from tests.test_kernel_log_stalls import Line, assert_in_shape, assert_line
 
 R = RepairAction
 MEMORY = "memory_error"
@@ -435,10 +434,7 @@ class TestLines:
 
     @pytest.mark.parametrize("shape", SHAPES)
     def test_every_line_in_every_saved_shape(self, shape: str) -> None:
-        for line in LINES:
-            finding = _only(in_shape(shape, [line.text]))
-            got = (finding.kind, finding.device, finding.severity, finding.clears)
-            assert got == (line.kind, line.device, line.severity, line.clears), (shape, line.text)
+        assert_in_shape(shape, LINES)
 
     @BOTH
     @pytest.mark.parametrize("line", QUIET)

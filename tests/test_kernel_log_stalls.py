@@ -513,6 +513,14 @@ def assert_line(way: object, line: Line) -> None:
         assert as_dict.get(key) == expected, key
 
 
+def assert_in_shape(shape: str, lines: list[Line]) -> None:
+    """The first line of each of `lines` saved as `shape` is the finding it names."""
+    for line in lines:
+        finding = _only(in_shape(shape, [line.text.split("\n")[0]]))
+        got = (finding.kind, finding.device, finding.severity, finding.clears)
+        assert got == (line.kind, line.device, line.severity, line.clears), (shape, line.text)
+
+
 class TestLines:
     @BOTH
     @pytest.mark.parametrize("line", LINES, ids=[line.text[:60] for line in LINES])
@@ -522,10 +530,7 @@ class TestLines:
     @pytest.mark.parametrize("shape", SHAPES)
     def test_every_line_in_every_saved_shape(self, shape: str) -> None:
         """The first line of each (a `dmesg` line holds no more) as each tool saves it."""
-        for line in LINES:
-            finding = _only(in_shape(shape, [line.text.split("\n")[0]]))
-            got = (finding.kind, finding.device, finding.severity, finding.clears)
-            assert got == (line.kind, line.device, line.severity, line.clears), (shape, line.text)
+        assert_in_shape(shape, LINES)
 
     def test_every_all_clear_names_what_it_clears(self) -> None:
         """A line that ends a fault clears the kind it ends, and only an all-clear does."""

@@ -241,6 +241,14 @@ _LINK_ACTION = (
 )
 
 
+def _page_recovery(results: str) -> re.Pattern[str]:
+    """mm/memory-failure.c action_result's line ending in one of `results` (a pattern)."""
+    return re.compile(
+        r"(?:Memory failure: |MCE )(?P<pfn>0x[0-9a-fA-F]{1,16}): (?:recovery action for "
+        rf"(?P<page>[^:\n]{{1,64}}): |(?P<old_page>[^:\n]{{1,64}}) page recovery: ){results}"
+    )
+
+
 _CRASH = (
     "the program died; in a CUDA, NCCL or NVIDIA library (libcuda, libnccl, libnvidia-*) the "
     "driver or the library may be at fault, elsewhere the program or its memory"
@@ -957,10 +965,7 @@ _RULES: Final[Sequence[_Rule]] = (
     _Rule(
         "memory_error",
         "corrupt memory not recovered",
-        re.compile(
-            r"(?:Memory failure: |MCE )(?P<pfn>0x[0-9a-fA-F]{1,16}): (?:recovery action for "
-            r"(?P<page>[^:\n]{1,64}): |(?P<old_page>[^:\n]{1,64}) page recovery: )Failed"
-        ),
+        _page_recovery("Failed"),
         Severity.CRITICAL,
         "host memory holds an uncorrected error (page frame {pfn}) that the kernel could not "
         "take out of use: what uses that page may read corrupt data or be killed",
@@ -974,11 +979,7 @@ _RULES: Final[Sequence[_Rule]] = (
     _Rule(
         "memory_error",
         "corrupt memory taken out of use",
-        re.compile(
-            r"(?:Memory failure: |MCE )(?P<pfn>0x[0-9a-fA-F]{1,16}): (?:recovery action for "
-            r"(?P<page>[^:\n]{1,64}): |(?P<old_page>[^:\n]{1,64}) page recovery: )"
-            r"(?P<result>Recovered|Delayed|Ignored)"
-        ),
+        _page_recovery("(?P<result>Recovered|Delayed|Ignored)"),
         Severity.WARNING,
         "host memory holds an uncorrected error (page frame {pfn}); the kernel took the page "
         "out of use ({result}): the DIMM is failing",
