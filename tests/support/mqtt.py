@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -111,6 +112,16 @@ class InProcessAgent:
         from agent.runtime.core import Runtime
         from agent.runtime.state import StateStore
 
+        # This machine's kernel log is no finding of the agent under test: what other tests
+        # made it say (a real segfault, each its own event) would fill a bounded outbox.
+        collectors = dict(self.extra.get("collectors", {}))
+        kernel_log = dict(collectors.get("kernel_log", {}))
+        if "path" not in kernel_log:
+            Path(self.state_dir).mkdir(parents=True, exist_ok=True)
+            empty = Path(self.state_dir) / "kern.log"
+            empty.touch()
+            kernel_log["path"] = str(empty)
+        collectors["kernel_log"] = kernel_log
         cfg = config_module.parse(
             {
                 "node_id": "node-a",
@@ -125,6 +136,7 @@ class InProcessAgent:
                     **self.mqtt,
                 },
                 **self.extra,
+                "collectors": collectors,
             }
         )
         self.runtime = Runtime(
