@@ -25,8 +25,9 @@ from agent.program.cli import main as cli_main
 from agent.program.commands.scan import scan_lines
 from collectors.kernel_log.journal import ExportReader
 from collectors.kernel_log.matchers import Finding, MatcherSet
-from collectors.kernel_log.parse import KERNEL_FACILITY, USER_FACILITY, ParseStats, parse_line
+from collectors.kernel_log.parse import ParseStats, parse_line
 from collectors.kernel_log.saved import ReadNotes, saved_lines
+from collectors.kernel_log.syslog_names import KERNEL_FACILITY, USER_FACILITY
 
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 XID = "NVRM: Xid (PCI:0000:17:00): 79, pid=1234, name=python3, GPU has fallen off the bus."

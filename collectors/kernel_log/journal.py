@@ -26,9 +26,7 @@ from datetime import UTC, datetime
 from itertools import chain
 from typing import Final, NamedTuple
 
-KERNEL_FACILITY: Final = 0
-USER_FACILITY: Final = 1
-"""syslog's numbers, as collectors/kernel_log/parse.py has them (which builds on this module)."""
+from collectors.kernel_log.syslog_names import FACILITIES, KERNEL_FACILITY, LEVELS, USER_FACILITY
 
 BLOB_MARK: Final = "B blob data]"
 LINE_WORDS: Final = ('"MESSAGE":[', '"MESSAGE": [', '"MESSAGE":null', '"MESSAGE": null', BLOB_MARK)
@@ -256,12 +254,6 @@ def _keep(fields: dict[str, object], name: str, text: str) -> None:
 
 
 _DMESG_FIELD: Final = re.compile(r'^\s*"(pri|fac|time|msg|caller)": (.*?),?$')
-_FACILITY_NAMES: Final = (
-    "kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron",
-    "authpriv", "ftp", "res0", "res1", "res2", "res3", "local0", "local1", "local2", "local3",
-    "local4", "local5", "local6", "local7",
-)  # fmt: skip
-_LEVEL_NAMES: Final = ("emerg", "alert", "crit", "err", "warn", "notice", "info", "debug")
 
 
 def _dmesg_entry(fields: dict[str, object]) -> dict[str, object]:
@@ -269,10 +261,10 @@ def _dmesg_entry(fields: dict[str, object]) -> dict[str, object]:
     (`-x` names it; a number over 7 holds it); else, like a dmesg line, nothing is said."""
     out: dict[str, object] = {"MESSAGE": fields.get("msg")}
     facility, level = fields.get("fac"), fields.get("pri")
-    if isinstance(facility, str) and facility in _FACILITY_NAMES:
-        out["SYSLOG_FACILITY"] = str(_FACILITY_NAMES.index(facility))
-    if isinstance(level, str) and level in _LEVEL_NAMES:
-        out["PRIORITY"] = str(_LEVEL_NAMES.index(level))
+    if isinstance(facility, str) and facility in FACILITIES:
+        out["SYSLOG_FACILITY"] = str(FACILITIES.index(facility))
+    if isinstance(level, str) and level in LEVELS:
+        out["PRIORITY"] = str(LEVELS.index(level))
     elif isinstance(level, int) and level >= 0:
         out["PRIORITY"] = str(level & 7)
         if level > 7:

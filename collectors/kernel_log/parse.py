@@ -34,38 +34,13 @@ from typing import Final, NamedTuple
 
 from agent.contracts.errors import GpuwardenError
 from collectors.kernel_log.journal import json_entry, left_out
-
-# syslog(3) facility names as `dmesg --decode` prints them, in facility-number order.
-FACILITIES: Final = (
-    "kern",
-    "user",
-    "mail",
-    "daemon",
-    "auth",
-    "syslog",
-    "lpr",
-    "news",
-    "uucp",
-    "cron",
-    "authpriv",
-    "ftp",
-    "res0",
-    "res1",
-    "res2",
-    "res3",
-    "local0",
-    "local1",
-    "local2",
-    "local3",
-    "local4",
-    "local5",
-    "local6",
-    "local7",
+from collectors.kernel_log.syslog_names import (
+    FACILITIES,
+    KERNEL_FACILITY,
+    LEVELS,
+    USER_FACILITY,
 )
-LEVELS: Final = ("emerg", "alert", "crit", "err", "warn", "notice", "info", "debug")
 
-KERNEL_FACILITY: Final = 0
-USER_FACILITY: Final = 1
 MAX_PRIORITY: Final = 255 * 8 + 7
 """printk keeps the facility in a u8 (struct printk_info) and the level in 3 bits."""
 
