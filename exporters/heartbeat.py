@@ -112,3 +112,163 @@ def metrics_payload(runtime: SinkContext, now: float) -> bytes:
         )
         family["series"].append([*sample.label_values, sample.value])
     return encode({"ts": round(now, 3), "node": runtime.node_id, "metrics": families})
+
+
+# -- payloads cut to a broker's maximum packet size ---------------------------------------------
+#
+# A broker ends the connection of a client that sends a packet larger than its Maximum Packet
+# Size (exporters/mqtt_client.py, PacketTooLarge). What is too large for it is cut to fit here,
+# keeping what consumers act on, and says so: `"truncated"` in the payload. The whole event
+# stays in the node's own history (the state store; `gpuwarden diag` packs it).
+
+EVENT_KEPT = ("id", "time", "node", "source", "kind", "severity", "subject", "repair_action")
+"""An event's fields a cut keeps whole: what it is, about what, and what must be done."""
+MARK = "…"
+CUTTABLE = ("message", "action", "clears", "aliases", "attributes")
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")).encode())
+
+
+def _cut_text(text: str, room: int) -> str:
+    """The longest head of `text` (with MARK) whose JSON string takes at most `room` bytes."""
+    if _size(text) <= room:
+        return text
+    low, high = 0, len(text)
+    while low < high:  # the longest prefix that fits, by bisection
+        middle = (low + high + 1) // 2
+        if _size(text[:middle] + MARK) <= room:
+            low = middle
+        else:
+            high = middle - 1
+    return text[:low] + MARK if low else ""
+
+
+class _Budget:
+    """Bytes left for the parts of a cut payload; compact JSON sizes add up exactly."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def text(self, text: str, entry: int) -> str | None:
+        """The longest head of `text` that fits after `entry` bytes of key; None: no room."""
+        if self.left < entry + _size(""):
+            return None
+        value = _cut_text(text, self.left - entry)
+        self.left -= entry + _size(value)
+        return value
+
+    def names(self, names: list[str], entry: int) -> list[str] | None:
+        """As many of `names` as fit in a list after `entry` bytes of key; None: no room."""
+        if self.left < entry + 2:
+            return None
+        self.left -= entry + 2
+        kept: list[str] = []
+        for name in names:
+            cost = _size(name) + (1 if kept else 0)
+            if cost > self.left:
+                break
+            kept.append(name)
+            self.left -= cost
+        return kept
+
+    def mapping(self, items: dict[str, Any], entry: int) -> dict[str, Any] | None:
+        """The items that fit in an object after `entry` bytes of key, the smallest first."""
+        if self.left < entry + 2:
+            return None
+        self.left -= entry + 2
+        chosen: dict[str, Any] = {}
+        for name, value in sorted(items.items(), key=_size):
+            cost = _size(name) + 1 + _size(value) + (1 if chosen else 0)
+            if cost > self.left:
+                break
+            chosen[name] = value
+            self.left -= cost
+        return chosen
+
+
+def _entry(key: str) -> int:
+    """Bytes of `,"key":` in an object that already has an entry."""
+    return 1 + _size(key) + 1
+
+
+def cut_event(payload: bytes, room: int) -> bytes | None:
+    """The event in `payload` cut to at most `room` bytes, or None when not even its kept
+    fields fit. Kept whole: EVENT_KEPT; then, as room allows, `message` (never empty) and
+    `action` cut short with MARK, `clears` and `aliases` (as many names as fit), and the
+    attributes, the smallest first. `"truncated"` says how large the event was and what was
+    left out or cut."""
+    data = json.loads(payload)
+    attributes: dict[str, Any] = dict(data.get("attributes") or {})
+    cut: dict[str, Any] = {key: data[key] for key in EVENT_KEPT if key in data}
+    # The note at its largest (every part named, every attribute left out): what it will say
+    # can only be shorter. The message is never empty (an event needs one): MARK at least.
+    largest = {"bytes": len(payload), "cut": list(CUTTABLE), "attributes_left_out": len(attributes)}
+    budget = _Budget(room - _size({**cut, "truncated": largest, "message": MARK}))
+    if budget.left < 0:
+        return None
+    budget.left += _entry("message") + _size(MARK)
+    parts: dict[str, Any] = {}
+    parts["message"] = budget.text(str(data.get("message", "")), _entry("message")) or MARK
+    parts["action"] = budget.text(str(data.get("action", "")), _entry("action"))
+    for key in ("clears", "aliases"):
+        names = [str(name) for name in data.get(key) or ()]
+        if names or key == "clears":
+            parts[key] = budget.names(names, _entry(key))
+    parts["attributes"] = budget.mapping(attributes, _entry("attributes"))
+    sent = {key: _EMPTY[key] if parts.get(key) is None else parts[key] for key in CUTTABLE}
+    shortened = [key for key in CUTTABLE if sent[key] != (data.get(key) or _EMPTY[key])]
+    cut.update((key, value) for key, value in parts.items() if value is not None)
+    left_out = len(attributes) - len(cut.get("attributes", ()))
+    cut["truncated"] = {"bytes": len(payload), "cut": shortened, "attributes_left_out": left_out}
+    out = encode(cut)
+    return out if len(out) <= room else None
+
+
+_EMPTY: dict[str, Any] = {
+    "message": "",
+    "action": "",
+    "clears": [],
+    "aliases": [],
+    "attributes": {},
+}
+"""What a part of an event is when the event has none."""
+
+
+HEARTBEAT_KEPT = ("seq", "ts", "interval_s", "health", "truncated")
+"""What the watcher needs of a heartbeat (agent/program/watch/payloads.py), kept to the last."""
+HEARTBEAT_OPTIONAL = ("gpu", "paused", "bdseq", "node", "version", "outbox", "notices")
+"""Kept after those, as room allows, in this order."""
+
+
+def compact_heartbeat(payload: bytes, room: int) -> bytes | None:
+    """The heartbeat in `payload` in at most `room` bytes, or None. It leaves out the
+    per-collector and per-sink detail, keeps as many problems (each cut to 200 characters, as
+    the watcher reads them) as fit, then the fields of HEARTBEAT_OPTIONAL that fit; marked
+    `"truncated": true`."""
+    data = json.loads(payload)
+    health = data.get("health")
+    compact: dict[str, Any] = {"seq": data["seq"], "ts": data["ts"]}
+    compact["interval_s"] = data["interval_s"]
+    compact["truncated"] = True
+    compact["health"] = [] if isinstance(health, list) else health
+    if _size(compact) > room:
+        return None
+    if isinstance(health, list):
+        left = room - _size(compact)
+        for problem in health[:10]:
+            text = str(problem)[:200]
+            if _size(text) + 1 > left:
+                break
+            compact["health"].append(text)
+            left -= _size(text) + 1
+        if not compact["health"]:
+            compact["health"] = "unhealthy"
+    for key in HEARTBEAT_OPTIONAL:
+        if key in data:
+            trial = {**compact, key: data[key]}
+            if _size(trial) <= room:
+                compact = trial
+    out = encode(compact)
+    return out if len(out) <= room else None

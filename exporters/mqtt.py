@@ -17,6 +17,11 @@ that cannot write never ends the connection, and so never the heartbeats. Any fa
 the loop waits (the shared backoff) and connects again with the next birth number. Each kind of failure is logged and raised as an event once per transition, not
 per retry. A clean stop publishes `offline` itself: a broker sends the Will only when a client
 vanishes, never after a clean DISCONNECT.
+
+Nothing larger than the broker's Maximum Packet Size (its CONNACK) is sent: the broker would
+end the connection for it, and an outbox entry over the limit would end every connection from
+the head of the queue. An event is cut down to fit, a heartbeat sent compact, a metrics
+snapshot left out (exporters/heartbeat.py; docs/mqtt.md).
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ import structlog
 from agent.contracts.errors import ConfigError, StateStoreError
 from agent.contracts.model import Event, MetricFamily, MetricType, RepairAction, Sample, Severity
 from agent.contracts.sink import OutboxEntry, SinkContext
-from exporters.heartbeat import heartbeat_payload, metrics_payload, status_payload
+from exporters.heartbeat import (
+    compact_heartbeat,
+    cut_event,
+    heartbeat_payload,
+    metrics_payload,
+    status_payload,
+)
 from exporters.mqtt_client import (
     FAILURE_TEXT,
     Backoff,
@@ -81,7 +92,15 @@ CONNECT_FAILURES = MetricFamily(
     "Failed connections and lost sessions",
     ("reason",),
 )
+TOO_LARGE = MetricFamily(
+    "gpuwarden_mqtt_payloads_too_large_total",
+    C,
+    "Payloads larger than the broker's maximum packet size: sent cut down to fit (cut) or "
+    "not sent (left_out)",
+    ("kind", "outcome"),
+)
 KINDS = ("event", "heartbeat", "metrics")
+OUTCOMES = ("cut", "left_out")
 TOPIC_OF_KIND = {"event": "events", "heartbeat": "heartbeat", "metrics": "metrics"}
 ENFORCE_EVERY = 1.0
 """Seconds between outbox bound checks while draining (the age bound is one indexed query)."""
@@ -131,6 +150,11 @@ class MqttSink:
         """Heartbeats published on this connection and not yet acknowledged."""
         self._delivered_unacked: set[int] = set()
         """Outbox entries the broker acknowledged that the store could not delete yet."""
+        self.too_large: Counter[tuple[str, str]] = Counter()
+        """(kind, outcome) -> payloads larger than the broker's maximum packet size."""
+        self._too_large_told: set[tuple[str, str, int]] = set()
+        self._snapshot_left_out: tuple[int, int] | None = None
+        """(size, limit) of the last metrics snapshot, while it was too large to send."""
 
     def topic(self, leaf: str) -> str:
         return f"{self.base_topic}/{leaf}"
@@ -225,9 +249,13 @@ class MqttSink:
             outbox_depth=self.outbox.depth(),
             outbox_dropped=dict(self.outbox.dropped),
         )
+        topic = self.topic("heartbeat")
+        fitting = self._fitting(publisher, "heartbeat", topic, 1, payload)
+        if fitting is None:
+            return
         # A publish that fails ends the connection in the drain loop (it sees the loss).
         with contextlib.suppress(aiomqtt.MqttError):
-            publisher.publish_tracked(HEARTBEAT_TOKEN, self.topic("heartbeat"), payload, 1, True)
+            publisher.publish_tracked(HEARTBEAT_TOKEN, topic, fitting, 1, True)
             self._beats_in_flight += 1
 
     async def _queue(self, kind: str, key: str, payload: bytes) -> None:
@@ -388,7 +416,9 @@ class MqttSink:
                         # delivered already: deleted, not sent.
                         self._delivered_unacked.add(entry.seq)
                         continue
-                    self._publish(publisher, entry)
+                    if not self._publish(publisher, entry):
+                        self._delivered_unacked.add(entry.seq)  # too large even cut: not sent
+                        continue
                     inflight[entry.seq] = entry
             if publisher.completed:
                 done, publisher.completed = publisher.completed, []
@@ -449,11 +479,83 @@ class MqttSink:
         self._on_store_ok("delete")
         self._delivered_unacked.difference_update(seqs)
 
-    def _publish(self, publisher: Publisher, entry: OutboxEntry) -> None:
+    def _publish(self, publisher: Publisher, entry: OutboxEntry) -> bool:
+        """Send one outbox entry, cut to the broker's limit where it must be; False when it
+        cannot be sent at all (it is deleted: the broker would end every connection for it)."""
         leaf = TOPIC_OF_KIND.get(entry.kind, entry.kind)
         qos = self.settings.metrics_qos if entry.kind == "metrics" else 1
-        publisher.publish_tracked(
-            entry.seq, self.topic(leaf), entry.payload, qos, entry.kind == "heartbeat"
+        topic = self.topic(leaf)
+        payload = self._fitting(publisher, entry.kind, topic, qos, entry.payload)
+        if payload is None:
+            return False
+        publisher.publish_tracked(entry.seq, topic, payload, qos, entry.kind == "heartbeat")
+        return True
+
+    # -- the broker's maximum packet size ---------------------------------------------------
+
+    def _fitting(
+        self, publisher: Publisher, kind: str, topic: str, qos: int, payload: bytes
+    ) -> bytes | None:
+        """`payload` as the broker will take it: itself, cut to fit (an event, a heartbeat),
+        or None (a metrics snapshot; anything that cannot be cut small enough). A broker ends
+        the connection of a client that sends a packet over its limit, so an entry over it
+        at the head of the outbox would end every connection and hold up all behind it."""
+        room = publisher.room(topic, qos)
+        if room is None or len(payload) <= room:
+            if kind == "metrics":
+                self._snapshot_left_out = None
+            return payload
+        fitting: bytes | None = None
+        if kind == "event":
+            fitting = cut_event(payload, room)
+        elif kind == "heartbeat":
+            fitting = compact_heartbeat(payload, room)
+        outcome = "left_out" if fitting is None else "cut"
+        limit = publisher.max_packet_size or 0
+        self.too_large[kind, outcome] += 1
+        if kind == "metrics":
+            self._snapshot_left_out = (len(payload), limit)
+        self._tell_too_large(kind, outcome, len(payload), limit)
+        return fitting
+
+    def _tell_too_large(self, kind: str, outcome: str, size: int, limit: int) -> None:
+        """Once per kind, outcome and limit: the log line and a warning event."""
+        if (kind, outcome, limit) in self._too_large_told:
+            return
+        self._too_large_told.add((kind, outcome, limit))
+        what = {"event": "an event", "heartbeat": "a heartbeat", "metrics": "a metrics snapshot"}
+        done = (
+            "was cut down to fit (the whole event stays in this node's history)"
+            if kind == "event" and outcome == "cut"
+            else "is sent compact, without the per-collector detail"
+            if outcome == "cut"
+            else "is not sent"
+        )
+        message = (
+            f"mqtt: {what.get(kind, kind)} of {size} bytes is larger than the broker's maximum "
+            f"packet size ({limit} bytes) and {done}"
+        )
+        action = (
+            f"raise the broker's maximum packet size above {size} bytes (mosquitto: "
+            "max_packet_size), or send less: [mqtt] metrics_interval, fewer collectors"
+        )
+        log.warning(message, kind=kind, outcome=outcome, size=size, max_packet_size=limit)
+        self.runtime.emit(
+            Event(
+                source="mqtt",
+                kind="mqtt_payload_too_large",
+                severity=Severity.WARNING,
+                repair_action=RepairAction.NONE,
+                subject=self.settings.url,
+                message=message,
+                action=action,
+                attributes={
+                    "kind": kind,
+                    "outcome": outcome,
+                    "bytes": size,
+                    "max_packet_size": limit,
+                },
+            )
         )
 
     async def _maybe_enforce(self) -> None:
@@ -517,10 +619,17 @@ class MqttSink:
         )
 
     def problems(self) -> list[str]:
-        if self._last_drop is None:
-            return []
-        total = sum(self.outbox.dropped.values())
-        return [f"mqtt outbox dropped {total} undelivered entries"]
+        out = []
+        if self._last_drop is not None:
+            total = sum(self.outbox.dropped.values())
+            out.append(f"mqtt outbox dropped {total} undelivered entries")
+        if self._snapshot_left_out is not None:
+            size, limit = self._snapshot_left_out
+            out.append(
+                f"mqtt metrics snapshots ({size} bytes) exceed the broker's maximum packet "
+                f"size ({limit} bytes) and are not sent"
+            )
+        return out
 
     # -- metrics ----------------------------------------------------------------------------
 
@@ -533,6 +642,7 @@ class MqttSink:
             OUTBOX_DROPPED,
             PUBLISHED,
             CONNECT_FAILURES,
+            TOO_LARGE,
         )
 
     def samples(self) -> Sequence[Sample]:
@@ -544,6 +654,11 @@ class MqttSink:
         out.extend(OUTBOX_ENTRIES.sample(depth.get(kind, 0), kind) for kind in KINDS)
         out.extend(OUTBOX_DROPPED.sample(self.outbox.dropped.get(kind, 0), kind) for kind in KINDS)
         out.extend(PUBLISHED.sample(self.published.get(kind, 0), kind) for kind in KINDS)
+        out.extend(
+            TOO_LARGE.sample(self.too_large[kind, outcome], kind, outcome)
+            for kind in KINDS
+            for outcome in OUTCOMES
+        )
         out.extend(
             CONNECT_FAILURES.sample(n, reason)
             for reason, n in sorted(self.connect_failures.items())

@@ -35,7 +35,7 @@ import aiomqtt
 import paho.mqtt.client as paho
 import tenacity
 from aiomqtt.exceptions import MqttConnectError
-from paho.mqtt.client import CallbackOnPublish_v2
+from paho.mqtt.client import CallbackOnConnect_v2, CallbackOnPublish_v2
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
@@ -59,6 +59,51 @@ FAILURE_TEXT = {
     "connection_lost": "the connection to the broker was lost",
     "publish_refused": "the broker refused a publish",
 }
+
+
+class PacketTooLarge(aiomqtt.MqttError):
+    """A publish larger than the broker's Maximum Packet Size (its CONNACK says it), refused
+    here before it is sent: a broker ends the connection of a client that sends one (mosquitto
+    2: "disconnected due to oversize packet"), so sending it would cost the connection and,
+    at the head of an outbox, every connection after it."""
+
+    def __init__(self, topic: str, size: int, limit: int) -> None:
+        self.topic = topic
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"a publish to {topic} of {size} bytes exceeds the broker's maximum packet size "
+            f"({limit} bytes)"
+        )
+
+
+def _varint_size(value: int) -> int:
+    """Bytes of MQTT's variable byte integer (OASIS MQTT 5.0, 1.5.5) for `value`."""
+    size = 1
+    while value >= 128:
+        value //= 128
+        size += 1
+    return size
+
+
+def publish_size(topic: str, payload_size: int, qos: int) -> int:
+    """Bytes of an MQTT v5 PUBLISH packet without properties (OASIS MQTT 5.0, 3.3), as a
+    broker counts it against its Maximum Packet Size: the fixed header, the topic as a UTF-8
+    string, the packet identifier (QoS 1 and 2), the properties' length (0: one byte) and the
+    payload."""
+    remaining = 2 + len(topic.encode()) + (2 if qos else 0) + 1 + payload_size
+    return 1 + _varint_size(remaining) + remaining
+
+
+def payload_room(topic: str, qos: int, limit: int) -> int:
+    """The largest payload a PUBLISH to `topic` may carry under a `limit` (negative: none)."""
+    header = 2 + len(topic.encode()) + (2 if qos else 0) + 1
+    best = -1
+    for varint in range(1, 5):
+        payload = limit - 1 - varint - header
+        if payload >= 0 and _varint_size(header + payload) <= varint:
+            best = max(best, payload)
+    return best
 
 
 class PublishRefused(aiomqtt.MqttError):
@@ -216,8 +261,34 @@ class Publisher:
                 aiomqtt_handler(client, userdata, mid, reason_code, properties)
 
         self._paho.on_publish = on_publish
+        self.max_packet_size: int | None = None
+        """The broker's Maximum Packet Size from the last CONNACK; None: it set none."""
+        aiomqtt_on_connect = cast("CallbackOnConnect_v2 | None", self._paho.on_connect)
+
+        def on_connect(
+            client: paho.Client,
+            userdata: Any,
+            flags: paho.ConnectFlags,
+            reason_code: ReasonCode,
+            properties: Properties | None,
+        ) -> None:
+            limit = getattr(properties, "MaximumPacketSize", None)
+            self.max_packet_size = limit if isinstance(limit, int) and limit > 0 else None
+            if aiomqtt_on_connect is not None:
+                aiomqtt_on_connect(client, userdata, flags, reason_code, properties)
+
+        self._paho.on_connect = on_connect
+
+    def room(self, topic: str, qos: int) -> int | None:
+        """The largest payload the broker takes on `topic`; None: no limit was given."""
+        if self.max_packet_size is None:
+            return None
+        return payload_room(topic, qos, self.max_packet_size)
 
     def _send(self, topic: str, payload: bytes, qos: int, retain: bool) -> paho.MQTTMessageInfo:
+        limit = self.max_packet_size
+        if limit is not None and (size := publish_size(topic, len(payload), qos)) > limit:
+            raise PacketTooLarge(topic, size, limit)
         info = self._paho.publish(topic, payload, qos, retain)
         if info.rc != paho.MQTT_ERR_SUCCESS:
             raise aiomqtt.MqttCodeError(info.rc, f"could not publish to {topic}")
