@@ -36,8 +36,9 @@ def status_payload(state: str, bdseq: int, ts: float, reason: str = "") -> bytes
     return encode(payload)
 
 
-def _age(now: float, then: float | None) -> float | None:
-    return None if then is None else round(max(0.0, now - then), 3)
+def _rounded(age: float | None) -> float | None:
+    """An age as the heartbeat reports it (measured on a clock that does not step)."""
+    return None if age is None else round(max(0.0, age), 3)
 
 
 def heartbeat_payload(
@@ -55,7 +56,7 @@ def heartbeat_payload(
         name: {
             "ok": status.success,
             "last_success_ts": status.last_success,
-            "last_success_age_s": _age(now, status.last_success),
+            "last_success_age_s": _rounded(status.last_success_age(now)),
             "interval_s": status.settings.interval,
             "paused": status.paused,
         }
@@ -65,7 +66,7 @@ def heartbeat_payload(
         name: {
             "up": entry.up,
             "last_delivery_ts": entry.last_delivery,
-            "last_delivery_age_s": _age(now, entry.last_delivery),
+            "last_delivery_age_s": _rounded(entry.delivery_age(now)),
             "failures": entry.failures,
         }
         for name, entry in sorted(runtime.ledger.items())

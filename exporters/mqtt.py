@@ -648,8 +648,9 @@ class MqttSink:
     def samples(self) -> Sequence[Sample]:
         out = [CONNECTED.sample(1 if self.connected else 0), BIRTH_SEQUENCE.sample(self.bdseq)]
         entry = self.runtime.ledger.get(self.name)
-        if entry is not None and entry.last_delivery is not None:
-            out.append(LAST_ACK_AGE.sample(max(0.0, time.time() - entry.last_delivery)))
+        age = None if entry is None else entry.delivery_age()
+        if age is not None:
+            out.append(LAST_ACK_AGE.sample(max(0.0, age)))
         depth = self.outbox.depth()  # kept in memory: a scrape asks SQLite nothing
         out.extend(OUTBOX_ENTRIES.sample(depth.get(kind, 0), kind) for kind in KINDS)
         out.extend(OUTBOX_DROPPED.sample(self.outbox.dropped.get(kind, 0), kind) for kind in KINDS)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, ParamSpec, Protocol, TypeVar
 
+from agent.contracts.clock import Stamp
 from agent.contracts.collector import CollectorSettings, KeyValueStore
 from agent.contracts.heartbeat import HeartbeatSettings
 from agent.contracts.model import ActiveRepair, Event, MetricFamily, Sample
@@ -56,10 +57,24 @@ class Health:
 class SinkLedger:
     """Per sink: when it last confirmed a delivery, and how often it failed."""
 
-    last_delivery: float | None = None
+    delivery: Stamp | None = None
+    """The last confirmed delivery: its wall-clock time and an age that does not step."""
     failures: int = 0
     last_failure: str = ""
     up: bool = False
+
+    @property
+    def last_delivery(self) -> float | None:
+        """Wall-clock time of the last confirmed delivery (None: none yet)."""
+        return None if self.delivery is None else self.delivery.wall
+
+    @last_delivery.setter
+    def last_delivery(self, wall: float | None) -> None:
+        self.delivery = None if wall is None else Stamp.at(wall)
+
+    def delivery_age(self, now: float | None = None) -> float | None:
+        """Seconds since the last confirmed delivery, on a clock that does not step."""
+        return None if self.delivery is None else self.delivery.age(now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +97,10 @@ class CollectorView(Protocol):
 
     @property
     def last_success(self) -> float | None: ...
+
+    def last_success_age(self, now: float | None = None) -> float | None:
+        """Seconds since the last success, on a clock that does not step (None: none)."""
+        ...
 
     @property
     def paused(self) -> bool:

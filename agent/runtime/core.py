@@ -23,6 +23,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import structlog
 
+from agent.contracts.clock import Stamp
 from agent.contracts.collector import (
     Collector,
     CollectorDeps,
@@ -102,14 +103,15 @@ class CollectorStatus:
     executor: concurrent.futures.Executor
     samples: Sequence[Sample] = ()
     success: bool | None = None
-    last_success: float | None = None
+    success_stamp: Stamp | None = None
+    """The last round that succeeded: its wall-clock time and an age that does not step."""
     last_attempt: float | None = None
     duration: float = 0.0
     runs: int = 0
     rounds_done: int = 0
     failures: int = 0
     last_error: str = ""
-    started: float = field(default_factory=time.time)
+    started_stamp: Stamp = field(default_factory=Stamp.now)
     task: asyncio.Task[None] | None = None
     paused: bool = False
     """Asked to let go of the GPUs (agent/runtime/pause.py) and not resumed since."""
@@ -117,6 +119,27 @@ class CollectorStatus:
     """Set to run the next round now (the first after a pause)."""
     last_events: Sequence[Event] = ()
     """The events of the last round that succeeded."""
+
+    @property
+    def last_success(self) -> float | None:
+        """Wall-clock time of the last round that succeeded (None: none yet)."""
+        return None if self.success_stamp is None else self.success_stamp.wall
+
+    @last_success.setter
+    def last_success(self, wall: float | None) -> None:
+        self.success_stamp = None if wall is None else Stamp.at(wall)
+
+    @property
+    def started(self) -> float:
+        return self.started_stamp.wall
+
+    def last_success_age(self, now: float | None = None) -> float | None:
+        return None if self.success_stamp is None else self.success_stamp.age(now)
+
+    def stale_for(self, now: float | None = None) -> float:
+        """Seconds without a success (since the start when none), on a clock that does not
+        step: a step of the wall clock is no staleness, and hides none."""
+        return (self.success_stamp or self.started_stamp).age(now)
 
 
 @dataclass(frozen=True)
@@ -189,7 +212,7 @@ class Runtime:
         self.node_id = config.node_id
         self.shared = SharedServices()
         self.supervisor = Supervisor()
-        self.started = time.time()
+        self.started_stamp = Stamp.now()
         self.collectors: dict[str, CollectorStatus] = {}
         self.sinks: dict[str, Sink] = {}
         self.ledger: dict[str, SinkLedger] = {}
@@ -786,6 +809,11 @@ class Runtime:
 
     # -- ledger and health ------------------------------------------------------------------
 
+    @property
+    def started(self) -> float:
+        """Wall-clock time the runtime was made."""
+        return self.started_stamp.wall
+
     def record_delivery(self, sink: str, when: float | None = None) -> None:
         entry = self.ledger.setdefault(sink, SinkLedger())
         entry.last_delivery = time.time() if when is None else when
@@ -800,32 +828,27 @@ class Runtime:
 
     def stale_items(self, now: float | None = None) -> list[StaleItem]:
         """Collectors with no success and sinks with no confirmed delivery for
-        `stale_after_intervals` of their intervals."""
-        now = time.time() if now is None else now
+        `stale_after_intervals` of their intervals; `now` is a wall-clock time (None: now),
+        and the ages are measured on a clock that does not step (agent/contracts/clock.py)."""
         rounds = self.heartbeat_settings.stale_after_intervals
         items: list[StaleItem] = []
         for status in self.collectors.values():
             limit = status.settings.interval * rounds + status.settings.timeout
-            since = status.last_success or status.started
-            if now - since > limit:
+            age = status.stale_for(now)
+            if age > limit:
                 items.append(
                     StaleItem(
-                        "collector",
-                        status.name,
-                        now - since,
-                        status.last_error or "no successful round",
+                        "collector", status.name, age, status.last_error or "no successful round"
                     )
                 )
         for name, sink in self.sinks.items():
             if sink.expected_interval is None:
                 continue
             entry = self.ledger.get(name, SinkLedger())
-            since = entry.last_delivery or self.started
-            if now - since > sink.expected_interval * rounds:
+            age = (entry.delivery or self.started_stamp).age(now)
+            if age > sink.expected_interval * rounds:
                 items.append(
-                    StaleItem(
-                        "sink", name, now - since, entry.last_failure or "no confirmed delivery"
-                    )
+                    StaleItem("sink", name, age, entry.last_failure or "no confirmed delivery")
                 )
         return items
 
