@@ -37,3 +37,25 @@ class Stamp:
     def age(self, now: float | None = None) -> float:
         """Seconds since the stamp, at `now` (a wall-clock time; None: now)."""
         return (time.monotonic() if now is None else steady_of(now)) - self.steady
+
+
+STEP_SECONDS = 1.0
+"""A change of the wall clock against the monotonic one this large is a step. NTP's and
+timesyncd's slewing moves both clocks alike (CLOCK_MONOTONIC is slewed too), so only a
+step, a `date -s` or a resume from suspend parts them."""
+
+
+class StepWatch:
+    """Tells how far the wall clock stepped since it last did (0.0: it did not)."""
+
+    def __init__(self, threshold: float = STEP_SECONDS) -> None:
+        self.threshold = threshold
+        self._skew = time.time() - time.monotonic()
+
+    def step(self) -> float:
+        skew = time.time() - time.monotonic()
+        delta = skew - self._skew
+        if abs(delta) < self.threshold:
+            return 0.0
+        self._skew = skew
+        return delta

@@ -35,6 +35,7 @@ an outage and its aftermath are one alert. When every node still alive falls sil
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import heapq
 import re
@@ -213,6 +214,27 @@ class Fleet:
         for node in inventory:
             self.nodes[node] = Node(node, in_inventory=True)
         self.has_inventory = bool(self.nodes)
+
+    def shift(self, delta: float) -> None:
+        """The watcher's wall clock stepped by `delta` seconds: move every time held on it by
+        as much, so that each age and deadline goes on where it was and what is reported
+        (an alert's `since`) reads on the clock as it is now. A heartbeat's `ts` is the
+        node's clock and stays."""
+        for node in self.nodes.values():
+            for name in ("born_at", "offline_at", "heartbeat_at", "heard_at"):
+                value = getattr(node, name)
+                if value is not None:
+                    setattr(node, name, value + delta)
+        self.started_at += delta
+        if self.disconnected_since is not None:
+            self.disconnected_since += delta
+        if self.connected_at is not None:
+            self.connected_at += delta
+        self._recovering = {name: until + delta for name, until in self._recovering.items()}
+        self.active = {
+            key: dataclasses.replace(alert, since=alert.since + delta)
+            for key, alert in self.active.items()
+        }
 
     # -- input ------------------------------------------------------------------------------
 

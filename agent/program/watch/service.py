@@ -21,6 +21,7 @@ import aiomqtt
 import structlog
 
 from agent import __version__
+from agent.contracts.clock import StepWatch
 from agent.contracts.model import Severity
 from agent.program.watch.alertmanager import AlertmanagerSender
 from agent.program.watch.fleet import AlertChange, Fleet
@@ -92,11 +93,13 @@ class Watcher:
         self,
         settings: WatchSettings,
         inventory: list[str] | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.settings = settings
-        self.clock = clock
-        self.fleet = fleet_from(settings, inventory or [], clock())
+        self.clock = clock or time.time
+        self._steps = StepWatch() if clock is None else None
+        """Steps of the real wall clock (an injected clock is the caller's to move)."""
+        self.fleet = fleet_from(settings, inventory or [], self.clock())
         self.pending: deque[AlertChange] = deque(maxlen=MAX_PENDING_ALERTS)
         self._flushing = asyncio.Lock()
         self.publisher: Publisher | None = None
@@ -110,9 +113,19 @@ class Watcher:
         self._refusing = False
         """The broker refused the last publish (an ACL without write on <prefix>/_watch/#)."""
         self.alertmanager = (
-            AlertmanagerSender(settings, clock) if settings.alertmanager_urls else None
+            AlertmanagerSender(settings, self.clock) if settings.alertmanager_urls else None
         )
         """Posts every alert change to each Alertmanager member ([watch] alertmanager_urls)."""
+
+    def now(self) -> float:
+        """The wall-clock time for the fleet. After a step of the clock (NTP correcting a
+        large offset, `date -s`, a resumed virtual machine) the fleet's times move with it
+        first: a step is no silence of the nodes, and hides none."""
+        delta = 0.0 if self._steps is None else self._steps.step()
+        if delta:
+            self.fleet.shift(delta)
+            log.warning("the wall clock stepped; the watcher's times moved with it", seconds=delta)
+        return self.clock()
 
     @property
     def status_topic(self) -> str:
@@ -139,7 +152,7 @@ class Watcher:
                 self.fleet,
                 host,
                 port,
-                self.clock,
+                self.now,
                 node_limit=self.settings.metrics_node_limit,
                 extra=self.alertmanager.families if self.alertmanager else None,
             )
@@ -179,7 +192,7 @@ class Watcher:
                 await self.alertmanager.stop()
 
     def summary(self) -> str:
-        views = self.fleet.views(self.clock())
+        views = self.fleet.views(self.now())
         broker = "connected" if self.fleet.connected else "no broker"
         return f"{broker}; {len(views)} nodes; {len(self.fleet.active)} alerts active"
 
@@ -187,7 +200,7 @@ class Watcher:
         await reconnect_forever(self.session, self.backoff, self._session_failed)
 
     def _session_failed(self, error: Exception) -> None:
-        self.fleet.broker_disconnected(self.clock())
+        self.fleet.broker_disconnected(self.now())
         if not isinstance(error, aiomqtt.MqttError):  # a bug: the traceback once, not per retry
             if self.failures.failed("error"):
                 log.error("MQTT session failed; reconnecting", error=repr(error), exc_info=error)
@@ -211,7 +224,7 @@ class Watcher:
         publisher = Publisher(client)
         try:
             async with connection(client) as lost:
-                self.fleet.broker_connected(self.clock())
+                self.fleet.broker_connected(self.now())
                 await self._publish(publisher, self.status_topic, self._status("online"), True)
                 await client.subscribe(
                     [
@@ -228,7 +241,7 @@ class Watcher:
                 await lost  # messages are handled in direct_queue; this raises on the loss
         finally:
             self.publisher = None
-            self.fleet.broker_disconnected(self.clock())
+            self.fleet.broker_disconnected(self.now())
 
     async def _publish(
         self,
@@ -256,7 +269,7 @@ class Watcher:
     def handle(self, message: aiomqtt.Message) -> None:
         try:
             self.fleet.ingest(
-                message.topic.value, as_bytes(message.payload), bool(message.retain), self.clock()
+                message.topic.value, as_bytes(message.payload), bool(message.retain), self.now()
             )
         except Exception:  # a bug here must not silence the watcher: log it, keep going
             log.exception("message handling failed", topic=message.topic.value[:200])
@@ -274,7 +287,7 @@ class Watcher:
             await asyncio.sleep(self.settings.evaluate_interval)
 
     def evaluate_once(self) -> list[AlertChange]:
-        changes = self.fleet.evaluate(self.clock())
+        changes = self.fleet.evaluate(self.now())
         for change in changes:
             alert = change.alert
             fields = {
