@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
+from agent.contracts.model import Severity
 from agent.contracts.sink import SinkLedger
 from tests.support.collectors import scripted_runtime
 from tests.support.waiting import until
@@ -89,3 +90,25 @@ async def test_a_step_keeps_the_ages_of_a_delivery(wall: WallClock, step: float)
     assert entry.last_delivery == stamped
     age = entry.delivery_age()
     assert age is not None and 0.0 <= age < 60.0
+
+
+async def test_a_step_is_told_once(wall: WallClock) -> None:
+    """The store's move of its stamps is one clock_stepped event (info), not a page."""
+    runtime, _ = scripted_runtime({"good": "write"}, interval=0.1, timeout=0.1)
+    await runtime.start()
+    try:
+        await until(lambda: runtime.collectors["good"].success is True, what="a round")
+        wall.offset += STEP
+        await until(
+            lambda: any(e.kind == "clock_stepped" for e in runtime.recent_events),
+            timeout=10.0,
+            what="the step told",
+        )
+        await asyncio.sleep(0.5)
+        (told,) = [e for e in runtime.recent_events if e.kind == "clock_stepped"]
+        seconds = told.attributes["seconds"]
+        assert isinstance(seconds, float) and abs(seconds - STEP) < 1.0
+        assert told.severity is Severity.INFO
+        assert runtime.health().ok
+    finally:
+        await runtime.stop()

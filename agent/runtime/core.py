@@ -179,6 +179,8 @@ class StaleItem:
 class Runtime:
     _announcing: Sequence[Event] = ()
     """The events the store writer is storing now, to be announced next."""
+    _clock_steps_told = 0
+    """How many of the store's clock steps have been told (an event each)."""
 
     def __init__(
         self,
@@ -909,6 +911,7 @@ class Runtime:
             await asyncio.sleep(min(max(interval / 2, 0.2), 5.0))
             self.check_stale()
             self._check_store()
+            self._tell_clock_steps()
             if self.first_round.is_set() and (
                 trimmed_at is None or time.monotonic() - trimmed_at >= TRIM_INTERVAL
             ):
@@ -918,6 +921,28 @@ class Runtime:
                 pruned_at = time.monotonic()
                 await self.in_store_thread(self.prune_history)
                 await self.in_store_thread(self.store.checkpoint)
+
+    def _tell_clock_steps(self) -> None:
+        """One event per step of the wall clock the store moved its stamps by: a fact about
+        the host (a clock far off at boot, set by hand) that explains odd times around it."""
+        steps = self.store.clock_steps[self._clock_steps_told :]
+        self._clock_steps_told += len(steps)
+        for delta in steps:
+            self.emit(
+                Event(
+                    source="runtime",
+                    kind="clock_stepped",
+                    severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,
+                    subject="wall_clock",
+                    message=f"the wall clock stepped {'forward' if delta > 0 else 'back'} by "
+                    f"{abs(delta):.0f} s; the times of what waited in the outbox and in the "
+                    "history moved with it, and ages are measured on a clock that does not step",
+                    action="if this was not NTP correcting a clock that was off at boot, check "
+                    "the host's time source (chronyc tracking, timedatectl)",
+                    attributes={"seconds": round(delta, 3)},
+                )
+            )
 
     def prune_history(self, now: float | None = None) -> int:
         """Delete events older than EVENT_RETENTION from the history (not from the outbox,

@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from agent.contracts.clock import STEP_SECONDS
 from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
@@ -187,6 +188,11 @@ class StateStore:
         """(time, error) of the latest failed write: a full disk shows here first."""
         self.write_error: str | None = None
         """The error of the latest write while writes fail; None once one works again."""
+        self.clock_steps: list[float] = []
+        """Steps of the wall clock this store moved its stamps by (seconds), in order."""
+        self._skew = time.time() - time.monotonic()
+        self._epoch = time.monotonic()
+        """Since when the stamps this store made are on the wall clock as it reads now."""
         self._usage_lock = threading.Lock()
         self._usage: dict[str, tuple[int, int]] = self._count_outbox()
         """kind -> (entries, payload bytes) in the outbox: counted once here, then kept as
@@ -277,10 +283,39 @@ class StateStore:
             # that there is room to copy it home.
             self._checkpoint()
 
+    # -- the wall clock's steps ------------------------------------------------------------
+
+    def _catch_up(self, conn: sqlite3.Connection) -> float:
+        """First in every write, under the lock: when the wall clock stepped since the last
+        write (NTP correcting a clock far off at boot, `date -s`), move the stamps this store
+        made on the old clock (outbox entries' creation, events' time) by the step, so that
+        the outbox's age bound and the history's retention count real time. Returns the
+        step to confirm with `_caught_up` once the write committed (0.0: none)."""
+        delta = (time.time() - time.monotonic()) - self._skew
+        if abs(delta) < STEP_SECONDS:
+            return 0.0
+        now_old = time.time() - delta
+        since_old = now_old - (time.monotonic() - self._epoch) - 1.0
+        window = (delta, since_old, now_old + 1.0)
+        conn.execute(
+            "UPDATE outbox SET created = created + ? WHERE created BETWEEN ? AND ?", window
+        )
+        conn.execute("UPDATE events SET time = time + ? WHERE time BETWEEN ? AND ?", window)
+        return delta
+
+    def _caught_up(self, delta: float) -> None:
+        if delta:
+            self._skew += delta
+            self._epoch = time.monotonic()
+            self.clock_steps.append(delta)
+            log.warning("the wall clock stepped; stored stamps moved with it", seconds=delta)
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         with self._lock:
+            if abs((time.time() - time.monotonic()) - self._skew) >= STEP_SECONDS:
+                self._step_transaction()
             before = self._conn.total_changes
             try:
                 cursor = self._conn.execute(sql, tuple(params))
@@ -298,6 +333,7 @@ class StateStore:
             before = self._conn.total_changes
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
+                step = self._catch_up(self._conn)
                 yield self._conn
                 self._conn.execute("COMMIT")
             except sqlite3.Error as exc:
@@ -307,7 +343,21 @@ class StateStore:
             except BaseException:
                 self._rollback()
                 raise
+            self._caught_up(step)
             self._write_worked(before)
+
+    def _step_transaction(self) -> None:
+        """Under the lock: the stamps moved for a step, in a transaction of their own (before
+        a single-statement write). A failure leaves the step for the next write."""
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            step = self._catch_up(self._conn)
+            self._conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            log.warning("could not move stored stamps after a clock step", error=str(exc))
+            return
+        self._caught_up(step)
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
@@ -359,13 +409,13 @@ class StateStore:
             (e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
             for e in events
         ]
-        queued = time.time()
         if events:
             ids = ", ".join(e.id for e in events[:3])
             failure = f"cannot store {len(events)} event(s) ({ids}...)"
         else:
             failure = "state store write failed"
         with self._transaction(failure) as conn:
+            queued = time.time()  # after a step is caught up: on the clock as it reads now
             conn.executemany(
                 "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body)"
                 " VALUES (?,?,?,?,?,?,?)",
