@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Final
 
 import structlog
 
+from agent.contracts.clock import StepWatch
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
 from agent.contracts.model import Event, RepairAction, Severity
@@ -369,15 +371,38 @@ class PauseControl:
             self._deadline.cancel()
             self._deadline = None
         if self.state is not None:
-            self._deadline = asyncio.create_task(self._expire(self.state.until), name="pause")
+            # The step watch starts with the deadline, not when the task first runs.
+            self._deadline = asyncio.create_task(
+                self._expire(self.state.until, StepWatch()), name="pause"
+            )
 
-    async def _expire(self, until: float) -> None:
-        # Wall clock, checked again after each sleep: a clock step must not end a pause early
-        # or stretch it by more than one check.
-        while (left := until - time.time()) > 0:
-            await asyncio.sleep(min(left, 30.0))
+    async def _expire(self, until: float, steps: StepWatch) -> None:
+        # The deadline is a wall-clock time (it outlives a restart), checked every second; a
+        # step of the wall clock moves the pause's times with it first, so the pause lasts
+        # what was asked for: a step back must not stretch it (a year back would leave the
+        # GPUs unwatched for a year), a step forward must not end it early.
+        while True:
+            if delta := steps.step():
+                until = self._clock_stepped(delta)
+            left = until - time.time()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(left, 1.0))
         log.warning("the pause reached its deadline: resuming GPU monitoring")
         await self.resume(why="deadline")
+
+    def _clock_stepped(self, delta: float) -> float:
+        """Move the pause in force by a step of the wall clock, as reported and as kept;
+        returns its deadline."""
+        state = self.state
+        if state is None:
+            return time.time()
+        state = dataclasses.replace(state, since=state.since + delta, until=state.until + delta)
+        self.state = state
+        self._publish()
+        self._persist(state)
+        log.warning("the wall clock stepped; the pause moved with it", seconds=delta)
+        return state.until
 
     async def stop(self) -> None:
         task, self._deadline = self._deadline, None
