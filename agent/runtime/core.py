@@ -117,6 +117,29 @@ class CollectorStatus:
     """Set to run the next round now (the first after a pause)."""
     last_events: Sequence[Event] = ()
     """The events of the last round that succeeded."""
+    stale_kept: bool = False
+    """Stale when a reload restarted it: stale until a round succeeds, whatever its new
+    interval and timeout allow."""
+
+    def carry_over(self, previous: CollectorStatus, stale: bool) -> None:
+        """Take over the record of the instance this one replaces (a reload restarted the
+        collector): its counters, its last outcome and when it last succeeded are the
+        collector's, not the instance's. A reload is no success: an instance that replaces
+        one found `stale` stays stale until a round succeeds (neither cleared nor raised
+        again by the reload), and one that replaces an instance whose rounds were failing
+        (or had never succeeded) counts its staleness from where that one did. One that
+        replaces a healthy instance counts from now, under its own interval."""
+        self.runs, self.failures = previous.runs, previous.failures
+        self.success, self.last_error = previous.success, previous.last_error
+        self.last_success, self.last_attempt = previous.last_success, previous.last_attempt
+        self.duration = previous.duration
+        if previous.success is not True:
+            self.started = previous.stale_from()
+        self.stale_kept = stale
+
+    def stale_from(self) -> float:
+        """Since when this collector has gone without a success (the staleness clock)."""
+        return max(self.last_success or self.started, self.started)
 
 
 @dataclass(frozen=True)
@@ -502,10 +525,18 @@ class Runtime:
         return pool
 
     def _install(
-        self, name: str, settings: CollectorSettings, collector: Collector
+        self,
+        name: str,
+        settings: CollectorSettings,
+        collector: Collector,
+        previous: CollectorStatus | None = None,
     ) -> CollectorStatus:
+        """Make `collector` the running instance of `name`; `previous`, the instance it
+        replaces, hands over its record (`CollectorStatus.carry_over`)."""
         caller, executor = self._pool(name, settings)
         status = CollectorStatus(name, settings, collector, caller, executor)
+        if previous is not None:
+            status.carry_over(previous, ("collector", name) in self.stale)
         self.collectors[name] = status
         self.start_failures.pop(name, None)
         self.supervisor.register(
@@ -516,13 +547,15 @@ class Runtime:
     def _launch(self, status: CollectorStatus) -> None:
         status.task = asyncio.create_task(self._collector_loop(status), name=status.name)
 
-    async def _retire(self, name: str) -> None:
-        """Stop a collector's rounds and close it. Its pool stays (see `_pool`)."""
+    async def _retire(self, name: str) -> CollectorStatus:
+        """Stop a collector's rounds and close it; returns its status, once its last round
+        is over. Its pool stays (see `_pool`)."""
         status = self.collectors.pop(name)
         self.supervisor.unregister(f"collector:{name}")
         if status.task is not None:
             await cancel_tasks([status.task])
         await _bounded(status.collector.close(), 2.0, "collector", name)
+        return status
 
     def _release_pool(self, name: str) -> None:
         """After a collector stopped for good. A pool with a call still outstanding stays:
@@ -598,6 +631,7 @@ class Runtime:
             status.success = True
             status.last_success = time.time()
             status.last_error = ""
+            status.stale_kept = False
             status.last_events = outcome.events
             for event in outcome.events:
                 self.emit(event)
@@ -734,10 +768,9 @@ class Runtime:
             self._release_pool(name)
             applied.append(f"collector {name} stopped")
         for name, (settings, collector) in built.items():
-            restarted = name in self.collectors
-            if restarted:
-                await self._retire(name)
-            self._launch(self._install(name, settings, collector))
+            previous = await self._retire(name) if name in self.collectors else None
+            restarted = previous is not None
+            self._launch(self._install(name, settings, collector, previous))
             applied.append(f"collector {name} {'restarted' if restarted else 'started'}")
         core = dataclasses.replace(self.config.core, log_level=config.core.log_level)
         self.config = dataclasses.replace(config, core=core, sections=self.config.sections)
@@ -806,8 +839,8 @@ class Runtime:
         items: list[StaleItem] = []
         for status in self.collectors.values():
             limit = status.settings.interval * rounds + status.settings.timeout
-            since = status.last_success or status.started
-            if now - since > limit:
+            since = status.stale_from()
+            if status.stale_kept or now - since > limit:
                 items.append(
                     StaleItem(
                         "collector",
@@ -928,6 +961,9 @@ class Runtime:
                 )
         for key, item in self.stale.items():
             if key not in current:
+                # The all-clear of what no one will look at again says so: a collector
+                # that a reload stopped is not delivering again.
+                gone = item.kind == "collector" and item.name not in self.collectors
                 self.emit(
                     Event(
                         source="runtime",
@@ -935,7 +971,10 @@ class Runtime:
                         severity=Severity.INFO,
                         repair_action=RepairAction.NONE,
                         subject=item.name,
-                        message=f"{item.kind} {item.name} is delivering again",
+                        message=f"collector {item.name} no longer runs (stopped by a reload)"
+                        if gone
+                        else f"{item.kind} {item.name} is delivering again",
+                        attributes={"stopped": True} if gone else {},
                     )
                 )
         self.stale = current

@@ -1,0 +1,162 @@
+"""A reload that restarts a collector is not a success of it: the collector's record (its
+counters, its last outcome, when it last succeeded, how long it has been stale) carries over to
+the new instance. Before, the new instance started a clean record: a stale collector was cleared
+(`collector_recovered`, "delivering again", /healthz 200) by the reload alone and raised again
+a few intervals later, its last-success series vanished (Prometheus' stalled-collector alert
+resolved and could not fire again) and its counters went back to 0."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from agent.contracts.collector import CollectorSettings
+from agent.runtime.core import Runtime
+from tests.support.waiting import until
+from tests.test_reload import FAST, Rig
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    instance = Rig({"a": "ok", "b": "ok"})
+    await instance.runtime.start()
+    yield instance
+    await instance.runtime.stop()
+
+
+def sample(runtime: Runtime, family: str, name: str) -> float | None:
+    values = [
+        s.value
+        for s in runtime.samples()
+        if s.family.name == family and s.label_values[:1] == (name,)
+    ]
+    return values[0] if values else None
+
+
+def kinds(runtime: Runtime, kind: str, subject: str) -> list[str]:
+    return [e.message for e in runtime.recent_events if e.kind == kind and e.subject == subject]
+
+
+CHANGES = [
+    pytest.param(FAST.replace(interval=0.07), id="interval"),
+    pytest.param(FAST.replace(timeout=0.4), id="timeout"),
+    pytest.param(FAST.replace(interval=0.06, timeout=0.35), id="both"),
+]
+FAULTS = [
+    pytest.param("raise", "scripted failure", id="raising"),
+    pytest.param("hang", "test:block", id="hung-call"),
+]
+
+
+async def stale(rig: Rig, name: str) -> None:
+    """Until the health monitor's rule finds `name` stale; then its collector_stale event."""
+    runtime = rig.runtime
+    await until(lambda: any(i.name == name for i in runtime.stale_items()), what=f"{name} stale")
+    runtime.check_stale()
+    await runtime.settle()
+    assert ("collector", name) in runtime.stale
+    assert len(kinds(runtime, "collector_stale", name)) == 1
+
+
+class TestAStaleCollectorStaysStale:
+    @pytest.mark.parametrize(("mode", "why"), FAULTS)
+    @pytest.mark.parametrize("change", CHANGES)
+    async def test_restarted_while_failing(
+        self, rig: Rig, mode: str, why: str, change: CollectorSettings
+    ) -> None:
+        runtime = rig.runtime
+        old = rig.current("a")
+        await until(lambda: runtime.collectors["a"].success is True, what="a's first success")
+        rig.modes["a"] = old.mode = mode  # the collector starts failing, and so will its next
+        await stale(rig, "a")
+        last_success = sample(runtime, "gpuwarden_collector_last_success_timestamp_seconds", "a")
+        runs = sample(runtime, "gpuwarden_collector_runs_total", "a")
+        failures = sample(runtime, "gpuwarden_collector_failures_total", "a")
+        assert last_success is not None and runs is not None and failures is not None
+
+        report = await runtime.reload(rig.with_collectors(a=change))
+        assert report.applied == ("collector a restarted",)
+        assert rig.current("a") is not old
+        runtime.check_stale()  # what the health monitor does at its next turn
+        await runtime.settle()
+        # Still stale: no all-clear, no second raise, the cause still named.
+        assert kinds(runtime, "collector_recovered", "a") == []
+        assert len(kinds(runtime, "collector_stale", "a")) == 1
+        assert ("collector", "a") in runtime.stale
+        health = runtime.health()
+        assert not health.ok
+        (problem,) = [p for p in health.problems if "collector a" in p]
+        assert why in problem, problem
+        # The series that alert rules read go on, and counters do not go back.
+        assert (
+            sample(runtime, "gpuwarden_collector_last_success_timestamp_seconds", "a")
+            == last_success
+        )
+        assert sample(runtime, "gpuwarden_collector_success", "a") == 0.0
+        assert (sample(runtime, "gpuwarden_collector_runs_total", "a") or 0) >= runs
+        assert (sample(runtime, "gpuwarden_collector_failures_total", "a") or 0) >= failures
+
+        # A round that succeeds is the all-clear, once.
+        rig.modes["a"] = rig.current("a").mode = "ok"
+        rig.current("a").release.set()
+        await until(lambda: runtime.collectors["a"].success is True, what="a succeeds again")
+        runtime.check_stale()
+        await runtime.settle()
+        assert kinds(runtime, "collector_recovered", "a") == ["collector a is delivering again"]
+        assert len(kinds(runtime, "collector_stale", "a")) == 1
+
+    @pytest.mark.parametrize("change", CHANGES)
+    async def test_never_succeeded_keeps_its_clock(self, change: CollectorSettings) -> None:
+        rig = Rig({"a": "raise", "b": "ok"})
+        runtime = rig.runtime
+        await runtime.start()
+        try:
+            await stale(rig, "a")
+            since = runtime.collectors["a"].started
+            await runtime.reload(rig.with_collectors(a=change))
+            runtime.check_stale()
+            await runtime.settle()
+            assert kinds(runtime, "collector_recovered", "a") == []
+            assert ("collector", "a") in runtime.stale
+            assert runtime.collectors["a"].stale_from() == since
+            assert (
+                sample(runtime, "gpuwarden_collector_last_success_timestamp_seconds", "a") is None
+            )
+        finally:
+            await runtime.stop()
+
+
+class TestAHealthyCollectorIsNotMadeStale:
+    async def test_a_shorter_interval_counts_from_the_reload(self) -> None:
+        """The old success, long ago by the new interval, does not make it stale."""
+        rig = Rig({"a": "ok", "b": "ok"}, settings=CollectorSettings(interval=5.0, timeout=0.3))
+        runtime = rig.runtime
+        await runtime.start()
+        try:
+            await until(lambda: runtime.collectors["a"].success is True, what="a's first round")
+            done = runtime.collectors["a"].last_success
+            assert done is not None
+            await until(lambda: time.time() - done > 1.0, what="a second after the round")
+            await runtime.reload(rig.with_collectors(a=FAST))
+            started = runtime.collectors["a"].started
+            # Just inside the new limit (3 x 0.05 + 0.3), counted from the reload, not from
+            # the old success more than a second before it.
+            assert not [i for i in runtime.stale_items(started + 0.4) if i.name == "a"]
+        finally:
+            await runtime.stop()
+
+
+class TestAStoppedCollectorsAllClear:
+    async def test_disabled_while_stale_says_it_no_longer_runs(self, rig: Rig) -> None:
+        runtime = rig.runtime
+        rig.modes["a"] = rig.current("a").mode = "raise"
+        await stale(rig, "a")
+        await runtime.reload(rig.with_collectors(a=FAST.replace(enabled=False)))
+        runtime.check_stale()
+        await runtime.settle()
+        assert kinds(runtime, "collector_recovered", "a") == [
+            "collector a no longer runs (stopped by a reload)"
+        ]
+        assert runtime.health().ok
