@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -22,6 +23,7 @@ from agent.program import config_file as config_module
 from agent.program import registry
 from agent.program.control import ControlServer
 from agent.program.control_client import socket_path
+from agent.program.hangup import HANGUPS
 from agent.runtime import logs
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
@@ -81,13 +83,17 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     reloads: asyncio.Queue[None] = asyncio.Queue()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, reloads.put_nowait, None)
+    # Not the loop's own signal handler: that one goes back to SIGHUP's default (the end of
+    # the process) when the loop closes. One noted since the command began is a reload now.
+    HANGUPS.install()
+    HANGUPS.attach(loop, functools.partial(reloads.put_nowait, None))
     try:
         await runtime.start()
     except OSError as exc:
         log.error("cannot start", error=str(exc))
         await runtime.stop()
         store.close()
+        HANGUPS.ignore()
         return 1, runtime.calls_outstanding()
     control = ControlServer(runtime, socket_path(cfg.state_dir))
     try:
@@ -121,6 +127,7 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         log.warning("some tasks did not stop in time; exiting anyway")
     store.close()
     notifier.close()
+    HANGUPS.ignore()  # from here to the exit: nothing is left to reload
     # Hung calls, and calls the stop cancelled while they ran: the interpreter would wait for
     # each of those threads at exit.
     hung = runtime.calls_outstanding()
