@@ -7,6 +7,7 @@ resolved and could not fire again) and its counters went back to 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -160,3 +161,38 @@ class TestAStoppedCollectorsAllClear:
             "collector a no longer runs (stopped by a reload)"
         ]
         assert runtime.health().ok
+
+
+class TestAReloadDuringTheFirstRound:
+    """READY=1 (and the first heap trim) wait for every collector's first round. A collector
+    that a reload stopped before its first round ended was waited for anyway: nothing set
+    `first_round` again, and the real agent said READY=1 only after FIRST_ROUND_WAIT (30 s),
+    with a warning that a round was still running."""
+
+    @pytest.mark.parametrize(
+        "change",
+        [
+            pytest.param({"slow": FAST.replace(enabled=False)}, id="disabled"),
+            pytest.param(None, id="removed"),
+            pytest.param({"slow": FAST.replace(timeout=0.3)}, id="restarted"),
+        ],
+    )
+    async def test_what_no_longer_runs_is_not_waited_for(
+        self, change: dict[str, CollectorSettings] | None
+    ) -> None:
+        rig = Rig({"a": "ok", "slow": "hang"}, settings=FAST.replace(timeout=60.0))
+        runtime = rig.runtime
+        await runtime.start()
+        try:
+            await until(lambda: runtime.collectors["a"].rounds_done > 0, what="a's first round")
+            assert rig.current("slow").calls_started == 1  # its first round is under way
+            assert not runtime.first_round.is_set()
+            if change is None:
+                new = dataclasses.replace(rig.config, collectors={"a": FAST.replace(timeout=60.0)})
+            else:
+                rig.modes["slow"] = "ok"
+                new = rig.with_collectors(**change)
+            await runtime.reload(new)
+            await until(runtime.first_round.is_set, what="every running collector's first round")
+        finally:
+            await runtime.stop()

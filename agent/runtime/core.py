@@ -652,6 +652,7 @@ class Runtime:
         return HeapTrimmer()
 
     def _maybe_first_round_done(self) -> None:
+        """Every running collector has done a round (none running: done)."""
         if all(s.rounds_done > 0 for s in self.collectors.values()):
             self.first_round.set()
 
@@ -767,6 +768,8 @@ class Runtime:
             await self._retire(name)
             self._release_pool(name)
             applied.append(f"collector {name} stopped")
+        # A collector stopped before its first round ended is no longer waited for (READY=1).
+        self._maybe_first_round_done()
         for name, (settings, collector) in built.items():
             previous = await self._retire(name) if name in self.collectors else None
             restarted = previous is not None
