@@ -622,9 +622,18 @@ class Runtime:
         now = time.time()
         status.last_attempt = now  # before the round: a scrape during a long round sees it
         status.runs += 1
-        outcome = await run_round(
-            status.collector, status.caller, status.settings, round_number, now=now
-        )
+        state = self._collector_states[status.name]
+        mark = state.mark()
+        try:
+            outcome = await run_round(
+                status.collector, status.caller, status.settings, round_number, now=now
+            )
+        except asyncio.CancelledError:
+            # Cut short by a reload or a stop: its events are gone, and so must its writes
+            # be (a counter's new last value without its increase event would lose the
+            # increase for the next instance and for the next start).
+            state.undo(mark)
+            raise
         status.duration = outcome.seconds
         if outcome.ok:
             status.samples = outcome.samples
@@ -643,7 +652,7 @@ class Runtime:
             status.failures += 1
             status.last_error = outcome.error
         # The round's state values after its events: never stored before them.
-        self._collector_states[status.name].release()
+        state.release()
 
     @functools.cached_property
     def heap(self) -> HeapTrimmer:
