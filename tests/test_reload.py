@@ -421,7 +421,8 @@ class TestReloadLoop:
         loop = asyncio.create_task(run_command._reload_loop(Breaks(), path, reloads))  # type: ignore[arg-type]
         try:
             reloads.put_nowait(None)
-            reloads.put_nowait(None)
+            await until(lambda: len(calls) == 2, what="the failed reload")
+            reloads.put_nowait(None)  # the next SIGHUP (one sent with it: the same reload)
             await until(lambda: len(calls) == 3, what="two reloads")
             assert calls[1].startswith("RecursionError")
             assert any(

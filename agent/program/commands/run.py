@@ -36,6 +36,10 @@ FIRST_ROUND_WAIT = 30.0
 """READY=1 waits for the first round of every collector, but not forever."""
 STOP_BUDGET = 4.0
 """SIGTERM to exit: well inside systemd's and the contract's 5 seconds."""
+SETTLE = 0.5
+"""Seconds a reloaded file must stay unchanged before it is read, and while it is read."""
+SETTLE_BOUND = 10.0
+"""Seconds a reload waits for a file that keeps changing before it refuses it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,12 +173,61 @@ async def _reload_loop(runtime: Runtime, path: Path | None, reloads: asyncio.Que
     running configuration and is logged, and the next SIGHUP is honoured."""
     while True:
         await reloads.get()
+        # The SIGHUPs that came before this read are answered by it (a burst is one reload;
+        # each waits for the file to settle); one that comes during it is another.
+        while not reloads.empty():
+            reloads.get_nowait()
         await _reload_once(runtime, path)
+
+
+def load_settled(
+    path: Path | None, quiet: float = SETTLE, bound: float = SETTLE_BOUND
+) -> config_module.Config:
+    """Load the file once it is written: unchanged for `quiet` seconds, and through the read.
+
+    A file truncated and written again in place (an editor, `cat >`, a tool that does not
+    rename) is empty or half written for a moment, and a SIGHUP then read it: a part cut at a
+    line is valid TOML, and was applied as if meant (collectors back to their defaults, one
+    disabled in the file started), with no reload to follow once the file was whole. A
+    file still changing after `bound` seconds is refused (ConfigError), the running
+    configuration stays."""
+    target = path
+    if target is None and config_module.DEFAULT_CONFIG_PATH.exists():
+        target = config_module.DEFAULT_CONFIG_PATH
+    if target is None:
+        return config_module.load(path)
+    deadline = time.monotonic() + bound
+    seen = _identity(target)
+    while True:
+        time.sleep(quiet)
+        now = _identity(target)
+        if now == seen:
+            new = config_module.load(path)
+            if _identity(target) == seen:
+                return new
+            now = _identity(target)
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                "",
+                f"the file kept changing for {bound:g} s (still being written?); expected a "
+                "finished file: send SIGHUP again once it is written",
+                str(target),
+            )
+        seen = now
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """What changes when a file is written or replaced (None: it cannot be read now)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 async def _reload_once(runtime: Runtime, path: Path | None) -> None:
     try:
-        new = await asyncio.to_thread(config_module.load, path)
+        new = await asyncio.to_thread(load_settled, path)
     except ConfigError as exc:
         _refused(runtime, str(exc))
         return
