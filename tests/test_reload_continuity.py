@@ -7,16 +7,18 @@ resolved and could not fire again) and its counters went back to 0."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
-from agent.contracts.collector import CollectorSettings
+from agent.contracts.collector import CollectorDeps, CollectorSettings, CollectorSpec
 from agent.runtime.core import Runtime
+from tests.support.collectors import ROUNDS, ScriptedCollector
 from tests.support.waiting import until
-from tests.test_reload import FAST, Rig
+from tests.test_reload import FAST, Rig, payload
 
 
 @pytest.fixture
@@ -196,3 +198,77 @@ class TestAReloadDuringTheFirstRound:
             await until(runtime.first_round.is_set, what="every running collector's first round")
         finally:
             await runtime.stop()
+
+
+class SlowToClose(ScriptedCollector):
+    """Closes in a while, as the GPU collector does (it joins its NVML event thread)."""
+
+    async def close(self) -> None:
+        await asyncio.sleep(0.3)
+        await super().close()
+
+
+class TestNoGapInTheSnapshot:
+    """A scrape or a heartbeat during a reload sees the restarted collector, with its last
+    series, until its new instance's first round replaces them. Before, it was missing while
+    the old instance closed (up to 2 s) and had no series until the new one's first round:
+    every GPU series and the collector's own were absent from a scrape then (a pending alert's
+    `for` starts again, a firing one resolves and fires again)."""
+
+    @pytest.mark.parametrize(
+        ("slow_close", "slow_round"),
+        [(True, False), (False, True), (True, True)],
+        ids=["slow-close", "slow-first-round", "both"],
+    )
+    async def test_seen_all_through_a_restart(self, slow_close: bool, slow_round: bool) -> None:
+        modes = {"a": "ok", "b": "ok"}
+        made: list[ScriptedCollector] = []
+
+        def make(settings: CollectorSettings, deps: CollectorDeps) -> ScriptedCollector:
+            mode = "slow" if slow_round and made else "ok"
+            kind = SlowToClose if slow_close else ScriptedCollector
+            made.append(kind("a", mode, deps))
+            return made[-1]
+
+        rig = Rig(modes)
+        runtime = rig.runtime
+        runtime._specs["a"] = CollectorSpec("a", "test", CollectorSettings, make)
+        await runtime.start()
+        seen: list[tuple[bool, bool, bool]] = []
+        done = asyncio.Event()
+
+        async def scrape() -> None:
+            while not done.is_set():
+                series = {
+                    s.label_values[0] for s in runtime.samples() if s.family.name == ROUNDS.name
+                }
+                success = sample(runtime, "gpuwarden_collector_success", "a")
+                beat = payload(runtime)["collectors"]
+                seen.append(("a" in series, success is not None, "a" in beat))
+                await asyncio.sleep(0.005)
+
+        try:
+            await until(lambda: runtime.collectors["a"].success is True, what="a's first round")
+            scraper = asyncio.create_task(scrape())
+            await runtime.reload(rig.with_collectors(a=FAST.replace(interval=0.07)))
+            new = made[-1]
+            await until(lambda: len(new.rounds) >= 2, what="the new instance's rounds")
+            done.set()
+            await scraper
+            assert len(made) == 2 and made[0].closed
+            assert seen and all(all(s) for s in seen), [s for s in seen if not all(s)][:5]
+        finally:
+            done.set()
+            await runtime.stop()
+
+    async def test_a_disabled_collector_goes(self, rig: Rig) -> None:
+        runtime = rig.runtime
+        await until(lambda: runtime.collectors["a"].success is True, what="a's first round")
+        await runtime.reload(rig.with_collectors(a=FAST.replace(enabled=False)))
+        assert sample(runtime, "gpuwarden_collector_success", "a") is None
+        assert not [
+            s
+            for s in runtime.samples()
+            if s.family.name == ROUNDS.name and s.label_values[0] == "a"
+        ]
+        assert "a" not in payload(runtime)["collectors"]

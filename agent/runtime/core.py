@@ -129,6 +129,7 @@ class CollectorStatus:
         again by the reload), and one that replaces an instance whose rounds were failing
         (or had never succeeded) counts its staleness from where that one did. One that
         replaces a healthy instance counts from now, under its own interval."""
+        self.samples = previous.samples  # the snapshot's, until this instance's first round
         self.runs, self.failures = previous.runs, previous.failures
         self.success, self.last_error = previous.success, previous.last_error
         self.last_success, self.last_attempt = previous.last_success, previous.last_attempt
@@ -548,9 +549,11 @@ class Runtime:
         status.task = asyncio.create_task(self._collector_loop(status), name=status.name)
 
     async def _retire(self, name: str) -> CollectorStatus:
-        """Stop a collector's rounds and close it; returns its status, once its last round
-        is over. Its pool stays (see `_pool`)."""
-        status = self.collectors.pop(name)
+        """Stop a collector's rounds and close it; returns its status. It stays in
+        `collectors` meanwhile (a scrape or a heartbeat during a reload sees its last
+        series): the caller removes it or installs the instance that replaces it. Its pool
+        stays (see `_pool`)."""
+        status = self.collectors[name]
         self.supervisor.unregister(f"collector:{name}")
         if status.task is not None:
             await cancel_tasks([status.task])
@@ -775,6 +778,7 @@ class Runtime:
         # Every build is done: only now does anything stop.
         for name in to_stop:
             await self._retire(name)
+            del self.collectors[name]
             self._release_pool(name)
             applied.append(f"collector {name} stopped")
         # A collector stopped before its first round ended is no longer waited for (READY=1).
