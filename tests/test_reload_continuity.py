@@ -11,11 +11,12 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from agent.contracts.collector import CollectorDeps, CollectorSettings, CollectorSpec
-from agent.runtime.core import Runtime
+from agent.runtime.core import Runtime, cancel_tasks
 from tests.support.collectors import ROUNDS, ScriptedCollector
 from tests.support.waiting import until
 from tests.test_reload import FAST, Rig, payload
@@ -272,3 +273,45 @@ class TestNoGapInTheSnapshot:
             if s.family.name == ROUNDS.name and s.label_values[0] == "a"
         ]
         assert "a" not in payload(runtime)["collectors"]
+
+
+class TestAStopDuringAReload:
+    """SIGTERM while a reload retires the old instances (each close may take a while): the
+    stop closes every instance the reload built and never ran (before, they were never
+    closed: with them anything they held), and no round runs after the stop."""
+
+    @pytest.mark.parametrize("after", [0.1, 0.45, 0.75], ids=["first-close", "second", "third"])
+    async def test_every_instance_closed(self, after: float) -> None:
+        made: list[ScriptedCollector] = []
+
+        def make(name: str) -> Any:
+            def build(settings: CollectorSettings, deps: CollectorDeps) -> ScriptedCollector:
+                made.append(SlowToClose(name, "ok", deps))
+                return made[-1]
+
+            return build
+
+        rig = Rig({"a": "ok", "b": "ok", "c": "ok"})
+        runtime = rig.runtime
+        for name in ("a", "b", "c"):
+            runtime._specs[name] = CollectorSpec(name, "test", CollectorSettings, make(name))
+        await runtime.start()
+        await until(runtime.first_round.is_set, what="the first rounds")
+        changes = rig.with_collectors(
+            a=FAST.replace(enabled=False),
+            b=FAST.replace(interval=0.07),
+            c=FAST.replace(interval=0.08),
+        )
+
+        async def reloading() -> None:  # as `gpuwarden run`'s reload loop runs it
+            await runtime.reload(changes)
+
+        reload = asyncio.create_task(reloading())
+        await asyncio.sleep(after)  # a point inside the retiring: not a timing claim
+        await cancel_tasks([reload])  # what `gpuwarden run` does with it when the stop begins
+        await runtime.stop()
+        assert len(made) == 5
+        assert [c.name for c in made if not c.closed] == []
+        rounds = [len(c.rounds) for c in made]
+        await asyncio.sleep(0.2)
+        assert [len(c.rounds) for c in made] == rounds  # nothing runs after the stop

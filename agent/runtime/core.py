@@ -776,18 +776,27 @@ class Runtime:
             else:
                 built[name] = (settings, collector)
         # Every build is done: only now does anything stop.
-        for name in to_stop:
-            await self._retire(name)
-            del self.collectors[name]
-            self._release_pool(name)
-            applied.append(f"collector {name} stopped")
-        # A collector stopped before its first round ended is no longer waited for (READY=1).
-        self._maybe_first_round_done()
-        for name, (settings, collector) in built.items():
-            previous = await self._retire(name) if name in self.collectors else None
-            restarted = previous is not None
-            self._launch(self._install(name, settings, collector, previous))
-            applied.append(f"collector {name} {'restarted' if restarted else 'started'}")
+        waiting = dict(built)
+        try:
+            for name in to_stop:
+                await self._retire(name)
+                del self.collectors[name]
+                self._release_pool(name)
+                applied.append(f"collector {name} stopped")
+            # A collector stopped before its first round ended is not waited for (READY=1).
+            self._maybe_first_round_done()
+            for name, (settings, collector) in built.items():
+                previous = await self._retire(name) if name in self.collectors else None
+                restarted = previous is not None
+                self._launch(self._install(name, settings, collector, previous))
+                del waiting[name]
+                applied.append(f"collector {name} {'restarted' if restarted else 'started'}")
+        finally:
+            # Cut short (a stop during the reload): what was built and never ran is closed,
+            # since no one else knows it; what runs is the stop's to close.
+            await asyncio.gather(
+                *(_bounded(c.close(), 2.0, "collector", name) for name, (_, c) in waiting.items())
+            )
         core = dataclasses.replace(self.config.core, log_level=config.core.log_level)
         self.config = dataclasses.replace(config, core=core, sections=self.config.sections)
         self.configured = config

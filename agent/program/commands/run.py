@@ -25,7 +25,7 @@ from agent.program.control import ControlServer
 from agent.program.control_client import socket_path
 from agent.program.hangup import HANGUPS
 from agent.runtime import logs
-from agent.runtime.core import Runtime
+from agent.runtime.core import Runtime, cancel_tasks
 from agent.runtime.state import StateStore
 from agent.runtime.systemd import Notifier, run_watchdog, watchdog_interval
 from collectors._procfs import read_boot_id
@@ -122,8 +122,9 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     began = time.monotonic()
     log.info("stopping: signal received")
     notifier.stopping()
-    for task in helpers:
-        task.cancel()
+    # Before the runtime stops: a reload cut short closes what it built and never ran, and
+    # starts nothing after the stop began.
+    await cancel_tasks(helpers)
     await control.stop()
     try:
         await asyncio.wait_for(runtime.stop(), STOP_BUDGET)
