@@ -13,10 +13,13 @@ its way out), and the interpreter's exit is never given the default back in betw
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # every command imports this module (agent/program/cli.py): keep it light
+    import asyncio
 
 
 class Hangups:
