@@ -749,7 +749,7 @@ class Runtime:
         return sum(pool.caller.outstanding for pool in self.pools.values())
 
     async def reload(self, config: Config) -> ReloadReport:
-        """Apply a new configuration: collector settings and log_level at once.
+        """Apply a new configuration: collector settings, [pause] and log_level at once.
 
         What the agent reads only at start (node_id, state_dir, the sinks' sections,
         [heartbeat]) is not applied: half of it would be (a heartbeat announcing an interval
@@ -766,6 +766,15 @@ class Runtime:
         if config.core.log_level != self.config.core.log_level:
             logs.set_level(config.core.log_level)
             applied.append(f"log_level {config.core.log_level}")
+        sections = dict(self.config.sections)
+        pause = config.sections.get("pause")
+        if isinstance(pause, PauseSettings) and pause != self.pause.settings:
+            # Read at each request (a pause in force keeps the deadline it was given).
+            applied.extend(
+                f"[pause] {key} {getattr(pause, key):g}"
+                for key in _changed_fields(self.pause.settings, pause)
+            )
+            self.pause.settings = sections["pause"] = pause
         to_stop, to_build = self._plan(config.collectors)
         built: dict[str, tuple[CollectorSettings, Collector]] = {}
         failed: list[str] = []
@@ -798,7 +807,7 @@ class Runtime:
                 *(_bounded(c.close(), 2.0, "collector", name) for name, (_, c) in waiting.items())
             )
         core = dataclasses.replace(self.config.core, log_level=config.core.log_level)
-        self.config = dataclasses.replace(config, core=core, sections=self.config.sections)
+        self.config = dataclasses.replace(config, core=core, sections=sections)
         self.configured = config
         self.pending_restart = pending
         self.reload_error = None
@@ -838,6 +847,8 @@ class Runtime:
         read = {*self._sink_specs, "heartbeat"}
         unused: list[str] = []
         for name in sorted(new.sections.keys() | self.config.sections.keys()):
+            if name == "pause":  # applied by the reload itself
+                continue
             keys = _changed_fields(self.config.sections.get(name), new.sections.get(name))
             (pending if name in read else unused).extend(f"[{name}] {key}" for key in keys)
         return tuple(pending), tuple(unused)
