@@ -439,6 +439,24 @@ class TestAllClearWhoeverSeesIt:
         await agent.stop()
         await check_cleared(agent, await agent.start(FAST))
 
+    async def test_disabled_then_enabled(self, agent: Agent) -> None:
+        """A collector disabled by a reload clears nothing (no one looked: the GPU, the mount,
+        the process may still be broken, and an action such as Slurm's resume must not take
+        an edit for a repair); enabled again, its new instance takes over and clears."""
+        runtime = await start_faulty(agent)
+        fault = agent.fault
+        off = fault.settings(FAST).replace(enabled=False)
+        await runtime.reload(dataclasses.replace(runtime.config, collectors={fault.collector: off}))
+        assert fault.collector not in runtime.collectors
+        fault.end()  # while no one looks
+        await until(lambda: runtime.hung_calls() == 0, what="the hung call to return")
+        await runtime.settle()
+        assert (fault.raised, fault.subject) in {(k, s) for _, k, s in agent.held()}
+        assert agent.of(fault.cleared) == []
+        collectors = {fault.collector: fault.settings(FAST)}
+        await runtime.reload(dataclasses.replace(runtime.config, collectors=collectors))
+        await check_cleared(agent, runtime)
+
 
 class TestStillFaultyAfterAnInstanceChange:
     """The new instance that finds the fault still there says nothing new: the requirement

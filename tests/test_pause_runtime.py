@@ -157,6 +157,33 @@ class TestPauseInTheRuntime:
         assert status.paused
         assert fake.init_calls == inits and fake.initialised == 0
 
+    async def test_disabled_and_enabled_again_while_paused(
+        self, running: tuple[Runtime, FakeNvml]
+    ) -> None:
+        """A reload that disables the GPU collector while paused, then one that enables it:
+        the new instance is paused before it touches NVML, the heartbeat says paused
+        meanwhile, and the resume brings the GPUs back without an error."""
+        runtime, fake = running
+        await runtime.pause.pause(60.0)
+        off = dataclasses.replace(runtime.config, collectors={"gpu": GPU.replace(enabled=False)})
+        await runtime.reload(off)
+        assert "gpu" not in runtime.collectors
+        assert runtime.health().ok
+        assert any("paused" in n for n in runtime.health().notices)
+        await runtime.reload(dataclasses.replace(runtime.config, collectors={"gpu": GPU}))
+        status = runtime.collectors["gpu"]
+        await until(lambda: status.rounds_done >= 2, what="rounds of the new instance")
+        assert status.paused and fake.initialised == 0
+        assert "gpuwarden_gpu_up" not in names(runtime)
+        reply = await runtime.pause.resume()
+        assert reply.resumed and reply.waited_out == ()
+        await until(lambda: "gpuwarden_gpu_up" in names(runtime), what="GPU series again")
+        await runtime.settle()
+        assert [e.kind for e in runtime.recent_events if e.kind.startswith("gpu_")] == [
+            "gpu_paused",
+            "gpu_resumed",
+        ]
+
 
 class TestTheDeadline:
     async def test_a_forgotten_pause_ends_by_itself_and_says_so(

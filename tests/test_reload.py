@@ -21,6 +21,7 @@ from agent.program import config_file as config
 from agent.program import registry
 from agent.program.commands import run as run_command
 from agent.runtime.core import ReloadReport, Runtime
+from agent.runtime.pause import PauseRefused
 from agent.runtime.state import StateStore
 from exporters.heartbeat import heartbeat_payload
 from exporters.prometheus import PrometheusSettings, PrometheusSink
@@ -199,6 +200,46 @@ class TestRestartOnlySettings:
         assert report.pending_restart == ()
         assert report.unused == ("[watch] stale_after_intervals",)
         assert rig.runtime.health().notices == ()
+
+
+class TestPauseSettingsApply:
+    """[pause] is read at each `gpuwarden pause`: a reload applies it at once. Before, the
+    runtime kept the values it started with, and the reload logged the change as keys "the
+    agent does not read", with no notice: a lowered max_duration was not in force, and
+    nothing said so."""
+
+    @pytest.mark.parametrize(
+        ("pause", "applied"),
+        [
+            pytest.param(
+                {"max_duration": 60.0, "default_duration": 30.0},
+                ("[pause] default_duration 30", "[pause] max_duration 60"),
+                id="both",
+            ),
+            pytest.param({"default_duration": 600.0}, ("[pause] default_duration 600",), id="one"),
+            pytest.param({"max_duration": 28800.0}, ("[pause] max_duration 28800",), id="raised"),
+        ],
+    )
+    async def test_applied_at_once(
+        self, rig: Rig, pause: dict[str, float], applied: tuple[str, ...]
+    ) -> None:
+        runtime = rig.runtime
+        new = Rig.file({"pause": pause}, rig.config.collectors)
+        report = await runtime.reload(new)
+        assert report.applied == applied
+        assert report.unused == () and report.pending_restart == ()
+        assert runtime.health().notices == ()
+        settings = new.sections["pause"]
+        assert runtime.pause.settings == settings
+        assert runtime.pause.duration(None) == pause.get("default_duration", 1800.0)
+        longest = pause.get("max_duration", 14400.0)
+        assert runtime.pause.duration(longest) == longest
+        with pytest.raises(PauseRefused, match="max_duration"):
+            runtime.pause.duration(longest + 1)
+        # The same file again changes nothing; the old one puts the old values back.
+        assert (await runtime.reload(new)).applied == ()
+        assert (await runtime.reload(rig.config)).applied != ()
+        assert runtime.pause.settings == rig.config.sections["pause"]
 
 
 class TestBuildFirst:
@@ -421,7 +462,8 @@ class TestReloadLoop:
         loop = asyncio.create_task(run_command._reload_loop(Breaks(), path, reloads))  # type: ignore[arg-type]
         try:
             reloads.put_nowait(None)
-            reloads.put_nowait(None)
+            await until(lambda: len(calls) == 2, what="the failed reload")
+            reloads.put_nowait(None)  # the next SIGHUP (one sent with it: the same reload)
             await until(lambda: len(calls) == 3, what="two reloads")
             assert calls[1].startswith("RecursionError")
             assert any(

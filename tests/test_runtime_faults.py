@@ -21,6 +21,7 @@ from agent.runtime.core import ReloadReport, Runtime
 from agent.runtime.state import StateStore
 from tests.support.agent_proc import REPO
 from tests.support.collectors import scripted_runtime
+from tests.support.waiting import until
 
 
 class ManyHangs:
@@ -107,11 +108,9 @@ class TestReloadFailure:
         queue: asyncio.Queue[None] = asyncio.Queue()
         task = asyncio.create_task(run_command._reload_loop(Flaky(), path, queue))  # type: ignore[arg-type]
         queue.put_nowait(None)
-        queue.put_nowait(None)
-        for _ in range(100):
-            if len(calls) == 3:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: len(calls) == 2, what="the failed reload")
+        queue.put_nowait(None)  # the next SIGHUP (one sent with it would be the same reload)
+        await until(lambda: len(calls) == 3, what="the next reload")
         task.cancel()
         assert calls == [str(path), "refused: RuntimeError: collector factory failed", str(path)]
 

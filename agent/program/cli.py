@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent import __version__
+from agent.program.hangup import HANGUPS
 
 # command -> (module under agent.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -74,7 +75,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(named_command(sys.argv[1:] if argv is None else argv))
+    command = named_command(sys.argv[1:] if argv is None else argv)
+    if command == "run" and argv is None:
+        # Before the daemon's imports: from here a SIGHUP is a reload, never the end of the
+        # agent (agent/program/hangup.py).
+        HANGUPS.install()
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     code: int = args._module.main(args)
     return code

@@ -119,6 +119,38 @@ class CollectorStatus:
     """Set to run the next round now (the first after a pause)."""
     last_events: Sequence[Event] = ()
     """The events of the last round that succeeded."""
+    stale_kept: bool = False
+    """Stale when a reload restarted it: stale until a round succeeds, whatever its new
+    interval and timeout allow."""
+
+    def carry_over(self, previous: CollectorStatus, stale: bool) -> None:
+        """Take over the record of the instance this one replaces (a reload restarted the
+        collector): its counters, its last outcome and when it last succeeded are the
+        collector's, not the instance's. A reload is no success: an instance that replaces
+        one found `stale` stays stale until a round succeeds (neither cleared nor raised
+        again by the reload), and one that replaces an instance whose rounds were failing
+        (or had never succeeded) counts its staleness from where that one did. One that
+        replaces a healthy instance counts from now, under its own interval."""
+        self.samples = previous.samples  # the snapshot's, until this instance's first round
+        self.runs, self.failures = previous.runs, previous.failures
+        self.success, self.last_error = previous.success, previous.last_error
+        self.success_stamp, self.last_attempt = previous.success_stamp, previous.last_attempt
+        self.duration = previous.duration
+        if previous.success is not True:
+            self.started_stamp = previous.stale_since()
+        self.stale_kept = stale
+
+    def stale_since(self) -> Stamp:
+        """Since when this collector has gone without a success (the staleness clock): its
+        last success, or its start when that is later (or there was none)."""
+        success = self.success_stamp
+        if success is None or success.steady < self.started_stamp.steady:
+            return self.started_stamp
+        return success
+
+    def stale_from(self) -> float:
+        """The wall-clock time of `stale_since`."""
+        return self.stale_since().wall
 
     @property
     def last_success(self) -> float | None:
@@ -137,9 +169,9 @@ class CollectorStatus:
         return None if self.success_stamp is None else self.success_stamp.age(now)
 
     def stale_for(self, now: float | None = None) -> float:
-        """Seconds without a success (since the start when none), on a clock that does not
-        step: a step of the wall clock is no staleness, and hides none."""
-        return (self.success_stamp or self.started_stamp).age(now)
+        """Seconds without a success (`stale_since`), on a clock that does not step: a step
+        of the wall clock is no staleness, and hides none."""
+        return self.stale_since().age(now)
 
 
 @dataclass(frozen=True)
@@ -527,10 +559,18 @@ class Runtime:
         return pool
 
     def _install(
-        self, name: str, settings: CollectorSettings, collector: Collector
+        self,
+        name: str,
+        settings: CollectorSettings,
+        collector: Collector,
+        previous: CollectorStatus | None = None,
     ) -> CollectorStatus:
+        """Make `collector` the running instance of `name`; `previous`, the instance it
+        replaces, hands over its record (`CollectorStatus.carry_over`)."""
         caller, executor = self._pool(name, settings)
         status = CollectorStatus(name, settings, collector, caller, executor)
+        if previous is not None:
+            status.carry_over(previous, ("collector", name) in self.stale)
         self.collectors[name] = status
         self.start_failures.pop(name, None)
         self.supervisor.register(
@@ -541,13 +581,17 @@ class Runtime:
     def _launch(self, status: CollectorStatus) -> None:
         status.task = asyncio.create_task(self._collector_loop(status), name=status.name)
 
-    async def _retire(self, name: str) -> None:
-        """Stop a collector's rounds and close it. Its pool stays (see `_pool`)."""
-        status = self.collectors.pop(name)
+    async def _retire(self, name: str) -> CollectorStatus:
+        """Stop a collector's rounds and close it; returns its status. It stays in
+        `collectors` meanwhile (a scrape or a heartbeat during a reload sees its last
+        series): the caller removes it or installs the instance that replaces it. Its pool
+        stays (see `_pool`)."""
+        status = self.collectors[name]
         self.supervisor.unregister(f"collector:{name}")
         if status.task is not None:
             await cancel_tasks([status.task])
         await _bounded(status.collector.close(), 2.0, "collector", name)
+        return status
 
     def _release_pool(self, name: str) -> None:
         """After a collector stopped for good. A pool with a call still outstanding stays:
@@ -614,15 +658,25 @@ class Runtime:
         now = time.time()
         status.last_attempt = now  # before the round: a scrape during a long round sees it
         status.runs += 1
-        outcome = await run_round(
-            status.collector, status.caller, status.settings, round_number, now=now
-        )
+        state = self._collector_states[status.name]
+        mark = state.mark()
+        try:
+            outcome = await run_round(
+                status.collector, status.caller, status.settings, round_number, now=now
+            )
+        except asyncio.CancelledError:
+            # Cut short by a reload or a stop: its events are gone, and so must its writes
+            # be (a counter's new last value without its increase event would lose the
+            # increase for the next instance and for the next start).
+            state.undo(mark)
+            raise
         status.duration = outcome.seconds
         if outcome.ok:
             status.samples = outcome.samples
             status.success = True
             status.last_success = time.time()
             status.last_error = ""
+            status.stale_kept = False
             status.last_events = outcome.events
             for event in outcome.events:
                 self.emit(event)
@@ -634,7 +688,7 @@ class Runtime:
             status.failures += 1
             status.last_error = outcome.error
         # The round's state values after its events: never stored before them.
-        self._collector_states[status.name].release()
+        state.release()
 
     @functools.cached_property
     def heap(self) -> HeapTrimmer:
@@ -643,6 +697,7 @@ class Runtime:
         return HeapTrimmer()
 
     def _maybe_first_round_done(self) -> None:
+        """Every running collector has done a round (none running: done)."""
         if all(s.rounds_done > 0 for s in self.collectors.values()):
             self.first_round.set()
 
@@ -727,7 +782,7 @@ class Runtime:
         return sum(pool.caller.outstanding for pool in self.pools.values())
 
     async def reload(self, config: Config) -> ReloadReport:
-        """Apply a new configuration: collector settings and log_level at once.
+        """Apply a new configuration: collector settings, [pause] and log_level at once.
 
         What the agent reads only at start (node_id, state_dir, the sinks' sections,
         [heartbeat]) is not applied: half of it would be (a heartbeat announcing an interval
@@ -744,6 +799,15 @@ class Runtime:
         if config.core.log_level != self.config.core.log_level:
             logs.set_level(config.core.log_level)
             applied.append(f"log_level {config.core.log_level}")
+        sections = dict(self.config.sections)
+        pause = config.sections.get("pause")
+        if isinstance(pause, PauseSettings) and pause != self.pause.settings:
+            # Read at each request (a pause in force keeps the deadline it was given).
+            applied.extend(
+                f"[pause] {key} {getattr(pause, key):g}"
+                for key in _changed_fields(self.pause.settings, pause)
+            )
+            self.pause.settings = sections["pause"] = pause
         to_stop, to_build = self._plan(config.collectors)
         built: dict[str, tuple[CollectorSettings, Collector]] = {}
         failed: list[str] = []
@@ -754,18 +818,29 @@ class Runtime:
             else:
                 built[name] = (settings, collector)
         # Every build is done: only now does anything stop.
-        for name in to_stop:
-            await self._retire(name)
-            self._release_pool(name)
-            applied.append(f"collector {name} stopped")
-        for name, (settings, collector) in built.items():
-            restarted = name in self.collectors
-            if restarted:
+        waiting = dict(built)
+        try:
+            for name in to_stop:
                 await self._retire(name)
-            self._launch(self._install(name, settings, collector))
-            applied.append(f"collector {name} {'restarted' if restarted else 'started'}")
+                del self.collectors[name]
+                self._release_pool(name)
+                applied.append(f"collector {name} stopped")
+            # A collector stopped before its first round ended is not waited for (READY=1).
+            self._maybe_first_round_done()
+            for name, (settings, collector) in built.items():
+                previous = await self._retire(name) if name in self.collectors else None
+                restarted = previous is not None
+                self._launch(self._install(name, settings, collector, previous))
+                del waiting[name]
+                applied.append(f"collector {name} {'restarted' if restarted else 'started'}")
+        finally:
+            # Cut short (a stop during the reload): what was built and never ran is closed,
+            # since no one else knows it; what runs is the stop's to close.
+            await asyncio.gather(
+                *(_bounded(c.close(), 2.0, "collector", name) for name, (_, c) in waiting.items())
+            )
         core = dataclasses.replace(self.config.core, log_level=config.core.log_level)
-        self.config = dataclasses.replace(config, core=core, sections=self.config.sections)
+        self.config = dataclasses.replace(config, core=core, sections=sections)
         self.configured = config
         self.pending_restart = pending
         self.reload_error = None
@@ -805,6 +880,8 @@ class Runtime:
         read = {*self._sink_specs, "heartbeat"}
         unused: list[str] = []
         for name in sorted(new.sections.keys() | self.config.sections.keys()):
+            if name == "pause":  # applied by the reload itself
+                continue
             keys = _changed_fields(self.config.sections.get(name), new.sections.get(name))
             (pending if name in read else unused).extend(f"[{name}] {key}" for key in keys)
         return tuple(pending), tuple(unused)
@@ -837,7 +914,7 @@ class Runtime:
         for status in self.collectors.values():
             limit = status.settings.interval * rounds + status.settings.timeout
             age = status.stale_for(now)
-            if age > limit:
+            if status.stale_kept or age > limit:
                 items.append(
                     StaleItem(
                         "collector", status.name, age, status.last_error or "no successful round"
@@ -976,6 +1053,9 @@ class Runtime:
                 )
         for key, item in self.stale.items():
             if key not in current:
+                # The all-clear of what no one will look at again says so: a collector
+                # that a reload stopped is not delivering again.
+                gone = item.kind == "collector" and item.name not in self.collectors
                 self.emit(
                     Event(
                         source="runtime",
@@ -983,7 +1063,10 @@ class Runtime:
                         severity=Severity.INFO,
                         repair_action=RepairAction.NONE,
                         subject=item.name,
-                        message=f"{item.kind} {item.name} is delivering again",
+                        message=f"collector {item.name} no longer runs (stopped by a reload)"
+                        if gone
+                        else f"{item.kind} {item.name} is delivering again",
+                        attributes={"stopped": True} if gone else {},
                     )
                 )
         self.stale = current

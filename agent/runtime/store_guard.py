@@ -286,6 +286,17 @@ class CollectorState:
                 self._guard.hold(self._held)
                 self._held = {}
 
+    def mark(self) -> dict[tuple[str, str], str | None]:
+        """What is held now (a round's start), for `undo`."""
+        with self._lock:
+            return dict(self._held)
+
+    def undo(self, mark: Mapping[tuple[str, str], str | None]) -> None:
+        """Forget what was written since `mark`: a round cut short (a reload, a stop)
+        returns no events, so none of its writes may be stored or read either."""
+        with self._lock:
+            self._held = dict(mark)
+
 
 def _decode(text: str | None) -> JSONValue | None:
     return None if text is None else json.loads(text)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -22,8 +23,9 @@ from agent.program import config_file as config_module
 from agent.program import registry
 from agent.program.control import ControlServer
 from agent.program.control_client import socket_path
+from agent.program.hangup import HANGUPS
 from agent.runtime import logs
-from agent.runtime.core import Runtime
+from agent.runtime.core import Runtime, cancel_tasks
 from agent.runtime.state import StateStore
 from agent.runtime.systemd import Notifier, run_watchdog, watchdog_interval
 from collectors._procfs import read_boot_id
@@ -34,6 +36,10 @@ FIRST_ROUND_WAIT = 30.0
 """READY=1 waits for the first round of every collector, but not forever."""
 STOP_BUDGET = 4.0
 """SIGTERM to exit: well inside systemd's and the contract's 5 seconds."""
+SETTLE = 0.5
+"""Seconds a reloaded file must stay unchanged before it is read, and while it is read."""
+SETTLE_BOUND = 10.0
+"""Seconds a reload waits for a file that keeps changing before it refuses it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,13 +87,17 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     reloads: asyncio.Queue[None] = asyncio.Queue()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, reloads.put_nowait, None)
+    # Not the loop's own signal handler: that one goes back to SIGHUP's default (the end of
+    # the process) when the loop closes. One noted since the command began is a reload now.
+    HANGUPS.install()
+    HANGUPS.attach(loop, functools.partial(reloads.put_nowait, None))
     try:
         await runtime.start()
     except OSError as exc:
         log.error("cannot start", error=str(exc))
         await runtime.stop()
         store.close()
+        HANGUPS.ignore()
         return 1, runtime.calls_outstanding()
     control = ControlServer(runtime, socket_path(cfg.state_dir))
     try:
@@ -112,8 +122,9 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     began = time.monotonic()
     log.info("stopping: signal received")
     notifier.stopping()
-    for task in helpers:
-        task.cancel()
+    # Before the runtime stops: a reload cut short closes what it built and never ran, and
+    # starts nothing after the stop began.
+    await cancel_tasks(helpers)
     await control.stop()
     try:
         await asyncio.wait_for(runtime.stop(), STOP_BUDGET)
@@ -121,6 +132,7 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         log.warning("some tasks did not stop in time; exiting anyway")
     store.close()
     notifier.close()
+    HANGUPS.ignore()  # from here to the exit: nothing is left to reload
     # Hung calls, and calls the stop cancelled while they ran: the interpreter would wait for
     # each of those threads at exit.
     hung = runtime.calls_outstanding()
@@ -162,12 +174,61 @@ async def _reload_loop(runtime: Runtime, path: Path | None, reloads: asyncio.Que
     running configuration and is logged, and the next SIGHUP is honoured."""
     while True:
         await reloads.get()
+        # The SIGHUPs that came before this read are answered by it (a burst is one reload;
+        # each waits for the file to settle); one that comes during it is another.
+        while not reloads.empty():
+            reloads.get_nowait()
         await _reload_once(runtime, path)
+
+
+def load_settled(
+    path: Path | None, quiet: float = SETTLE, bound: float = SETTLE_BOUND
+) -> config_module.Config:
+    """Load the file once it is written: unchanged for `quiet` seconds, and through the read.
+
+    A file truncated and written again in place (an editor, `cat >`, a tool that does not
+    rename) is empty or half written for a moment, and a SIGHUP then read it: a part cut at a
+    line is valid TOML, and was applied as if meant (collectors back to their defaults, one
+    disabled in the file started), with no reload to follow once the file was whole. A
+    file still changing after `bound` seconds is refused (ConfigError), the running
+    configuration stays."""
+    target = path
+    if target is None and config_module.DEFAULT_CONFIG_PATH.exists():
+        target = config_module.DEFAULT_CONFIG_PATH
+    if target is None:
+        return config_module.load(path)
+    deadline = time.monotonic() + bound
+    seen = _identity(target)
+    while True:
+        time.sleep(quiet)
+        now = _identity(target)
+        if now == seen:
+            new = config_module.load(path)
+            if _identity(target) == seen:
+                return new
+            now = _identity(target)
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                "",
+                f"the file kept changing for {bound:g} s (still being written?); expected a "
+                "finished file: send SIGHUP again once it is written",
+                str(target),
+            )
+        seen = now
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """What changes when a file is written or replaced (None: it cannot be read now)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 async def _reload_once(runtime: Runtime, path: Path | None) -> None:
     try:
-        new = await asyncio.to_thread(config_module.load, path)
+        new = await asyncio.to_thread(load_settled, path)
     except ConfigError as exc:
         _refused(runtime, str(exc))
         return
