@@ -5,7 +5,9 @@ It holds the event history, the outbox that the MQTT sink drains, and a small ke
 is `PRAGMA user_version` and migrates forward step by step.
 
 A corrupt database is moved aside (`state.db.corrupt-<time>`) and a new one started; a state dir
-that cannot be written falls back to an in-memory database. Either way the store reports what
+that cannot be written falls back to an in-memory database. A full disk is not that: the
+database is opened (held alone where the disk cannot take its `-shm` index) and read, and its
+writes fail until there is room, which the store guard (store_guard.py) handles. Either way the store reports what
 happened in `problems` (the runtime turns them into events and a metric), and the agent keeps
 collecting and serving.
 """
@@ -104,15 +106,33 @@ def _migrate(conn: sqlite3.Connection) -> int:
     return version
 
 
-def _connect(path: str) -> sqlite3.Connection:
+FULL_DISK_ERRORS = frozenset({"SQLITE_FULL", "SQLITE_IOERR_SHMSIZE"})
+"""SQLite's names for "no room": a write that needs a page, and the `-shm` index that a WAL
+database needs before its first read and that a full disk cannot hold."""
+
+
+def _disk_full(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorname", "") in FULL_DISK_ERRORS
+
+
+def _connect(path: str, alone: bool = False) -> sqlite3.Connection:
+    """`alone`: this connection holds the database for itself (EXCLUSIVE locking, set before
+    the first access), so that SQLite keeps the WAL index in memory and needs no `-shm` file:
+    a database on a full disk can be read so, where it otherwise cannot be opened at all."""
     conn = sqlite3.connect(path, timeout=5.0, check_same_thread=False, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    # NORMAL in WAL mode: durable across a killed process, at most the last transactions lost
-    # on power failure; FULL would fsync every outbox write.
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA busy_timeout=5000")
-    conn.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
-    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+    try:
+        if alone:
+            conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+        conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: durable across a killed process, at most the last transactions
+        # lost on power failure; FULL would fsync every outbox write.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
+        conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+    except BaseException:
+        conn.close()  # a connection left open keeps its lock: the next attempt is "locked"
+        raise
     return conn
 
 
@@ -144,9 +164,9 @@ def _create_private(path: Path) -> None:
         os.close(fd)
 
 
-def _open_checked(path: Path) -> sqlite3.Connection:
+def _open_checked(path: Path, alone: bool = False) -> sqlite3.Connection:
     _create_private(path)
-    conn = _connect(str(path))
+    conn = _connect(str(path), alone)
     try:
         check = conn.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
@@ -156,6 +176,19 @@ def _open_checked(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def _open_or_alone(path: Path) -> sqlite3.Connection:
+    """The database, shared with readers (`diag`); on a disk too full for the `-shm` index,
+    held alone (`_connect`) rather than not at all: `diag` cannot read it until the agent
+    restarts with room."""
+    try:
+        return _open_checked(path)
+    except sqlite3.OperationalError as exc:
+        if not _disk_full(exc):
+            raise
+        log.warning("state disk too full for the WAL index; holding the database alone")
+        return _open_checked(path, alone=True)
 
 
 def _chunks(values: Sequence[int]) -> Iterator[Sequence[int]]:
@@ -201,7 +234,7 @@ class StateStore:
         try:
             _make_private_dir(state_dir)
             try:
-                conn = _open_checked(path)
+                conn = _open_or_alone(path)
             except sqlite3.DatabaseError as exc:
                 if isinstance(exc, sqlite3.OperationalError):
                     raise  # cannot open or write: not corruption
@@ -220,9 +253,24 @@ class StateStore:
                 )
                 log.error("state database corrupt, moved aside", path=str(path), aside=str(aside))
                 conn = _open_checked(path)
-            conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
-            conn.execute("DROP TABLE _probe")
-            return cls(conn, path, problems)
+            store = cls(conn, path, problems)
+            try:
+                conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
+                conn.execute("DROP TABLE _probe")
+            except sqlite3.OperationalError as exc:
+                if not _disk_full(exc):
+                    conn.close()
+                    raise
+                # A full disk: what the database holds is read and delivered, what comes
+                # waits in memory (store_guard.py) until a write works again.
+                store._rollback()
+                store._write_failed(exc)
+                log.error(
+                    "state disk full at start; the state store is read, writes wait",
+                    state_dir=str(state_dir),
+                    error=str(exc),
+                )
+            return store
         except (OSError, sqlite3.Error, StateStoreError) as exc:
             problems.append(
                 StoreProblem(
