@@ -4,7 +4,8 @@ It holds the event history, the outbox that the MQTT sink drains, and a small ke
 (last counter values, kernel-log cursors, baselines, the MQTT birth number). The schema version
 is `PRAGMA user_version` and migrates forward step by step.
 
-A corrupt database is moved aside (`state.db.corrupt-<time>`) and a new one started; a state dir
+A corrupt database is moved aside (`state.db.corrupt-<time>`) and a new one started with what
+could still be read from it (salvage.py: the outbox, the key-value area, the history); a state dir
 that cannot be written falls back to an in-memory database. A full disk is not that: the
 database is opened (held alone where the disk cannot take its `-shm` index) and read, and its
 writes fail until there is room, which the store guard (store_guard.py) handles. Either way the store reports what
@@ -31,6 +32,7 @@ from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.contracts.sink import OutboxEntry
+from agent.runtime.salvage import COLUMNS, restore, salvage
 
 log = structlog.get_logger(component="state")
 
@@ -238,21 +240,30 @@ class StateStore:
             except sqlite3.DatabaseError as exc:
                 if isinstance(exc, sqlite3.OperationalError):
                     raise  # cannot open or write: not corruption
+                found = salvage(path)  # before the move: read with its WAL, where it is
                 aside = path.with_name(f"{DB_NAME}.corrupt-{int(time.time())}")
                 for suffix in ("", "-wal", "-shm"):
                     part = Path(str(path) + suffix)
                     if part.exists():
                         part.rename(Path(str(aside) + suffix))
+                log.error(
+                    "state database corrupt, moved aside",
+                    path=str(path),
+                    aside=str(aside),
+                    error=str(exc),
+                    **{f"salvaged_{table}": found.count(table) for table in COLUMNS},
+                )
+                conn = _open_checked(path)
+                restore(conn, found)
                 problems.append(
                     StoreProblem(
                         "state_store_corrupt",
                         f"state database {path} was unreadable ({exc}); moved to {aside} and "
-                        "started a new one: counters, cursors and the outbox start empty",
+                        f"started a new one; {found.summary()}, the rest is lost (counters "
+                        "and cursors not read back start over)",
                         f"keep {aside} for support; check the disk of {state_dir} for errors",
                     )
                 )
-                log.error("state database corrupt, moved aside", path=str(path), aside=str(aside))
-                conn = _open_checked(path)
             store = cls(conn, path, problems)
             try:
                 conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
