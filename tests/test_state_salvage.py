@@ -14,12 +14,15 @@ import contextlib
 import json
 import shutil
 import sqlite3
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from agent.contracts.model import Event, Severity
 from agent.runtime.state import DB_NAME, StateStore
+from tests.support.disk import MIB, SmallDisk
 
 QUEUED = 300
 VALUES = {("kernel_log", "file_cursor"): {"inode": 7, "offset": 4096}, ("repairs", "held"): [1]}
@@ -48,16 +51,27 @@ def page_map(store: StateStore) -> dict[str, list[tuple[int, int]]]:
     return found
 
 
-def make_store(state_dir: Path) -> tuple[list[str], dict[str, list[tuple[int, int]]]]:
-    """A closed store that QUEUED events were queued in and VALUES saved: the queued events'
-    ids, and the pages of each table and index."""
-    store = StateStore.open(state_dir)
+def make_store(
+    state_dir: Path, ended: str = "closed"
+) -> tuple[list[str], dict[str, list[tuple[int, int]]]]:
+    """A store that QUEUED events were queued in and VALUES saved, then closed (or `killed`:
+    its files as a SIGKILL leaves them, WAL and index beside the database): the queued
+    events' ids, and the pages of each table and index."""
+    live = state_dir.with_name(state_dir.name + ".live")
+    store = StateStore.open(live)
     events = queued(QUEUED)
     store.record_events(events, outbox=True)
     for (namespace, key), value in VALUES.items():
         store.put(namespace, key, value)
     pages = page_map(store)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if ended == "killed":
+        for part in live.iterdir():  # open, not checkpointed
+            shutil.copyfile(part, state_dir / part.name)
     store.close()
+    if ended == "closed":
+        shutil.copyfile(live / DB_NAME, state_dir / DB_NAME)
+    shutil.rmtree(live)
     return [e.id for e in events], pages
 
 
@@ -146,4 +160,49 @@ def test_a_killed_agents_wal_is_read_back_too(tmp_path: Path) -> None:
         for (namespace, key), value in VALUES.items():
             assert store.get(namespace, key) == value
     finally:
+        store.close()
+
+
+# -- a database that can be read but not used: the store in memory starts from it -------------
+
+
+def no_inodes(disk: SmallDisk) -> None:
+    """Every inode taken: the WAL cannot be created, blocks are left."""
+    for i in range(100_000):
+        try:
+            (disk.path / f"inode-{i}").touch()
+        except OSError:
+            return
+
+
+def read_only(disk: SmallDisk) -> None:
+    """The file system remounted read-only (what ext4 does after an I/O error)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(disk.path)], check=True)
+
+
+@pytest.mark.parametrize(
+    ("harm", "ended"),
+    [(no_inodes, "closed"), (read_only, "closed"), (read_only, "killed")],
+    ids=["no inodes", "read-only", "read-only, killed"],
+)
+def test_a_readable_database_that_cannot_be_used_is_read_into_memory(
+    tmp_path: Path, harm: Callable[[SmallDisk], None], ended: str
+) -> None:
+    """The state dir holds a whole database the agent cannot open for writing: the store in
+    memory that it falls back to starts with its outbox, values and history, so that what
+    was queued is delivered and the cursors hold (no replay of the whole kernel log)."""
+    with SmallDisk(tmp_path / "disk", size=4 * MIB, inodes=64) as disk:
+        state_dir = disk.path / "state"
+        ids, _ = make_store(state_dir, ended)
+        harm(disk)
+        store = StateStore.open(state_dir)
+        assert not store.durable
+        [problem] = store.problems
+        assert problem.kind == "state_store_unwritable"
+        assert [entry.key for entry in store.outbox_peek(QUEUED + 1)] == ids
+        assert store.outbox_depth() == {"event": QUEUED}
+        for (namespace, key), value in VALUES.items():
+            assert store.get(namespace, key) == value
+        assert f"{QUEUED} queued" in problem.message, problem.message
+        assert len(store.recent_events(limit=QUEUED + 1)) == QUEUED
         store.close()

@@ -6,7 +6,8 @@ is `PRAGMA user_version` and migrates forward step by step.
 
 A corrupt database is moved aside (`state.db.corrupt-<time>`) and a new one started with what
 could still be read from it (salvage.py: the outbox, the key-value area, the history); a state dir
-that cannot be written falls back to an in-memory database. A full disk is not that: the
+that cannot be written falls back to an in-memory database, which starts from what a database
+there still gives back. A full disk is not that: the
 database is opened (held alone where the disk cannot take its `-shm` index) and read, and its
 writes fail until there is room, which the store guard (store_guard.py) handles. Either way the store reports what
 happened in `problems` (the runtime turns them into events and a metric), and the agent keeps
@@ -32,7 +33,7 @@ from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.contracts.sink import OutboxEntry
-from agent.runtime.salvage import COLUMNS, restore, salvage
+from agent.runtime.salvage import COLUMNS, Salvage, restore, salvage
 
 log = structlog.get_logger(component="state")
 
@@ -180,6 +181,13 @@ def _open_checked(path: Path, alone: bool = False) -> sqlite3.Connection:
     return conn
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def _open_or_alone(path: Path) -> sqlite3.Connection:
     """The database, shared with readers (`diag`); on a disk too full for the `-shm` index,
     held alone (`_connect`) rather than not at all: `diag` cannot read it until the agent
@@ -283,23 +291,38 @@ class StateStore:
                 )
             return store
         except (OSError, sqlite3.Error, StateStoreError) as exc:
+            # A whole database it cannot write to (no inode for its WAL, a file system gone
+            # read-only) still holds the outbox and the cursors: memory starts from it. Not
+            # one of a newer schema: it is whole, and its own release will use it again.
+            newer = isinstance(exc, StateStoreError)
+            found = salvage(path) if not newer and _is_file(path) else Salvage()
+            read_back = f" ({found.summary()})" if found.rows else ""
             problems.append(
                 StoreProblem(
                     "state_store_unwritable",
                     f"cannot use the state database in {state_dir} ({exc}); keeping state in "
-                    "memory: events, counters and the outbox will not survive a restart",
+                    f"memory{read_back}: events, counters and the outbox will not survive a "
+                    "restart",
                     f"make {state_dir} writable by the gpuwarden user, or set state_dir",
                 )
             )
             log.error(
-                "state store unusable, using memory", state_dir=str(state_dir), error=str(exc)
+                "state store unusable, using memory",
+                state_dir=str(state_dir),
+                error=str(exc),
+                **{f"salvaged_{table}": found.count(table) for table in COLUMNS},
             )
-            return cls.in_memory(problems)
+            return cls.in_memory(problems, found)
 
     @classmethod
-    def in_memory(cls, problems: Sequence[StoreProblem] = ()) -> StateStore:
+    def in_memory(
+        cls, problems: Sequence[StoreProblem] = (), found: Salvage | None = None
+    ) -> StateStore:
+        """`found`: what the database it stands in for still held, to start from."""
         conn = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         _migrate(conn)
+        if found is not None and found.rows:
+            restore(conn, found)
         return cls(conn, None, problems)
 
     @property
