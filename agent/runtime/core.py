@@ -205,7 +205,8 @@ class Runtime:
         self._pending_events: list[Event] = []
         self.guard = StoreGuard(store, config.state_dir)
         """What waits to be written, and the policy for a store that cannot write."""
-        self.repair_ledger = RepairLedger(self.guard, boot_id)
+        # Its changes are stored with the event that makes them (`_emit_now`), not after.
+        self.repair_ledger = RepairLedger(self.guard, boot_id, persist_on_apply=False)
         """The repair actions required now (read before the loop runs; writes are held by the
         guard and stored by the store writer, never on the loop)."""
         pause_settings = config.sections.get("pause")
@@ -344,7 +345,9 @@ class Runtime:
         before any listener or log line hears of it."""
         if not event.node:
             event = dataclasses.replace(event, node=self.node_id)
-        self.guard.queue(event)
+        # What it does to the repair ledger goes into the store in the event's transaction:
+        # a kill after that commit must not leave the event stored and the requirement lost.
+        self.guard.queue(event, self.repair_ledger.changes(event))
         self._unannounced.append(event)
         self._store_wake.set()
 

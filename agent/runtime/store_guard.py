@@ -68,6 +68,9 @@ class StoreGuard:
         self._in_flight = 0
         """Leftmost events of the queue being written now: never the ones dropped."""
         self._values: dict[tuple[str, str], str | None] = {}
+        self._bound: dict[str, KvChanges] = {}
+        """Event id -> the changes written in the same transaction as that event (what it
+        did to the repair ledger)."""
         self._error: str | None = None
         self._failing_since: float | None = None
         self._dropped_reported = 0
@@ -100,11 +103,18 @@ class StoreGuard:
 
     # -- events ---------------------------------------------------------------------------
 
-    def queue(self, event: Event) -> None:
+    def queue(self, event: Event, values: KvChanges | None = None) -> None:
+        """`values`: key-value changes that belong to the event, written in the same
+        transaction as it (never before, never after)."""
         with self._lock:
             self._events.append(event)
+            if values:
+                self._bound[event.id] = values
             while len(self._events) > max(self.max_events, self._in_flight + 1):
+                dropped = self._events[self._in_flight]
                 del self._events[self._in_flight]
+                # The event is lost; what it changed still holds (the ledger in memory has it).
+                self._values.update(self._bound.pop(dropped.id, {}))
                 self.dropped[QUEUE_FULL] += 1
 
     @property
@@ -128,11 +138,23 @@ class StoreGuard:
             with self._lock:
                 events = list(self._events)
                 values = dict(self._values)
+                bound = {e.id: self._bound[e.id] for e in events if e.id in self._bound}
+            # A value held on its own for a key that an event here changes is older than that
+            # event (only the ledger writes those keys so, at start): the event's change wins.
+            superseded = {key for changes in bound.values() for key in changes}
+            general = {key: text for key, text in values.items() if key not in superseded}
             try:
                 for start in range(0, max(len(events), 1), EVENTS_PER_TRANSACTION):
                     chunk = events[start : start + EVENTS_PER_TRANSACTION]
                     last = start + EVENTS_PER_TRANSACTION >= len(events)
-                    self._write(chunk, values if last else {}, outbox)
+                    changes: dict[tuple[str, str], str | None] = dict(general) if last else {}
+                    for e in chunk:  # in order: the later event's change wins
+                        changes.update(bound.get(e.id, {}))
+                    self._write(chunk, changes, outbox)
+                with self._lock:
+                    for key in superseded & values.keys():
+                        if key in self._values and self._values[key] is values[key]:
+                            del self._values[key]
             except StateStoreError as exc:
                 if self._error is None:
                     log.error(
@@ -157,7 +179,7 @@ class StoreGuard:
         with self._lock:
             self._in_flight = 0
             for _ in events:
-                self._events.popleft()
+                self._bound.pop(self._events.popleft().id, None)
             for key, text in values.items():
                 # A newer change to the same key came meanwhile: it is still to be written.
                 if key in self._values and self._values[key] is text:
