@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -181,6 +182,38 @@ def _open_checked(path: Path, alone: bool = False) -> sqlite3.Connection:
     return conn
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _odd_files(path: Path) -> list[tuple[Path, str]]:
+    """The database's files (itself, -wal, -shm) that are there but are not plain files, each
+    with what it is: SQLite's own error names neither ("unable to open database file")."""
+    odd: list[tuple[Path, str]] = []
+    for suffix in ("", "-wal", "-shm"):
+        part = Path(f"{path}{suffix}")
+        try:
+            link = os.readlink(part) if part.is_symlink() else None
+            if link is not None and not part.exists():
+                odd.append((part, f"{part} is a symbolic link to {link}, which does not exist"))
+                continue
+            if not part.exists():
+                continue
+            mode = part.stat().st_mode
+        except OSError:
+            continue
+        for test, kind in _KINDS:
+            if test(mode):
+                through = f" (a symbolic link to {link})" if link is not None else ""
+                odd.append((part, f"{part} is {kind}{through}"))
+    return odd
+
+
 def _is_file(path: Path) -> bool:
     try:
         return path.is_file()
@@ -241,6 +274,7 @@ class StateStore:
     def open(cls, state_dir: Path) -> StateStore:
         problems: list[StoreProblem] = []
         path = state_dir / DB_NAME
+        odd = _odd_files(path)  # before SQLite tries: it may remove an odd -wal as it fails
         try:
             _make_private_dir(state_dir)
             try:
@@ -297,13 +331,21 @@ class StateStore:
             newer = isinstance(exc, StateStoreError)
             found = salvage(path) if not newer and _is_file(path) else Salvage()
             read_back = f" ({found.summary()})" if found.rows else ""
+            odd = odd or _odd_files(path)
+            why = f"{'; '.join(text for _, text in odd)} ({exc})" if odd else f"({exc})"
+            action = (
+                f"remove or move {', '.join(str(part) for part, _ in odd)} (the database's "
+                "files must be plain files), or set state_dir"
+                if odd
+                else f"make {state_dir} writable by the gpuwarden user, or set state_dir"
+            )
             problems.append(
                 StoreProblem(
                     "state_store_unwritable",
-                    f"cannot use the state database in {state_dir} ({exc}); keeping state in "
+                    f"cannot use the state database in {state_dir}: {why}; keeping state in "
                     f"memory{read_back}: events, counters and the outbox will not survive a "
                     "restart",
-                    f"make {state_dir} writable by the gpuwarden user, or set state_dir",
+                    action,
                 )
             )
             log.error(
