@@ -4,9 +4,12 @@ Nothing the agent means to keep is lost while the store refuses writes, and noth
 the store handles the refusal itself:
 
 - A collector's `deps.state` is a `CollectorState`: a write never raises. The value is held in
-  memory (the latest per key), read back at once, and handed to the guard when the runtime has
-  queued the round's events, so that it is stored with or after them, never before (a kernel-log
-  cursor is never saved past findings that are not).
+  memory (the latest per key), read back at once, and handed to the guard with the round's
+  events, after them and at once (`queue_round`), so that it is stored in the transaction of
+  the round's last event (a long backlog's: after it), never before (a kernel-log cursor is
+  never saved past findings that are not) and never after a kill could come between.
+- An event's own changes (what it did to the repair ledger) are queued with it and written in
+  its transaction.
 - Events wait in a bounded queue (`MAX_QUEUED_EVENTS`) until the store takes them, in order;
   they reach the outbox, and so MQTT, then. Only past the bound is anything dropped: the oldest,
   counted by reason.
@@ -106,16 +109,29 @@ class StoreGuard:
     def queue(self, event: Event, values: KvChanges | None = None) -> None:
         """`values`: key-value changes that belong to the event, written in the same
         transaction as it (never before, never after)."""
+        self.queue_round([(event, values)], {})
+
+    def queue_round(
+        self, events: Sequence[tuple[Event, KvChanges | None]], values: KvChanges
+    ) -> None:
+        """A round's events (each with its own changes, as `queue`) and then the round's
+        values, at once: a flush takes all of them or none, so that the round's values are
+        written in the transaction of its last event (a long backlog's: after it)."""
         with self._lock:
-            self._events.append(event)
-            if values:
-                self._bound[event.id] = values
-            while len(self._events) > max(self.max_events, self._in_flight + 1):
-                dropped = self._events[self._in_flight]
-                del self._events[self._in_flight]
-                # The event is lost; what it changed still holds (the ledger in memory has it).
-                self._values.update(self._bound.pop(dropped.id, {}))
-                self.dropped[QUEUE_FULL] += 1
+            for event, changes in events:
+                self._events.append(event)
+                if changes:
+                    self._bound[event.id] = changes
+                self._drop_past_bound()
+            self._values.update(values)
+
+    def _drop_past_bound(self) -> None:
+        while len(self._events) > max(self.max_events, self._in_flight + 1):
+            dropped = self._events[self._in_flight]
+            del self._events[self._in_flight]
+            # The event is lost; what it changed still holds (the ledger in memory has it).
+            self._values.update(self._bound.pop(dropped.id, {}))
+            self.dropped[QUEUE_FULL] += 1
 
     @property
     def queued_events(self) -> int:
@@ -303,10 +319,16 @@ class CollectorState:
             self._held[(namespace, key)] = None
 
     def release(self) -> None:
+        held = self.take()
+        if held:
+            self._guard.hold(held)
+
+    def take(self) -> dict[tuple[str, str], str | None]:
+        """What was written since the last release or take, handed over (to be queued with
+        the round's events: `StoreGuard.queue_round`)."""
         with self._lock:
-            if self._held:
-                self._guard.hold(self._held)
-                self._held = {}
+            held, self._held = self._held, {}
+        return held
 
 
 def _decode(text: str | None) -> JSONValue | None:
