@@ -155,3 +155,51 @@ class TestAccounting:
         else:
             assert {e.id for e in first} <= waiting  # in flight: kept for the retry
         assert late[-1].id in waiting  # the newest stays; the oldest others went
+
+
+class TestValuesOfAnEvent:
+    """Changes queued with an event (what it did to the repair ledger) are written in that
+    event's own transaction, whichever of a long backlog's transactions it is in."""
+
+    def test_in_the_events_own_transaction(self, store: StateStore, guard: StoreGuard) -> None:
+        recorder = Recorder(store)
+        events = [event(i) for i in range(EVENTS_PER_TRANSACTION * 2 + 10)]
+        marked = {3: "first", EVENTS_PER_TRANSACTION + 7: "second", len(events) - 1: "third"}
+        for i, e in enumerate(events):
+            guard.queue(e, {("repairs", marked[i]): '"x"'} if i in marked else None)
+        assert guard.flush(outbox=True)
+        for ids, values in recorder.batches:
+            expected = {
+                ("repairs", name): '"x"' for i, name in marked.items() if events[i].id in ids
+            }
+            assert values == expected
+
+    def test_a_later_events_change_wins_and_an_older_lone_value_loses(
+        self, store: StateStore, guard: StoreGuard
+    ) -> None:
+        key = ("repairs", "reboot_node|kernel_log|xid|GPU-1")
+        guard.delete(*key)  # at start: an entry of an earlier boot forgotten
+        raised, cleared, again = event(1), event(2), event(3)
+        guard.queue(raised, {key: '"raised"'})
+        assert guard.flush(outbox=False)
+        assert store.get(*key) == "raised"
+        guard.queue(cleared, {key: None})
+        guard.queue(again, {key: '"again"'})
+        assert guard.flush(outbox=False)
+        assert store.get(*key) == "again"
+        assert guard.queued_values == 0
+        assert guard.flush(outbox=False)  # nothing older is written over it later
+        assert store.get(*key) == "again"
+
+    def test_a_dropped_events_change_is_still_stored(
+        self, store: StateStore, guard: StoreGuard
+    ) -> None:
+        guard.max_events = 2
+        first = event(1)
+        guard.queue(first, {("repairs", "a"): '"held"'})
+        guard.queue(event(2))
+        guard.queue(event(3))  # the queue is full: the oldest event goes...
+        assert guard.dropped[QUEUE_FULL] == 1
+        assert guard.flush(outbox=False)
+        assert first.id not in {e.id for e in store.recent_events()}
+        assert store.get("repairs", "a") == "held"  # ...what it did to the ledger stays

@@ -46,7 +46,7 @@ from agent.runtime.metrics import RuntimeMetrics
 from agent.runtime.pause import PauseControl
 from agent.runtime.repairs import RepairLedger
 from agent.runtime.rounds import CollectorPool, Failure, RoundOutcome, collector_pool, run_round
-from agent.runtime.state import StateStore
+from agent.runtime.state import KvChanges, StateStore
 from agent.runtime.store_guard import RETRY_EVERY, CollectorState, StoreGuard
 from agent.runtime.systemd import Supervisor
 
@@ -262,7 +262,8 @@ class Runtime:
         self._pending_events: list[Event] = []
         self.guard = StoreGuard(store, config.state_dir)
         """What waits to be written, and the policy for a store that cannot write."""
-        self.repair_ledger = RepairLedger(self.guard, boot_id)
+        # Its changes are stored with the event that makes them (`_emit_now`), not after.
+        self.repair_ledger = RepairLedger(self.guard, boot_id, persist_on_apply=False)
         """The repair actions required now (read before the loop runs; writes are held by the
         guard and stored by the store writer, never on the loop)."""
         pause_settings = config.sections.get("pause")
@@ -399,10 +400,19 @@ class Runtime:
     def _emit_now(self, event: Event) -> None:
         """On the loop: queue the event; the store writer stores it, with whatever else waits,
         before any listener or log line hears of it."""
-        if not event.node:
-            event = dataclasses.replace(event, node=self.node_id)
-        self.guard.queue(event)
-        self._unannounced.append(event)
+        self._emit_now_all([event], {})
+
+    def _emit_now_all(self, events: Sequence[Event], values: KvChanges) -> None:
+        """`_emit_now` for each of `events`, then `values` (a round's state), at once."""
+        queued: list[tuple[Event, KvChanges | None]] = []
+        for emitted in events:
+            event = emitted if emitted.node else dataclasses.replace(emitted, node=self.node_id)
+            # What it does to the repair ledger goes into the store in the event's
+            # transaction: a kill after that commit must not leave the event stored and the
+            # requirement lost.
+            queued.append((event, self.repair_ledger.changes(event)))
+        self.guard.queue_round(queued, values)
+        self._unannounced.extend(event for event, _ in queued)
         self._store_wake.set()
 
     def flush_events(self) -> None:
@@ -678,8 +688,9 @@ class Runtime:
             status.last_error = ""
             status.stale_kept = False
             status.last_events = outcome.events
-            for event in outcome.events:
-                self.emit(event)
+            # The round's events and then its state values, queued at once: never stored
+            # before them, and in the transaction of the last of them.
+            self._emit_now_all(outcome.events, self._collector_states[status.name].take())
         else:
             if outcome.error != status.last_error:  # a failure that repeats is logged once
                 _log_failure(logger, outcome)

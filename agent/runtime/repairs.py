@@ -15,11 +15,16 @@ nothing, and nothing would ever say it was done.
 
 The ledger persists in the state store (namespace `repairs`), so an agent restart neither
 forgets a requirement nor (for Slurm's `resume = "when_cleared"`) takes its end for granted.
+In the runtime (`persist_on_apply=False`) what an event does to it is written in the same
+transaction as the event (`changes`, computed when the event is queued): a kill between the
+two would otherwise leave the event stored, its source's cursor past it, and the requirement
+(or its all-clear) lost for good.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from typing import Final
 
@@ -36,11 +41,18 @@ NOT_HELD: Final = frozenset({RepairAction.NONE, RepairAction.RESTART_APPLICATION
 
 
 class RepairLedger:
-    def __init__(self, store: KeyValueStore, boot_id: str = "") -> None:
+    def __init__(
+        self, store: KeyValueStore, boot_id: str = "", *, persist_on_apply: bool = True
+    ) -> None:
+        """`persist_on_apply=False`: `apply` changes only the ledger in memory; the caller
+        stores what `changes` returned for each event, with the event."""
         self._store = store
         self._boot = boot_id
+        self._persist = persist_on_apply
         self._active: dict[str, ActiveRepair] = {}
         self._load()
+        self._queued: dict[str, ActiveRepair] = dict(self._active)
+        """The ledger once every event handed to `changes` is applied."""
 
     def _load(self) -> None:
         try:
@@ -72,6 +84,20 @@ class RepairLedger:
         known = bool(self._boot and entry.boot)
         return known and entry.boot != self._boot and entry.action.cleared_by_reboot
 
+    def changes(self, event: Event) -> dict[tuple[str, str], str | None]:
+        """What `event` will do to the stored ledger once the events before it are applied:
+        (namespace, key) -> the entry as JSON text, or None for a removal. Called for every
+        event, in the order they will be applied."""
+        out: dict[tuple[str, str], str | None] = {}
+        for key in _cleared(self._queued, event):
+            del self._queued[key]
+            out[(NAMESPACE, key)] = None
+        if event.repair_action not in NOT_HELD:
+            entry = self._entry(event, self._queued)
+            self._queued[entry.key] = entry
+            out[(NAMESPACE, entry.key)] = json.dumps(entry.to_dict())
+        return out
+
     def active(self) -> list[ActiveRepair]:
         return sorted(self._active.values(), key=lambda e: (e.since, e.key))
 
@@ -80,7 +106,8 @@ class RepairLedger:
         gone = _cleared(self._active, event)
         for key in gone:
             del self._active[key]
-        self._forget(gone)
+        if self._persist:
+            self._forget(gone)
         changed = bool(gone)
         if event.repair_action not in NOT_HELD:
             changed = self._raise(event) or changed
@@ -123,6 +150,8 @@ class RepairLedger:
         entry = self._entry(event, self._active)
         old = self._active.get(entry.key)
         self._active[entry.key] = entry
+        if not self._persist:
+            return old is None or old.severity != entry.severity
         try:
             self._store.put(NAMESPACE, entry.key, entry.to_dict())
         except GpuwardenError as exc:  # held in memory all the same

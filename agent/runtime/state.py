@@ -4,8 +4,12 @@ It holds the event history, the outbox that the MQTT sink drains, and a small ke
 (last counter values, kernel-log cursors, baselines, the MQTT birth number). The schema version
 is `PRAGMA user_version` and migrates forward step by step.
 
-A corrupt database is moved aside (`state.db.corrupt-<time>`) and a new one started; a state dir
-that cannot be written falls back to an in-memory database. Either way the store reports what
+A corrupt database is moved aside (`state.db.corrupt-<time>`) and a new one started with what
+could still be read from it (salvage.py: the outbox, the key-value area, the history); a state dir
+that cannot be written falls back to an in-memory database, which starts from what a database
+there still gives back. A full disk is not that: the
+database is opened (held alone where the disk cannot take its `-shm` index) and read, and its
+writes fail until there is room, which the store guard (store_guard.py) handles. Either way the store reports what
 happened in `problems` (the runtime turns them into events and a metric), and the agent keeps
 collecting and serving.
 """
@@ -16,6 +20,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,6 +35,7 @@ from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.contracts.sink import OutboxEntry
+from agent.runtime.salvage import COLUMNS, Salvage, restore, salvage
 
 log = structlog.get_logger(component="state")
 
@@ -105,15 +111,33 @@ def _migrate(conn: sqlite3.Connection) -> int:
     return version
 
 
-def _connect(path: str) -> sqlite3.Connection:
+FULL_DISK_ERRORS = frozenset({"SQLITE_FULL", "SQLITE_IOERR_SHMSIZE"})
+"""SQLite's names for "no room": a write that needs a page, and the `-shm` index that a WAL
+database needs before its first read and that a full disk cannot hold."""
+
+
+def _disk_full(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorname", "") in FULL_DISK_ERRORS
+
+
+def _connect(path: str, alone: bool = False) -> sqlite3.Connection:
+    """`alone`: this connection holds the database for itself (EXCLUSIVE locking, set before
+    the first access), so that SQLite keeps the WAL index in memory and needs no `-shm` file:
+    a database on a full disk can be read so, where it otherwise cannot be opened at all."""
     conn = sqlite3.connect(path, timeout=5.0, check_same_thread=False, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    # NORMAL in WAL mode: durable across a killed process, at most the last transactions lost
-    # on power failure; FULL would fsync every outbox write.
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA busy_timeout=5000")
-    conn.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
-    conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+    try:
+        if alone:
+            conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+        conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: durable across a killed process, at most the last transactions
+        # lost on power failure; FULL would fsync every outbox write.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}")
+        conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+    except BaseException:
+        conn.close()  # a connection left open keeps its lock: the next attempt is "locked"
+        raise
     return conn
 
 
@@ -145,9 +169,9 @@ def _create_private(path: Path) -> None:
         os.close(fd)
 
 
-def _open_checked(path: Path) -> sqlite3.Connection:
+def _open_checked(path: Path, alone: bool = False) -> sqlite3.Connection:
     _create_private(path)
-    conn = _connect(str(path))
+    conn = _connect(str(path), alone)
     try:
         check = conn.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
@@ -157,6 +181,58 @@ def _open_checked(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _odd_files(path: Path) -> list[tuple[Path, str]]:
+    """The database's files (itself, -wal, -shm) that are there but are not plain files, each
+    with what it is: SQLite's own error names neither ("unable to open database file")."""
+    odd: list[tuple[Path, str]] = []
+    for suffix in ("", "-wal", "-shm"):
+        part = Path(f"{path}{suffix}")
+        try:
+            link = os.readlink(part) if part.is_symlink() else None
+            if link is not None and not part.exists():
+                odd.append((part, f"{part} is a symbolic link to {link}, which does not exist"))
+                continue
+            if not part.exists():
+                continue
+            mode = part.stat().st_mode
+        except OSError:
+            continue
+        for test, kind in _KINDS:
+            if test(mode):
+                through = f" (a symbolic link to {link})" if link is not None else ""
+                odd.append((part, f"{part} is {kind}{through}"))
+    return odd
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def _open_or_alone(path: Path) -> sqlite3.Connection:
+    """The database, shared with readers (`diag`); on a disk too full for the `-shm` index,
+    held alone (`_connect`) rather than not at all: `diag` cannot read it until the agent
+    restarts with room."""
+    try:
+        return _open_checked(path)
+    except sqlite3.OperationalError as exc:
+        if not _disk_full(exc):
+            raise
+        log.warning("state disk too full for the WAL index; holding the database alone")
+        return _open_checked(path, alone=True)
 
 
 def _chunks(values: Sequence[int]) -> Iterator[Sequence[int]]:
@@ -204,49 +280,97 @@ class StateStore:
     def open(cls, state_dir: Path) -> StateStore:
         problems: list[StoreProblem] = []
         path = state_dir / DB_NAME
+        odd = _odd_files(path)  # before SQLite tries: it may remove an odd -wal as it fails
         try:
             _make_private_dir(state_dir)
             try:
-                conn = _open_checked(path)
+                conn = _open_or_alone(path)
             except sqlite3.DatabaseError as exc:
                 if isinstance(exc, sqlite3.OperationalError):
                     raise  # cannot open or write: not corruption
+                found = salvage(path)  # before the move: read with its WAL, where it is
                 aside = path.with_name(f"{DB_NAME}.corrupt-{int(time.time())}")
                 for suffix in ("", "-wal", "-shm"):
                     part = Path(str(path) + suffix)
                     if part.exists():
                         part.rename(Path(str(aside) + suffix))
+                log.error(
+                    "state database corrupt, moved aside",
+                    path=str(path),
+                    aside=str(aside),
+                    error=str(exc),
+                    **{f"salvaged_{table}": found.count(table) for table in COLUMNS},
+                )
+                conn = _open_checked(path)
+                restore(conn, found)
                 problems.append(
                     StoreProblem(
                         "state_store_corrupt",
                         f"state database {path} was unreadable ({exc}); moved to {aside} and "
-                        "started a new one: counters, cursors and the outbox start empty",
+                        f"started a new one; {found.summary()}, the rest is lost (counters "
+                        "and cursors not read back start over)",
                         f"keep {aside} for support; check the disk of {state_dir} for errors",
                     )
                 )
-                log.error("state database corrupt, moved aside", path=str(path), aside=str(aside))
-                conn = _open_checked(path)
-            conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
-            conn.execute("DROP TABLE _probe")
-            return cls(conn, path, problems)
+            store = cls(conn, path, problems)
+            try:
+                conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
+                conn.execute("DROP TABLE _probe")
+            except sqlite3.OperationalError as exc:
+                if not _disk_full(exc):
+                    conn.close()
+                    raise
+                # A full disk: what the database holds is read and delivered, what comes
+                # waits in memory (store_guard.py) until a write works again.
+                store._rollback()
+                store._write_failed(exc)
+                log.error(
+                    "state disk full at start; the state store is read, writes wait",
+                    state_dir=str(state_dir),
+                    error=str(exc),
+                )
+            return store
         except (OSError, sqlite3.Error, StateStoreError) as exc:
+            # A whole database it cannot write to (no inode for its WAL, a file system gone
+            # read-only) still holds the outbox and the cursors: memory starts from it. Not
+            # one of a newer schema: it is whole, and its own release will use it again.
+            newer = isinstance(exc, StateStoreError)
+            found = salvage(path) if not newer and _is_file(path) else Salvage()
+            read_back = f" ({found.summary()})" if found.rows else ""
+            odd = odd or _odd_files(path)
+            why = f"{'; '.join(text for _, text in odd)} ({exc})" if odd else f"({exc})"
+            action = (
+                f"remove or move {', '.join(str(part) for part, _ in odd)} (the database's "
+                "files must be plain files), or set state_dir"
+                if odd
+                else f"make {state_dir} writable by the gpuwarden user, or set state_dir"
+            )
             problems.append(
                 StoreProblem(
                     "state_store_unwritable",
-                    f"cannot use the state database in {state_dir} ({exc}); keeping state in "
-                    "memory: events, counters and the outbox will not survive a restart",
-                    f"make {state_dir} writable by the gpuwarden user, or set state_dir",
+                    f"cannot use the state database in {state_dir}: {why}; keeping state in "
+                    f"memory{read_back}: events, counters and the outbox will not survive a "
+                    "restart",
+                    action,
                 )
             )
             log.error(
-                "state store unusable, using memory", state_dir=str(state_dir), error=str(exc)
+                "state store unusable, using memory",
+                state_dir=str(state_dir),
+                error=str(exc),
+                **{f"salvaged_{table}": found.count(table) for table in COLUMNS},
             )
-            return cls.in_memory(problems)
+            return cls.in_memory(problems, found)
 
     @classmethod
-    def in_memory(cls, problems: Sequence[StoreProblem] = ()) -> StateStore:
+    def in_memory(
+        cls, problems: Sequence[StoreProblem] = (), found: Salvage | None = None
+    ) -> StateStore:
+        """`found`: what the database it stands in for still held, to start from."""
         conn = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         _migrate(conn)
+        if found is not None and found.rows:
+            restore(conn, found)
         return cls(conn, None, problems)
 
     @property

@@ -4,9 +4,12 @@ Nothing the agent means to keep is lost while the store refuses writes, and noth
 the store handles the refusal itself:
 
 - A collector's `deps.state` is a `CollectorState`: a write never raises. The value is held in
-  memory (the latest per key), read back at once, and handed to the guard when the runtime has
-  queued the round's events, so that it is stored with or after them, never before (a kernel-log
-  cursor is never saved past findings that are not).
+  memory (the latest per key), read back at once, and handed to the guard with the round's
+  events, after them and at once (`queue_round`), so that it is stored in the transaction of
+  the round's last event (a long backlog's: after it), never before (a kernel-log cursor is
+  never saved past findings that are not) and never after a kill could come between.
+- An event's own changes (what it did to the repair ledger) are queued with it and written in
+  its transaction.
 - Events wait in a bounded queue (`MAX_QUEUED_EVENTS`) until the store takes them, in order;
   they reach the outbox, and so MQTT, then. Only past the bound is anything dropped: the oldest,
   counted by reason.
@@ -68,6 +71,9 @@ class StoreGuard:
         self._in_flight = 0
         """Leftmost events of the queue being written now: never the ones dropped."""
         self._values: dict[tuple[str, str], str | None] = {}
+        self._bound: dict[str, KvChanges] = {}
+        """Event id -> the changes written in the same transaction as that event (what it
+        did to the repair ledger)."""
         self._error: str | None = None
         self._failing_since: float | None = None
         self._dropped_reported = 0
@@ -100,12 +106,32 @@ class StoreGuard:
 
     # -- events ---------------------------------------------------------------------------
 
-    def queue(self, event: Event) -> None:
+    def queue(self, event: Event, values: KvChanges | None = None) -> None:
+        """`values`: key-value changes that belong to the event, written in the same
+        transaction as it (never before, never after)."""
+        self.queue_round([(event, values)], {})
+
+    def queue_round(
+        self, events: Sequence[tuple[Event, KvChanges | None]], values: KvChanges
+    ) -> None:
+        """A round's events (each with its own changes, as `queue`) and then the round's
+        values, at once: a flush takes all of them or none, so that the round's values are
+        written in the transaction of its last event (a long backlog's: after it)."""
         with self._lock:
-            self._events.append(event)
-            while len(self._events) > max(self.max_events, self._in_flight + 1):
-                del self._events[self._in_flight]
-                self.dropped[QUEUE_FULL] += 1
+            for event, changes in events:
+                self._events.append(event)
+                if changes:
+                    self._bound[event.id] = changes
+                self._drop_past_bound()
+            self._values.update(values)
+
+    def _drop_past_bound(self) -> None:
+        while len(self._events) > max(self.max_events, self._in_flight + 1):
+            dropped = self._events[self._in_flight]
+            del self._events[self._in_flight]
+            # The event is lost; what it changed still holds (the ledger in memory has it).
+            self._values.update(self._bound.pop(dropped.id, {}))
+            self.dropped[QUEUE_FULL] += 1
 
     @property
     def queued_events(self) -> int:
@@ -128,11 +154,23 @@ class StoreGuard:
             with self._lock:
                 events = list(self._events)
                 values = dict(self._values)
+                bound = {e.id: self._bound[e.id] for e in events if e.id in self._bound}
+            # A value held on its own for a key that an event here changes is older than that
+            # event (only the ledger writes those keys so, at start): the event's change wins.
+            superseded = {key for changes in bound.values() for key in changes}
+            general = {key: text for key, text in values.items() if key not in superseded}
             try:
                 for start in range(0, max(len(events), 1), EVENTS_PER_TRANSACTION):
                     chunk = events[start : start + EVENTS_PER_TRANSACTION]
                     last = start + EVENTS_PER_TRANSACTION >= len(events)
-                    self._write(chunk, values if last else {}, outbox)
+                    changes: dict[tuple[str, str], str | None] = dict(general) if last else {}
+                    for e in chunk:  # in order: the later event's change wins
+                        changes.update(bound.get(e.id, {}))
+                    self._write(chunk, changes, outbox)
+                with self._lock:
+                    for key in superseded & values.keys():
+                        if key in self._values and self._values[key] is values[key]:
+                            del self._values[key]
             except StateStoreError as exc:
                 if self._error is None:
                     log.error(
@@ -157,7 +195,7 @@ class StoreGuard:
         with self._lock:
             self._in_flight = 0
             for _ in events:
-                self._events.popleft()
+                self._bound.pop(self._events.popleft().id, None)
             for key, text in values.items():
                 # A newer change to the same key came meanwhile: it is still to be written.
                 if key in self._values and self._values[key] is text:
@@ -281,10 +319,16 @@ class CollectorState:
             self._held[(namespace, key)] = None
 
     def release(self) -> None:
+        held = self.take()
+        if held:
+            self._guard.hold(held)
+
+    def take(self) -> dict[tuple[str, str], str | None]:
+        """What was written since the last release or take, handed over (to be queued with
+        the round's events: `StoreGuard.queue_round`)."""
         with self._lock:
-            if self._held:
-                self._guard.hold(self._held)
-                self._held = {}
+            held, self._held = self._held, {}
+        return held
 
     def mark(self) -> dict[tuple[str, str], str | None]:
         """What is held now (a round's start), for `undo`."""

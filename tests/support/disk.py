@@ -22,9 +22,11 @@ class SmallDisk:
     removes it.
     """
 
-    def __init__(self, path: Path, size: int = 4 * MIB) -> None:
+    def __init__(self, path: Path, size: int = 4 * MIB, inodes: int | None = None) -> None:
         self.path = path
         self.size = size
+        self.inodes = inodes
+        """nr_inodes: a file system that runs out of inodes before blocks."""
         self._filler = path / ".filler"
 
     def __enter__(self) -> SmallDisk:
@@ -32,7 +34,7 @@ class SmallDisk:
             pytest.skip("mounting a tmpfs needs root")
         self.path.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={self.size},mode=0700", "tmpfs", str(self.path)],
+            ["mount", "-t", "tmpfs", "-o", self._options(), "tmpfs", str(self.path)],
             capture_output=True,
             text=True,
             check=False,
@@ -40,6 +42,10 @@ class SmallDisk:
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         return self
+
+    def _options(self) -> str:
+        options = f"size={self.size},mode=0700"
+        return options if self.inodes is None else f"{options},nr_inodes={self.inodes}"
 
     def __exit__(self, *_exc: object) -> None:
         # Lazy: a store a failing test left open must not turn the failure into EBUSY.
