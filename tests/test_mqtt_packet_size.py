@@ -23,7 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.contracts.model import Event, RepairAction, Severity
+from agent.program.watch.fleet import Alert, AlertChange
 from agent.program.watch.payloads import Heartbeat, parse_heartbeat
+from agent.program.watch.service import Watcher
+from agent.program.watch.settings import WatchSettings
 from exporters import mqtt_client
 from exporters.heartbeat import EVENT_KEPT, MARK, compact_heartbeat, cut_event, encode
 from exporters.mqtt_client import Publisher, connection
@@ -325,6 +328,8 @@ events = st.builds(
     ),
     aliases=st.lists(st.text(min_size=1, max_size=30), max_size=10).map(tuple),
     node=st.just("node-a"),
+    time=st.floats(min_value=1e9, max_value=2e9),
+    id=st.uuids().map(lambda u: u.hex),
 )
 
 
@@ -339,9 +344,10 @@ class TestCutting:
         cut = cut_event(payload, room)
         kept = {key: event.to_dict()[key] for key in EVENT_KEPT}
         if cut is None:
-            # the least a cut could be: its note names parts and counts (at most 80 bytes)
+            # the least a cut could be; the room it keeps for its note to name every part it
+            # cut and count what it left out is at most 120 bytes more
             least = {**kept, "message": MARK, "truncated": {"bytes": len(payload), "cut": []}}
-            assert len(encode(least)) > room - 80
+            assert len(encode(least)) > room - 120
             return
         assert len(cut) <= room
         data = json.loads(cut)
@@ -391,3 +397,32 @@ class TestCutting:
         assert (parsed.seq, parsed.ts, parsed.interval_s) == (41, beat["ts"], 15.0)
         assert parsed.health_ok is ok
         assert set(parsed.problems) <= {p[:200] for p in problems} | {"unhealthy"}
+
+
+class TestWatcherAlerts:
+    """An alert the broker cannot take does not hold up the alerts behind it: it is left out
+    of MQTT (logged; Alertmanager still gets it) and the queue goes on."""
+
+    async def test_a_large_alert_is_left_out(self, broker_of: Callable[[int], Broker]) -> None:
+        limit = 1024
+        broker = broker_of(limit)
+        sub = Subscriber(broker.port, topic_filter="gpuwarden/v1/_watch/alerts").start()
+        client = aiomqtt.Client(
+            "127.0.0.1", broker.port, protocol=aiomqtt.ProtocolVersion.V5, identifier="watch"
+        )
+        watcher = Watcher(WatchSettings(url=broker.url, listen=""))
+        try:
+            async with connection(client) as lost:
+                watcher.publisher = Publisher(client)
+                watcher.publisher.max_packet_size = limit
+                for node, message in (("n0", "m"), ("n1", "x" * 4000), ("n2", "m")):
+                    alert = Alert("node_unhealthy", node, Severity.WARNING, message, "a", 1.0)
+                    watcher.pending.append(AlertChange(True, alert, 1.0))
+                await watcher.flush()
+                assert not watcher.pending
+                await until(lambda: len(sub.on("/alerts")) == 2, what="the two that fit")
+                assert [m.json()["node"] for m in sub.on("/alerts")] == ["n0", "n2"]
+                assert not lost.done()
+            assert oversize_disconnects(broker) == 0
+        finally:
+            sub.stop()

@@ -33,6 +33,7 @@ from exporters.mqtt_client import (
     FAILURE_TEXT,
     Backoff,
     FailureTracker,
+    PacketTooLarge,
     Publisher,
     PublishRefused,
     classify,
@@ -318,6 +319,16 @@ class Watcher:
                     delivered = await self._publish(
                         publisher, self.settings.effective_alerts_topic, payload, False
                     )
+                except PacketTooLarge as exc:
+                    # Never sendable to this broker, and it would hold up every alert behind
+                    # it: left out of MQTT (Alertmanager has it), said in the log.
+                    log.error(
+                        "alert larger than the broker's maximum packet size; not published",
+                        kind=change.alert.kind,
+                        node=change.alert.node,
+                        error=str(exc),
+                    )
+                    delivered = True
                 except aiomqtt.MqttError:
                     return  # the session notices the loss and reconnects; the queue keeps it
                 if not delivered:
