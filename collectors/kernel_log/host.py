@@ -282,6 +282,29 @@ _RULES: Final[Sequence[_Rule]] = (
         _DISK_ACTION,
         ("I/O error",),
     ),
+    # The same block-layer line when the request failed with another status (blk_errors[] in
+    # block/blk-core.c: BLK_STS_MEDIUM is `critical medium`, a disk's unreadable sectors):
+    # `critical medium error, dev sdb, sector 8 op 0x0:(READ) ...`; `print_req_error: ` or
+    # `blk_update_request: ` (`end_request: ` before 3.x) in front on older kernels. The
+    # statuses that say nothing of the device (not supported, a retry, the kernel's own
+    # resources) are left out.
+    _Rule(
+        "io_error",
+        "disk request failed",
+        re.compile(
+            r"(?P<status>critical (?:medium|target|nexus|space allocation)|recoverable "
+            r"transport|timeout|protection|device offline) error, dev "
+            rf"(?P<device>{_DEV}),"
+        ),
+        Severity.CRITICAL,
+        "the block device {device} failed a request with a {status} error (medium: sectors "
+        "that cannot be read or written; target, nexus, transport: the device or its path "
+        "failed the command; space allocation: thin storage is full; timeout: no answer; "
+        "offline: the device is gone)",
+        _DISK_ACTION,
+        ("error, dev ",),
+        texts={"status": "block_error"},
+    ),
     # fs/ext4/page-io.c ext4_end_bio: `EXT4-fs warning (device sda1): ext4_end_bio:343: I/O
     # error 10 writing to inode 1234 starting block 5678)`
     _Rule(
@@ -460,7 +483,11 @@ _RULES: Final[Sequence[_Rule]] = (
     ),
     # drivers/nvme/host/pci.c: `nvme nvme0: I/O 123 QID 4 timeout, aborting` / `..., reset
     # controller`, `controller is down; will reset: CSTS=0xffffffff`, `Removing after probe
-    # failure status: -19`, `Device not ready; aborting reset`
+    # failure status: -19`, `Device not ready; aborting reset`. From 6.x the timeouts name the
+    # command id and opcode: `I/O tag 283 (b11b) opcode 0x2 (Read) QID 7 timeout, aborting
+    # req_op:READ(0) size:131072`; over fabrics tcp.c `queue 2: timeout request 0x28 type 4`
+    # (5.x), then `I/O tag 40 (2028) type 4 opcode 0x2 (Read) QID 2 timeout` (rdma.c without
+    # the type).
     _Rule(
         "nvme_error",
         "NVMe controller down",
@@ -477,8 +504,9 @@ _RULES: Final[Sequence[_Rule]] = (
         "nvme_error",
         "NVMe timeout or reset",
         re.compile(
-            r"nvme (?P<device>nvme\d+): (?:I/O \d+ (?:\(\w+\) )?QID \d+ timeout|"
-            r"Abort status|resetting controller|.*reset controller)"
+            r"nvme (?P<device>nvme\d+): (?:I/O (?:tag )?\d+ (?:\(\w+\) )?(?:type \d+ )?"
+            r"(?:opcode 0x[0-9a-fA-F]+ \([^)\n]{0,40}\) )?QID \d+ timeout|queue \d+: timeout "
+            r"request 0x[0-9a-fA-F]+|Abort status|resetting controller|.*reset controller)"
         ),
         Severity.WARNING,
         "the NVMe controller {device} timed out on a command or was reset",
