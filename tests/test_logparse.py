@@ -436,6 +436,59 @@ class TestUnreadableTimestamps:
         assert (record.message, record.timestamp) == (XID, "10163.739261")
 
 
+# util-linux dmesg.c `print_record` writes the caller id (`[%*s] `, CONFIG_PRINTK_CALLER) after
+# whatever stamp the time format gives, none included; the kernel's syslog(2) text (/proc/kmsg,
+# what rsyslog's imklog reads into kern.log) puts it after the printk time, or alone.
+CALLERS = ["[  T1234] ", "[     C4] ", "[T4194304] "]
+CALLER_SHAPES = {
+    "dmesg": "[ 5123.456789] {caller}{message}",
+    "dmesg -T": "[Sun Nov 29 18:10:02 2026] {caller}{message}",
+    "dmesg -t": "{caller}{message}",
+    "dmesg -r": "<4>[ 5123.456789] {caller}{message}",
+    "dmesg -r -t": "<4>{caller}{message}",
+    "dmesg -x": "kern  :warn  : [ 5123.456789] {caller}{message}",
+    "dmesg -x -t": "kern  :warn  : {caller}{message}",
+    "dmesg --time-format iso": "2026-11-29T18:10:02,123456+00:00 {caller}{message}",
+    "dmesg -x --time-format iso": "kern  :warn  : 2026-11-29T18:10:02,123456+00:00 {caller}{message}",
+    "kern.log": "Nov 29 18:10:02 gpu-host-17 kernel: [ 5123.456789] {caller}{message}",
+    "kern.log without printk time": "Nov 29 18:10:02 gpu-host-17 kernel: {caller}{message}",
+    "kern.log RFC 3339": (
+        "2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel: [ 5123.456789] {caller}{message}"
+    ),
+}
+# Messages that patterns read from their first character: the caller id must not stay in front.
+CALLER_MESSAGES = [
+    XID,
+    "python3[4242]: segfault at 0 ip 00007f0000001234 sp 00007ffc00000000 error 4 in "
+    "libcuda.so.1[7f0000000000+1000000]",
+    "traps: python3[4242] general protection fault ip:7f0000001234 sp:7ffc00000000 error:0 in "
+    "libc.so.6[7f0000000000+1000]",
+    "nfs: server nas01 not responding, still trying",
+    "Clocksource tsc unstable (delta = -123456789 ns)",
+]
+
+
+class TestPrintkCaller:
+    """A kernel built with CONFIG_PRINTK_CALLER: every saved shape gives the message the raw
+    record gives (its caller id is in the header there, `,caller=T1234;`), and the same
+    findings."""
+
+    @pytest.mark.parametrize("caller", CALLERS)
+    @pytest.mark.parametrize("shape", CALLER_SHAPES)
+    @pytest.mark.parametrize("message", CALLER_MESSAGES, ids=[m[:24] for m in CALLER_MESSAGES])
+    def test_the_message_and_findings_are_the_raw_records(
+        self, shape: str, caller: str, message: str
+    ) -> None:
+        raw = parse_line(f"4,1005,5123456789,-,caller={caller.strip(' []')};{message}")
+        saved = parse_line(CALLER_SHAPES[shape].format(caller=caller, message=message))
+        assert raw is not None and saved is not None
+        assert saved.message == raw.message == message, shape
+        assert saved.from_kernel
+        live = [(f.kind, f.device, f.pid, f.process) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.device, f.pid, f.process) for f in MatcherSet().scan([saved])]
+        assert read == live != []
+
+
 class TestForgedLines:
     """Class 9: what user space wrote into the kernel log, saved by `dmesg -r`, `dmesg -x`, the
     journal or as raw records, is counted and never trusted."""

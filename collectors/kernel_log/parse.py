@@ -16,6 +16,10 @@ tests/fixtures/kernel_log/corpus/SOURCES.md):
   `Nov 29 18:10:02 host kernel: message`;
 - anything else that is printable text: taken as a bare message (`dmesg -t` prints these).
 
+A printk caller id (`[  T1234]`, `[    C4]`: CONFIG_PRINTK_CALLER) is taken off the message
+wherever dmesg or the kernel's syslog text puts it: after any stamp, or alone (`dmesg -t`,
+kern.log without printk times); a raw record carries it in its header (`,caller=T1234;`).
+
 A record's further lines, which dmesg and journalctl indent under its first, are records of
 their own with the first line's facility and stamp (a process cannot make the second line of
 its message pass for the kernel's). A stamp that cannot be read is a missing stamp: the
@@ -240,12 +244,23 @@ def _journal(stamp: str, rest: str, line: int, *, strict: bool) -> LogRecord | N
 
 
 def _kernel_text(message: str) -> str:
-    """rsyslog's kern.log keeps the kernel's stamp in the text: `kernel: [ 12.3] message`."""
+    """rsyslog's kern.log keeps the kernel's stamp in the text: `kernel: [ 12.3] message`,
+    and the caller id after it (or alone) on a kernel with CONFIG_PRINTK_CALLER."""
     if message[:1] == "[":
         inner = _DMESG.match(message)
         if inner is not None:
-            return inner[2]
+            return _uncalled(inner[2])
+        return _uncalled(message)
     return message
+
+
+def _uncalled(text: str) -> str:
+    """`text` without the printk caller id (`[  T1234] `) it starts with, if any. dmesg writes
+    one after whatever stamp its time format gives, none included (util-linux dmesg.c
+    `print_record`); the kernel's syslog(2) text after its printk time."""
+    if text[:1] == "[" and (caller := _CALLER.match(text)) is not None:
+        return text[caller.end() :]
+    return text
 
 
 def _bracketed(text: str, line: int) -> LogRecord | None:
@@ -268,14 +283,15 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
         return _after_stamp(inside.strip(), rest, line, _FORMATS[stamp.lastgroup or "dmesg"])
     if _STAMP_LIKE.match(text):
         return _after_stamp("", rest, line, "dmesg", unreadable=inside)
+    if _CALLER.match(text) is not None:
+        return LogRecord(rest, line, "plain")  # `dmesg -t`: the caller id is all its prefix
     return None
 
 
 def _after_stamp(
     stamp: str, rest: str, line: int, fmt: str, unreadable: str = ""
 ) -> LogRecord | None:
-    if rest[:1] == "[" and (caller := _CALLER.match(rest)) is not None:
-        rest = rest[caller.end() :]  # CONFIG_PRINTK_CALLER's `[  T1234]`
+    rest = _uncalled(rest)  # CONFIG_PRINTK_CALLER's `[  T1234]`
     if fmt == "dmesg" and (
         rest.find("kernel: ", 0, 80) >= 0
         or rest.find("]: ", 0, 100) >= 0
@@ -294,7 +310,7 @@ def _timed(text: str, line: int) -> LogRecord | None:
     if first == "[":
         return _bracketed(text, line)
     if first.isdigit() and (iso := _ISO.match(text)) is not None:
-        return LogRecord(iso[2], line, "dmesg-iso", timestamp=iso[1])
+        return LogRecord(_uncalled(iso[2]), line, "dmesg-iso", timestamp=iso[1])
     return None
 
 
@@ -309,7 +325,7 @@ def _digit_first(text: str, line: int) -> LogRecord:
             journal = _journal(stamped[1], stamped[2], line, strict=False)
             if journal is not None:
                 return journal
-        return LogRecord(stamped[2], line, "dmesg-iso", timestamp=stamped[1])
+        return LogRecord(_uncalled(stamped[2]), line, "dmesg-iso", timestamp=stamped[1])
     stamped = _UNIX.match(text)
     if stamped is not None:
         journal = _journal(stamped[1], stamped[2], line, strict=True)
@@ -335,7 +351,8 @@ def _decoded(text: str, line: int) -> LogRecord:
     match = _DECODE.match(text)
     if match is None or match[1] not in FACILITIES or match[2] not in LEVELS:
         return LogRecord(text, line, "plain")
-    facility, level, rest = FACILITIES.index(match[1]), LEVELS.index(match[2]), match[3]
+    facility, level = FACILITIES.index(match[1]), LEVELS.index(match[2])
+    rest = _uncalled(match[3])  # `dmesg -x -t` on a kernel with CONFIG_PRINTK_CALLER
     inner = _timed(rest, line)
     if inner is None:
         return LogRecord(rest, line, "decode", facility, level)
