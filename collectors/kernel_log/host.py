@@ -556,13 +556,15 @@ _RULES: Final[Sequence[_Rule]] = (
         numbers={"mc": "memory_controller", "count": "errors"},
         repair=RepairAction.INVESTIGATE,
     ),
-    # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.`
+    # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.` The
+    # name is the task's comm (15 bytes at most; it may hold a colon, `kworker/u8:2`): bounded,
+    # so a line of many `task ` costs no pass over the rest of it from each one.
     _Rule(
         "hung_task",
         "hung task",
         re.compile(
-            r"task (?P<process>.+):(?P<pid>\d+) blocked for more than "
-            r"(?P<seconds>\d+) seconds"
+            r"task (?P<process>[^\n]{1,64}?):(?P<pid>\d{1,10}) blocked for more than "
+            r"(?P<seconds>\d{1,10}) seconds"
         ),
         Severity.WARNING,
         "the task {process} (pid {pid}) was blocked in the kernel for more "
@@ -1226,9 +1228,15 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
 # Before 5.0 the kill line stood alone; RHEL 7's kernel writes `Killed process 9876, UID 1000,
 # (python3) total-vm:...`. A process name may hold parentheses and spaces (systemd names a
 # forked child `(sd-pam)` until it execs): it ends at the `)` before ` total-vm:`.
+# The summary is one printk line (1 KiB at most) starting at its `oom-kill:`: matched there
+# only, its runs bounded, so a line of many `oom-kill:` costs no pass over the rest of it from
+# each one.
 _OOM_SUMMARY = re.compile(
-    r"oom-kill:(?P<fields>.*),task=(?P<process>.*),pid=(?P<pid>\d+),uid=(?P<uid>\d+)", re.DOTALL
+    r"oom-kill:(?P<fields>.{0,2048}),task=(?P<process>.{0,64}),pid=(?P<pid>\d{1,10}),"
+    r"uid=(?P<uid>\d{1,10})",
+    re.DOTALL,
 )
+_OOM_SUMMARY_START: Final = "oom-kill:"
 _OOM_FIELD = re.compile(r"(?:^|,)(?P<key>constraint|task_memcg|oom_memcg)=(?P<value>[^,]*)")
 _OOM_KILL = re.compile(
     r"Killed process (?P<pid>\d+)(?:, UID (?P<uid>\d+),)? \((?P<process>.*?)\)"
@@ -1273,7 +1281,9 @@ class OomMatcher(Assembling[Ready]):
     def feed(self, record: LogRecord) -> Iterator[Finding]:
         yield from self._open.advance(record)
         message = record.message
-        if (summary := _OOM_SUMMARY.search(message)) is not None:
+        start = message.find(_OOM_SUMMARY_START)
+        summary = _OOM_SUMMARY.match(message, start) if start >= 0 else None
+        if summary is not None:
             attributes: dict[str, AttributeValue] = {"uid": int(summary["uid"])}
             for field_match in _OOM_FIELD.finditer(summary["fields"]):
                 key = "memcg" if field_match["key"] == "task_memcg" else field_match["key"]
