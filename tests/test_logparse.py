@@ -489,6 +489,64 @@ class TestPrintkCaller:
         assert read == live != []
 
 
+# RFC 5424 (the syslog protocol) as a file holds it: rsyslog's RSYSLOG_SyslogProtocol23Format
+# (`<%PRI%>1 %TIMESTAMP:::date-rfc3339% %HOSTNAME% %APP-NAME% %PROCID% %MSGID%
+# %STRUCTURED-DATA% %msg%`), syslog-ng's syslog-protocol files, a collector's archive (with or
+# without the `<PRI>`). `-` is the nil value; structured data is `-` or `[id key="value"]...`
+# (`\]` escaped inside a value); the message may start with a byte-order mark. The kernel's
+# records are APP-NAME `kernel` with no PROCID (rsyslog's imklog; the kernel's own stamp may
+# stay in the text, as in kern.log).
+SYSLOG_PROTOCOL_KERNEL = [
+    "<4>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - - {message}",
+    '<4>1 2026-11-29T18:10:02Z gpu-host-17 kernel - - [timeQuality tzKnown="1" isSynced="1"] '
+    "{message}",
+    "<4>1 2026-11-29T18:10:02.123+01:00 gpu-host-17 kernel - - - \ufeff{message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - - {message}",
+    "<4>1 - - kernel - - - {message}",
+    '<4>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - [meta note="a \\] b"][x@1 y="2"] '
+    "{message}",
+    "<4>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - - [ 5123.456789] {message}",
+]
+SYSLOG_PROTOCOL_USER = [
+    "<14>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 python3 4242 - - {message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 python3 4242 - - {message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel 4242 - - {message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 nvidia-smi - - - {message}",
+]
+SYSLOG_PROTOCOL_MESSAGES = [
+    XID,
+    "python3[4242]: segfault at 0 ip 00007f0000001234 sp 00007ffc00000000 error 4 in "
+    "libcuda.so.1[7f0000000000+1000000]",
+]
+
+
+class TestSyslogProtocol:
+    """RFC 5424 lines: the kernel's give the message and findings the raw record gives; a
+    program's are not trusted, with or without the `<PRI>` that says so."""
+
+    @pytest.mark.parametrize("shape", SYSLOG_PROTOCOL_KERNEL)
+    @pytest.mark.parametrize("message", SYSLOG_PROTOCOL_MESSAGES, ids=["xid", "segfault"])
+    def test_kernel_line(self, shape: str, message: str) -> None:
+        raw = parse_line(f"4,1005,5123456789,-;{message}")
+        saved = parse_line(shape.format(message=message))
+        assert raw is not None and saved is not None
+        assert (saved.message, saved.from_kernel) == (message, True)
+        assert saved.timestamp == ("" if " - - kernel" in shape else shape.split(" ")[1])
+        live = [(f.kind, f.code, f.pid, f.process) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.code, f.pid, f.process) for f in MatcherSet().scan([saved])]
+        assert read == live != []
+
+    @pytest.mark.parametrize("shape", SYSLOG_PROTOCOL_USER)
+    @pytest.mark.parametrize("message", SYSLOG_PROTOCOL_MESSAGES, ids=["xid", "segfault"])
+    def test_a_programs_line_is_counted_not_trusted(self, shape: str, message: str) -> None:
+        saved = parse_line(shape.format(message=message))
+        assert saved is not None
+        assert (saved.message, saved.from_kernel) == (message, False)
+        matchers = MatcherSet()
+        assert matchers.feed(saved) == []
+        assert sum(matchers.ignored.values()) == 1
+
+
 class TestForgedLines:
     """Class 9: what user space wrote into the kernel log, saved by `dmesg -r`, `dmesg -x`, the
     journal or as raw records, is counted and never trusted."""

@@ -14,6 +14,8 @@ tests/fixtures/kernel_log/corpus/SOURCES.md):
   -monotonic, -unix), with or without the host name (`--no-hostname`), and syslog files
   (rsyslog's traditional and RFC 3339 formats, the host redacted or not):
   `Nov 29 18:10:02 host kernel: message`;
+- syslog files in the RFC 5424 protocol's form, with or without its `<PRI>`:
+  `<4>1 2026-11-29T18:10:02.123456+00:00 host kernel - - - message`;
 - anything else that is printable text: taken as a bare message (`dmesg -t` prints these).
 
 A printk caller id (`[  T1234]`, `[    C4]`: CONFIG_PRINTK_CALLER) is taken off the message
@@ -172,6 +174,15 @@ _TAIL = re.compile(r"(?:([^\s:\[\]]+) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTA
 _DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
 _DRIVER_SAYS = re.compile(r"(?:NVRM|nvidia(?:-[a-z]+\d*)?): ")
 _JOURNAL_META = re.compile(r"-- .* --")
+# RFC 5424 after its `<PRI>`: version 1, stamp, host, app name, process id, message id (each
+# `-` when nil), structured data (`-` or `[id key="value"]...`, `\]` escaped in a value), then
+# the message, which may start with a byte-order mark.
+_SYSLOG_PROTOCOL = re.compile(
+    r"1 (?P<stamp>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:\d\d)|-) "
+    r"(?P<host>\S{1,255}) (?P<app>\S{1,48}) (?P<procid>\S{1,128}) \S{1,32} "
+    r"(?:-|(?:\[(?:[^\]\\]|\\.)*\])+)(?: \ufeff?(?P<message>.*))?",
+    re.DOTALL,
+)
 
 
 def parse_kmsg_header(text: str, line: int = 0) -> LogRecord:
@@ -314,9 +325,23 @@ def _timed(text: str, line: int) -> LogRecord | None:
     return None
 
 
+def _syslog_protocol(text: str, line: int) -> LogRecord | None:
+    """An RFC 5424 line (`1 2026-11-29T18:10:02Z host kernel - - - message`): the kernel's
+    when its app name is `kernel` with no process id (rsyslog's imklog), else a program's."""
+    match = _SYSLOG_PROTOCOL.match(text)
+    if match is None:
+        return None
+    message, stamp = match["message"] or "", "" if match["stamp"] == "-" else match["stamp"]
+    if match["app"] == "kernel" and match["procid"] == "-":
+        return LogRecord(_kernel_text(message), line, "syslog", KERNEL_FACILITY, timestamp=stamp)
+    return LogRecord(message, line, "syslog", USER_FACILITY, timestamp=stamp)
+
+
 def _digit_first(text: str, line: int) -> LogRecord:
     if _KMSG_LIKE.match(text):
         return parse_kmsg_header(text, line)
+    if text[:2] == "1 " and (protocol := _syslog_protocol(text, line)) is not None:
+        return protocol
     stamped = _ISO.match(text)
     if stamped is not None:
         # dmesg writes its ISO stamps with a comma before the microseconds; journalctl and
