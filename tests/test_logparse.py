@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.program.commands.scan import scan_lines
 from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import (
     LogRecord,
@@ -545,6 +546,59 @@ class TestSyslogProtocol:
         matchers = MatcherSet()
         assert matchers.feed(saved) == []
         assert sum(matchers.ignored.values()) == 1
+
+
+# Coloured output saved to a file (`dmesg --color=always`, `dmesg -H`, a terminal's log of
+# `journalctl -k`): util-linux dmesg.c `print_record` colours the stamp (green, bold green at a
+# time break), the message's subsystem prefix up to its `: ` (`get_subsys_delimiter`; older
+# versions up to the colon alone) and the rest by level (`set_level_color`: bold for warn, red
+# for err); journalctl colours the message by priority (`\x1b[0;1;31m` for err and worse).
+_ESC = "\x1b"
+_OFF = f"{_ESC}[0m"
+
+
+def _dmesg_coloured(stamp: str, message: str, *, old: bool = False, lead: str = "") -> str:
+    subsys, colon, rest = message.partition(": ")
+    head = f"{_ESC}[33m{subsys}:{_OFF} " if old else f"{_ESC}[33m{subsys}: {_OFF}"
+    if not colon or " " in subsys:  # no prefix: the whole message in its level's colour
+        head, rest = "", message
+    return f"{lead}{_ESC}[32m{stamp} {_OFF}{head}{_ESC}[1m{rest}{_OFF}"
+
+
+COLOURED_SHAPES = {
+    "dmesg": lambda m: _dmesg_coloured("[ 5123.456789]", m),
+    "dmesg, older subsystem colour": lambda m: _dmesg_coloured("[ 5123.456789]", m, old=True),
+    "dmesg -T": lambda m: _dmesg_coloured("[Sun Nov 29 18:10:02 2026]", m),
+    "dmesg -H": lambda m: _dmesg_coloured("[Nov29 18:10]", m).replace("[32m", "[1;32m", 1),
+    "dmesg -x": lambda m: _dmesg_coloured("[ 5123.456789]", m, lead="kern  :warn  : "),
+    "journalctl -k": lambda m: f"Nov 29 18:10:02 gpu-host-17 kernel: {_ESC}[0;1;31m{m}{_OFF}",
+}
+COLOURED_MESSAGES = [
+    XID,
+    "python3[4242]: segfault at 0 ip 00007f0000001234 sp 00007ffc00000000 error 4 in "
+    "libcuda.so.1[7f0000000000+1000000]",
+    "nfs: server nas01 not responding, still trying",
+    "nvme nvme0: I/O 123 QID 4 timeout, aborting",
+]
+
+
+class TestColouredOutput:
+    """A saved log with the terminal's colours in it reads as the raw record: the same
+    message, stamp and findings, through `gpuwarden scan`'s path (whose prefilter looks at
+    the line before it is parsed)."""
+
+    @pytest.mark.parametrize("shape", COLOURED_SHAPES)
+    @pytest.mark.parametrize("message", COLOURED_MESSAGES, ids=[m[:20] for m in COLOURED_MESSAGES])
+    def test_the_message_and_findings_are_the_raw_records(self, shape: str, message: str) -> None:
+        raw = parse_line(f"4,1005,5123456789,-;{message}")
+        line = COLOURED_SHAPES[shape](message)
+        saved = parse_line(line)
+        assert raw is not None and saved is not None
+        assert _ESC not in saved.message and _ESC not in saved.timestamp
+        assert saved.message == raw.message, shape
+        live = [(f.kind, f.code, f.device, f.pid) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.code, f.device, f.pid) for f in scan_lines([line + "\n"])]
+        assert read == live != []
 
 
 class TestForgedLines:

@@ -21,6 +21,7 @@ tests/fixtures/kernel_log/corpus/SOURCES.md):
 A printk caller id (`[  T1234]`, `[    C4]`: CONFIG_PRINTK_CALLER) is taken off the message
 wherever dmesg or the kernel's syslog text puts it: after any stamp, or alone (`dmesg -t`,
 kern.log without printk times); a raw record carries it in its header (`,caller=T1234;`).
+A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read.
 
 A record's further lines, which dmesg and journalctl indent under its first, are records of
 their own with the first line's facility and stamp (a process cannot make the second line of
@@ -174,6 +175,10 @@ _TAIL = re.compile(r"(?:([^\s:\[\]]+) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTA
 _DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
 _DRIVER_SAYS = re.compile(r"(?:NVRM|nvidia(?:-[a-z]+\d*)?): ")
 _JOURNAL_META = re.compile(r"-- .* --")
+# A terminal's control sequences (CSI: ESC `[`, parameters, a final byte), which a saved
+# coloured output holds (`dmesg --color=always`, `dmesg -H`, a terminal's log of journalctl).
+_TERMINAL = re.compile(r"\x1b\[[0-?]{0,32}[ -/]{0,4}[@-~]")
+TERMINAL_ESCAPE: Final = "\x1b"
 # RFC 5424 after its `<PRI>`: version 1, stamp, host, app name, process id, message id (each
 # `-` when nil), structured data (`-` or `[id key="value"]...`, `\]` escaped in a value), then
 # the message, which may start with a byte-order mark.
@@ -443,6 +448,8 @@ def parse_line(text: str, line: int = 0) -> LogRecord | None:
     a NUL byte: `parse_lines` cuts a line at its NUL bytes before it comes here).
     """
     text = text.rstrip("\r\n")
+    if TERMINAL_ESCAPE in text:
+        text = _TERMINAL.sub("", text)  # the colours of a saved terminal's output
     if not text:
         return None
     if "\x00" in text:
@@ -486,6 +493,8 @@ of a file): the indented lines that continue it are counted but not trusted."""
 
 def _continued(previous: LogRecord, text: str, line: int) -> LogRecord:
     """An indented line under `previous`: a further line of the same message."""
+    if TERMINAL_ESCAPE in text:
+        text = _TERMINAL.sub("", text)
     return LogRecord(
         message=text.lstrip(" ").rstrip("\r"),
         line=line,
