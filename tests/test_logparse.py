@@ -601,6 +601,63 @@ class TestColouredOutput:
         assert read == live != []
 
 
+# Stamps as dmesg and journalctl write them in the reader's locale: dmesg -T `%a %b %e
+# %H:%M:%S %Y`, dmesg -e/-H `%b%e %H:%M` (the day space-padded: `Dec 1`), journalctl short
+# `%b %d %H:%M:%S` (short-precise with `.%06u`, short-full `%a %Y-%m-%d %H:%M:%S %Z`), each
+# through strftime after setlocale(LC_ALL, ""). The month and day names below are glibc's
+# (de_DE, fr_FR, es_ES, ru_RU: `Mär`, `déc.`, `mié`, `дек`).
+LOCAL_STAMPS = [
+    ("[Dec 1 18:10] {message}", "Dec 1 18:10"),
+    ("[Nov 9 08:05] {message}", "Nov 9 08:05"),
+    ("[Dez 1 18:10] {message}", "Dez 1 18:10"),
+    ("[déc.29 18:10] {message}", "déc.29 18:10"),
+    ("[Di Dez  1 18:10:02 2026] {message}", "Di Dez  1 18:10:02 2026"),
+    ("[mar. déc.  1 18:10:02 2026] {message}", "mar. déc.  1 18:10:02 2026"),
+    ("[mié dic  2 18:10:02 2026] {message}", "mié dic  2 18:10:02 2026"),
+    ("[Вт дек  1 18:10:02 2026] {message}", "Вт дек  1 18:10:02 2026"),
+    ("Mär 01 18:10:02 gpu-host-17 kernel: {message}", "Mär 01 18:10:02"),
+    ("déc. 01 18:10:02 gpu-host-17 kernel: {message}", "déc. 01 18:10:02"),
+    ("févr. 28 18:10:02.123456 gpu-host-17 kernel: {message}", "févr. 28 18:10:02.123456"),
+    ("дек 01 18:10:02 kernel: {message}", "дек 01 18:10:02"),
+    ("Di 2026-12-01 18:10:02 CET gpu-host-17 kernel: {message}", "Di 2026-12-01 18:10:02 CET"),
+    ("mar. 2026-12-01 18:10:02 CET gpu-host-17 kernel: {message}", "mar. 2026-12-01 18:10:02 CET"),
+]
+LOCAL_PROGRAM_LINES = [
+    "Mär 01 18:10:02 gpu-host-17 python3[42]: {message}",
+    "déc. 01 18:10:02 gpu-host-17 python3[42]: {message}",
+    "дек 01 18:10:02 python3[42]: {message}",
+    "mar. 2026-12-01 18:10:02 CET gpu-host-17 python3[42]: {message}",
+]
+LOCAL_MESSAGES = [XID, "nfs: server nas01 not responding, still trying"]
+
+
+class TestLocalisedStamps:
+    """A stamp in any locale's words, and dmesg's reltime stamp on days 1 to 9, is a stamp:
+    the message and findings are the raw record's, and a program's line stays a program's."""
+
+    @pytest.mark.parametrize(("shape", "stamp"), LOCAL_STAMPS)
+    @pytest.mark.parametrize("message", LOCAL_MESSAGES, ids=["xid", "nfs"])
+    def test_kernel_line(self, shape: str, stamp: str, message: str) -> None:
+        raw = parse_line(f"4,1005,5123456789,-;{message}")
+        stats = ParseStats()
+        [saved] = list(parse_lines([shape.format(message=message)], stats))
+        assert raw is not None
+        assert (saved.message, saved.timestamp, stats.bad_timestamps) == (message, stamp, 0)
+        assert saved.from_kernel
+        live = [(f.kind, f.code, f.device, f.pid) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.code, f.device, f.pid) for f in MatcherSet().scan([saved])]
+        assert read == live != []
+
+    @pytest.mark.parametrize("shape", LOCAL_PROGRAM_LINES)
+    def test_a_programs_line_is_counted_not_trusted(self, shape: str) -> None:
+        saved = parse_line(shape.format(message=XID))
+        assert saved is not None
+        assert (saved.message, saved.from_kernel) == (XID, False)
+        matchers = MatcherSet()
+        assert matchers.feed(saved) == []
+        assert matchers.ignored["xid"] == 1
+
+
 class TestForgedLines:
     """Class 9: what user space wrote into the kernel log, saved by `dmesg -r`, `dmesg -x`, the
     journal or as raw records, is counted and never trusted."""

@@ -22,6 +22,9 @@ A printk caller id (`[  T1234]`, `[    C4]`: CONFIG_PRINTK_CALLER) is taken off 
 wherever dmesg or the kernel's syslog text puts it: after any stamp, or alone (`dmesg -t`,
 kern.log without printk times); a raw record carries it in its header (`,caller=T1234;`).
 A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read.
+Stamps that name months and days are read in any locale's words (`[Di Dez  1 18:10:02 2026]`,
+`déc. 01 18:10:02 host kernel: ...`), and dmesg's reltime stamp on the days 1 to 9 (`[Dec 1
+18:10]`).
 
 A record's further lines, which dmesg and journalctl indent under its first, are records of
 their own with the first line's facility and stamp (a process cannot make the second line of
@@ -175,6 +178,19 @@ _TAIL = re.compile(r"(?:([^\s:\[\]]+) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTA
 _DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
 _DRIVER_SAYS = re.compile(r"(?:NVRM|nvidia(?:-[a-z]+\d*)?): ")
 _JOURNAL_META = re.compile(r"-- .* --")
+# The same stamps in the reader's locale (dmesg and journalctl write their month and day names
+# with strftime after setlocale: `Mär`, `déc.`, `mié`, `дек`), and dmesg's reltime stamp on the
+# days 1 to 9 (`%b%e`: `Dec 1 18:10`). Tried when the English forms above do not match.
+_NAME = r"[^\W\d_]{2,5}\.?"
+_LOCAL_CTIME = re.compile(
+    rf"\[((?:{_NAME} ){{2}}[ \d]\d \d\d:\d\d:\d\d \d{{4}})\] ?(.*)", re.DOTALL
+)
+_LOCAL_RELTIME = re.compile(rf"{_NAME}[ \d]\d \d\d:\d\d")
+_LOCAL_BSD = re.compile(rf"({_NAME} [ \d]\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})?) (.*)", re.DOTALL)
+_LOCAL_FULL = re.compile(
+    rf"({_NAME} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z0-9+-]{{1,8}}) (.*)",
+    re.DOTALL,
+)
 # A terminal's control sequences (CSI: ESC `[`, parameters, a final byte), which a saved
 # coloured output holds (`dmesg --color=always`, `dmesg -H`, a terminal's log of journalctl).
 _TERMINAL = re.compile(r"\x1b\[[0-?]{0,32}[ -/]{0,4}[@-~]")
@@ -284,7 +300,7 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
     match = _DMESG.match(text)
     if match is not None:
         return _after_stamp(match[1], match[2], line, "dmesg")
-    match = _DMESG_T.match(text)
+    match = _DMESG_T.match(text) or _LOCAL_CTIME.match(text)
     if match is not None:
         return _after_stamp(match[1], match[2], line, "dmesg-T")
     match = _BRACKET.match(text)
@@ -297,6 +313,8 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
     stamp = _STAMPS.fullmatch(inside)
     if stamp is not None:
         return _after_stamp(inside.strip(), rest, line, _FORMATS[stamp.lastgroup or "dmesg"])
+    if _LOCAL_RELTIME.fullmatch(inside) is not None:
+        return _after_stamp(inside, rest, line, "dmesg-delta")
     if _STAMP_LIKE.match(text):
         return _after_stamp("", rest, line, "dmesg", unreadable=inside)
     if _CALLER.match(text) is not None:
@@ -374,13 +392,24 @@ def _upper_first(text: str, line: int) -> LogRecord:
         record = _journal(stamped[1], stamped[2], line, strict=False)
         if record is not None:
             return record
+    return _localised(text, line)
+
+
+def _localised(text: str, line: int) -> LogRecord:
+    """A journal line whose stamp names the month or day in the reader's locale, or a bare
+    line."""
+    stamped = _LOCAL_BSD.match(text) or _LOCAL_FULL.match(text)
+    if stamped is not None:
+        record = _journal(stamped[1], stamped[2], line, strict=False)
+        if record is not None:
+            return record
     return LogRecord(text, line, "plain")
 
 
 def _decoded(text: str, line: int) -> LogRecord:
     match = _DECODE.match(text)
     if match is None or match[1] not in FACILITIES or match[2] not in LEVELS:
-        return LogRecord(text, line, "plain")
+        return _localised(text, line)  # `déc. 01 18:10:02 host kernel: ...`
     facility, level = FACILITIES.index(match[1]), LEVELS.index(match[2])
     rest = _uncalled(match[3])  # `dmesg -x -t` on a kernel with CONFIG_PRINTK_CALLER
     inner = _timed(rest, line)
