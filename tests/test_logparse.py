@@ -354,6 +354,43 @@ class TestLinesWithoutHostName:
         assert matchers.ignored["xid"] == 1
 
 
+# A central syslog server writes the sender's address where it has no name for it
+# (syslog-ng's default keep-hostname(no) with use-dns(no), rsyslog without DNS for a message
+# that named no host): on an IPv6 network the host holds colons.
+ADDRESS_HOSTS = ["2001:db8::5", "fe80::1%eth0", "::1", "2001:db8:0:1:2:3:4:a", "::ffff:10.0.0.5"]
+ADDRESS_STAMPS = [
+    "Nov 29 18:10:02",
+    "Nov  9 18:10:02.123456",
+    "2026-11-29T18:10:02.123456+00:00",
+    "Sun 2026-11-29 18:10:02 UTC",
+]
+
+
+class TestAddressHosts:
+    """A host named by its IPv6 address is a host: the kernel's lines stay the kernel's (their
+    Xids raised, not counted as a program's), a program's stay a program's."""
+
+    @pytest.mark.parametrize("stamp", ADDRESS_STAMPS)
+    @pytest.mark.parametrize("host", ADDRESS_HOSTS)
+    def test_kernel_line(self, stamp: str, host: str) -> None:
+        for line in (
+            f"{stamp} {host} kernel: {XID}",
+            f"{stamp} {host} kernel: [ 4007.321459] {XID}",
+        ):
+            record = parse_line(line)
+            assert record is not None
+            assert (record.message, record.facility, record.timestamp) == (XID, 0, stamp), line
+            assert len(MatcherSet().feed(record)) == 1
+
+    @pytest.mark.parametrize("stamp", ADDRESS_STAMPS)
+    @pytest.mark.parametrize("host", ADDRESS_HOSTS)
+    def test_a_programs_line(self, stamp: str, host: str) -> None:
+        for line in (f"{stamp} {host} python3[4242]: {XID}", f"{stamp} {host} kernel[42]: {XID}"):
+            record = parse_line(line)
+            assert record is not None
+            assert (record.message, record.from_kernel) == (XID, False), line
+
+
 class TestUnreadableTimestamps:
     """Class 3: a stamp that cannot be read is a missing stamp; the message is still a message."""
 

@@ -156,10 +156,14 @@ _ISO = re.compile(
     r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (.*)",
     re.DOTALL | re.ASCII,
 )
+# A host as a syslog file names it: a name (never with a colon), or the sender's IPv6 address,
+# which a central server writes where it has no name for the sender (syslog-ng's
+# keep-hostname(no) with use-dns(no)): `2001:db8::5`, `fe80::1%eth0`, `::ffff:10.0.0.5`.
+_HOST = r"(?:[^\s:\[\]]+|[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f.]{0,15}){2,7}(?:%[\w.-]{1,16})?)"
 # journalctl short / short-precise, and syslog's traditional stamp.
 _BSD = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (.*)", re.DOTALL | re.ASCII)
 _BSD_KERNEL = re.compile(
-    r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (?:[^\s:\[\]]+ )?kernel: ?(.*)",
+    rf"([A-Z][a-z]{{2}} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (?:{_HOST} )?kernel: ?(.*)",
     re.DOTALL | re.ASCII,
 )
 # journalctl short-full: `Sun 2026-11-29 18:10:02 UTC`.
@@ -170,9 +174,9 @@ _FULL = re.compile(
 # journalctl short-unix: `1764439802.123456`.
 _UNIX = re.compile(r"(\d{9,12}\.\d{6}) (.*)", re.DOTALL | re.ASCII)
 # What follows a journal/syslog stamp: `[host ]ident[[pid]]: message`. Neither a host name nor
-# an identifier holds a colon, so `kernel: NVRM: ...` is host-less (ident `kernel`), never
-# host `kernel:` with ident `NVRM`.
-_TAIL = re.compile(r"(?:([^\s:\[\]]+) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTALL | re.ASCII)
+# an identifier holds a colon (an address does, in its own form), so `kernel: NVRM: ...` is
+# host-less (ident `kernel`), never host `kernel:` with ident `NVRM`.
+_TAIL = re.compile(rf"(?:({_HOST}) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTALL | re.ASCII)
 # The NVIDIA drivers' own message prefixes: after a stamp (the `kernel:` tag lost with the
 # host), they start the driver's message; no program of that name logs without a pid.
 _DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
