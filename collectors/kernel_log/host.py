@@ -720,35 +720,6 @@ _RULES: Final[Sequence[_Rule]] = (
         numbers={"cpu": "cpu"},
         derived=_throttle_level,
     ),
-    # NVIDIA's osapi.c (open-gpu-kernel-modules), one printk over four or five lines: 515-570
-    # `the client has the version <v>, but / this kernel module has the version <v>.`, from
-    # 575 `the client '<comm>' (pid <n>) / has the version <v>, but this kernel module has /
-    # the version <v>.` A `dmesg` line holds only the first of them.
-    _Rule(
-        "driver_mismatch",
-        "NVIDIA driver version mismatch",
-        re.compile(
-            r"NVRM: API mismatch: the client(?: '(?P<client>[^'\n]{0,64})' "
-            r"\(pid (?P<client_pid>\d{1,10})\))?(?:\s+(?:NVRM: )?has the version|"
-            r" has the version)?(?: (?P<client_version>\d[\w.-]{0,63}?), but)?"
-            r"(?:\s+(?:NVRM: )?this kernel module has\s+(?:NVRM: )?the version "
-            r"(?P<module_version>\d[\w.-]{0,63}?)\.\s)?"
-        ),
-        Severity.CRITICAL,
-        "the NVIDIA kernel module loaded is not the version of the driver's libraries: no "
-        "program can use the GPUs (CUDA and NVML fail with 'Driver/library version "
-        "mismatch'); a driver upgrade that is not in effect until the next restart does this",
-        "restart the node to load the kernel module that matches the installed driver (or, "
-        "with no process on the GPUs, unload and reload the nvidia modules); in a container, "
-        "check that the runtime mounts the host's driver libraries",
-        ("API mismatch",),
-        numbers={"client_pid": "client_pid"},
-        texts={
-            "client": "client",
-            "client_version": "client_version",
-            "module_version": "module_version",
-        },
-    ),
     # NVIDIA's nvidia-modeset (nvidia-modeset-linux.c): the modules loaded differ in version.
     _Rule(
         "driver_mismatch",
@@ -1220,6 +1191,98 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
     )
 
 
+# NVIDIA's osapi.c (open-gpu-kernel-modules), one printk over four or five lines: 515-570
+# `the client has the version <v>, but / this kernel module has the version <v>.`, from 575
+# `the client '<comm>' (pid <n>) / has the version <v>, but this kernel module has / the
+# version <v>.` /dev/kmsg keeps it one record; a saved shape splits it into lines (indented
+# under the first, or not with `dmesg -t`), so `ApiMismatchMatcher` reads the lines after the
+# first as the rest of its text.
+_API_MISMATCH: Final = _Rule(
+    "driver_mismatch",
+    "NVIDIA driver version mismatch",
+    re.compile(
+        r"NVRM: API mismatch: the client(?: '(?P<client>[^'\n]{0,64})' "
+        r"\(pid (?P<client_pid>\d{1,10})\))?(?:\s+(?:NVRM: )?has the version|"
+        r" has the version)?(?: (?P<client_version>\d[\w.-]{0,63}?), but)?"
+        r"(?:\s+(?:NVRM: )?this kernel module has\s+(?:NVRM: )?the version "
+        r"(?P<module_version>\d[\w.-]{0,63}?)\.\s)?"
+    ),
+    Severity.CRITICAL,
+    "the NVIDIA kernel module loaded is not the version of the driver's libraries: no "
+    "program can use the GPUs (CUDA and NVML fail with 'Driver/library version "
+    "mismatch'); a driver upgrade that is not in effect until the next restart does this",
+    "restart the node to load the kernel module that matches the installed driver (or, "
+    "with no process on the GPUs, unload and reload the nvidia modules); in a container, "
+    "check that the runtime mounts the host's driver libraries",
+    ("API mismatch",),
+    numbers={"client_pid": "client_pid"},
+    texts={
+        "client": "client",
+        "client_version": "client_version",
+        "module_version": "module_version",
+    },
+)
+# The lines of the one printk follow each other, five of them at most.
+API_MISMATCH_REACH: Final = 1
+API_MISMATCH_LINES: Final = 5
+
+
+@dataclass
+class _Mismatch:
+    record: LogRecord
+    text: str
+    built: Finding
+    lines: int = 1
+
+    def finding(self) -> Finding:
+        return self.built
+
+
+class ApiMismatchMatcher(Assembling[_Mismatch]):
+    """The driver's API mismatch: both versions, whether the record came whole (/dev/kmsg)
+    or as lines (a saved shape), in which case the finding waits for the line with the
+    kernel module's version."""
+
+    triggers: Final = ("API mismatch", "the version ")
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[_Mismatch] = OpenRecords(API_MISMATCH_REACH)
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        message = record.message
+        rule = _API_MISMATCH
+        if "API mismatch" in message:
+            match = rule.pattern.search(message)
+            if match is None:
+                return
+            state = _Mismatch(record, message[match.start() :], _rule_finding(rule, record, match))
+            if match["module_version"]:
+                found = self._open.close(_MISMATCH_KEY)
+                yield from (() if found is None else (found,))
+                yield state.built
+                return
+            yield from self._open.hold(_MISMATCH_KEY, state)
+            return
+        held = self._open.get(_MISMATCH_KEY)
+        if held is None or not message.startswith("NVRM: ") or held.lines >= API_MISMATCH_LINES:
+            return
+        held.text += "\n" + message
+        held.lines += 1
+        self._open.extend(_MISMATCH_KEY)
+        match = rule.pattern.search(held.text)
+        if match is None:
+            return
+        held.built = _rule_finding(rule, held.record, match)
+        if match["module_version"]:
+            found = self._open.close(_MISMATCH_KEY)
+            if found is not None:
+                yield found
+
+
+_MISMATCH_KEY: Final = "api mismatch"
+
+
 # mm/oom_kill.c. The summary (4.19+, dump_oom_summary) comes first:
 #   oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0-1,
 #   global_oom,task_memcg=/user.slice,task=python3,pid=9876,uid=1000
@@ -1654,6 +1717,7 @@ class HostRulesMatcher:
 def host_matchers() -> list[Matcher]:
     return [
         OomMatcher(),
+        ApiMismatchMatcher(),
         BeyondEndMatcher(),
         OopsMatcher(),
         MachineCheckMatcher(),
