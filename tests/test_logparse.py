@@ -16,6 +16,7 @@ from collectors.kernel_log.parse import (
     parse_line,
     parse_lines,
 )
+from tests.support.klog_shapes import KERNEL_ONLY, SHAPES, Record, render
 from tests.support.kmsg import H200_CAPTURE, capture_records, escape_kmsg, kmsg_record
 
 XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus."
@@ -389,6 +390,22 @@ class TestAddressHosts:
             record = parse_line(line)
             assert record is not None
             assert (record.message, record.from_kernel) == (XID, False), line
+
+
+class TestByteOrderMarkInside:
+    """A byte-order mark at the start of a line inside a file (logs joined with `cat`, the
+    second written by a tool that starts its files with one): the line reads as without it,
+    in every shape, and a program's line stays a program's."""
+
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_every_shape(self, shape: str) -> None:
+        for record in (Record(XID), Record(XID, facility=1, pid=42)):
+            if shape in KERNEL_ONLY and not record.from_kernel:
+                continue
+            text = render(shape, record)
+            plain, marked = parse_line(text), parse_line("\ufeff" + text)
+            assert marked == plain, shape
+            assert plain is not None and plain.from_kernel is record.from_kernel, shape
 
 
 class TestUnreadableTimestamps:

@@ -21,7 +21,8 @@ tests/fixtures/kernel_log/corpus/SOURCES.md):
 A printk caller id (`[  T1234]`, `[    C4]`: CONFIG_PRINTK_CALLER) is taken off the message
 wherever dmesg or the kernel's syslog text puts it: after any stamp, or alone (`dmesg -t`,
 kern.log without printk times); a raw record carries it in its header (`,caller=T1234;`).
-A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read.
+A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read,
+and so is a byte-order mark at its start (logs joined with `cat`).
 Stamps that name months and days are read in any locale's words (`[Di Dez  1 18:10:02 2026]`,
 `déc. 01 18:10:02 host kernel: ...`), and dmesg's reltime stamp on the days 1 to 9 (`[Dec 1
 18:10]`).
@@ -199,6 +200,7 @@ _LOCAL_FULL = re.compile(
 # coloured output holds (`dmesg --color=always`, `dmesg -H`, a terminal's log of journalctl).
 _TERMINAL = re.compile(r"\x1b\[[0-?]{0,32}[ -/]{0,4}[@-~]")
 TERMINAL_ESCAPE: Final = "\x1b"
+BYTE_ORDER_MARK: Final = "\ufeff"
 # RFC 5424 after its `<PRI>`: version 1, stamp, host, app name, process id, message id (each
 # `-` when nil), structured data (`-` or `[id key="value"]...`, `\]` escaped in a value), then
 # the message, which may start with a byte-order mark.
@@ -481,6 +483,8 @@ def parse_line(text: str, line: int = 0) -> LogRecord | None:
     a NUL byte: `parse_lines` cuts a line at its NUL bytes before it comes here).
     """
     text = text.rstrip("\r\n")
+    if text[:1] == BYTE_ORDER_MARK:
+        text = text[1:]  # a file's start inside a file (logs joined with `cat`)
     if TERMINAL_ESCAPE in text:
         text = _TERMINAL.sub("", text)  # the colours of a saved terminal's output
     if not text:
