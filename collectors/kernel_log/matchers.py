@@ -84,7 +84,9 @@ _XID = re.compile(
     re.DOTALL,
 )
 _PID = re.compile(r"\bpid=(?P<pid>\d+)")
-_NAME = re.compile(r"\bname=(?P<name>[^,]*)")
+# `pid=%s, name=%s, %s` (kernel_rc.c): the name is a task's comm, which may hold spaces,
+# parentheses and commas; it ends at the `, ` before the driver's text (or the line's end).
+_NAME = re.compile(r"\bname=(?P<name>[^\n]{0,64}?)(?:, |$)", re.MULTILINE)
 _XID_TRIGGER: Final = "NVRM: Xid ("
 
 
