@@ -19,6 +19,7 @@ import gc
 import time
 
 from agent.program.commands.scan import scan_lines
+from collectors.kernel_log.lines import MAX_LINE_BYTES
 from collectors.kernel_log.matchers import default_matchers
 from collectors.kernel_log.parse import ParseStats
 from tests.support.corpus import cases, scan
@@ -43,19 +44,19 @@ FILLS = (
 )
 
 
-def _lines(trigger: str) -> list[str]:
+def _lines(trigger: str, fills: tuple[str, ...] = FILLS, length: int = LENGTH) -> list[str]:
     out = []
-    for fill in FILLS:
-        run = fill * (LENGTH // len(fill))
+    for fill in fills:
+        run = fill * (length // len(fill))
         out += [
             trigger + run,
             run + trigger,
-            (trigger + fill) * (LENGTH // (len(trigger) + len(fill))),
+            (trigger + fill) * (length // (len(trigger) + len(fill))),
         ]
     return out
 
 
-def _slow(lines: list[str]) -> list[str]:
+def _slow(lines: list[str], length: int = LENGTH) -> list[str]:
     """The lines (cut to LENGTH) that took longer than BOUND_S to read, with the time. The
     garbage collector is off while a line is timed: late in the whole suite the heap is large,
     and a collection there (about 0.3 s in a clean-clone run) landed on whichever line was
@@ -66,7 +67,7 @@ def _slow(lines: list[str]) -> list[str]:
         gc.disable()
         try:
             start = time.perf_counter()
-            scan_lines([line[:LENGTH] + "\n"], ParseStats())
+            scan_lines([line[:length] + "\n"], ParseStats())
             took = time.perf_counter() - start
         finally:
             gc.enable()
@@ -101,3 +102,18 @@ def test_no_line_costs_more_than_its_length() -> None:
     triggers = sorted({t for matcher in default_matchers() for t in matcher.triggers})
     assert len(triggers) > 30  # every matcher's words, not a few
     assert _slow([line for trigger in triggers for line in _lines(trigger)]) == []
+
+
+def test_the_longest_line_a_saved_log_keeps() -> None:
+    """At the longest line a saved log or a followed file keeps (64 KiB), where a pattern
+    that costs the square of the length takes seconds (a pattern with an unbounded run in its
+    middle, tried from each place it could start: the hung-task and OOM-summary patterns took
+    3 s on one such line), a linear one milliseconds. The fills that find such a pattern:
+    word characters, digits and the words the patterns themselves hold."""
+    triggers = sorted({t for matcher in default_matchers() for t in matcher.triggers})
+    lines = [
+        line
+        for trigger in triggers
+        for line in _lines(trigger, ("a", "0", "task "), MAX_LINE_BYTES)
+    ]
+    assert _slow(lines, MAX_LINE_BYTES) == []

@@ -550,6 +550,24 @@ class TestLines:
             "575.51.02",
         )
 
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_both_versions_in_every_saved_shape(self, shape: str) -> None:
+        """A saved shape splits the driver's printk into lines (indented under the first, or
+        not at all with `dmesg -t`): the versions on its further lines are read as from the
+        whole record, with the client the first line names."""
+        old, new = (line for line in LINES if line.text.startswith("NVRM: API mismatch"))
+        for line, versions in (
+            (old, ("550.54.15", "535.161.08")),
+            (new, ("570.133.20", "575.51.02")),
+        ):
+            whole = _only(scan(line.text)).to_dict()
+            found = _only(in_shape(shape, [line.text]))
+            got = found.to_dict()
+            assert (got["client_version"], got["module_version"]) == versions, shape
+            for key in ("client", "client_pid", "kind", "severity", "repair_action", "name"):
+                assert got.get(key) == whole.get(key), (shape, key)
+            assert found.record.line == 1
+
     @BOTH
     @pytest.mark.parametrize("line", QUIET)
     def test_quiet(self, way: object, line: str) -> None:

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.program.commands.scan import scan_lines
 from collectors.kernel_log.matchers import MatcherSet
 from collectors.kernel_log.parse import (
     LogRecord,
@@ -15,6 +16,7 @@ from collectors.kernel_log.parse import (
     parse_line,
     parse_lines,
 )
+from tests.support.klog_shapes import KERNEL_ONLY, SHAPES, Record, render
 from tests.support.kmsg import H200_CAPTURE, capture_records, escape_kmsg, kmsg_record
 
 XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid=2314, name=python3, GPU has fallen off the bus."
@@ -353,6 +355,59 @@ class TestLinesWithoutHostName:
         assert matchers.ignored["xid"] == 1
 
 
+# A central syslog server writes the sender's address where it has no name for it
+# (syslog-ng's default keep-hostname(no) with use-dns(no), rsyslog without DNS for a message
+# that named no host): on an IPv6 network the host holds colons.
+ADDRESS_HOSTS = ["2001:db8::5", "fe80::1%eth0", "::1", "2001:db8:0:1:2:3:4:a", "::ffff:10.0.0.5"]
+ADDRESS_STAMPS = [
+    "Nov 29 18:10:02",
+    "Nov  9 18:10:02.123456",
+    "2026-11-29T18:10:02.123456+00:00",
+    "Sun 2026-11-29 18:10:02 UTC",
+]
+
+
+class TestAddressHosts:
+    """A host named by its IPv6 address is a host: the kernel's lines stay the kernel's (their
+    Xids raised, not counted as a program's), a program's stay a program's."""
+
+    @pytest.mark.parametrize("stamp", ADDRESS_STAMPS)
+    @pytest.mark.parametrize("host", ADDRESS_HOSTS)
+    def test_kernel_line(self, stamp: str, host: str) -> None:
+        for line in (
+            f"{stamp} {host} kernel: {XID}",
+            f"{stamp} {host} kernel: [ 4007.321459] {XID}",
+        ):
+            record = parse_line(line)
+            assert record is not None
+            assert (record.message, record.facility, record.timestamp) == (XID, 0, stamp), line
+            assert len(MatcherSet().feed(record)) == 1
+
+    @pytest.mark.parametrize("stamp", ADDRESS_STAMPS)
+    @pytest.mark.parametrize("host", ADDRESS_HOSTS)
+    def test_a_programs_line(self, stamp: str, host: str) -> None:
+        for line in (f"{stamp} {host} python3[4242]: {XID}", f"{stamp} {host} kernel[42]: {XID}"):
+            record = parse_line(line)
+            assert record is not None
+            assert (record.message, record.from_kernel) == (XID, False), line
+
+
+class TestByteOrderMarkInside:
+    """A byte-order mark at the start of a line inside a file (logs joined with `cat`, the
+    second written by a tool that starts its files with one): the line reads as without it,
+    in every shape, and a program's line stays a program's."""
+
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_every_shape(self, shape: str) -> None:
+        for record in (Record(XID), Record(XID, facility=1, pid=42)):
+            if shape in KERNEL_ONLY and not record.from_kernel:
+                continue
+            text = render(shape, record)
+            plain, marked = parse_line(text), parse_line("\ufeff" + text)
+            assert marked == plain, shape
+            assert plain is not None and plain.from_kernel is record.from_kernel, shape
+
+
 class TestUnreadableTimestamps:
     """Class 3: a stamp that cannot be read is a missing stamp; the message is still a message."""
 
@@ -434,6 +489,227 @@ class TestUnreadableTimestamps:
         record = parse_line(f"[10163.739261] [   T9326] {XID}")
         assert record is not None
         assert (record.message, record.timestamp) == (XID, "10163.739261")
+
+
+# util-linux dmesg.c `print_record` writes the caller id (`[%*s] `, CONFIG_PRINTK_CALLER) after
+# whatever stamp the time format gives, none included; the kernel's syslog(2) text (/proc/kmsg,
+# what rsyslog's imklog reads into kern.log) puts it after the printk time, or alone.
+CALLERS = ["[  T1234] ", "[     C4] ", "[T4194304] "]
+CALLER_SHAPES = {
+    "dmesg": "[ 5123.456789] {caller}{message}",
+    "dmesg -T": "[Sun Nov 29 18:10:02 2026] {caller}{message}",
+    "dmesg -t": "{caller}{message}",
+    "dmesg -r": "<4>[ 5123.456789] {caller}{message}",
+    "dmesg -r -t": "<4>{caller}{message}",
+    "dmesg -x": "kern  :warn  : [ 5123.456789] {caller}{message}",
+    "dmesg -x -t": "kern  :warn  : {caller}{message}",
+    "dmesg --time-format iso": "2026-11-29T18:10:02,123456+00:00 {caller}{message}",
+    "dmesg -x --time-format iso": "kern  :warn  : 2026-11-29T18:10:02,123456+00:00 {caller}{message}",
+    "kern.log": "Nov 29 18:10:02 gpu-host-17 kernel: [ 5123.456789] {caller}{message}",
+    "kern.log without printk time": "Nov 29 18:10:02 gpu-host-17 kernel: {caller}{message}",
+    "kern.log RFC 3339": (
+        "2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel: [ 5123.456789] {caller}{message}"
+    ),
+}
+# Messages that patterns read from their first character: the caller id must not stay in front.
+CALLER_MESSAGES = [
+    XID,
+    "python3[4242]: segfault at 0 ip 00007f0000001234 sp 00007ffc00000000 error 4 in "
+    "libcuda.so.1[7f0000000000+1000000]",
+    "traps: python3[4242] general protection fault ip:7f0000001234 sp:7ffc00000000 error:0 in "
+    "libc.so.6[7f0000000000+1000]",
+    "nfs: server nas01 not responding, still trying",
+    "Clocksource tsc unstable (delta = -123456789 ns)",
+]
+
+
+class TestPrintkCaller:
+    """A kernel built with CONFIG_PRINTK_CALLER: every saved shape gives the message the raw
+    record gives (its caller id is in the header there, `,caller=T1234;`), and the same
+    findings."""
+
+    @pytest.mark.parametrize("caller", CALLERS)
+    @pytest.mark.parametrize("shape", CALLER_SHAPES)
+    @pytest.mark.parametrize("message", CALLER_MESSAGES, ids=[m[:24] for m in CALLER_MESSAGES])
+    def test_the_message_and_findings_are_the_raw_records(
+        self, shape: str, caller: str, message: str
+    ) -> None:
+        raw = parse_line(f"4,1005,5123456789,-,caller={caller.strip(' []')};{message}")
+        saved = parse_line(CALLER_SHAPES[shape].format(caller=caller, message=message))
+        assert raw is not None and saved is not None
+        assert saved.message == raw.message == message, shape
+        assert saved.from_kernel
+        live = [(f.kind, f.device, f.pid, f.process) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.device, f.pid, f.process) for f in MatcherSet().scan([saved])]
+        assert read == live != []
+
+
+# RFC 5424 (the syslog protocol) as a file holds it: rsyslog's RSYSLOG_SyslogProtocol23Format
+# (`<%PRI%>1 %TIMESTAMP:::date-rfc3339% %HOSTNAME% %APP-NAME% %PROCID% %MSGID%
+# %STRUCTURED-DATA% %msg%`), syslog-ng's syslog-protocol files, a collector's archive (with or
+# without the `<PRI>`). `-` is the nil value; structured data is `-` or `[id key="value"]...`
+# (`\]` escaped inside a value); the message may start with a byte-order mark. The kernel's
+# records are APP-NAME `kernel` with no PROCID (rsyslog's imklog; the kernel's own stamp may
+# stay in the text, as in kern.log).
+SYSLOG_PROTOCOL_KERNEL = [
+    "<4>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - - {message}",
+    '<4>1 2026-11-29T18:10:02Z gpu-host-17 kernel - - [timeQuality tzKnown="1" isSynced="1"] '
+    "{message}",
+    "<4>1 2026-11-29T18:10:02.123+01:00 gpu-host-17 kernel - - - \ufeff{message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - - {message}",
+    "<4>1 - - kernel - - - {message}",
+    '<4>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - [meta note="a \\] b"][x@1 y="2"] '
+    "{message}",
+    "<4>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel - - - [ 5123.456789] {message}",
+]
+SYSLOG_PROTOCOL_USER = [
+    "<14>1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 python3 4242 - - {message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 python3 4242 - - {message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 kernel 4242 - - {message}",
+    "1 2026-11-29T18:10:02.123456+00:00 gpu-host-17 nvidia-smi - - - {message}",
+]
+SYSLOG_PROTOCOL_MESSAGES = [
+    XID,
+    "python3[4242]: segfault at 0 ip 00007f0000001234 sp 00007ffc00000000 error 4 in "
+    "libcuda.so.1[7f0000000000+1000000]",
+]
+
+
+class TestSyslogProtocol:
+    """RFC 5424 lines: the kernel's give the message and findings the raw record gives; a
+    program's are not trusted, with or without the `<PRI>` that says so."""
+
+    @pytest.mark.parametrize("shape", SYSLOG_PROTOCOL_KERNEL)
+    @pytest.mark.parametrize("message", SYSLOG_PROTOCOL_MESSAGES, ids=["xid", "segfault"])
+    def test_kernel_line(self, shape: str, message: str) -> None:
+        raw = parse_line(f"4,1005,5123456789,-;{message}")
+        saved = parse_line(shape.format(message=message))
+        assert raw is not None and saved is not None
+        assert (saved.message, saved.from_kernel) == (message, True)
+        assert saved.timestamp == ("" if " - - kernel" in shape else shape.split(" ")[1])
+        live = [(f.kind, f.code, f.pid, f.process) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.code, f.pid, f.process) for f in MatcherSet().scan([saved])]
+        assert read == live != []
+
+    @pytest.mark.parametrize("shape", SYSLOG_PROTOCOL_USER)
+    @pytest.mark.parametrize("message", SYSLOG_PROTOCOL_MESSAGES, ids=["xid", "segfault"])
+    def test_a_programs_line_is_counted_not_trusted(self, shape: str, message: str) -> None:
+        saved = parse_line(shape.format(message=message))
+        assert saved is not None
+        assert (saved.message, saved.from_kernel) == (message, False)
+        matchers = MatcherSet()
+        assert matchers.feed(saved) == []
+        assert sum(matchers.ignored.values()) == 1
+
+
+# Coloured output saved to a file (`dmesg --color=always`, `dmesg -H`, a terminal's log of
+# `journalctl -k`): util-linux dmesg.c `print_record` colours the stamp (green, bold green at a
+# time break), the message's subsystem prefix up to its `: ` (`get_subsys_delimiter`; older
+# versions up to the colon alone) and the rest by level (`set_level_color`: bold for warn, red
+# for err); journalctl colours the message by priority (`\x1b[0;1;31m` for err and worse).
+_ESC = "\x1b"
+_OFF = f"{_ESC}[0m"
+
+
+def _dmesg_coloured(stamp: str, message: str, *, old: bool = False, lead: str = "") -> str:
+    subsys, colon, rest = message.partition(": ")
+    head = f"{_ESC}[33m{subsys}:{_OFF} " if old else f"{_ESC}[33m{subsys}: {_OFF}"
+    if not colon or " " in subsys:  # no prefix: the whole message in its level's colour
+        head, rest = "", message
+    return f"{lead}{_ESC}[32m{stamp} {_OFF}{head}{_ESC}[1m{rest}{_OFF}"
+
+
+COLOURED_SHAPES = {
+    "dmesg": lambda m: _dmesg_coloured("[ 5123.456789]", m),
+    "dmesg, older subsystem colour": lambda m: _dmesg_coloured("[ 5123.456789]", m, old=True),
+    "dmesg -T": lambda m: _dmesg_coloured("[Sun Nov 29 18:10:02 2026]", m),
+    "dmesg -H": lambda m: _dmesg_coloured("[Nov29 18:10]", m).replace("[32m", "[1;32m", 1),
+    "dmesg -x": lambda m: _dmesg_coloured("[ 5123.456789]", m, lead="kern  :warn  : "),
+    "journalctl -k": lambda m: f"Nov 29 18:10:02 gpu-host-17 kernel: {_ESC}[0;1;31m{m}{_OFF}",
+}
+COLOURED_MESSAGES = [
+    XID,
+    "python3[4242]: segfault at 0 ip 00007f0000001234 sp 00007ffc00000000 error 4 in "
+    "libcuda.so.1[7f0000000000+1000000]",
+    "nfs: server nas01 not responding, still trying",
+    "nvme nvme0: I/O 123 QID 4 timeout, aborting",
+]
+
+
+class TestColouredOutput:
+    """A saved log with the terminal's colours in it reads as the raw record: the same
+    message, stamp and findings, through `gpuwarden scan`'s path (whose prefilter looks at
+    the line before it is parsed)."""
+
+    @pytest.mark.parametrize("shape", COLOURED_SHAPES)
+    @pytest.mark.parametrize("message", COLOURED_MESSAGES, ids=[m[:20] for m in COLOURED_MESSAGES])
+    def test_the_message_and_findings_are_the_raw_records(self, shape: str, message: str) -> None:
+        raw = parse_line(f"4,1005,5123456789,-;{message}")
+        line = COLOURED_SHAPES[shape](message)
+        saved = parse_line(line)
+        assert raw is not None and saved is not None
+        assert _ESC not in saved.message and _ESC not in saved.timestamp
+        assert saved.message == raw.message, shape
+        live = [(f.kind, f.code, f.device, f.pid) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.code, f.device, f.pid) for f in scan_lines([line + "\n"])]
+        assert read == live != []
+
+
+# Stamps as dmesg and journalctl write them in the reader's locale: dmesg -T `%a %b %e
+# %H:%M:%S %Y`, dmesg -e/-H `%b%e %H:%M` (the day space-padded: `Dec 1`), journalctl short
+# `%b %d %H:%M:%S` (short-precise with `.%06u`, short-full `%a %Y-%m-%d %H:%M:%S %Z`), each
+# through strftime after setlocale(LC_ALL, ""). The month and day names below are glibc's
+# (de_DE, fr_FR, es_ES, ru_RU: `Mär`, `déc.`, `mié`, `дек`).
+LOCAL_STAMPS = [
+    ("[Dec 1 18:10] {message}", "Dec 1 18:10"),
+    ("[Nov 9 08:05] {message}", "Nov 9 08:05"),
+    ("[Dez 1 18:10] {message}", "Dez 1 18:10"),
+    ("[déc.29 18:10] {message}", "déc.29 18:10"),
+    ("[Di Dez  1 18:10:02 2026] {message}", "Di Dez  1 18:10:02 2026"),
+    ("[mar. déc.  1 18:10:02 2026] {message}", "mar. déc.  1 18:10:02 2026"),
+    ("[mié dic  2 18:10:02 2026] {message}", "mié dic  2 18:10:02 2026"),
+    ("[Вт дек  1 18:10:02 2026] {message}", "Вт дек  1 18:10:02 2026"),
+    ("Mär 01 18:10:02 gpu-host-17 kernel: {message}", "Mär 01 18:10:02"),
+    ("déc. 01 18:10:02 gpu-host-17 kernel: {message}", "déc. 01 18:10:02"),
+    ("févr. 28 18:10:02.123456 gpu-host-17 kernel: {message}", "févr. 28 18:10:02.123456"),
+    ("дек 01 18:10:02 kernel: {message}", "дек 01 18:10:02"),
+    ("Di 2026-12-01 18:10:02 CET gpu-host-17 kernel: {message}", "Di 2026-12-01 18:10:02 CET"),
+    ("mar. 2026-12-01 18:10:02 CET gpu-host-17 kernel: {message}", "mar. 2026-12-01 18:10:02 CET"),
+]
+LOCAL_PROGRAM_LINES = [
+    "Mär 01 18:10:02 gpu-host-17 python3[42]: {message}",
+    "déc. 01 18:10:02 gpu-host-17 python3[42]: {message}",
+    "дек 01 18:10:02 python3[42]: {message}",
+    "mar. 2026-12-01 18:10:02 CET gpu-host-17 python3[42]: {message}",
+]
+LOCAL_MESSAGES = [XID, "nfs: server nas01 not responding, still trying"]
+
+
+class TestLocalisedStamps:
+    """A stamp in any locale's words, and dmesg's reltime stamp on days 1 to 9, is a stamp:
+    the message and findings are the raw record's, and a program's line stays a program's."""
+
+    @pytest.mark.parametrize(("shape", "stamp"), LOCAL_STAMPS)
+    @pytest.mark.parametrize("message", LOCAL_MESSAGES, ids=["xid", "nfs"])
+    def test_kernel_line(self, shape: str, stamp: str, message: str) -> None:
+        raw = parse_line(f"4,1005,5123456789,-;{message}")
+        stats = ParseStats()
+        [saved] = list(parse_lines([shape.format(message=message)], stats))
+        assert raw is not None
+        assert (saved.message, saved.timestamp, stats.bad_timestamps) == (message, stamp, 0)
+        assert saved.from_kernel
+        live = [(f.kind, f.code, f.device, f.pid) for f in MatcherSet().scan([raw])]
+        read = [(f.kind, f.code, f.device, f.pid) for f in MatcherSet().scan([saved])]
+        assert read == live != []
+
+    @pytest.mark.parametrize("shape", LOCAL_PROGRAM_LINES)
+    def test_a_programs_line_is_counted_not_trusted(self, shape: str) -> None:
+        saved = parse_line(shape.format(message=XID))
+        assert saved is not None
+        assert (saved.message, saved.from_kernel) == (XID, False)
+        matchers = MatcherSet()
+        assert matchers.feed(saved) == []
+        assert matchers.ignored["xid"] == 1
 
 
 class TestForgedLines:

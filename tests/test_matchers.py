@@ -89,6 +89,28 @@ class TestXid:
         assert finding.meaning
         assert finding.action
 
+    @pytest.mark.parametrize(
+        ("name", "process"),
+        [
+            ("python3", "python3"),
+            ("my trainer", "my trainer"),
+            ("pt(worker)", "pt(worker)"),
+            ("job,rank0", "job,rank0"),
+            ("a,b,c", "a,b,c"),
+            ("<unknown>", ""),
+        ],
+    )
+    def test_the_process_name_ends_where_the_driver_ends_it(self, name: str, process: str) -> None:
+        """kernel_rc.c writes `pid=%s, name=%s, %s`: the name (a task's comm, which may hold
+        spaces, parentheses and commas) ends at the `, ` before the driver's text, the first
+        comma of the name does not end it; the text after is the driver's."""
+        text = "Ch 00000008, errorString CTX SWITCH TIMEOUT, Info 0x1c003"
+        line = f"NVRM: Xid (PCI:0000:3b:00): 109, pid=1234, name={name}, {text}"
+        [finding] = XidMatcher().feed(LogRecord(message=line, line=3))
+        assert (finding.pid, finding.process) == (1234, process)
+        [alone] = XidMatcher().feed(LogRecord(message=f"NVRM: Xid (0000:3b:00): 13, name={name}"))
+        assert alone.process == process
+
     def test_catalog_severity_and_unknown_codes(self) -> None:
         """79 is critical, 13 a warning (application), an unknown code is kept and says so."""
         found = scan(

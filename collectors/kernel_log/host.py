@@ -282,6 +282,29 @@ _RULES: Final[Sequence[_Rule]] = (
         _DISK_ACTION,
         ("I/O error",),
     ),
+    # The same block-layer line when the request failed with another status (blk_errors[] in
+    # block/blk-core.c: BLK_STS_MEDIUM is `critical medium`, a disk's unreadable sectors):
+    # `critical medium error, dev sdb, sector 8 op 0x0:(READ) ...`; `print_req_error: ` or
+    # `blk_update_request: ` (`end_request: ` before 3.x) in front on older kernels. The
+    # statuses that say nothing of the device (not supported, a retry, the kernel's own
+    # resources) are left out.
+    _Rule(
+        "io_error",
+        "disk request failed",
+        re.compile(
+            r"(?P<status>critical (?:medium|target|nexus|space allocation)|recoverable "
+            r"transport|timeout|protection|device offline) error, dev "
+            rf"(?P<device>{_DEV}),"
+        ),
+        Severity.CRITICAL,
+        "the block device {device} failed a request with a {status} error (medium: sectors "
+        "that cannot be read or written; target, nexus, transport: the device or its path "
+        "failed the command; space allocation: thin storage is full; timeout: no answer; "
+        "offline: the device is gone)",
+        _DISK_ACTION,
+        ("error, dev ",),
+        texts={"status": "block_error"},
+    ),
     # fs/ext4/page-io.c ext4_end_bio: `EXT4-fs warning (device sda1): ext4_end_bio:343: I/O
     # error 10 writing to inode 1234 starting block 5678)`
     _Rule(
@@ -460,7 +483,11 @@ _RULES: Final[Sequence[_Rule]] = (
     ),
     # drivers/nvme/host/pci.c: `nvme nvme0: I/O 123 QID 4 timeout, aborting` / `..., reset
     # controller`, `controller is down; will reset: CSTS=0xffffffff`, `Removing after probe
-    # failure status: -19`, `Device not ready; aborting reset`
+    # failure status: -19`, `Device not ready; aborting reset`. From 6.x the timeouts name the
+    # command id and opcode: `I/O tag 283 (b11b) opcode 0x2 (Read) QID 7 timeout, aborting
+    # req_op:READ(0) size:131072`; over fabrics tcp.c `queue 2: timeout request 0x28 type 4`
+    # (5.x), then `I/O tag 40 (2028) type 4 opcode 0x2 (Read) QID 2 timeout` (rdma.c without
+    # the type).
     _Rule(
         "nvme_error",
         "NVMe controller down",
@@ -477,8 +504,9 @@ _RULES: Final[Sequence[_Rule]] = (
         "nvme_error",
         "NVMe timeout or reset",
         re.compile(
-            r"nvme (?P<device>nvme\d+): (?:I/O \d+ (?:\(\w+\) )?QID \d+ timeout|"
-            r"Abort status|resetting controller|.*reset controller)"
+            r"nvme (?P<device>nvme\d+): (?:I/O (?:tag )?\d+ (?:\(\w+\) )?(?:type \d+ )?"
+            r"(?:opcode 0x[0-9a-fA-F]+ \([^)\n]{0,40}\) )?QID \d+ timeout|queue \d+: timeout "
+            r"request 0x[0-9a-fA-F]+|Abort status|resetting controller|.*reset controller)"
         ),
         Severity.WARNING,
         "the NVMe controller {device} timed out on a command or was reset",
@@ -528,13 +556,15 @@ _RULES: Final[Sequence[_Rule]] = (
         numbers={"mc": "memory_controller", "count": "errors"},
         repair=RepairAction.INVESTIGATE,
     ),
-    # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.`
+    # kernel/hung_task.c: `INFO: task python3:4321 blocked for more than 120 seconds.` The
+    # name is the task's comm (15 bytes at most; it may hold a colon, `kworker/u8:2`): bounded,
+    # so a line of many `task ` costs no pass over the rest of it from each one.
     _Rule(
         "hung_task",
         "hung task",
         re.compile(
-            r"task (?P<process>.+):(?P<pid>\d+) blocked for more than "
-            r"(?P<seconds>\d+) seconds"
+            r"task (?P<process>[^\n]{1,64}?):(?P<pid>\d{1,10}) blocked for more than "
+            r"(?P<seconds>\d{1,10}) seconds"
         ),
         Severity.WARNING,
         "the task {process} (pid {pid}) was blocked in the kernel for more "
@@ -689,35 +719,6 @@ _RULES: Final[Sequence[_Rule]] = (
         triggers=("temperature/speed normal",),
         numbers={"cpu": "cpu"},
         derived=_throttle_level,
-    ),
-    # NVIDIA's osapi.c (open-gpu-kernel-modules), one printk over four or five lines: 515-570
-    # `the client has the version <v>, but / this kernel module has the version <v>.`, from
-    # 575 `the client '<comm>' (pid <n>) / has the version <v>, but this kernel module has /
-    # the version <v>.` A `dmesg` line holds only the first of them.
-    _Rule(
-        "driver_mismatch",
-        "NVIDIA driver version mismatch",
-        re.compile(
-            r"NVRM: API mismatch: the client(?: '(?P<client>[^'\n]{0,64})' "
-            r"\(pid (?P<client_pid>\d{1,10})\))?(?:\s+(?:NVRM: )?has the version|"
-            r" has the version)?(?: (?P<client_version>\d[\w.-]{0,63}?), but)?"
-            r"(?:\s+(?:NVRM: )?this kernel module has\s+(?:NVRM: )?the version "
-            r"(?P<module_version>\d[\w.-]{0,63}?)\.\s)?"
-        ),
-        Severity.CRITICAL,
-        "the NVIDIA kernel module loaded is not the version of the driver's libraries: no "
-        "program can use the GPUs (CUDA and NVML fail with 'Driver/library version "
-        "mismatch'); a driver upgrade that is not in effect until the next restart does this",
-        "restart the node to load the kernel module that matches the installed driver (or, "
-        "with no process on the GPUs, unload and reload the nvidia modules); in a container, "
-        "check that the runtime mounts the host's driver libraries",
-        ("API mismatch",),
-        numbers={"client_pid": "client_pid"},
-        texts={
-            "client": "client",
-            "client_version": "client_version",
-            "module_version": "module_version",
-        },
     ),
     # NVIDIA's nvidia-modeset (nvidia-modeset-linux.c): the modules loaded differ in version.
     _Rule(
@@ -1190,6 +1191,98 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
     )
 
 
+# NVIDIA's osapi.c (open-gpu-kernel-modules), one printk over four or five lines: 515-570
+# `the client has the version <v>, but / this kernel module has the version <v>.`, from 575
+# `the client '<comm>' (pid <n>) / has the version <v>, but this kernel module has / the
+# version <v>.` /dev/kmsg keeps it one record; a saved shape splits it into lines (indented
+# under the first, or not with `dmesg -t`), so `ApiMismatchMatcher` reads the lines after the
+# first as the rest of its text.
+_API_MISMATCH: Final = _Rule(
+    "driver_mismatch",
+    "NVIDIA driver version mismatch",
+    re.compile(
+        r"NVRM: API mismatch: the client(?: '(?P<client>[^'\n]{0,64})' "
+        r"\(pid (?P<client_pid>\d{1,10})\))?(?:\s+(?:NVRM: )?has the version|"
+        r" has the version)?(?: (?P<client_version>\d[\w.-]{0,63}?), but)?"
+        r"(?:\s+(?:NVRM: )?this kernel module has\s+(?:NVRM: )?the version "
+        r"(?P<module_version>\d[\w.-]{0,63}?)\.\s)?"
+    ),
+    Severity.CRITICAL,
+    "the NVIDIA kernel module loaded is not the version of the driver's libraries: no "
+    "program can use the GPUs (CUDA and NVML fail with 'Driver/library version "
+    "mismatch'); a driver upgrade that is not in effect until the next restart does this",
+    "restart the node to load the kernel module that matches the installed driver (or, "
+    "with no process on the GPUs, unload and reload the nvidia modules); in a container, "
+    "check that the runtime mounts the host's driver libraries",
+    ("API mismatch",),
+    numbers={"client_pid": "client_pid"},
+    texts={
+        "client": "client",
+        "client_version": "client_version",
+        "module_version": "module_version",
+    },
+)
+# The lines of the one printk follow each other, five of them at most.
+API_MISMATCH_REACH: Final = 1
+API_MISMATCH_LINES: Final = 5
+
+
+@dataclass
+class _Mismatch:
+    record: LogRecord
+    text: str
+    built: Finding
+    lines: int = 1
+
+    def finding(self) -> Finding:
+        return self.built
+
+
+class ApiMismatchMatcher(Assembling[_Mismatch]):
+    """The driver's API mismatch: both versions, whether the record came whole (/dev/kmsg)
+    or as lines (a saved shape), in which case the finding waits for the line with the
+    kernel module's version."""
+
+    triggers: Final = ("API mismatch", "the version ")
+
+    def __init__(self) -> None:
+        self._open: OpenRecords[_Mismatch] = OpenRecords(API_MISMATCH_REACH)
+
+    def feed(self, record: LogRecord) -> Iterator[Finding]:
+        yield from self._open.advance(record)
+        message = record.message
+        rule = _API_MISMATCH
+        if "API mismatch" in message:
+            match = rule.pattern.search(message)
+            if match is None:
+                return
+            state = _Mismatch(record, message[match.start() :], _rule_finding(rule, record, match))
+            if match["module_version"]:
+                found = self._open.close(_MISMATCH_KEY)
+                yield from (() if found is None else (found,))
+                yield state.built
+                return
+            yield from self._open.hold(_MISMATCH_KEY, state)
+            return
+        held = self._open.get(_MISMATCH_KEY)
+        if held is None or not message.startswith("NVRM: ") or held.lines >= API_MISMATCH_LINES:
+            return
+        held.text += "\n" + message
+        held.lines += 1
+        self._open.extend(_MISMATCH_KEY)
+        match = rule.pattern.search(held.text)
+        if match is None:
+            return
+        held.built = _rule_finding(rule, held.record, match)
+        if match["module_version"]:
+            found = self._open.close(_MISMATCH_KEY)
+            if found is not None:
+                yield found
+
+
+_MISMATCH_KEY: Final = "api mismatch"
+
+
 # mm/oom_kill.c. The summary (4.19+, dump_oom_summary) comes first:
 #   oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0-1,
 #   global_oom,task_memcg=/user.slice,task=python3,pid=9876,uid=1000
@@ -1198,9 +1291,15 @@ def _rule_finding(rule: _Rule, record: LogRecord, match: re.Match[str]) -> Findi
 # Before 5.0 the kill line stood alone; RHEL 7's kernel writes `Killed process 9876, UID 1000,
 # (python3) total-vm:...`. A process name may hold parentheses and spaces (systemd names a
 # forked child `(sd-pam)` until it execs): it ends at the `)` before ` total-vm:`.
+# The summary is one printk line (1 KiB at most) starting at its `oom-kill:`: matched there
+# only, its runs bounded, so a line of many `oom-kill:` costs no pass over the rest of it from
+# each one.
 _OOM_SUMMARY = re.compile(
-    r"oom-kill:(?P<fields>.*),task=(?P<process>.*),pid=(?P<pid>\d+),uid=(?P<uid>\d+)", re.DOTALL
+    r"oom-kill:(?P<fields>.{0,2048}),task=(?P<process>.{0,64}),pid=(?P<pid>\d{1,10}),"
+    r"uid=(?P<uid>\d{1,10})",
+    re.DOTALL,
 )
+_OOM_SUMMARY_START: Final = "oom-kill:"
 _OOM_FIELD = re.compile(r"(?:^|,)(?P<key>constraint|task_memcg|oom_memcg)=(?P<value>[^,]*)")
 _OOM_KILL = re.compile(
     r"Killed process (?P<pid>\d+)(?:, UID (?P<uid>\d+),)? \((?P<process>.*?)\)"
@@ -1245,7 +1344,9 @@ class OomMatcher(Assembling[Ready]):
     def feed(self, record: LogRecord) -> Iterator[Finding]:
         yield from self._open.advance(record)
         message = record.message
-        if (summary := _OOM_SUMMARY.search(message)) is not None:
+        start = message.find(_OOM_SUMMARY_START)
+        summary = _OOM_SUMMARY.match(message, start) if start >= 0 else None
+        if summary is not None:
             attributes: dict[str, AttributeValue] = {"uid": int(summary["uid"])}
             for field_match in _OOM_FIELD.finditer(summary["fields"]):
                 key = "memcg" if field_match["key"] == "task_memcg" else field_match["key"]
@@ -1616,6 +1717,7 @@ class HostRulesMatcher:
 def host_matchers() -> list[Matcher]:
     return [
         OomMatcher(),
+        ApiMismatchMatcher(),
         BeyondEndMatcher(),
         OopsMatcher(),
         MachineCheckMatcher(),

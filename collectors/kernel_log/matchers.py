@@ -40,7 +40,7 @@ from collectors.kernel_log.finding import (
 )
 from collectors.kernel_log.host import HOST_KINDS, HostMatcher, host_matchers
 from collectors.kernel_log.journal import LINE_WORDS as JOURNAL_LINE_WORDS
-from collectors.kernel_log.parse import LogRecord
+from collectors.kernel_log.parse import TERMINAL_ESCAPE, LogRecord
 from collectors.kernel_log.pcie import PCIE_KINDS, AerMatcher, GpuInitMatcher
 
 __all__ = [
@@ -84,7 +84,9 @@ _XID = re.compile(
     re.DOTALL,
 )
 _PID = re.compile(r"\bpid=(?P<pid>\d+)")
-_NAME = re.compile(r"\bname=(?P<name>[^,]*)")
+# `pid=%s, name=%s, %s` (kernel_rc.c): the name is a task's comm, which may hold spaces,
+# parentheses and commas; it ends at the `, ` before the driver's text (or the line's end).
+_NAME = re.compile(r"\bname=(?P<name>[^\n]{0,64}?)(?:, |$)", re.MULTILINE)
 _XID_TRIGGER: Final = "NVRM: Xid ("
 
 
@@ -450,8 +452,11 @@ class MatcherSet:
         self._search = trigger_search(self.triggers)
         # A saved raw record escapes bytes outside printable ASCII as \\xNN: such a line may
         # spell a trigger word only once unescaped, so it is always parsed.
-        # A journal line whose message is given as bytes, or left out, is parsed too.
-        self._line_search = trigger_search((*self.triggers, "\\x", *JOURNAL_LINE_WORDS))
+        # A journal line whose message is given as bytes, or left out, is parsed too, and a
+        # line with a terminal's colours in it (they may split a trigger word).
+        self._line_search = trigger_search(
+            (*self.triggers, "\\x", TERMINAL_ESCAPE, *JOURNAL_LINE_WORDS)
+        )
 
     def candidate(self, message: str) -> bool:
         """Whether a record's message can matter to any matcher."""

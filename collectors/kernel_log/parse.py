@@ -14,7 +14,18 @@ tests/fixtures/kernel_log/corpus/SOURCES.md):
   -monotonic, -unix), with or without the host name (`--no-hostname`), and syslog files
   (rsyslog's traditional and RFC 3339 formats, the host redacted or not):
   `Nov 29 18:10:02 host kernel: message`;
+- syslog files in the RFC 5424 protocol's form, with or without its `<PRI>`:
+  `<4>1 2026-11-29T18:10:02.123456+00:00 host kernel - - - message`;
 - anything else that is printable text: taken as a bare message (`dmesg -t` prints these).
+
+A printk caller id (`[  T1234]`, `[    C4]`: CONFIG_PRINTK_CALLER) is taken off the message
+wherever dmesg or the kernel's syslog text puts it: after any stamp, or alone (`dmesg -t`,
+kern.log without printk times); a raw record carries it in its header (`,caller=T1234;`).
+A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read,
+and so is a byte-order mark at its start (logs joined with `cat`).
+Stamps that name months and days are read in any locale's words (`[Di Dez  1 18:10:02 2026]`,
+`déc. 01 18:10:02 host kernel: ...`), and dmesg's reltime stamp on the days 1 to 9 (`[Dec 1
+18:10]`).
 
 A record's further lines, which dmesg and journalctl indent under its first, are records of
 their own with the first line's facility and stamp (a process cannot make the second line of
@@ -146,10 +157,14 @@ _ISO = re.compile(
     r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:[,.]\d+)?(?:Z|[+-]\d\d:?\d\d)?) (.*)",
     re.DOTALL | re.ASCII,
 )
+# A host as a syslog file names it: a name (never with a colon), or the sender's IPv6 address,
+# which a central server writes where it has no name for the sender (syslog-ng's
+# keep-hostname(no) with use-dns(no)): `2001:db8::5`, `fe80::1%eth0`, `::ffff:10.0.0.5`.
+_HOST = r"(?:[^\s:\[\]]+|[0-9A-Fa-f]{0,4}(?::[0-9A-Fa-f.]{0,15}){2,7}(?:%[\w.-]{1,16})?)"
 # journalctl short / short-precise, and syslog's traditional stamp.
 _BSD = re.compile(r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (.*)", re.DOTALL | re.ASCII)
 _BSD_KERNEL = re.compile(
-    r"([A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (?:[^\s:\[\]]+ )?kernel: ?(.*)",
+    rf"([A-Z][a-z]{{2}} [ \d]\d \d\d:\d\d:\d\d(?:\.\d+)?) (?:{_HOST} )?kernel: ?(.*)",
     re.DOTALL | re.ASCII,
 )
 # journalctl short-full: `Sun 2026-11-29 18:10:02 UTC`.
@@ -160,14 +175,41 @@ _FULL = re.compile(
 # journalctl short-unix: `1764439802.123456`.
 _UNIX = re.compile(r"(\d{9,12}\.\d{6}) (.*)", re.DOTALL | re.ASCII)
 # What follows a journal/syslog stamp: `[host ]ident[[pid]]: message`. Neither a host name nor
-# an identifier holds a colon, so `kernel: NVRM: ...` is host-less (ident `kernel`), never
-# host `kernel:` with ident `NVRM`.
-_TAIL = re.compile(r"(?:([^\s:\[\]]+) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTALL | re.ASCII)
+# an identifier holds a colon (an address does, in its own form), so `kernel: NVRM: ...` is
+# host-less (ident `kernel`), never host `kernel:` with ident `NVRM`.
+_TAIL = re.compile(rf"(?:({_HOST}) )?([^\s:\[\]]+)(\[\d+\])?: ?(.*)", re.DOTALL | re.ASCII)
 # The NVIDIA drivers' own message prefixes: after a stamp (the `kernel:` tag lost with the
 # host), they start the driver's message; no program of that name logs without a pid.
 _DRIVER_IDENT = re.compile(r"NVRM|nvidia(?:-[a-z]+\d*)?")
 _DRIVER_SAYS = re.compile(r"(?:NVRM|nvidia(?:-[a-z]+\d*)?): ")
 _JOURNAL_META = re.compile(r"-- .* --")
+# The same stamps in the reader's locale (dmesg and journalctl write their month and day names
+# with strftime after setlocale: `Mär`, `déc.`, `mié`, `дек`), and dmesg's reltime stamp on the
+# days 1 to 9 (`%b%e`: `Dec 1 18:10`). Tried when the English forms above do not match.
+_NAME = r"[^\W\d_]{2,5}\.?"
+_LOCAL_CTIME = re.compile(
+    rf"\[((?:{_NAME} ){{2}}[ \d]\d \d\d:\d\d:\d\d \d{{4}})\] ?(.*)", re.DOTALL
+)
+_LOCAL_RELTIME = re.compile(rf"{_NAME}[ \d]\d \d\d:\d\d")
+_LOCAL_BSD = re.compile(rf"({_NAME} [ \d]\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})?) (.*)", re.DOTALL)
+_LOCAL_FULL = re.compile(
+    rf"({_NAME} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z0-9+-]{{1,8}}) (.*)",
+    re.DOTALL,
+)
+# A terminal's control sequences (CSI: ESC `[`, parameters, a final byte), which a saved
+# coloured output holds (`dmesg --color=always`, `dmesg -H`, a terminal's log of journalctl).
+_TERMINAL = re.compile(r"\x1b\[[0-?]{0,32}[ -/]{0,4}[@-~]")
+TERMINAL_ESCAPE: Final = "\x1b"
+BYTE_ORDER_MARK: Final = "\ufeff"
+# RFC 5424 after its `<PRI>`: version 1, stamp, host, app name, process id, message id (each
+# `-` when nil), structured data (`-` or `[id key="value"]...`, `\]` escaped in a value), then
+# the message, which may start with a byte-order mark.
+_SYSLOG_PROTOCOL = re.compile(
+    r"1 (?P<stamp>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:\d\d)|-) "
+    r"(?P<host>\S{1,255}) (?P<app>\S{1,48}) (?P<procid>\S{1,128}) \S{1,32} "
+    r"(?:-|(?:\[(?:[^\]\\]|\\.)*\])+)(?: \ufeff?(?P<message>.*))?",
+    re.DOTALL,
+)
 
 
 def parse_kmsg_header(text: str, line: int = 0) -> LogRecord:
@@ -240,12 +282,23 @@ def _journal(stamp: str, rest: str, line: int, *, strict: bool) -> LogRecord | N
 
 
 def _kernel_text(message: str) -> str:
-    """rsyslog's kern.log keeps the kernel's stamp in the text: `kernel: [ 12.3] message`."""
+    """rsyslog's kern.log keeps the kernel's stamp in the text: `kernel: [ 12.3] message`,
+    and the caller id after it (or alone) on a kernel with CONFIG_PRINTK_CALLER."""
     if message[:1] == "[":
         inner = _DMESG.match(message)
         if inner is not None:
-            return inner[2]
+            return _uncalled(inner[2])
+        return _uncalled(message)
     return message
+
+
+def _uncalled(text: str) -> str:
+    """`text` without the printk caller id (`[  T1234] `) it starts with, if any. dmesg writes
+    one after whatever stamp its time format gives, none included (util-linux dmesg.c
+    `print_record`); the kernel's syslog(2) text after its printk time."""
+    if text[:1] == "[" and (caller := _CALLER.match(text)) is not None:
+        return text[caller.end() :]
+    return text
 
 
 def _bracketed(text: str, line: int) -> LogRecord | None:
@@ -253,7 +306,7 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
     match = _DMESG.match(text)
     if match is not None:
         return _after_stamp(match[1], match[2], line, "dmesg")
-    match = _DMESG_T.match(text)
+    match = _DMESG_T.match(text) or _LOCAL_CTIME.match(text)
     if match is not None:
         return _after_stamp(match[1], match[2], line, "dmesg-T")
     match = _BRACKET.match(text)
@@ -266,16 +319,19 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
     stamp = _STAMPS.fullmatch(inside)
     if stamp is not None:
         return _after_stamp(inside.strip(), rest, line, _FORMATS[stamp.lastgroup or "dmesg"])
+    if _LOCAL_RELTIME.fullmatch(inside) is not None:
+        return _after_stamp(inside, rest, line, "dmesg-delta")
     if _STAMP_LIKE.match(text):
         return _after_stamp("", rest, line, "dmesg", unreadable=inside)
+    if _CALLER.match(text) is not None:
+        return LogRecord(rest, line, "plain")  # `dmesg -t`: the caller id is all its prefix
     return None
 
 
 def _after_stamp(
     stamp: str, rest: str, line: int, fmt: str, unreadable: str = ""
 ) -> LogRecord | None:
-    if rest[:1] == "[" and (caller := _CALLER.match(rest)) is not None:
-        rest = rest[caller.end() :]  # CONFIG_PRINTK_CALLER's `[  T1234]`
+    rest = _uncalled(rest)  # CONFIG_PRINTK_CALLER's `[  T1234]`
     if fmt == "dmesg" and (
         rest.find("kernel: ", 0, 80) >= 0
         or rest.find("]: ", 0, 100) >= 0
@@ -294,13 +350,27 @@ def _timed(text: str, line: int) -> LogRecord | None:
     if first == "[":
         return _bracketed(text, line)
     if first.isdigit() and (iso := _ISO.match(text)) is not None:
-        return LogRecord(iso[2], line, "dmesg-iso", timestamp=iso[1])
+        return LogRecord(_uncalled(iso[2]), line, "dmesg-iso", timestamp=iso[1])
     return None
+
+
+def _syslog_protocol(text: str, line: int) -> LogRecord | None:
+    """An RFC 5424 line (`1 2026-11-29T18:10:02Z host kernel - - - message`): the kernel's
+    when its app name is `kernel` with no process id (rsyslog's imklog), else a program's."""
+    match = _SYSLOG_PROTOCOL.match(text)
+    if match is None:
+        return None
+    message, stamp = match["message"] or "", "" if match["stamp"] == "-" else match["stamp"]
+    if match["app"] == "kernel" and match["procid"] == "-":
+        return LogRecord(_kernel_text(message), line, "syslog", KERNEL_FACILITY, timestamp=stamp)
+    return LogRecord(message, line, "syslog", USER_FACILITY, timestamp=stamp)
 
 
 def _digit_first(text: str, line: int) -> LogRecord:
     if _KMSG_LIKE.match(text):
         return parse_kmsg_header(text, line)
+    if text[:2] == "1 " and (protocol := _syslog_protocol(text, line)) is not None:
+        return protocol
     stamped = _ISO.match(text)
     if stamped is not None:
         # dmesg writes its ISO stamps with a comma before the microseconds; journalctl and
@@ -309,7 +379,7 @@ def _digit_first(text: str, line: int) -> LogRecord:
             journal = _journal(stamped[1], stamped[2], line, strict=False)
             if journal is not None:
                 return journal
-        return LogRecord(stamped[2], line, "dmesg-iso", timestamp=stamped[1])
+        return LogRecord(_uncalled(stamped[2]), line, "dmesg-iso", timestamp=stamped[1])
     stamped = _UNIX.match(text)
     if stamped is not None:
         journal = _journal(stamped[1], stamped[2], line, strict=True)
@@ -328,14 +398,26 @@ def _upper_first(text: str, line: int) -> LogRecord:
         record = _journal(stamped[1], stamped[2], line, strict=False)
         if record is not None:
             return record
+    return _localised(text, line)
+
+
+def _localised(text: str, line: int) -> LogRecord:
+    """A journal line whose stamp names the month or day in the reader's locale, or a bare
+    line."""
+    stamped = _LOCAL_BSD.match(text) or _LOCAL_FULL.match(text)
+    if stamped is not None:
+        record = _journal(stamped[1], stamped[2], line, strict=False)
+        if record is not None:
+            return record
     return LogRecord(text, line, "plain")
 
 
 def _decoded(text: str, line: int) -> LogRecord:
     match = _DECODE.match(text)
     if match is None or match[1] not in FACILITIES or match[2] not in LEVELS:
-        return LogRecord(text, line, "plain")
-    facility, level, rest = FACILITIES.index(match[1]), LEVELS.index(match[2]), match[3]
+        return _localised(text, line)  # `déc. 01 18:10:02 host kernel: ...`
+    facility, level = FACILITIES.index(match[1]), LEVELS.index(match[2])
+    rest = _uncalled(match[3])  # `dmesg -x -t` on a kernel with CONFIG_PRINTK_CALLER
     inner = _timed(rest, line)
     if inner is None:
         return LogRecord(rest, line, "decode", facility, level)
@@ -401,6 +483,10 @@ def parse_line(text: str, line: int = 0) -> LogRecord | None:
     a NUL byte: `parse_lines` cuts a line at its NUL bytes before it comes here).
     """
     text = text.rstrip("\r\n")
+    if text[:1] == BYTE_ORDER_MARK:
+        text = text[1:]  # a file's start inside a file (logs joined with `cat`)
+    if TERMINAL_ESCAPE in text:
+        text = _TERMINAL.sub("", text)  # the colours of a saved terminal's output
     if not text:
         return None
     if "\x00" in text:
@@ -444,6 +530,8 @@ of a file): the indented lines that continue it are counted but not trusted."""
 
 def _continued(previous: LogRecord, text: str, line: int) -> LogRecord:
     """An indented line under `previous`: a further line of the same message."""
+    if TERMINAL_ESCAPE in text:
+        text = _TERMINAL.sub("", text)
     return LogRecord(
         message=text.lstrip(" ").rstrip("\r"),
         line=line,

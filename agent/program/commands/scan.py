@@ -3,8 +3,9 @@ system and NVMe errors, OOM kills and hung tasks, each with its meaning and what
 
 FILE may be raw /dev/kmsg records, `dmesg` (also -T, -r, -x, --json, --time-format iso),
 `journalctl` (any short output mode, with or without host names; json, json-seq, json-sse,
-json-pretty, export, verbose), a syslog file, or a journal file itself (shapes may be mixed;
-`-` reads standard input); compressed with gzip, bzip2, xz or zstd, as logrotate leaves it.
+json-pretty, export, verbose), a syslog file (RFC 5424 too), or a journal file itself (shapes
+may be mixed; `-` reads standard input); compressed with gzip, bzip2, xz or zstd, as
+logrotate leaves it.
 Lines that are not findings print nothing; malformed lines are counted and skipped; a line
 with an unreadable timestamp is still read. Lines that say they were written from user space
 (facility >= 1, a program's name instead of `kernel:`) are not trusted as findings and are
