@@ -58,7 +58,8 @@ DROP_REASONS = (
 
 Answer = tuple[int, dict[str, str], bytes]
 Responder = Callable[[bytes, str], Awaitable[Answer]]
-"""(request head, client address) -> the answer."""
+"""(request head, client address) -> the answer. To a HEAD request the server sends the
+answer's headers and no body, with the body's length as Content-Length unless it is given."""
 
 _REASONS = {
     200: "OK",
@@ -275,9 +276,13 @@ class ScrapeServer:
                 return
             connection.waiting_since = None
             keep = served < self.max_requests and may_keep_alive(head)
-            if not await self._send(
-                writer, response(*await self._respond(head, connection.client), keep)
-            ):
+            status, headers, body = await self._respond(head, connection.client)
+            if head.startswith(b"HEAD "):
+                # Whatever the path or status: a body after a HEAD answer would be read, by a
+                # client keeping the connection, as the start of the next answer.
+                headers = {"Content-Length": str(len(body)), **headers}
+                body = b""
+            if not await self._send(writer, response(status, headers, body, keep)):
                 return
             if not keep:
                 return

@@ -218,7 +218,7 @@ class PrometheusSink:
         line = request_line(head)
         if len(line) == 3:
             return line
-        method, path = line
+        _, path = line
         headers = {}
         for header in head.decode("latin-1").split("\r\n")[1:]:
             name, sep, value = header.partition(":")
@@ -234,9 +234,7 @@ class PrometheusSink:
             self.scrapes += 1
             self.runtime.record_delivery(self.name)
             log.debug("scrape served", seconds=round(time.monotonic() - started, 4))
-            if method == "HEAD":  # the length GET would send, without the body
-                out_headers["Content-Length"] = str(len(body))
-                return 200, out_headers, b""
+            # HEAD: the server sends the length of this body, without it (exporters/http.py).
             return 200, out_headers, body
         if path == "/healthz":
             status, body = self.healthz()
