@@ -16,7 +16,9 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
   evicts that client's own oldest waiting connection, or is refused (503) while all of them
   are being answered.
 - Keep-alive for HTTP/1.1 clients (Prometheus reuses its connection), at most MAX_REQUESTS a
-  connection; a request with a body, HTTP/1.0 or `Connection: close` ends it.
+  connection; a request with a body, HTTP/1.0 or `Connection: close` ends it. A head over
+  MAX_REQUEST_BYTES is answered 431; a request that leaves bytes unread (that, or a body)
+  ends with its answer, then up to LINGER_TIMEOUT of reading and dropping what still comes.
 - The listen backlog is large: under a flood of connects a short one drops the scraper's SYN,
   and the kernel's retry comes a second later.
 """
@@ -24,6 +26,7 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import ssl
 import time
@@ -42,6 +45,11 @@ SEND_TIMEOUT = 5.0
 IDLE_TIMEOUT = 75.0
 """Seconds a kept-alive connection may wait for its next request: more than a scrape
 interval of 1 min, so that Prometheus reuses its connection."""
+LINGER_TIMEOUT = 2.0
+"""Seconds a connection that ends with part of its request unread (a body, a head too
+large) is read and dropped, so that its client gets to read the answer."""
+LINGER_CHUNK = 65536
+TOO_LARGE = b"request head too large: at most %d bytes\n" % MAX_REQUEST_BYTES
 MAX_CONNECTIONS = 64
 PER_CLIENT = 8
 MAX_REQUESTS = 1000
@@ -125,11 +133,16 @@ def may_keep_alive(head: bytes) -> bool:
         return False
     if not head.split(b"\r\n", 1)[0].endswith(b" HTTP/1.1"):
         return False
-    if header_values(head, "transfer-encoding") or any(
-        v != "0" for v in header_values(head, "content-length")
-    ):
+    if has_body(head):
         return False
     return not any("close" in v.lower() for v in header_values(head, "connection"))
+
+
+def has_body(head: bytes) -> bool:
+    """Whether the request says a body follows its head (which the server never reads)."""
+    return bool(header_values(head, "transfer-encoding")) or any(
+        v != "0" for v in header_values(head, "content-length")
+    )
 
 
 @dataclass(eq=False)
@@ -162,6 +175,7 @@ class ScrapeServer:
         self.send_timeout = SEND_TIMEOUT
         self.idle_timeout = IDLE_TIMEOUT
         self.max_requests = MAX_REQUESTS
+        self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
         self.dropped: Counter[str] = Counter()
 
@@ -270,6 +284,11 @@ class ScrapeServer:
                 self.dropped[reason] += 1
                 writer.transport.abort()
                 return
+            except asyncio.LimitOverrunError:
+                # A head over MAX_REQUEST_BYTES: say so, and take the rest the client sends.
+                if await self._send(writer, response(431, {}, TOO_LARGE)):
+                    await self._linger(connection, reader)
+                return
             except _CLOSED:
                 return
             if connection not in self._open:  # evicted while its head came in
@@ -285,10 +304,28 @@ class ScrapeServer:
             if not await self._send(writer, response(status, headers, body, keep)):
                 return
             if not keep:
+                if has_body(head):  # unread, and perhaps still coming
+                    await self._linger(connection, reader)
                 return
             # The next request comes a scrape interval later; meanwhile the connection is
             # waiting, so evictable: an idle keep-alive holds no room anyone needs.
             deadline, reason = self.idle_timeout, "idle_timeout"
+
+    async def _linger(self, connection: _Connection, reader: asyncio.StreamReader) -> None:
+        """End a connection whose client may still be sending what was not read (a body, a
+        head too large): closed with that unread, it would be reset, and a client still
+        sending would never read its answer (RFC 9112 section 9.6). So: no more to send, then
+        read and drop what comes, until the client closes or LINGER_TIMEOUT. Waiting for
+        nothing, the connection may be evicted meanwhile."""
+        connection.waiting_since = time.monotonic()
+        writer = connection.writer
+        if writer.can_write_eof():  # TLS cannot half-close: its close_notify comes at close
+            with contextlib.suppress(*_CLOSED):
+                writer.write_eof()
+        with contextlib.suppress(TimeoutError, *_CLOSED):
+            async with asyncio.timeout(self.linger_timeout):
+                while connection in self._open and await reader.read(LINGER_CHUNK):
+                    pass
 
     async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> bool:
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from agent.program.watch.fleet import SETTLE_SECONDS, Fleet
 from agent.program.watch.metrics import MetricsServer
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
-from exporters.http import Answer, ScrapeServer
+from exporters.http import Answer, ScrapeServer, request_line
 from exporters.prometheus import PrometheusSink
 from tests.support.ports import free_port
 from tests.support.waiting import until
@@ -129,7 +130,10 @@ async def watcher_endpoint() -> AsyncIterator[int]:
 
 async def fixed(head: bytes, client: str) -> Answer:
     """A responder whose answer depends on the path only: /e<status> answers that status."""
-    path = head.split(b" ", 2)[1].decode()
+    line = request_line(head)
+    if len(line) == 3:
+        return line
+    path = line[1]
     if path.startswith("/e"):
         return int(path[2:]), {}, b"an error, explained\n"
     return 200, {}, b"body of " + path.encode() + b"\n"
@@ -188,3 +192,75 @@ class TestHead:
             if path != "/metrics":
                 assert head.headers["content-length"] == str(len(got.body)), path
                 assert got.body
+
+
+# -- what the server does not read ------------------------------------------------------------
+
+MB = 1 << 20
+
+
+def blocking_exchange(port: int, data: bytes) -> bytes:
+    """A plain client: send the whole request, then read the answer until the server
+    closes. A send the server reset is a failed exchange (AssertionError), as it is to most
+    clients: they never get to read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as client:
+        try:
+            client.sendall(data)
+        except OSError as exc:
+            raise AssertionError(f"the request could not be sent whole: {exc!r}") from exc
+        answer = b""
+        try:
+            while chunk := client.recv(65536):
+                answer += chunk
+        except ConnectionResetError as exc:
+            raise AssertionError(f"reset after {answer[:200]!r}") from exc
+        return answer
+
+
+UNREAD = {
+    # A request head over the 8 KiB the server reads: one long header, a long target, many
+    # headers, a head so long that it is still being sent when the server answers.
+    "header-9KiB": (b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431),
+    "target-16KiB": (b"GET /metrics?" + b"q" * 16384 + b" HTTP/1.1\r\n\r\n", 431),
+    "2000-headers": (
+        b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(2000)) + b"\r\n",
+        431,
+    ),
+    "header-8MiB": (b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * (8 * MB) + b"\r\n\r\n", 431),
+    # A body the server never reads: refused (POST), or ignored (GET), then the connection
+    # ends; the client is still sending it.
+    "post-8MiB": (b"POST /metrics HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (8 * MB), 405),
+    "get-8MiB-body": (b"GET /metrics HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (8 * MB), 200),
+    "put-chunked": (
+        b"PUT /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (MB, b"c" * MB) * 8
+        + b"0\r\n\r\n",
+        405,
+    ),
+}
+BODIES = {"post-8MiB": 8 * MB, "get-8MiB-body": 8 * MB}
+
+
+class TestUnread:
+    """A request the server does not read to its end still gets its answer: a clear 431 for
+    a head too large, 405 for a method with a body; the rest of the request is taken and
+    dropped while the client sends it (a close with it unread resets the connection, and the
+    client, still sending, never reads the answer: RFC 9112 section 9.6)."""
+
+    @pytest.mark.parametrize("shape", list(UNREAD))
+    async def test_the_client_reads_its_answer(self, endpoint: Endpoint, shape: str) -> None:
+        data, status = UNREAD[shape]
+        data += b"b" * BODIES.get(shape, 0)
+        answer = await asyncio.to_thread(blocking_exchange, endpoint.port, data)
+        replies, rest = split_replies(answer, ["GET"])
+        assert [r.status for r in replies] == [status], answer[:300]
+        assert rest == b""
+        assert b"Connection: close" in answer.split(b"\r\n\r\n", 1)[0]
+
+    async def test_a_scrape_after_each(self, endpoint: Endpoint) -> None:
+        """The connection that sent too much is gone; the next one is served."""
+        for data, _ in UNREAD.values():
+            with contextlib.suppress(AssertionError):
+                await asyncio.to_thread(blocking_exchange, endpoint.port, data)
+        answer = await exchange(endpoint.port, [get("GET", "/metrics", True)])
+        assert [r.status for r in split_replies(answer, ["GET"])[0]] == [200]
