@@ -30,6 +30,7 @@ import contextlib
 import ipaddress
 import ssl
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -111,7 +112,18 @@ def request_line(head: bytes) -> tuple[str, str] | Answer:
     method, target, _ = parts
     if method not in ("GET", "HEAD"):
         return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"
-    return method, target.split("?", 1)[0]
+    return method, target_path(target)
+
+
+def target_path(target: str) -> str:
+    """The path a request target names, without its query: from the origin form
+    (`/metrics?x`) or the absolute form (`http://node:9445/metrics`, which a server must
+    take: RFC 9112 section 3.2.2), percent-decoded (`/%6detrics` is `/metrics`)."""
+    path = target.split("?", 1)[0]
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        path = "/" + rest.partition("/")[2]
+    return urllib.parse.unquote(path)
 
 
 def header_values(head: bytes, name: str) -> list[str]:

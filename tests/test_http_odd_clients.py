@@ -27,7 +27,7 @@ from agent.program.watch.fleet import SETTLE_SECONDS, Fleet
 from agent.program.watch.metrics import MetricsServer
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
-from exporters.http import Answer, ScrapeServer, request_line
+from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, request_line
 from exporters.prometheus import PrometheusSink
 from tests.support.ports import free_port
 from tests.support.waiting import until
@@ -136,7 +136,9 @@ async def fixed(head: bytes, client: str) -> Answer:
     path = line[1]
     if path.startswith("/e"):
         return int(path[2:]), {}, b"an error, explained\n"
-    return 200, {}, b"body of " + path.encode() + b"\n"
+    if path == "/metrics":
+        return 200, {"Content-Type": CONTENT_TYPE}, b"body of /metrics\n"
+    return 404, {}, b"not found\n"
 
 
 @contextlib.asynccontextmanager
@@ -170,7 +172,7 @@ async def endpoint(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
 PATHS = {
     "agent": ["/metrics", "/healthz", "/", "/nope"],
     "watcher": ["/metrics", "/healthz", "/nope"],
-    "bare": ["/metrics", "/e404", "/e503", "/e429"],
+    "bare": ["/metrics", "/nope", "/e503", "/e429"],
 }
 
 
@@ -264,3 +266,35 @@ class TestUnread:
                 await asyncio.to_thread(blocking_exchange, endpoint.port, data)
         answer = await exchange(endpoint.port, [get("GET", "/metrics", True)])
         assert [r.status for r in split_replies(answer, ["GET"])[0]] == [200]
+
+
+# -- the request target -----------------------------------------------------------------------
+
+SAME_AS_METRICS = [
+    "/metrics?x",
+    "/metrics?",
+    "/metrics?format=prometheus&x=%20",
+    "/%6detrics",  # percent-encoded unreserved characters are the same characters (RFC 3986)
+    "/metric%73",
+    "http://127.0.0.1/metrics",  # absolute-form, which a server must take (RFC 9112 3.2.2)
+    "HTTP://gpu-node-7:9445/metrics?x=1",
+    "https://[::1]:9445/metrics",
+]
+NOT_METRICS = ["//metrics", "/metrics/", "/metricsx", "/metrics%2F", "http://host/metricsx"]
+
+
+class TestTarget:
+    """The path is the target's, whatever form the target takes; a different path is 404."""
+
+    @pytest.mark.parametrize("target", SAME_AS_METRICS)
+    async def test_forms_of_metrics(self, endpoint: Endpoint, target: str) -> None:
+        answer = await exchange(endpoint.port, [get("GET", target, True)])
+        (reply,), _ = split_replies(answer, ["GET"])
+        assert reply.status == 200, answer[:200]
+        assert reply.headers["content-type"].startswith("text/plain; version=0.0.4")
+
+    @pytest.mark.parametrize("target", NOT_METRICS)
+    async def test_other_paths(self, endpoint: Endpoint, target: str) -> None:
+        answer = await exchange(endpoint.port, [get("GET", target, True)])
+        (reply,), _ = split_replies(answer, ["GET"])
+        assert reply.status == 404, answer[:200]
