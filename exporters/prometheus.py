@@ -8,7 +8,6 @@ away do not linger, then this process's process_* series.
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import ssl
 import time
@@ -24,9 +23,11 @@ from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
 from exporters.exposition import ProcessMetrics, snapshot_text
 from exporters.http import (
+    ACCEPT_FAILURES,
     CONTENT_TYPE,
     DROP_REASONS,
     Answer,
+    Listener,
     ScrapeServer,
     header_values,
     parse_listen,
@@ -48,6 +49,12 @@ CONNECTIONS_DROPPED = MetricFamily(
     "gpuwarden_http_connections_dropped_total",
     MetricType.COUNTER,
     "Connections to /metrics closed before an answer, by reason (exporters/http.py)",
+    ("reason",),
+)
+ACCEPT_FAILED = MetricFamily(
+    "gpuwarden_http_accept_failed_total",
+    MetricType.COUNTER,
+    "Connections to /metrics that could not be accepted: out_of_files (EMFILE and the like)",
     ("reason",),
 )
 AUTH_REFUSED = MetricFamily(
@@ -127,17 +134,18 @@ class PrometheusSink:
         self.runtime = runtime
         self.process = ProcessMetrics()
         self.scrapes = 0
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
         self._gate: AuthGate | None = None
         self.http = ScrapeServer(self._answer)
 
     def families(self) -> Sequence[MetricFamily]:
-        return (CONNECTIONS_DROPPED, AUTH_REFUSED)
+        return (CONNECTIONS_DROPPED, ACCEPT_FAILED, AUTH_REFUSED)
 
     def samples(self) -> Sequence[Sample]:
         # Every reason always, from 0: a rate() over a series that appears late misses its
         # first increase.
         out = [CONNECTIONS_DROPPED.sample(self.http.dropped[r], r) for r in DROP_REASONS]
+        out += [ACCEPT_FAILED.sample(self.http.accept_failed[r], r) for r in ACCEPT_FAILURES]
         if self._gate is not None:
             out += [AUTH_REFUSED.sample(self._gate.refused[r], r) for r in REFUSAL_REASONS]
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -28,7 +29,8 @@ from agent.program.watch.metrics import MetricsServer
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
 from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, request_line
-from exporters.prometheus import PrometheusSink
+from exporters.prometheus import PrometheusSettings, PrometheusSink
+from tests.support.collectors import scripted_runtime
 from tests.support.ports import free_port
 from tests.support.waiting import until
 
@@ -298,3 +300,55 @@ class TestTarget:
         answer = await exchange(endpoint.port, [get("GET", target, True)])
         (reply,), _ = split_replies(answer, ["GET"])
         assert reply.status == 404, answer[:200]
+
+
+# -- where it listens -------------------------------------------------------------------------
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def sink_on(listen: str) -> PrometheusSink:
+    runtime, _ = scripted_runtime({"a": "ok"})
+    return PrometheusSink(PrometheusSettings(listen=listen), runtime)
+
+
+class TestListen:
+    """The agent listens where it is told, IPv6 included, and a port taken says so."""
+
+    @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+    async def test_ipv6(self) -> None:
+        sink = sink_on(f"[::1]:{free_port()}")
+        await sink.start()
+        try:
+            assert sink.address[0] == "::1"
+            reader, writer = await asyncio.open_connection("::1", sink.address[1])
+            writer.write(get("GET", "/metrics", close=True))
+            answer = await asyncio.wait_for(reader.read(), 10.0)
+            writer.close()
+            assert [r.status for r in split_replies(answer, ["GET"])[0]] == [200]
+        finally:
+            await sink.stop()
+
+    @pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+    async def test_port_in_use(self, family: socket.AddressFamily) -> None:
+        if family == socket.AF_INET6 and not ipv6_loopback():
+            pytest.skip("no IPv6 loopback here")
+        host = "127.0.0.1" if family == socket.AF_INET else "::1"
+        with socket.socket(family) as taken:
+            taken.bind((host, 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            listen = f"{host}:{port}" if family == socket.AF_INET else f"[{host}]:{port}"
+            sink = sink_on(listen)
+            with pytest.raises(OSError, match="another process using the port") as raised:
+                await sink.start()
+            assert raised.value.errno == errno.EADDRINUSE
+            assert listen in str(raised.value)
+            await sink.stop()
