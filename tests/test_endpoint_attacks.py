@@ -35,8 +35,24 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 @pytest.mark.parametrize(
     ("kind", "count", "sources"),
-    [("idle", 40, 1), ("slowloris", 200, 1), ("slowloris", 200, 50), ("flood", 1000, 4)],
-    ids=["40-idle", "200-slowloris", "200-slowloris-50-hosts", "1000-concurrent-gets"],
+    [
+        ("idle", 40, 1),
+        ("slowloris", 200, 1),
+        ("slowloris", 200, 50),
+        ("flood", 1000, 4),
+        ("pipeline", 16, 2),
+        ("oversize", 16, 4),
+        ("reset", 16, 4),
+    ],
+    ids=[
+        "40-idle",
+        "200-slowloris",
+        "200-slowloris-50-hosts",
+        "1000-concurrent-gets",
+        "16-pipelines-unread",
+        "16-oversize",
+        "16-resetting",
+    ],
 )
 def test_scraper_keeps_its_answers(
     agent: AgentProcess, kind: str, count: int, sources: int
@@ -94,7 +110,9 @@ def test_out_of_files_the_scraper_is_answered_and_the_log_is_quiet(
         assert tally.connections >= count
         scrapes = result[0]
         assert scrapes.ratio >= 0.95, (scrapes, tally)
-        assert scrapes.ok + scrapes.failed >= 12
+        # Few waited long (a scrape that waits out its 2 s is two of the 0.25 s polls); the
+        # agent under a limit is given the margin of a loaded machine.
+        assert scrapes.ok + scrapes.failed >= 8
         status, body = http_get(agent.metrics_url)
         assert status == 200
         assert agent.process is not None and agent.process.poll() is None
