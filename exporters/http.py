@@ -9,9 +9,11 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
   nothing but a socket, so it is the one given up when room is needed: a new connection over
-  the budget evicts the oldest waiting one of the client holding the most connections. A
-  slowloris or a crowd of idle sockets then only ever evicts itself, and a scraper, whose
-  request follows its connect at once, is busy (not evictable) by the time anyone could.
+  the budget evicts a waiting one of the client holding the most connections, one never
+  answered first, then the oldest. A slowloris or a crowd of idle sockets then only ever
+  evicts itself, and a scraper, whose request follows its connect at once, is busy (not
+  evictable) by the time anyone could; its kept connection, idle between scrapes and so the
+  oldest waiting, goes after every never-answered one (its next request may be in flight).
 - At most PER_CLIENT connections per client (an IPv4 address, an IPv6 /64): the next one
   evicts that client's own oldest waiting connection, or is refused (503) while all of them
   are being answered.
@@ -176,6 +178,8 @@ class _Connection:
     writer: asyncio.StreamWriter
     waiting_since: float | None = field(default_factory=time.monotonic)
     """When it began waiting for a request head; None while a request is being answered."""
+    answered: int = 0
+    """Requests answered on it: a kept connection that has been answered is a scraper's."""
 
 
 class ScrapeServer:
@@ -316,12 +320,14 @@ class ScrapeServer:
         return connection
 
     def _victim(self) -> _Connection | None:
-        """The oldest waiting connection of the client that holds the most connections."""
+        """A waiting connection of the client that holds the most connections: one never
+        answered first, then the oldest waiting (_oldest_waiting)."""
         held = Counter(c.client for c in self._open)
         waiting = [c for c in self._open if c.waiting_since is not None]
         if not waiting:
             return None
-        return max(waiting, key=lambda c: (held[c.client], -(c.waiting_since or 0.0)))
+        most = max(held[c.client] for c in waiting)
+        return _oldest_waiting([c for c in waiting if held[c.client] == most])
 
     def _evict(self, victim: _Connection) -> None:
         self.dropped["evicted"] += 1
@@ -376,6 +382,7 @@ class ScrapeServer:
                 body = b""
             if not await self._send(writer, response(status, headers, body, keep)):
                 return
+            connection.answered += 1
             if not keep:
                 if has_body(head):  # unread, and perhaps still coming
                     await self._linger(connection, reader)
@@ -544,8 +551,13 @@ def client_key(address: str) -> str:
 
 
 def _oldest_waiting(connections: list[_Connection]) -> _Connection | None:
+    """The waiting connection to give up first: one that never had an answer (a scraper's
+    kept connection has had some, and its next request may be on its way: evicted, that one
+    would be reset), then the one waiting longest."""
     waiting = [c for c in connections if c.waiting_since is not None]
-    return min(waiting, key=lambda c: c.waiting_since or 0.0) if waiting else None
+    if not waiting:
+        return None
+    return min(waiting, key=lambda c: (c.answered > 0, c.waiting_since or 0.0))
 
 
 def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:

@@ -7,8 +7,10 @@ this change each of them silenced the scraper (bench/endpoint_attack.py prints t
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import pytest
 
 from tests.support.agent_proc import AgentProcess, http_get
 from tests.support.endpoint_attack import Scrapes, finish_attack, scrape, start_attack
+from tests.support.prometheus_server import PrometheusServer
+from tests.support.waiting import wait_until
 
 SECONDS = 4.0
 CONFIG = (
@@ -122,3 +126,53 @@ def test_out_of_files_the_scraper_is_answered_and_the_log_is_quiet(
     told = [line for line in agent.log().splitlines() if "Too many open files" in line]
     assert len(told) <= 3, (len(told), told[:3])
     assert 'gpuwarden_http_accept_failed_total{reason="out_of_files"}' in body
+
+
+# Crowds of one-connection clients, from loopback addresses 127.0.0.2 and up (Prometheus is
+# 127.0.0.1). The floods and the odd clients are left to the scraper of the tests above:
+# here, with Prometheus and more attack processes on this machine's two shared cores, a
+# scrape late by CPU time would say nothing of the server.
+ALL_AT_ONCE = [("idle", 200, 200), ("slowloris", 300, 150)]
+WINDOW = 12
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian) missing")
+def test_a_real_prometheus_misses_no_scrape_while_attacked(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    """Prometheus itself (its kept connection, its Accept and Accept-Encoding headers, its
+    1 s timeout) scrapes the agent every second while the attacks run: every scrape in the
+    window is `up`, and has the agent's series. Its kept connection, idle between scrapes,
+    used to be the oldest waiting one among a crowd of one-connection clients, and evicted,
+    its next scrape reset (10 of 12 up)."""
+    prometheus = PrometheusServer(
+        tmp_path / "prometheus",
+        "global: {scrape_interval: 1s, scrape_timeout: 1s}\nscrape_configs:\n"
+        f"  - job_name: agent\n    static_configs: [{{targets: ['127.0.0.1:{agent.port}']}}]\n",
+    ).start()
+    try:
+        wait_until(lambda: bool(prometheus.query('up{job="agent"} == 1')), 30, "a first scrape")
+        attackers = [
+            start_attack(kind, agent.port, WINDOW, count, sources)
+            for kind, count, sources in ALL_AT_ONCE
+        ]
+        errors = set()  # what Prometheus says of the scrapes that failed, for the report
+        deadline = time.monotonic() + WINDOW
+        while time.monotonic() < deadline:
+            errors |= {t["lastError"] for t in prometheus.api("targets")["activeTargets"]}
+            time.sleep(0.3)
+        tallies = [finish_attack(attacker, WINDOW + 30) for attacker in attackers]
+        window = f"[{WINDOW}s]"
+        (count,) = prometheus.query(f'count_over_time(up{{job="agent"}}{window})')
+        (up,) = prometheus.query(f'sum_over_time(up{{job="agent"}}{window})')
+        (series,) = prometheus.query(
+            f'min_over_time(scrape_samples_scraped{{job="agent"}}{window})'
+        )
+    finally:
+        prometheus.stop()
+    scrapes, answered = float(count["value"][1]), float(up["value"][1])
+    assert scrapes >= WINDOW - 3, (count, tallies)  # Prometheus scraped all along
+    assert answered == scrapes, (answered, scrapes, errors - {""}, tallies)
+    assert float(series["value"][1]) > 50
+    assert all(t.connections > 0 for t in tallies), tallies
+    assert agent.process is not None and agent.process.poll() is None
