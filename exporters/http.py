@@ -152,6 +152,30 @@ def header_values(head: bytes, name: str) -> list[str]:
     return values
 
 
+def accepts_gzip(head: bytes) -> bool:
+    """Whether the request's Accept-Encoding headers take gzip: listed (or `*`) with a
+    q-value above 0 and not refused by name (RFC 9110 section 12.5.3; names are
+    case-insensitive)."""
+    weights: dict[str, float] = {}
+    for value in header_values(head, "accept-encoding"):
+        for item in value.split(","):
+            name, _, params = item.partition(";")
+            weight = 1.0
+            for param in params.split(";"):
+                key, sep, number = param.partition("=")
+                if sep and key.strip().lower() == "q":
+                    try:
+                        weight = float(number.strip())
+                    except ValueError:
+                        weight = 0.0  # not a q-value: not an acceptance
+            if name.strip():
+                weights[name.strip().lower()] = weight
+    for name in ("gzip", "x-gzip"):
+        if name in weights:
+            return weights[name] > 0
+    return weights.get("*", 0.0) > 0
+
+
 def may_keep_alive(head: bytes) -> bool:
     """Whether the connection may carry another request after this one: an HTTP/1.1 GET or
     HEAD without a body (one we do not read would be taken for the next request) and without

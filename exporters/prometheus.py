@@ -29,6 +29,7 @@ from exporters.http import (
     Answer,
     Listener,
     ScrapeServer,
+    accepts_gzip,
     header_values,
     parse_listen,
     request_line,
@@ -227,16 +228,11 @@ class PrometheusSink:
         if len(line) == 3:
             return line
         _, path = line
-        headers = {}
-        for header in head.decode("latin-1").split("\r\n")[1:]:
-            name, sep, value = header.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
         if path == "/metrics":
             started = time.monotonic()
             body = self.metrics_body()
             out_headers = {"Content-Type": CONTENT_TYPE}
-            if "gzip" in headers.get("accept-encoding", ""):
+            if accepts_gzip(head):
                 body = gzip.compress(body, compresslevel=1)
                 out_headers["Content-Encoding"] = "gzip"
             self.scrapes += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gzip
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -352,3 +353,56 @@ class TestListen:
             assert raised.value.errno == errno.EADDRINUSE
             assert listen in str(raised.value)
             await sink.stop()
+
+
+# -- negotiation ------------------------------------------------------------------------------
+
+GZIP = {
+    "gzip": True,
+    "GZip": True,  # content codings are case-insensitive (RFC 9110 8.4.1)
+    "gzip, deflate, br": True,
+    "br;q=1.0, gzip;q=0.5": True,
+    "*": True,
+    "": False,
+    "identity": False,
+    "gzip;q=0": False,  # q=0: not acceptable (RFC 9110 12.5.3)
+    "br, gzip; q=0": False,
+    "gzip;q=0.000": False,
+    "*;q=0": False,
+    "*, gzip;q=0": False,
+    "deflate, br": False,
+}
+ACCEPT = [
+    # Prometheus 2.42's, and the protobuf and OpenMetrics-only asks: the text format answers.
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited",
+    "application/openmetrics-text;version=1.0.0",
+    "text/html",
+]
+
+
+class TestNegotiation:
+    """gzip exactly when the client takes it; the text format whatever it asks for."""
+
+    async def test_gzip_when_acceptable(self, tmp_path: Path) -> None:
+        """(The agent's endpoint only: the watcher's does not compress.)"""
+        async with agent_endpoint(tmp_path) as port:
+            for codings, wanted in GZIP.items():
+                header = f"Accept-Encoding: {codings}\r\n" if codings else ""
+                request = f"GET /metrics HTTP/1.1\r\n{header}Connection: close\r\n\r\n"
+                answer = await exchange(port, [request.encode()])
+                (reply,), _ = split_replies(answer, ["GET"])
+                assert reply.status == 200
+                gzipped = reply.headers.get("content-encoding") == "gzip"
+                assert gzipped is wanted, (codings, reply.headers)
+                body = gzip.decompress(reply.body) if gzipped else reply.body
+                assert body.startswith(b"# HELP ")
+
+    @pytest.mark.parametrize("accept", ACCEPT)
+    async def test_text_format_whatever_is_asked(self, endpoint: Endpoint, accept: str) -> None:
+        request = f"GET /metrics HTTP/1.1\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
+        answer = await exchange(endpoint.port, [request.encode()])
+        (reply,), _ = split_replies(answer, ["GET"])
+        assert reply.status == 200
+        assert reply.headers["content-type"] == CONTENT_TYPE
