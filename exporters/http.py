@@ -459,14 +459,19 @@ class Listener:
     unanswered."""
 
     def __init__(self, server: ScrapeServer, sockets: list[socket.socket]) -> None:
-        self.sockets = tuple(sockets)
+        self._sockets = tuple(sockets)
         self._server = server
         self._loop = asyncio.get_running_loop()
         self._closed = self._loop.create_future()
         self._resume: dict[int, asyncio.TimerHandle] = {}
         self._connecting: set[asyncio.Task[None]] = set()
-        for sock in self.sockets:
+        for sock in self._sockets:
             self._loop.add_reader(sock.fileno(), self._ready, sock)
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        """The listening sockets; none once closed (as asyncio's Server)."""
+        return () if self._closed.done() else self._sockets
 
     def _ready(self, sock: socket.socket) -> None:
         for _ in range(BACKLOG):
@@ -506,7 +511,7 @@ class Listener:
         self._closed.set_result(None)
         for handle in self._resume.values():
             handle.cancel()
-        for sock in self.sockets:
+        for sock in self._sockets:
             if sock.fileno() >= 0:
                 self._loop.remove_reader(sock.fileno())
             sock.close()

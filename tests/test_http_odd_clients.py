@@ -337,6 +337,15 @@ class TestListen:
         finally:
             await sink.stop()
 
+    async def test_address_after_stop(self) -> None:
+        """Stopped, the sink names the address it was told (its sockets are gone)."""
+        port = free_port()
+        sink = sink_on(f"127.0.0.1:{port}")
+        await sink.start()
+        assert sink.address == ("127.0.0.1", port)
+        await sink.stop()
+        assert sink.address == ("127.0.0.1", port)
+
     @pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
     async def test_port_in_use(self, family: socket.AddressFamily) -> None:
         if family == socket.AF_INET6 and not ipv6_loopback():
