@@ -9,8 +9,8 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
   nothing but a socket, so it is the one given up when room is needed: a new connection over
-  the budget evicts a waiting one of the client holding the most connections, one never
-  answered first, then the oldest. A slowloris or a crowd of idle sockets then only ever
+  the budget evicts a waiting one of the client holding the most connections: one draining
+  (answered, its unread rest still coming) first, then one never answered, then the oldest. A slowloris or a crowd of idle sockets then only ever
   evicts itself, and a scraper, whose request follows its connect at once, is busy (not
   evictable) by the time anyone could; its kept connection, idle between scrapes and so the
   oldest waiting, goes after every never-answered one (its next request may be in flight).
@@ -204,6 +204,8 @@ class _Connection:
     """When it began waiting for a request head; None while a request is being answered."""
     answered: int = 0
     """Requests answered on it: a kept connection that has been answered is a scraper's."""
+    draining: bool = False
+    """Answered and ending, what is left of its request read and dropped (_linger)."""
 
 
 class ScrapeServer:
@@ -422,6 +424,7 @@ class ScrapeServer:
         read and drop what comes, until the client closes or LINGER_TIMEOUT. Waiting for
         nothing, the connection may be evicted meanwhile."""
         connection.waiting_since = time.monotonic()
+        connection.draining = True
         writer = connection.writer
         if writer.can_write_eof():  # TLS cannot half-close: its close_notify comes at close
             with contextlib.suppress(*_CLOSED):
@@ -580,13 +583,19 @@ def client_key(address: str) -> str:
 
 
 def _oldest_waiting(connections: list[_Connection]) -> _Connection | None:
-    """The waiting connection to give up first: one that never had an answer (a scraper's
-    kept connection has had some, and its next request may be on its way: evicted, that one
-    would be reset), then the one waiting longest."""
+    """The waiting connection to give up first: one draining (nothing more to answer on
+    it), then one that never had an answer (a scraper's kept connection has had some, and
+    its next request may be on its way: evicted, that one would be reset), then the one
+    waiting longest."""
     waiting = [c for c in connections if c.waiting_since is not None]
     if not waiting:
         return None
-    return min(waiting, key=lambda c: (c.answered > 0, c.waiting_since or 0.0))
+
+    def order(c: _Connection) -> tuple[int, float]:
+        rank = 0 if c.draining else 1 if c.answered == 0 else 2
+        return rank, c.waiting_since or 0.0
+
+    return min(waiting, key=order)
 
 
 def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:

@@ -245,6 +245,27 @@ class TestKeptScraper:
                     client.close()
 
 
+class TestDraining:
+    """A connection answered and ending, its unread body still coming (read and dropped for
+    up to the linger time), is the first given up: nothing more will be answered on it."""
+
+    async def test_the_budget_evicts_a_draining_connection_first(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        with await connect(port, "127.0.0.2") as poster:
+            await send(poster, b"POST /metrics HTTP/1.1\r\nContent-Length: 1000000\r\n\r\nxx")
+            assert b"Connection: close" in await receive(poster)  # answered; body unread
+            crowd = [await connect(port, f"127.0.0.{3 + i}") for i in range(6)]
+            try:
+                await until(lambda: server.dropped["evicted"] == 1, what="one evicted")
+                await send(crowd[0], GET)
+                assert (await receive(crowd[0])).startswith(b"HTTP/1.1 200 ")
+            finally:
+                for client in crowd:
+                    client.close()
+
+
 class TestKeepAlive:
     """HTTP/1.1 connections carry several requests, up to a cap; idle ones give way."""
 
