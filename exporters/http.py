@@ -9,24 +9,36 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
   nothing but a socket, so it is the one given up when room is needed: a new connection over
-  the budget evicts the oldest waiting one of the client holding the most connections. A
-  slowloris or a crowd of idle sockets then only ever evicts itself, and a scraper, whose
-  request follows its connect at once, is busy (not evictable) by the time anyone could.
+  the budget evicts a waiting one of the client holding the most connections: one draining
+  (answered, its unread rest still coming) first, then one never answered, then the oldest. A slowloris or a crowd of idle sockets then only ever
+  evicts itself, and a scraper, whose request follows its connect at once, is busy (not
+  evictable) by the time anyone could; its kept connection, idle between scrapes and so the
+  oldest waiting, goes after every never-answered one (its next request may be in flight).
 - At most PER_CLIENT connections per client (an IPv4 address, an IPv6 /64): the next one
   evicts that client's own oldest waiting connection, or is refused (503) while all of them
   are being answered.
 - Keep-alive for HTTP/1.1 clients (Prometheus reuses its connection), at most MAX_REQUESTS a
-  connection; a request with a body, HTTP/1.0 or `Connection: close` ends it.
+  connection; a request with a body, HTTP/1.0 or `Connection: close` ends it. A head over
+  MAX_REQUEST_BYTES is answered 431; a request that leaves bytes unread (that, or a body)
+  ends with its answer, then up to LINGER_TIMEOUT of reading and dropping what still comes.
 - The listen backlog is large: under a flood of connects a short one drops the scraper's SYN,
   and the kernel's retry comes a second later.
+- Out of files (EMFILE on accept: a low limit, or files held elsewhere in the process), the
+  listener gives up a waiting connection to make room, or waits ACCEPT_BACKOFF, and says so
+  at most once a minute (Listener: asyncio's own went on trying, a logged traceback each).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import ipaddress
+import resource
+import socket
 import ssl
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,11 +54,23 @@ SEND_TIMEOUT = 5.0
 IDLE_TIMEOUT = 75.0
 """Seconds a kept-alive connection may wait for its next request: more than a scrape
 interval of 1 min, so that Prometheus reuses its connection."""
+LINGER_TIMEOUT = 2.0
+"""Seconds a connection that ends with part of its request unread (a body, a head too
+large) is read and dropped, so that its client gets to read the answer."""
+LINGER_CHUNK = 65536
+TOO_LARGE = b"request head too large: at most %d bytes\n" % MAX_REQUEST_BYTES
 MAX_CONNECTIONS = 64
 PER_CLIENT = 8
 MAX_REQUESTS = 1000
 """Requests on one kept-alive connection; then the response says Connection: close."""
 BACKLOG = 1024
+ACCEPT_BACKOFF = 0.1
+"""Seconds before the next accept after one failed (out of files, say) with no waiting
+connection to give up for room."""
+ACCEPT_LOG_EVERY = 60.0
+"""Seconds between two warnings about accepts that failed (each failure is counted)."""
+ACCEPT_FAILURES = ("out_of_files", "other")  # out of files: EMFILE, ENFILE, ENOBUFS, ENOMEM
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 DROP_REASONS = (
     "header_timeout",  # no whole request head (or TLS handshake) within HEADER_TIMEOUT
     "idle_timeout",  # no next request on a kept-alive connection within IDLE_TIMEOUT
@@ -58,7 +82,8 @@ DROP_REASONS = (
 
 Answer = tuple[int, dict[str, str], bytes]
 Responder = Callable[[bytes, str], Awaitable[Answer]]
-"""(request head, client address) -> the answer."""
+"""(request head, client address) -> the answer. To a HEAD request the server sends the
+answer's headers and no body, with the body's length as Content-Length unless it is given."""
 
 _REASONS = {
     200: "OK",
@@ -102,7 +127,18 @@ def request_line(head: bytes) -> tuple[str, str] | Answer:
     method, target, _ = parts
     if method not in ("GET", "HEAD"):
         return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"
-    return method, target.split("?", 1)[0]
+    return method, target_path(target)
+
+
+def target_path(target: str) -> str:
+    """The path a request target names, without its query: from the origin form
+    (`/metrics?x`) or the absolute form (`http://node:9445/metrics`, which a server must
+    take: RFC 9112 section 3.2.2), percent-decoded (`/%6detrics` is `/metrics`)."""
+    path = target.split("?", 1)[0]
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme.lower() in ("http", "https"):
+        path = "/" + rest.partition("/")[2]
+    return urllib.parse.unquote(path)
 
 
 def header_values(head: bytes, name: str) -> list[str]:
@@ -116,6 +152,30 @@ def header_values(head: bytes, name: str) -> list[str]:
     return values
 
 
+def accepts_gzip(head: bytes) -> bool:
+    """Whether the request's Accept-Encoding headers take gzip: listed (or `*`) with a
+    q-value above 0 and not refused by name (RFC 9110 section 12.5.3; names are
+    case-insensitive)."""
+    weights: dict[str, float] = {}
+    for value in header_values(head, "accept-encoding"):
+        for item in value.split(","):
+            name, _, params = item.partition(";")
+            weight = 1.0
+            for param in params.split(";"):
+                key, sep, number = param.partition("=")
+                if sep and key.strip().lower() == "q":
+                    try:
+                        weight = float(number.strip())
+                    except ValueError:
+                        weight = 0.0  # not a q-value: not an acceptance
+            if name.strip():
+                weights[name.strip().lower()] = weight
+    for name in ("gzip", "x-gzip"):
+        if name in weights:
+            return weights[name] > 0
+    return weights.get("*", 0.0) > 0
+
+
 def may_keep_alive(head: bytes) -> bool:
     """Whether the connection may carry another request after this one: an HTTP/1.1 GET or
     HEAD without a body (one we do not read would be taken for the next request) and without
@@ -124,11 +184,16 @@ def may_keep_alive(head: bytes) -> bool:
         return False
     if not head.split(b"\r\n", 1)[0].endswith(b" HTTP/1.1"):
         return False
-    if header_values(head, "transfer-encoding") or any(
-        v != "0" for v in header_values(head, "content-length")
-    ):
+    if has_body(head):
         return False
     return not any("close" in v.lower() for v in header_values(head, "connection"))
+
+
+def has_body(head: bytes) -> bool:
+    """Whether the request says a body follows its head (which the server never reads)."""
+    return bool(header_values(head, "transfer-encoding")) or any(
+        v != "0" for v in header_values(head, "content-length")
+    )
 
 
 @dataclass(eq=False)
@@ -137,12 +202,17 @@ class _Connection:
     writer: asyncio.StreamWriter
     waiting_since: float | None = field(default_factory=time.monotonic)
     """When it began waiting for a request head; None while a request is being answered."""
+    answered: int = 0
+    """Requests answered on it: a kept connection that has been answered is a scraper's."""
+    draining: bool = False
+    """Answered and ending, what is left of its request read and dropped (_linger)."""
 
 
 class ScrapeServer:
     """Serves connections with `respond(request head, client) -> (status, headers, body)`.
 
-    `dropped` counts connections closed early, by reason (DROP_REASONS).
+    `dropped` counts connections closed early, by reason (DROP_REASONS); `accept_failed`
+    accepts that failed, by reason (ACCEPT_FAILURES).
     """
 
     def __init__(
@@ -161,26 +231,74 @@ class ScrapeServer:
         self.send_timeout = SEND_TIMEOUT
         self.idle_timeout = IDLE_TIMEOUT
         self.max_requests = MAX_REQUESTS
+        self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
         self.dropped: Counter[str] = Counter()
+        self.accept_failed: Counter[str] = Counter()
+        self._told_at: float | None = None
+        self._untold = 0
 
     @property
     def open_connections(self) -> int:
         return len(self._open)
 
-    async def listen(self, host: str, port: int) -> asyncio.Server:
-        """A listening server on host:port whose connections this object serves. TLS, when
-        set, is negotiated inside `handle`, under the header deadline and the budget: a
-        server-side `ssl=` would hold handshaking sockets outside both."""
+    async def listen(self, host: str, port: int) -> Listener:
+        """Listen on host:port (every address the name has, as asyncio's create_server does)
+        and serve its connections. TLS, when set, is negotiated inside `handle`, under the
+        header deadline and the budget: a server-side `ssl=` would hold handshaking sockets
+        outside both."""
         loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        sockets: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # "::" is IPv6 only, as with create_server
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(BACKLOG)
+                sock.setblocking(False)
+        except OSError:
+            for sock in sockets:
+                sock.close()
+            raise
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
+        return Listener(self, sockets)
 
-        def protocol() -> asyncio.StreamReaderProtocol:
-            reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
-            if self.tls is None:
-                return asyncio.StreamReaderProtocol(reader, self.handle)
-            return _PausedUntilTls(reader, self.handle)
+    def _protocol(self) -> asyncio.StreamReaderProtocol:
+        reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
+        if self.tls is None:
+            return asyncio.StreamReaderProtocol(reader, self.handle)
+        return _PausedUntilTls(reader, self.handle)
 
-        return await loop.create_server(protocol, host, port, backlog=BACKLOG)
+    def _cannot_accept(self, exc: OSError) -> bool:
+        """An accept failed (out of files, or otherwise): count it, say so at most once a
+        minute, and give up a waiting connection to make room. Whether one was given up."""
+        reason = "out_of_files" if exc.errno in _OUT_OF_FILES else "other"
+        self.accept_failed[reason] += 1
+        self._untold += 1
+        now = time.monotonic()
+        if self._told_at is None or now - self._told_at >= ACCEPT_LOG_EVERY:
+            # Not at the top: this module runs under the bare system interpreter too
+            # (tests/support/tls_handshakes.py), which has no structlog.
+            import structlog  # noqa: PLC0415 (a module already loaded: a dictionary look-up)
+
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            structlog.get_logger(component="http").warning(
+                "cannot accept connections; giving up waiting ones to make room",
+                error=str(exc),
+                failures=self._untold,
+                open_files_limit=soft,
+                action="out of files: raise LimitNOFILE= in the unit, or find what holds them",
+            )
+            self._told_at, self._untold = now, 0
+        victim = self._victim()
+        if victim is not None:
+            self._evict(victim)
+        return victim is not None
 
     def close(self) -> None:
         """Abort every open connection: their tasks then end by themselves (a task cancelled
@@ -228,12 +346,14 @@ class ScrapeServer:
         return connection
 
     def _victim(self) -> _Connection | None:
-        """The oldest waiting connection of the client that holds the most connections."""
+        """A waiting connection of the client that holds the most connections: one never
+        answered first, then the oldest waiting (_oldest_waiting)."""
         held = Counter(c.client for c in self._open)
         waiting = [c for c in self._open if c.waiting_since is not None]
         if not waiting:
             return None
-        return max(waiting, key=lambda c: (held[c.client], -(c.waiting_since or 0.0)))
+        most = max(held[c.client] for c in waiting)
+        return _oldest_waiting([c for c in waiting if held[c.client] == most])
 
     def _evict(self, victim: _Connection) -> None:
         self.dropped["evicted"] += 1
@@ -269,21 +389,50 @@ class ScrapeServer:
                 self.dropped[reason] += 1
                 writer.transport.abort()
                 return
+            except asyncio.LimitOverrunError:
+                # A head over MAX_REQUEST_BYTES: say so, and take the rest the client sends.
+                if await self._send(writer, response(431, {}, TOO_LARGE)):
+                    await self._linger(connection, reader)
+                return
             except _CLOSED:
                 return
             if connection not in self._open:  # evicted while its head came in
                 return
             connection.waiting_since = None
             keep = served < self.max_requests and may_keep_alive(head)
-            if not await self._send(
-                writer, response(*await self._respond(head, connection.client), keep)
-            ):
+            status, headers, body = await self._respond(head, connection.client)
+            if head.startswith(b"HEAD "):
+                # Whatever the path or status: a body after a HEAD answer would be read, by a
+                # client keeping the connection, as the start of the next answer.
+                headers = {"Content-Length": str(len(body)), **headers}
+                body = b""
+            if not await self._send(writer, response(status, headers, body, keep)):
                 return
+            connection.answered += 1
             if not keep:
+                if has_body(head):  # unread, and perhaps still coming
+                    await self._linger(connection, reader)
                 return
             # The next request comes a scrape interval later; meanwhile the connection is
             # waiting, so evictable: an idle keep-alive holds no room anyone needs.
             deadline, reason = self.idle_timeout, "idle_timeout"
+
+    async def _linger(self, connection: _Connection, reader: asyncio.StreamReader) -> None:
+        """End a connection whose client may still be sending what was not read (a body, a
+        head too large): closed with that unread, it would be reset, and a client still
+        sending would never read its answer (RFC 9112 section 9.6). So: no more to send, then
+        read and drop what comes, until the client closes or LINGER_TIMEOUT. Waiting for
+        nothing, the connection may be evicted meanwhile."""
+        connection.waiting_since = time.monotonic()
+        connection.draining = True
+        writer = connection.writer
+        if writer.can_write_eof():  # TLS cannot half-close: its close_notify comes at close
+            with contextlib.suppress(*_CLOSED):
+                writer.write_eof()
+        with contextlib.suppress(TimeoutError, *_CLOSED):
+            async with asyncio.timeout(self.linger_timeout):
+                while connection in self._open and await reader.read(LINGER_CHUNK):
+                    pass
 
     async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> bool:
         try:
@@ -298,6 +447,95 @@ class ScrapeServer:
         except _CLOSED:
             return False
         return True
+
+
+class Listener:
+    """The listening sockets of a ScrapeServer: what asyncio's Server offers the endpoints
+    (sockets, close, wait_closed, serve_forever, async with), with its own accepting.
+
+    Like asyncio's, it accepts what the kernel has queued, up to BACKLOG at a time, before any
+    of it is read: each then evicts a waiting one, so that a flood sheds itself without a
+    request read. Unlike asyncio's, an accept that fails (EMFILE) ends the burst, and the
+    listener waits ACCEPT_BACKOFF (or a turn of the loop, if a waiting connection was given
+    up) before the next: asyncio's went on with the burst, logging a traceback for each
+    failed accept and arming a timer for each, thousands a second, and the scraper went
+    unanswered."""
+
+    def __init__(self, server: ScrapeServer, sockets: list[socket.socket]) -> None:
+        self._sockets = tuple(sockets)
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self._closed = self._loop.create_future()
+        self._resume: dict[int, asyncio.TimerHandle] = {}
+        self._connecting: set[asyncio.Task[None]] = set()
+        for sock in self._sockets:
+            self._loop.add_reader(sock.fileno(), self._ready, sock)
+
+    @property
+    def sockets(self) -> tuple[socket.socket, ...]:
+        """The listening sockets; none once closed (as asyncio's Server)."""
+        return () if self._closed.done() else self._sockets
+
+    def _ready(self, sock: socket.socket) -> None:
+        for _ in range(BACKLOG):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return  # nothing more queued
+            except ConnectionAbortedError:
+                continue  # that client gave up while queued
+            except OSError as exc:
+                made_room = self._server._cannot_accept(exc)
+                fd = sock.fileno()
+                self._loop.remove_reader(fd)
+                delay = 0.0 if made_room else ACCEPT_BACKOFF
+                self._resume[fd] = self._loop.call_later(delay, self._again, sock)
+                return
+            task = self._loop.create_task(self._connect(conn))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
+
+    def _again(self, sock: socket.socket) -> None:
+        self._resume.pop(sock.fileno(), None)
+        if not self._closed.done():
+            self._loop.add_reader(sock.fileno(), self._ready, sock)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        try:
+            await self._loop.connect_accepted_socket(self._server._protocol, conn)
+        except OSError:
+            conn.close()
+
+    def close(self) -> None:
+        """Stop accepting and close the sockets (the connections stay: ScrapeServer.close)."""
+        if self._closed.done():
+            return
+        self._closed.set_result(None)
+        for handle in self._resume.values():
+            handle.cancel()
+        for sock in self._sockets:
+            if sock.fileno() >= 0:
+                self._loop.remove_reader(sock.fileno())
+            sock.close()
+        for task in self._connecting:
+            task.cancel()
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+    async def serve_forever(self) -> None:
+        """Until cancelled (then closed) or closed."""
+        try:
+            await asyncio.shield(self._closed)
+        finally:
+            self.close()
+
+    async def __aenter__(self) -> Listener:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.close()
 
 
 class _PausedUntilTls(asyncio.StreamReaderProtocol):
@@ -345,8 +583,19 @@ def client_key(address: str) -> str:
 
 
 def _oldest_waiting(connections: list[_Connection]) -> _Connection | None:
+    """The waiting connection to give up first: one draining (nothing more to answer on
+    it), then one that never had an answer (a scraper's kept connection has had some, and
+    its next request may be on its way: evicted, that one would be reset), then the one
+    waiting longest."""
     waiting = [c for c in connections if c.waiting_since is not None]
-    return min(waiting, key=lambda c: c.waiting_since or 0.0) if waiting else None
+    if not waiting:
+        return None
+
+    def order(c: _Connection) -> tuple[int, float]:
+        rank = 0 if c.draining else 1 if c.answered == 0 else 2
+        return rank, c.waiting_since or 0.0
+
+    return min(waiting, key=order)
 
 
 def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:

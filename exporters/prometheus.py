@@ -8,7 +8,6 @@ away do not linger, then this process's process_* series.
 
 from __future__ import annotations
 
-import asyncio
 import gzip
 import ssl
 import time
@@ -24,10 +23,13 @@ from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
 from exporters.exposition import ProcessMetrics, snapshot_text
 from exporters.http import (
+    ACCEPT_FAILURES,
     CONTENT_TYPE,
     DROP_REASONS,
     Answer,
+    Listener,
     ScrapeServer,
+    accepts_gzip,
     header_values,
     parse_listen,
     request_line,
@@ -48,6 +50,12 @@ CONNECTIONS_DROPPED = MetricFamily(
     "gpuwarden_http_connections_dropped_total",
     MetricType.COUNTER,
     "Connections to /metrics closed before an answer, by reason (exporters/http.py)",
+    ("reason",),
+)
+ACCEPT_FAILED = MetricFamily(
+    "gpuwarden_http_accept_failed_total",
+    MetricType.COUNTER,
+    "Connections to /metrics that could not be accepted: out_of_files (EMFILE and the like)",
     ("reason",),
 )
 AUTH_REFUSED = MetricFamily(
@@ -127,17 +135,18 @@ class PrometheusSink:
         self.runtime = runtime
         self.process = ProcessMetrics()
         self.scrapes = 0
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
         self._gate: AuthGate | None = None
         self.http = ScrapeServer(self._answer)
 
     def families(self) -> Sequence[MetricFamily]:
-        return (CONNECTIONS_DROPPED, AUTH_REFUSED)
+        return (CONNECTIONS_DROPPED, ACCEPT_FAILED, AUTH_REFUSED)
 
     def samples(self) -> Sequence[Sample]:
         # Every reason always, from 0: a rate() over a series that appears late misses its
         # first increase.
         out = [CONNECTIONS_DROPPED.sample(self.http.dropped[r], r) for r in DROP_REASONS]
+        out += [ACCEPT_FAILED.sample(self.http.accept_failed[r], r) for r in ACCEPT_FAILURES]
         if self._gate is not None:
             out += [AUTH_REFUSED.sample(self._gate.refused[r], r) for r in REFUSAL_REASONS]
         return out
@@ -218,25 +227,18 @@ class PrometheusSink:
         line = request_line(head)
         if len(line) == 3:
             return line
-        method, path = line
-        headers = {}
-        for header in head.decode("latin-1").split("\r\n")[1:]:
-            name, sep, value = header.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
+        _, path = line
         if path == "/metrics":
             started = time.monotonic()
             body = self.metrics_body()
             out_headers = {"Content-Type": CONTENT_TYPE}
-            if "gzip" in headers.get("accept-encoding", ""):
+            if accepts_gzip(head):
                 body = gzip.compress(body, compresslevel=1)
                 out_headers["Content-Encoding"] = "gzip"
             self.scrapes += 1
             self.runtime.record_delivery(self.name)
             log.debug("scrape served", seconds=round(time.monotonic() - started, 4))
-            if method == "HEAD":  # the length GET would send, without the body
-                out_headers["Content-Length"] = str(len(body))
-                return 200, out_headers, b""
+            # HEAD: the server sends the length of this body, without it (exporters/http.py).
             return 200, out_headers, body
         if path == "/healthz":
             status, body = self.healthz()

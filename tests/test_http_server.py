@@ -200,6 +200,72 @@ class TestBudget:
                 client.close()
 
 
+class TestKeptScraper:
+    """A connection that has been answered and is kept for the next request (a scraper's:
+    Prometheus keeps its connection between scrapes) gives way only after every connection
+    that never sent a request: evicted, its next request, in flight, would be reset (a
+    failed scrape), and a crowd of one-connection clients made it the oldest waiting one."""
+
+    @pytest.mark.parametrize("opening", [b"", b"GET /metrics HTTP/1.1\r\n"], ids=["idle", "slow"])
+    async def test_the_budget_evicts_new_connections_first(
+        self, served: tuple[ScrapeServer, Gate, int], opening: bytes
+    ) -> None:
+        server, _, port = served
+        with await connect(port) as scraper:
+            await send(scraper, GET)
+            assert b"keep-alive" in await receive(scraper)
+            # Five clients of one connection each, then more: the budget (6) is full.
+            crowd = [await connect(port, f"127.0.0.{2 + i}") for i in range(8)]
+            try:
+                for client in crowd:
+                    if opening:
+                        await send(client, opening)
+                await until(lambda: server.dropped["evicted"] == 3, what="three evicted")
+                await send(scraper, GET)
+                assert (await receive(scraper)).startswith(b"HTTP/1.1 200 ")
+            finally:
+                for client in crowd:
+                    client.close()
+
+    async def test_a_client_at_its_cap_gives_up_a_new_connection_first(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        with await connect(port) as scraper:
+            await send(scraper, GET)
+            assert b"keep-alive" in await receive(scraper)
+            mine = [await connect(port) for _ in range(4)]  # its cap is 3
+            try:
+                await until(lambda: server.dropped["evicted"] == 2, what="two evicted")
+                await send(scraper, GET)
+                assert (await receive(scraper)).startswith(b"HTTP/1.1 200 ")
+                assert await receive(mine[0]) == b""
+            finally:
+                for client in mine:
+                    client.close()
+
+
+class TestDraining:
+    """A connection answered and ending, its unread body still coming (read and dropped for
+    up to the linger time), is the first given up: nothing more will be answered on it."""
+
+    async def test_the_budget_evicts_a_draining_connection_first(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        server, _, port = served
+        with await connect(port, "127.0.0.2") as poster:
+            await send(poster, b"POST /metrics HTTP/1.1\r\nContent-Length: 1000000\r\n\r\nxx")
+            assert b"Connection: close" in await receive(poster)  # answered; body unread
+            crowd = [await connect(port, f"127.0.0.{3 + i}") for i in range(6)]
+            try:
+                await until(lambda: server.dropped["evicted"] == 1, what="one evicted")
+                await send(crowd[0], GET)
+                assert (await receive(crowd[0])).startswith(b"HTTP/1.1 200 ")
+            finally:
+                for client in crowd:
+                    client.close()
+
+
 class TestKeepAlive:
     """HTTP/1.1 connections carry several requests, up to a cap; idle ones give way."""
 

@@ -7,6 +7,9 @@ them), the scraper from 127.0.0.1. Every loop is bounded by a deadline.
 - slowloris: N connections that send a request line and then one header line every 0.3 s.
 - flood: N concurrent clients, each sending GET /metrics, reading the answer, again.
 - guess: N concurrent clients sending basic auth with wrong passwords, as fast as answered.
+- pipeline: N connections that each send 200 GETs at once and never read the answers.
+- oversize: N clients sending request heads over 8 KiB, or a 1 MiB body, over and over.
+- reset: N clients that connect, send part of a request or all of it, and reset.
 
 Run an attack in its own process (so that it does not share the scraper's CPU time slice):
     python -m tests.support.endpoint_attack KIND HOST PORT SECONDS COUNT [SOURCES]
@@ -20,6 +23,8 @@ import base64
 import contextlib
 import http.client
 import json
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ("idle", "slowloris", "flood", "guess")
+KINDS = ("idle", "slowloris", "flood", "guess", "pipeline", "oversize", "reset")
 
 
 @dataclass
@@ -108,11 +113,86 @@ async def _guess(host: str, port: int, source: str, stop: float, tally: Tally) -
     await _get(host, port, source, stop, tally, auth=header + "\r\n")
 
 
+async def _pipeline(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    requests = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 200
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await _connect(host, port, source)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        tally.connections += 1
+        with contextlib.suppress(OSError):
+            writer.write(requests)
+            # Never read: wait, with the answers piling up, for the server to give up.
+            while time.monotonic() < stop and not writer.is_closing():
+                await asyncio.sleep(0.1)
+                if reader.exception() is not None or reader.at_eof():
+                    break
+        writer.close()
+
+
+OVERSIZE = (
+    b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET /metrics HTTP/1.1\r\n" + b"X-Many: v\r\n" * 2000 + b"\r\n",
+    b"POST /metrics HTTP/1.1\r\nContent-Length: 1048576\r\n\r\n" + b"b" * (1 << 20),
+    b"GET /metrics HTTP/1.1\r\nContent-Length: 1048576\r\n\r\n" + b"b" * (1 << 20),
+)
+
+
+async def _oversize(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    number = 0
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await _connect(host, port, source)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        tally.connections += 1
+        number += 1
+        try:
+            writer.write(OVERSIZE[number % len(OVERSIZE)])
+            await writer.drain()
+            if await asyncio.wait_for(reader.read(), max(stop - time.monotonic(), 0.01)):
+                tally.answers += 1
+        except (OSError, TimeoutError):
+            pass
+        writer.close()
+
+
+RESET = (b"", b"GET /metr", b"GET /metrics HTTP/1.1\r\n\r\n", b"GET /metrics HTTP/1.1\r\n" * 20)
+
+
+async def _reset(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    number = 0
+    while time.monotonic() < stop:
+        try:
+            _, writer = await _connect(host, port, source)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        tally.connections += 1
+        number += 1
+        with contextlib.suppress(OSError):
+            writer.write(RESET[number % len(RESET)])
+            await writer.drain()
+            await asyncio.sleep(0.001 * (number % 3))
+        with contextlib.suppress(OSError):  # linger 0: close() sends an RST, not a FIN
+            writer.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+        writer.transport.abort()
+        await asyncio.sleep(0.01)
+
+
 ATTACKS: dict[str, Attack] = {
     "idle": _idle,
     "slowloris": _slowloris,
     "flood": _flood,
     "guess": _guess,
+    "pipeline": _pipeline,
+    "oversize": _oversize,
+    "reset": _reset,
 }
 
 

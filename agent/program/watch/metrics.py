@@ -23,7 +23,7 @@ from agent import __version__
 from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.program.watch.fleet import Alert, Fleet, Node, State
 from exporters.exposition import Block, blocks_text
-from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, request_line
+from exporters.http import CONTENT_TYPE, Answer, Listener, ScrapeServer, request_line
 
 MALFORMED_REASONS = (
     "bad_topic",
@@ -249,7 +249,7 @@ class MetricsServer:
         self.clock = clock
         self.host, self.port = host, port
         self.node_limit = node_limit
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
         self.http = ScrapeServer(self._answer)
         # Its own thread, not the loop's default executor (shared with aiomqtt's connect):
         # one rendering at a time, whatever the number of scrapers.
