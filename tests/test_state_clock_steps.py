@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.runtime.state import StateStore
 from exporters.outbox import Outbox, OutboxLimits
+from tests.support.disk import SmallDisk
 
 DAY = 86400.0
 LIMITS = OutboxLimits(max_entries=10_000, max_bytes=10**8, max_age=7 * DAY)
@@ -97,3 +99,27 @@ def test_no_step_no_shift(store: StateStore) -> None:
     store.write_batch([found("steady")], {}, outbox=True)
     store.put("test", "poke", 1)
     assert store.clock_steps == []
+
+
+def test_a_step_on_a_full_disk_is_caught_up_once_there_is_room(
+    tmp_path: Path, wall: WallClock
+) -> None:
+    """The move of the stamps is a write like any other: on a full disk it waits, and the
+    first write that works once there is room makes it, before anything is expired."""
+    with SmallDisk(tmp_path / "disk") as disk:
+        store = StateStore.open(disk.path / "state")
+        try:
+            events = [found(f"before the step {i}") for i in range(3)]
+            store.write_batch(events, {}, outbox=True)
+            disk.fill(store)
+            wall.offset += 8 * DAY
+            for _ in range(3):  # refused, each a try at the move too
+                with pytest.raises(StateStoreError):
+                    store.write_batch([found("on a full disk")], {}, outbox=True)
+            assert store.clock_steps == []
+            disk.free()
+            assert Outbox(store, LIMITS).enforce() == {}
+            assert [e.key for e in store.outbox_peek(10)] == [e.id for e in events]
+            assert len(store.clock_steps) == 1
+        finally:
+            store.close()

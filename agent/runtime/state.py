@@ -436,6 +436,9 @@ class StateStore:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    _step_failing = False
+    """The last try to move the stamps after a clock step failed (a full disk)."""
+
     def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         with self._lock:
             if abs((time.time() - time.monotonic()) - self._skew) >= STEP_SECONDS:
@@ -479,8 +482,11 @@ class StateStore:
             self._conn.execute("COMMIT")
         except sqlite3.Error as exc:
             self._rollback()
-            log.warning("could not move stored stamps after a clock step", error=str(exc))
+            if not self._step_failing:  # tried again at every write: said once
+                log.warning("could not move stored stamps after a clock step", error=str(exc))
+            self._step_failing = True
             return
+        self._step_failing = False
         self._caught_up(step)
 
     def _rollback(self) -> None:
