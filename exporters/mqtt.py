@@ -392,10 +392,13 @@ class MqttSink:
     # -- draining the outbox ----------------------------------------------------------------
 
     async def _drain(self, publisher: Publisher, lost: asyncio.Task[None]) -> None:
-        """Keep up to publish_window entries in flight, in outbox order; delete each batch of
+        """Keep up to publish_window entries in flight (fewer when the broker's Receive
+        Maximum is lower: one of those is kept for the heartbeat), in outbox order; delete each batch of
         acknowledged entries in one statement. Returns only by raising (connection over).
         Every outbox read and delete runs in the runtime's store thread."""
         window = self.settings.publish_window
+        if publisher.receive_maximum is not None and publisher.receive_maximum <= window:
+            window = max(1, publisher.receive_maximum - 1)
         inflight: dict[int, OutboxEntry] = {}
         last_seq = 0
         last_progress = time.monotonic()

@@ -263,6 +263,11 @@ class Publisher:
         self._paho.on_publish = on_publish
         self.max_packet_size: int | None = None
         """The broker's Maximum Packet Size from the last CONNACK; None: it set none."""
+        self.receive_maximum: int | None = None
+        """The broker's Receive Maximum from the last CONNACK: QoS 1 publishes it takes
+        unacknowledged at once (OASIS MQTT 5.0, 3.3.4); None: it set none (65,535)."""
+        self.most_in_flight = 0
+        """The most QoS 1 publishes awaiting their PUBACK at once on this connection."""
         aiomqtt_on_connect = cast("CallbackOnConnect_v2 | None", self._paho.on_connect)
 
         def on_connect(
@@ -274,6 +279,8 @@ class Publisher:
         ) -> None:
             limit = getattr(properties, "MaximumPacketSize", None)
             self.max_packet_size = limit if isinstance(limit, int) and limit > 0 else None
+            most = getattr(properties, "ReceiveMaximum", None)
+            self.receive_maximum = most if isinstance(most, int) and most > 0 else None
             if aiomqtt_on_connect is not None:
                 aiomqtt_on_connect(client, userdata, flags, reason_code, properties)
 
@@ -302,6 +309,7 @@ class Publisher:
             self._complete(token, topic, None)
         else:
             self._answers[info.mid] = lambda reason: self._complete(token, topic, reason)
+            self.most_in_flight = max(self.most_in_flight, len(self._answers))
 
     def _complete(self, token: int, topic: str, reason: ReasonCode | None) -> None:
         error = PublishRefused(topic, reason) if reason is not None and reason.is_failure else None
@@ -322,6 +330,7 @@ class Publisher:
                 answered.set_result(reason)
 
         self._answers[info.mid] = answer
+        self.most_in_flight = max(self.most_in_flight, len(self._answers))
         try:
             reason = await asyncio.wait_for(answered, timeout)
         except TimeoutError:

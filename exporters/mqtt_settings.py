@@ -174,5 +174,8 @@ class MqttSettings(BrokerSettings):
         7 * 86400.0, minimum=60.0, help="seconds after which an undelivered entry is dropped"
     )
     publish_window: int = setting(
-        100, minimum=1, maximum=65535, help="QoS 1 publishes in flight at once"
+        100,
+        minimum=1,
+        maximum=65535,
+        help="QoS 1 publishes in flight at once (at most the broker's Receive Maximum)",
     )

@@ -426,3 +426,33 @@ class TestWatcherAlerts:
             assert oversize_disconnects(broker) == 0
         finally:
             sub.stop()
+
+
+class TestReceiveMaximum:
+    """MQTT v5 3.3.4: a client must not have more QoS 1 publishes unacknowledged than the
+    broker's Receive Maximum (its CONNACK; mosquitto's max_inflight_messages). A broker that
+    holds to it (HiveMQ, EMQX) ends the connection of one that exceeds it (0x93), and with the
+    sink's default window of 100 every drain of a backlog would end in a reconnection."""
+
+    async def test_the_window_is_the_brokers(self, tmp_path: Path) -> None:
+        broker = Broker(tmp_path / "b", extra_config=["max_inflight_messages 5", "user root"])
+        broker.start()
+        sub = Subscriber(broker.port).start()
+        a = InProcessAgent(tmp_path / "state", {"url": broker.url, "metrics_interval": 3600.0})
+        try:
+            runtime = await a.start()
+            sink = runtime.sinks["mqtt"]
+            await until(lambda: sink.connected, what="connected")
+            publisher = sink._publisher
+            assert publisher is not None and publisher.receive_maximum == 5
+            ids = []
+            for i in range(300):
+                event = probe(f"backlog {i}")
+                runtime.emit(event)
+                ids.append(event.id)
+            await until(lambda: set(ids) <= set(sub.event_ids()), timeout=30.0, what="all")
+            assert 1 <= publisher.most_in_flight <= 5
+        finally:
+            await a.stop()
+            sub.stop()
+            broker.stop()
