@@ -147,7 +147,7 @@ async def emit_only(count: int, state_dir: Path) -> float:
     started = time.perf_counter()
     for event in events:
         runtime.emit(event)
-    runtime.flush_events()  # stored and announced, as the loop's next turn would do
+    await runtime.settle(60.0)  # stored (off the loop, by the store writer) and announced
     took = time.perf_counter() - started
     await runtime.stop()
     runtime.store.close()
