@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.agent_proc import AgentProcess
+from tests.support.clock import WallClock
 from tests.support.deb import deb_packages  # noqa: F401 (a fixture: the .deb, built once)
 from tests.support.disk import SmallDisk
 from tests.support.mosquitto import Broker
@@ -55,3 +57,11 @@ def _slow_store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     delay = float(request.config.getoption("--slow-store"))
     if delay > 0:
         slow_store(monkeypatch, delay)
+
+
+@pytest.fixture
+def wall(monkeypatch: pytest.MonkeyPatch) -> WallClock:
+    """The wall clock stepped by the test (tests/support/clock.py)."""
+    clock = WallClock(time.time)
+    monkeypatch.setattr(time, "time", clock)
+    return clock

@@ -10,35 +10,16 @@ wall clock here is time.time patched with an offset, which every module reads.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import pytest
 
 from agent.contracts.model import Severity
 from agent.contracts.sink import SinkLedger
+from tests.support.clock import WallClock
 from tests.support.collectors import scripted_runtime
 from tests.support.waiting import until
 
 STEP = 3600.0
-
-
-class WallClock:
-    """time.time with a step that the test sets."""
-
-    def __init__(self, real: Callable[[], float]) -> None:
-        self.real = real
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.real() + self.offset
-
-
-@pytest.fixture
-def wall(monkeypatch: pytest.MonkeyPatch) -> WallClock:
-    clock = WallClock(time.time)
-    monkeypatch.setattr(time, "time", clock)
-    return clock
 
 
 @pytest.mark.parametrize("step", [STEP, 86400.0 * 400])

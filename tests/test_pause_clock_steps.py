@@ -10,32 +10,16 @@ kept, so the pause ends after the time asked for.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from agent.runtime.pause import KEY, NAMESPACE
+from tests.support.clock import WallClock
 from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeNvml
 from tests.support.waiting import until
 from tests.test_pause_runtime import events, make_runtime, names, stop
-
-
-class WallClock:
-    def __init__(self, real: Callable[[], float]) -> None:
-        self.real = real
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.real() + self.offset
-
-
-@pytest.fixture
-def wall(monkeypatch: pytest.MonkeyPatch) -> WallClock:
-    clock = WallClock(time.time)
-    monkeypatch.setattr(time, "time", clock)
-    return clock
 
 
 @pytest.mark.parametrize("step", [-3600.0, -86400.0 * 365])

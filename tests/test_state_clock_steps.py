@@ -12,7 +12,7 @@ old before the step is no younger for it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,26 +21,11 @@ from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.runtime.state import StateStore
 from exporters.outbox import Outbox, OutboxLimits
+from tests.support.clock import WallClock
 from tests.support.disk import SmallDisk
 
 DAY = 86400.0
 LIMITS = OutboxLimits(max_entries=10_000, max_bytes=10**8, max_age=7 * DAY)
-
-
-class WallClock:
-    def __init__(self, real: Callable[[], float]) -> None:
-        self.real = real
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.real() + self.offset
-
-
-@pytest.fixture
-def wall(monkeypatch: pytest.MonkeyPatch) -> WallClock:
-    clock = WallClock(time.time)
-    monkeypatch.setattr(time, "time", clock)
-    return clock
 
 
 @pytest.fixture(params=["file", "memory"])

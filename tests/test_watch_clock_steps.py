@@ -15,34 +15,19 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from agent.program.watch.fleet import AlertChange, Fleet
 from agent.program.watch.service import Watcher
+from tests.support.clock import WallClock
 from tests.support.mosquitto import Broker
 from tests.support.waiting import until
 from tests.support.watch import FakeNode
 from tests.test_watch_service import watch_settings
 
 STEPS = [3600.0, -3600.0, 86400.0 * 400]
-
-
-class WallClock:
-    def __init__(self, real: Callable[[], float]) -> None:
-        self.real = real
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return self.real() + self.offset
-
-
-@pytest.fixture
-def wall(monkeypatch: pytest.MonkeyPatch) -> WallClock:
-    clock = WallClock(time.time)
-    monkeypatch.setattr(time, "time", clock)
-    return clock
 
 
 class Recording(Watcher):
