@@ -52,10 +52,17 @@ class StepWatch:
         self.threshold = threshold
         self._skew = time.time() - time.monotonic()
 
+    def pending(self) -> float:
+        """The step not yet confirmed (0.0: none); asking does not confirm it."""
+        delta = (time.time() - time.monotonic()) - self._skew
+        return delta if abs(delta) >= self.threshold else 0.0
+
+    def confirm(self, delta: float) -> None:
+        """The caller has dealt with a step of `delta` seconds (from `pending`)."""
+        self._skew += delta
+
     def step(self) -> float:
-        skew = time.time() - time.monotonic()
-        delta = skew - self._skew
-        if abs(delta) < self.threshold:
-            return 0.0
-        self._skew = skew
+        """The step since the last one, confirmed at once (0.0: none)."""
+        delta = self.pending()
+        self.confirm(delta)
         return delta

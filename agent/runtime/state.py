@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from agent.contracts.clock import STEP_SECONDS
+from agent.contracts.clock import StepWatch
 from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
@@ -266,7 +266,7 @@ class StateStore:
         """The error of the latest write while writes fail; None once one works again."""
         self.clock_steps: list[float] = []
         """Steps of the wall clock this store moved its stamps by (seconds), in order."""
-        self._skew = time.time() - time.monotonic()
+        self._steps = StepWatch()
         self._epoch = time.monotonic()
         """Since when the stamps this store made are on the wall clock as it reads now."""
         self._usage_lock = threading.Lock()
@@ -415,8 +415,8 @@ class StateStore:
         made on the old clock (outbox entries' creation, events' time) by the step, so that
         the outbox's age bound and the history's retention count real time. Returns the
         step to confirm with `_caught_up` once the write committed (0.0: none)."""
-        delta = (time.time() - time.monotonic()) - self._skew
-        if abs(delta) < STEP_SECONDS:
+        delta = self._steps.pending()
+        if not delta:
             return 0.0
         now_old = time.time() - delta
         since_old = now_old - (time.monotonic() - self._epoch) - 1.0
@@ -429,7 +429,7 @@ class StateStore:
 
     def _caught_up(self, delta: float) -> None:
         if delta:
-            self._skew += delta
+            self._steps.confirm(delta)
             self._epoch = time.monotonic()
             self.clock_steps.append(delta)
             log.warning("the wall clock stepped; stored stamps moved with it", seconds=delta)
@@ -441,7 +441,7 @@ class StateStore:
 
     def _write(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
         with self._lock:
-            if abs((time.time() - time.monotonic()) - self._skew) >= STEP_SECONDS:
+            if self._steps.pending():
                 self._step_transaction()
             before = self._conn.total_changes
             try:
