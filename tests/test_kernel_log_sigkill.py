@@ -37,7 +37,10 @@ the later rounds are what a reader that holds them past its cursor loses."""
 CODES = (13, 31, 43, 45, 48, 63, 64, 68, 74, 79, 92, 94, 95, 109, 119, 120)
 
 
-def agent_config(broker: Broker, log: Path) -> str:
+def agent_config(
+    broker: Broker, log: Path, *, heartbeat: float = 5.0, read_interval: float = READ_INTERVAL
+) -> str:
+    """The agent's file: MQTT to `broker`, the kernel log read from `log`, nothing else on."""
     others = "".join(
         f"[collectors.{name}]\nenabled = false\n"
         for name in registry.COLLECTORS
@@ -46,8 +49,8 @@ def agent_config(broker: Broker, log: Path) -> str:
     return (
         f'[mqtt]\nenabled = true\nurl = "{broker.url}"\nkeepalive = 5\n'
         "reconnect_min = 0.1\nreconnect_max = 0.5\n"
-        "[heartbeat]\ninterval = 5\n"
-        f'[collectors.kernel_log]\npath = "{log}"\ninterval = {READ_INTERVAL}\n{others}'
+        f"[heartbeat]\ninterval = {heartbeat}\n"
+        f'[collectors.kernel_log]\npath = "{log}"\ninterval = {read_interval}\n{others}'
     )
 
 

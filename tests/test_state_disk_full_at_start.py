@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 from agent.contracts.model import Event, Severity
-from agent.program import registry
 from agent.runtime.state import DB_NAME, StateStore
 from agent.runtime.store_guard import StoreGuard
 from tests.support.agent_proc import REPO, AgentProcess, http_get, pythonpath
@@ -38,6 +37,7 @@ from tests.support.disk import MIB, SmallDisk
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber
 from tests.support.waiting import wait_until
+from tests.test_kernel_log_sigkill import agent_config
 
 QUEUED = 5
 CURSOR = {"path": "/var/log/kern.log", "inode": 12, "offset": 4096, "line": 40, "skipping": 0}
@@ -135,20 +135,6 @@ def xid_lines(first: int, count: int) -> str:
     )
 
 
-def agent_config(broker: Broker, log: Path) -> str:
-    others = "".join(
-        f"[collectors.{name}]\nenabled = false\n"
-        for name in registry.COLLECTORS
-        if name != "kernel_log"
-    )
-    return (
-        f'[mqtt]\nenabled = true\nurl = "{broker.url}"\nkeepalive = 5\n'
-        "reconnect_min = 0.1\nreconnect_max = 0.5\n"
-        "[heartbeat]\ninterval = 0.5\n"
-        f'[collectors.kernel_log]\npath = "{log}"\ninterval = 0.5\n{others}'
-    )
-
-
 def gauge(agent: AgentProcess, name: str, labels: str = "") -> float | None:
     status, text = http_get(agent.metrics_url)
     assert status == 200
@@ -192,7 +178,7 @@ def test_the_real_agent_delivers_what_waited_and_stores_again(
     broker = Broker(tmp_path / "broker")  # not started yet: the last life queues
     log = tmp_path / "kern.log"
     log.write_text(xid_lines(0, OLD))
-    agent_process.config_text = agent_config(broker, log)
+    agent_process.config_text = agent_config(broker, log, heartbeat=0.5, read_interval=0.5)
     state_dir = agent_process.workdir / "state"
     sub: Subscriber | None = None
     with SmallDisk(state_dir) as disk:
