@@ -5,6 +5,8 @@ Both endpoints answer a handful of scrapes a minute; a general web framework wou
 than it serves. What matters is that no client can hold the port (docs/alerts.md advises
 0.0.0.0:9445 for a remote Prometheus, so anything on the network may connect):
 
+- A request head's lines end in CRLF or a bare LF (read_head): a client sending LF is
+  answered at once, not left to wait out the header deadline.
 - A connection has HEADER_TIMEOUT (TLS handshake included) to send a whole request head, and
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
@@ -196,6 +198,26 @@ def has_body(head: bytes) -> bool:
     )
 
 
+async def read_head(reader: asyncio.StreamReader) -> bytes:
+    """The next request head, its lines ended by CRLF or a bare LF (RFC 9112 section 2.2: a
+    recipient may take a bare LF for a line's end; a hand-made client, `printf ... | nc`,
+    sends those), empty lines before the request line skipped (section 2.2 too). Returned
+    with CRLF endings, as every parser here expects. LimitOverrunError when it would be over
+    MAX_REQUEST_BYTES; IncompleteReadError when the client closes first."""
+    lines: list[bytes] = []
+    size = 2  # the empty line that ends the head
+    while True:
+        line = await reader.readuntil(b"\n")  # LimitOverrunError past the reader's limit
+        text = line[:-2] if line.endswith(b"\r\n") else line[:-1]
+        size += len(text) + 2
+        if size > MAX_REQUEST_BYTES:
+            raise asyncio.LimitOverrunError("request head too large", 0)
+        if text:
+            lines.append(text)
+        elif lines:
+            return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
 @dataclass(eq=False)
 class _Connection:
     client: str
@@ -384,7 +406,7 @@ class ScrapeServer:
         for served in range(1, self.max_requests + 1):
             connection.waiting_since = time.monotonic()
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), deadline)
+                head = await asyncio.wait_for(read_head(reader), deadline)
             except TimeoutError:
                 self.dropped[reason] += 1
                 writer.transport.abort()
