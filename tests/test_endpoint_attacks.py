@@ -78,7 +78,8 @@ def test_scraper_keeps_its_answers(
 
 
 # The agent's command line, run under a lower limit of open files (the soft limit systemd
-# gives a service is 1024; the unit does not raise it): exec'd, so that the pid is the agent's.
+# gives a service is 1024; the unit raises it, a drop-in may not): exec'd, so that the pid is
+# the agent's.
 UNDER_LIMIT = (
     "import os, resource, sys; n = int(sys.argv[1]); "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
