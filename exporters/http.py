@@ -26,8 +26,9 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
 - The listen backlog is large: under a flood of connects a short one drops the scraper's SYN,
   and the kernel's retry comes a second later.
 - Out of files (EMFILE on accept: a low limit, or files held elsewhere in the process), the
-  listener gives up a waiting connection to make room, or waits ACCEPT_BACKOFF, and says so
-  at most once a minute (Listener: asyncio's own went on trying, a logged traceback each).
+  server gives up a waiting connection to make room, or its listener waits, and says so at
+  most once a minute (exporters/listener.py: asyncio's own went on trying, a logged
+  traceback each).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
-import resource
 import socket
 import ssl
 import time
@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from agent.contracts.errors import ConfigError
+from exporters.listener import BACKLOG, AcceptFailures, Listener
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_REQUEST_BYTES = 8192
@@ -65,14 +66,6 @@ MAX_CONNECTIONS = 64
 PER_CLIENT = 8
 MAX_REQUESTS = 1000
 """Requests on one kept-alive connection; then the response says Connection: close."""
-BACKLOG = 1024
-ACCEPT_BACKOFF = 0.1
-"""Seconds before the next accept after one failed (out of files, say) with no waiting
-connection to give up for room."""
-ACCEPT_LOG_EVERY = 60.0
-"""Seconds between two warnings about accepts that failed (each failure is counted)."""
-ACCEPT_FAILURES = ("out_of_files", "other")  # out of files: EMFILE, ENFILE, ENOBUFS, ENOMEM
-_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 DROP_REASONS = (
     "header_timeout",  # no whole request head (or TLS handshake) within HEADER_TIMEOUT
     "idle_timeout",  # no next request on a kept-alive connection within IDLE_TIMEOUT
@@ -256,9 +249,16 @@ class ScrapeServer:
         self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
         self.dropped: Counter[str] = Counter()
-        self.accept_failed: Counter[str] = Counter()
-        self._told_at: float | None = None
-        self._untold = 0
+        self.accept_failures = AcceptFailures(
+            "http",
+            "cannot accept connections; giving up waiting ones to make room",
+            "out of files: raise LimitNOFILE= in the unit, or find what holds them",
+        )
+
+    @property
+    def accept_failed(self) -> Counter[str]:
+        """Accepts that failed, by reason (ACCEPT_FAILURES)."""
+        return self.accept_failures.counts
 
     @property
     def open_connections(self) -> int:
@@ -288,7 +288,7 @@ class ScrapeServer:
             raise
         if not sockets:
             raise OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
-        return Listener(self, sockets)
+        return Listener(sockets, self._protocol, self._cannot_accept)
 
     def _protocol(self) -> asyncio.StreamReaderProtocol:
         reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
@@ -299,24 +299,7 @@ class ScrapeServer:
     def _cannot_accept(self, exc: OSError) -> bool:
         """An accept failed (out of files, or otherwise): count it, say so at most once a
         minute, and give up a waiting connection to make room. Whether one was given up."""
-        reason = "out_of_files" if exc.errno in _OUT_OF_FILES else "other"
-        self.accept_failed[reason] += 1
-        self._untold += 1
-        now = time.monotonic()
-        if self._told_at is None or now - self._told_at >= ACCEPT_LOG_EVERY:
-            # Not at the top: this module runs under the bare system interpreter too
-            # (tests/support/tls_handshakes.py), which has no structlog.
-            import structlog  # noqa: PLC0415 (a module already loaded: a dictionary look-up)
-
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            structlog.get_logger(component="http").warning(
-                "cannot accept connections; giving up waiting ones to make room",
-                error=str(exc),
-                failures=self._untold,
-                open_files_limit=soft,
-                action="out of files: raise LimitNOFILE= in the unit, or find what holds them",
-            )
-            self._told_at, self._untold = now, 0
+        self.accept_failures.note(exc)
         victim = self._victim()
         if victim is not None:
             self._evict(victim)
@@ -469,95 +452,6 @@ class ScrapeServer:
         except _CLOSED:
             return False
         return True
-
-
-class Listener:
-    """The listening sockets of a ScrapeServer: what asyncio's Server offers the endpoints
-    (sockets, close, wait_closed, serve_forever, async with), with its own accepting.
-
-    Like asyncio's, it accepts what the kernel has queued, up to BACKLOG at a time, before any
-    of it is read: each then evicts a waiting one, so that a flood sheds itself without a
-    request read. Unlike asyncio's, an accept that fails (EMFILE) ends the burst, and the
-    listener waits ACCEPT_BACKOFF (or a turn of the loop, if a waiting connection was given
-    up) before the next: asyncio's went on with the burst, logging a traceback for each
-    failed accept and arming a timer for each, thousands a second, and the scraper went
-    unanswered."""
-
-    def __init__(self, server: ScrapeServer, sockets: list[socket.socket]) -> None:
-        self._sockets = tuple(sockets)
-        self._server = server
-        self._loop = asyncio.get_running_loop()
-        self._closed = self._loop.create_future()
-        self._resume: dict[int, asyncio.TimerHandle] = {}
-        self._connecting: set[asyncio.Task[None]] = set()
-        for sock in self._sockets:
-            self._loop.add_reader(sock.fileno(), self._ready, sock)
-
-    @property
-    def sockets(self) -> tuple[socket.socket, ...]:
-        """The listening sockets; none once closed (as asyncio's Server)."""
-        return () if self._closed.done() else self._sockets
-
-    def _ready(self, sock: socket.socket) -> None:
-        for _ in range(BACKLOG):
-            try:
-                conn, _ = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return  # nothing more queued
-            except ConnectionAbortedError:
-                continue  # that client gave up while queued
-            except OSError as exc:
-                made_room = self._server._cannot_accept(exc)
-                fd = sock.fileno()
-                self._loop.remove_reader(fd)
-                delay = 0.0 if made_room else ACCEPT_BACKOFF
-                self._resume[fd] = self._loop.call_later(delay, self._again, sock)
-                return
-            task = self._loop.create_task(self._connect(conn))
-            self._connecting.add(task)
-            task.add_done_callback(self._connecting.discard)
-
-    def _again(self, sock: socket.socket) -> None:
-        self._resume.pop(sock.fileno(), None)
-        if not self._closed.done():
-            self._loop.add_reader(sock.fileno(), self._ready, sock)
-
-    async def _connect(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
-        try:
-            await self._loop.connect_accepted_socket(self._server._protocol, conn)
-        except OSError:
-            conn.close()
-
-    def close(self) -> None:
-        """Stop accepting and close the sockets (the connections stay: ScrapeServer.close)."""
-        if self._closed.done():
-            return
-        self._closed.set_result(None)
-        for handle in self._resume.values():
-            handle.cancel()
-        for sock in self._sockets:
-            if sock.fileno() >= 0:
-                self._loop.remove_reader(sock.fileno())
-            sock.close()
-        for task in self._connecting:
-            task.cancel()
-
-    async def wait_closed(self) -> None:
-        await asyncio.shield(self._closed)
-
-    async def serve_forever(self) -> None:
-        """Until cancelled (then closed) or closed."""
-        try:
-            await asyncio.shield(self._closed)
-        finally:
-            self.close()
-
-    async def __aenter__(self) -> Listener:
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        self.close()
 
 
 class _PausedUntilTls(asyncio.StreamReaderProtocol):

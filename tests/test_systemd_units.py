@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from exporters.http import BACKLOG, MAX_CONNECTIONS
+from exporters.http import MAX_CONNECTIONS
+from exporters.listener import BACKLOG
 
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = ROOT / "systemd"
