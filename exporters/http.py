@@ -11,11 +11,14 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
   nothing but a socket, so it is the one given up when room is needed: a new connection over
-  the budget evicts a waiting one of the client holding the most connections: one draining
-  (answered, its unread rest still coming) first, then one never answered, then the oldest. A slowloris or a crowd of idle sockets then only ever
-  evicts itself, and a scraper, whose request follows its connect at once, is busy (not
-  evictable) by the time anyone could; its kept connection, idle between scrapes and so the
-  oldest waiting, goes after every never-answered one (its next request may be in flight).
+  the budget evicts a waiting one: one draining (answered, its unread rest still coming)
+  first; else one of a client never served (no answer below 400 yet; the last
+  SERVED_CLIENTS served are remembered), while there is one; of those, one of the client
+  holding the most connections, then one never answered, then the oldest. A slowloris or a
+  crowd of idle sockets, from one address or from more than the budget, then only ever
+  evicts itself: a scraper has been served since its first scrape, so neither its new
+  connection (before its request is read, a burst of connects could make it the oldest
+  waiting) nor its kept one, idle between scrapes, goes while a stranger's waits.
 - At most PER_CLIENT connections per client (an IPv4 address, an IPv6 /64): the next one
   evicts that client's own oldest waiting connection, or is refused (503) while all of them
   are being answered.
@@ -64,6 +67,8 @@ LINGER_CHUNK = 65536
 TOO_LARGE = b"request head too large: at most %d bytes\n" % MAX_REQUEST_BYTES
 MAX_CONNECTIONS = 64
 PER_CLIENT = 8
+SERVED_CLIENTS = 1024
+"""Clients remembered as answered (below 400), whose connections are given up last."""
 MAX_REQUESTS = 1000
 """Requests on one kept-alive connection; then the response says Connection: close."""
 DROP_REASONS = (
@@ -248,6 +253,7 @@ class ScrapeServer:
         self.max_requests = MAX_REQUESTS
         self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
+        self._served: dict[str, None] = {}  # clients answered below 400, the latest last
         self.dropped: Counter[str] = Counter()
         self.accept_failures = AcceptFailures(
             "http",
@@ -351,14 +357,33 @@ class ScrapeServer:
         return connection
 
     def _victim(self) -> _Connection | None:
-        """A waiting connection of the client that holds the most connections: one never
-        answered first, then the oldest waiting (_oldest_waiting)."""
+        """A waiting connection: one draining (nothing more to answer on it) first, else one
+        of a client never served (while there is one: a scraper has been, at its first
+        scrape); of those, one of the client that holds the most connections, then one never
+        answered, then the oldest waiting (_oldest_waiting).
+
+        Without the first rule, a crowd from more addresses than the budget, one connection
+        each, evicted the scraper's new connection: the newest waiting at its connect, it was
+        the oldest 64 connects later, before its request was read."""
         held = Counter(c.client for c in self._open)
         waiting = [c for c in self._open if c.waiting_since is not None]
         if not waiting:
             return None
-        most = max(held[c.client] for c in waiting)
-        return _oldest_waiting([c for c in waiting if held[c.client] == most])
+        pool = (
+            [c for c in waiting if c.draining]
+            or [c for c in waiting if c.client not in self._served]
+            or waiting
+        )
+        most = max(held[c.client] for c in pool)
+        return _oldest_waiting([c for c in pool if held[c.client] == most])
+
+    def _remember(self, client: str) -> None:
+        """A client given a good answer (below 400: not a refused password): the last
+        SERVED_CLIENTS of them, the most recent last."""
+        self._served.pop(client, None)
+        self._served[client] = None
+        if len(self._served) > SERVED_CLIENTS:
+            del self._served[next(iter(self._served))]
 
     def _evict(self, victim: _Connection) -> None:
         self.dropped["evicted"] += 1
@@ -414,6 +439,8 @@ class ScrapeServer:
             if not await self._send(writer, response(status, headers, body, keep)):
                 return
             connection.answered += 1
+            if status < 400:
+                self._remember(connection.client)
             if not keep:
                 if has_body(head):  # unread, and perhaps still coming
                     await self._linger(connection, reader)
