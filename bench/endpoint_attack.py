@@ -2,7 +2,8 @@
 
 For each attack (tests/support/endpoint_attack.py: idle connections, a slowloris, a flood of
 concurrent GETs), a real agent is started, the attack runs in its own process from 127.0.0.2
-and up, and a scraper on 127.0.0.1 GETs /metrics every 0.5 s on a new connection; a scrape
+and up, and a scraper on 127.0.0.1 (which scraped once before the attack, as a real one
+has) GETs /metrics every 0.5 s on a new connection; a scrape
 counts when it is answered 200 within 2 s. "before" runs the agent of another checkout (main,
 in a temporary worktree made with `git worktree add --detach`), "after" this one.
 
@@ -32,6 +33,8 @@ ATTACKS = (
     ("slowloris, 200 connections", "slowloris", 200, 1),
     ("slowloris, 200 conns from 50 hosts", "slowloris", 200, 50),
     ("1,000 concurrent GETs (4 hosts)", "flood", 1000, 4),
+    ("200 idle connections from 200 hosts", "idle", 200, 200),
+    ("slowloris, 300 conns from 150 hosts", "slowloris", 300, 150),
 )
 # Only the endpoint is under test: the other collectors would add noise, not load.
 CONFIG = """
@@ -64,6 +67,7 @@ def measure(repo: Path, kind: str, count: int, sources: int, seconds: float) -> 
     with tempfile.TemporaryDirectory(prefix="gpuwarden-attack-") as tmp:
         agent = AgentProcess(Path(tmp), config_text=CONFIG, repo=repo).start()
         try:
+            scrape(agent.port, 0.1)  # it has scraped before the attack, as a real one has
             attacker = start_attack(kind, agent.port, seconds + 1.0, count, sources)
             result: list[Scrapes] = []
             # The attack settles for a second before the scraper starts counting.

@@ -5,15 +5,20 @@ Both endpoints answer a handful of scrapes a minute; a general web framework wou
 than it serves. What matters is that no client can hold the port (docs/alerts.md advises
 0.0.0.0:9445 for a remote Prometheus, so anything on the network may connect):
 
+- A request head's lines end in CRLF or a bare LF (read_head): a client sending LF is
+  answered at once, not left to wait out the header deadline.
 - A connection has HEADER_TIMEOUT (TLS handshake included) to send a whole request head, and
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
   nothing but a socket, so it is the one given up when room is needed: a new connection over
-  the budget evicts a waiting one of the client holding the most connections: one draining
-  (answered, its unread rest still coming) first, then one never answered, then the oldest. A slowloris or a crowd of idle sockets then only ever
-  evicts itself, and a scraper, whose request follows its connect at once, is busy (not
-  evictable) by the time anyone could; its kept connection, idle between scrapes and so the
-  oldest waiting, goes after every never-answered one (its next request may be in flight).
+  the budget evicts a waiting one: one draining (answered, its unread rest still coming)
+  first; else one of a client never served (no answer below 400 yet; the last
+  SERVED_CLIENTS served are remembered), while there is one; of those, one of the client
+  holding the most connections, then one never answered, then the oldest. A slowloris or a
+  crowd of idle sockets, from one address or from more than the budget, then only ever
+  evicts itself: a scraper has been served since its first scrape, so neither its new
+  connection (before its request is read, a burst of connects could make it the oldest
+  waiting) nor its kept one, idle between scrapes, goes while a stranger's waits.
 - At most PER_CLIENT connections per client (an IPv4 address, an IPv6 /64): the next one
   evicts that client's own oldest waiting connection, or is refused (503) while all of them
   are being answered.
@@ -24,8 +29,9 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
 - The listen backlog is large: under a flood of connects a short one drops the scraper's SYN,
   and the kernel's retry comes a second later.
 - Out of files (EMFILE on accept: a low limit, or files held elsewhere in the process), the
-  listener gives up a waiting connection to make room, or waits ACCEPT_BACKOFF, and says so
-  at most once a minute (Listener: asyncio's own went on trying, a logged traceback each).
+  server gives up a waiting connection to make room, or its listener waits, and says so at
+  most once a minute (exporters/listener.py: asyncio's own went on trying, a logged
+  traceback each).
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
-import resource
 import socket
 import ssl
 import time
@@ -44,6 +49,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from agent.contracts.errors import ConfigError
+from exporters.listener import BACKLOG, AcceptFailures, Listener
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_REQUEST_BYTES = 8192
@@ -61,16 +67,10 @@ LINGER_CHUNK = 65536
 TOO_LARGE = b"request head too large: at most %d bytes\n" % MAX_REQUEST_BYTES
 MAX_CONNECTIONS = 64
 PER_CLIENT = 8
+SERVED_CLIENTS = 1024
+"""Clients remembered as answered (below 400), whose connections are given up last."""
 MAX_REQUESTS = 1000
 """Requests on one kept-alive connection; then the response says Connection: close."""
-BACKLOG = 1024
-ACCEPT_BACKOFF = 0.1
-"""Seconds before the next accept after one failed (out of files, say) with no waiting
-connection to give up for room."""
-ACCEPT_LOG_EVERY = 60.0
-"""Seconds between two warnings about accepts that failed (each failure is counted)."""
-ACCEPT_FAILURES = ("out_of_files", "other")  # out of files: EMFILE, ENFILE, ENOBUFS, ENOMEM
-_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 DROP_REASONS = (
     "header_timeout",  # no whole request head (or TLS handshake) within HEADER_TIMEOUT
     "idle_timeout",  # no next request on a kept-alive connection within IDLE_TIMEOUT
@@ -196,6 +196,26 @@ def has_body(head: bytes) -> bool:
     )
 
 
+async def read_head(reader: asyncio.StreamReader) -> bytes:
+    """The next request head, its lines ended by CRLF or a bare LF (RFC 9112 section 2.2: a
+    recipient may take a bare LF for a line's end; a hand-made client, `printf ... | nc`,
+    sends those), empty lines before the request line skipped (section 2.2 too). Returned
+    with CRLF endings, as every parser here expects. LimitOverrunError when it would be over
+    MAX_REQUEST_BYTES; IncompleteReadError when the client closes first."""
+    lines: list[bytes] = []
+    size = 2  # the empty line that ends the head
+    while True:
+        line = await reader.readuntil(b"\n")  # LimitOverrunError past the reader's limit
+        text = line[:-2] if line.endswith(b"\r\n") else line[:-1]
+        size += len(text) + 2
+        if size > MAX_REQUEST_BYTES:
+            raise asyncio.LimitOverrunError("request head too large", 0)
+        if text:
+            lines.append(text)
+        elif lines:
+            return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
 @dataclass(eq=False)
 class _Connection:
     client: str
@@ -233,10 +253,18 @@ class ScrapeServer:
         self.max_requests = MAX_REQUESTS
         self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
+        self._served: dict[str, None] = {}  # clients answered below 400, the latest last
         self.dropped: Counter[str] = Counter()
-        self.accept_failed: Counter[str] = Counter()
-        self._told_at: float | None = None
-        self._untold = 0
+        self.accept_failures = AcceptFailures(
+            "http",
+            "cannot accept connections; giving up waiting ones to make room",
+            "out of files: raise LimitNOFILE= in the unit, or find what holds them",
+        )
+
+    @property
+    def accept_failed(self) -> Counter[str]:
+        """Accepts that failed, by reason (ACCEPT_FAILURES)."""
+        return self.accept_failures.counts
 
     @property
     def open_connections(self) -> int:
@@ -266,7 +294,7 @@ class ScrapeServer:
             raise
         if not sockets:
             raise OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
-        return Listener(self, sockets)
+        return Listener(sockets, self._protocol, self._cannot_accept)
 
     def _protocol(self) -> asyncio.StreamReaderProtocol:
         reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
@@ -277,24 +305,7 @@ class ScrapeServer:
     def _cannot_accept(self, exc: OSError) -> bool:
         """An accept failed (out of files, or otherwise): count it, say so at most once a
         minute, and give up a waiting connection to make room. Whether one was given up."""
-        reason = "out_of_files" if exc.errno in _OUT_OF_FILES else "other"
-        self.accept_failed[reason] += 1
-        self._untold += 1
-        now = time.monotonic()
-        if self._told_at is None or now - self._told_at >= ACCEPT_LOG_EVERY:
-            # Not at the top: this module runs under the bare system interpreter too
-            # (tests/support/tls_handshakes.py), which has no structlog.
-            import structlog  # noqa: PLC0415 (a module already loaded: a dictionary look-up)
-
-            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-            structlog.get_logger(component="http").warning(
-                "cannot accept connections; giving up waiting ones to make room",
-                error=str(exc),
-                failures=self._untold,
-                open_files_limit=soft,
-                action="out of files: raise LimitNOFILE= in the unit, or find what holds them",
-            )
-            self._told_at, self._untold = now, 0
+        self.accept_failures.note(exc)
         victim = self._victim()
         if victim is not None:
             self._evict(victim)
@@ -346,14 +357,33 @@ class ScrapeServer:
         return connection
 
     def _victim(self) -> _Connection | None:
-        """A waiting connection of the client that holds the most connections: one never
-        answered first, then the oldest waiting (_oldest_waiting)."""
+        """A waiting connection: one draining (nothing more to answer on it) first, else one
+        of a client never served (while there is one: a scraper has been, at its first
+        scrape); of those, one of the client that holds the most connections, then one never
+        answered, then the oldest waiting (_oldest_waiting).
+
+        Without the first rule, a crowd from more addresses than the budget, one connection
+        each, evicted the scraper's new connection: the newest waiting at its connect, it was
+        the oldest 64 connects later, before its request was read."""
         held = Counter(c.client for c in self._open)
         waiting = [c for c in self._open if c.waiting_since is not None]
         if not waiting:
             return None
-        most = max(held[c.client] for c in waiting)
-        return _oldest_waiting([c for c in waiting if held[c.client] == most])
+        pool = (
+            [c for c in waiting if c.draining]
+            or [c for c in waiting if c.client not in self._served]
+            or waiting
+        )
+        most = max(held[c.client] for c in pool)
+        return _oldest_waiting([c for c in pool if held[c.client] == most])
+
+    def _remember(self, client: str) -> None:
+        """A client given a good answer (below 400: not a refused password): the last
+        SERVED_CLIENTS of them, the most recent last."""
+        self._served.pop(client, None)
+        self._served[client] = None
+        if len(self._served) > SERVED_CLIENTS:
+            del self._served[next(iter(self._served))]
 
     def _evict(self, victim: _Connection) -> None:
         self.dropped["evicted"] += 1
@@ -384,7 +414,7 @@ class ScrapeServer:
         for served in range(1, self.max_requests + 1):
             connection.waiting_since = time.monotonic()
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), deadline)
+                head = await asyncio.wait_for(read_head(reader), deadline)
             except TimeoutError:
                 self.dropped[reason] += 1
                 writer.transport.abort()
@@ -409,6 +439,8 @@ class ScrapeServer:
             if not await self._send(writer, response(status, headers, body, keep)):
                 return
             connection.answered += 1
+            if status < 400:
+                self._remember(connection.client)
             if not keep:
                 if has_body(head):  # unread, and perhaps still coming
                     await self._linger(connection, reader)
@@ -447,95 +479,6 @@ class ScrapeServer:
         except _CLOSED:
             return False
         return True
-
-
-class Listener:
-    """The listening sockets of a ScrapeServer: what asyncio's Server offers the endpoints
-    (sockets, close, wait_closed, serve_forever, async with), with its own accepting.
-
-    Like asyncio's, it accepts what the kernel has queued, up to BACKLOG at a time, before any
-    of it is read: each then evicts a waiting one, so that a flood sheds itself without a
-    request read. Unlike asyncio's, an accept that fails (EMFILE) ends the burst, and the
-    listener waits ACCEPT_BACKOFF (or a turn of the loop, if a waiting connection was given
-    up) before the next: asyncio's went on with the burst, logging a traceback for each
-    failed accept and arming a timer for each, thousands a second, and the scraper went
-    unanswered."""
-
-    def __init__(self, server: ScrapeServer, sockets: list[socket.socket]) -> None:
-        self._sockets = tuple(sockets)
-        self._server = server
-        self._loop = asyncio.get_running_loop()
-        self._closed = self._loop.create_future()
-        self._resume: dict[int, asyncio.TimerHandle] = {}
-        self._connecting: set[asyncio.Task[None]] = set()
-        for sock in self._sockets:
-            self._loop.add_reader(sock.fileno(), self._ready, sock)
-
-    @property
-    def sockets(self) -> tuple[socket.socket, ...]:
-        """The listening sockets; none once closed (as asyncio's Server)."""
-        return () if self._closed.done() else self._sockets
-
-    def _ready(self, sock: socket.socket) -> None:
-        for _ in range(BACKLOG):
-            try:
-                conn, _ = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return  # nothing more queued
-            except ConnectionAbortedError:
-                continue  # that client gave up while queued
-            except OSError as exc:
-                made_room = self._server._cannot_accept(exc)
-                fd = sock.fileno()
-                self._loop.remove_reader(fd)
-                delay = 0.0 if made_room else ACCEPT_BACKOFF
-                self._resume[fd] = self._loop.call_later(delay, self._again, sock)
-                return
-            task = self._loop.create_task(self._connect(conn))
-            self._connecting.add(task)
-            task.add_done_callback(self._connecting.discard)
-
-    def _again(self, sock: socket.socket) -> None:
-        self._resume.pop(sock.fileno(), None)
-        if not self._closed.done():
-            self._loop.add_reader(sock.fileno(), self._ready, sock)
-
-    async def _connect(self, conn: socket.socket) -> None:
-        conn.setblocking(False)
-        try:
-            await self._loop.connect_accepted_socket(self._server._protocol, conn)
-        except OSError:
-            conn.close()
-
-    def close(self) -> None:
-        """Stop accepting and close the sockets (the connections stay: ScrapeServer.close)."""
-        if self._closed.done():
-            return
-        self._closed.set_result(None)
-        for handle in self._resume.values():
-            handle.cancel()
-        for sock in self._sockets:
-            if sock.fileno() >= 0:
-                self._loop.remove_reader(sock.fileno())
-            sock.close()
-        for task in self._connecting:
-            task.cancel()
-
-    async def wait_closed(self) -> None:
-        await asyncio.shield(self._closed)
-
-    async def serve_forever(self) -> None:
-        """Until cancelled (then closed) or closed."""
-        try:
-            await asyncio.shield(self._closed)
-        finally:
-            self.close()
-
-    async def __aenter__(self) -> Listener:
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        self.close()
 
 
 class _PausedUntilTls(asyncio.StreamReaderProtocol):

@@ -23,17 +23,16 @@ from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
 from exporters.exposition import ProcessMetrics, snapshot_text
 from exporters.http import (
-    ACCEPT_FAILURES,
     CONTENT_TYPE,
     DROP_REASONS,
     Answer,
-    Listener,
     ScrapeServer,
     accepts_gzip,
     header_values,
     parse_listen,
     request_line,
 )
+from exporters.listener import ACCEPT_FAILURES, Listener
 from exporters.web_auth import (
     REFUSAL_REASONS,
     AuthGate,

@@ -78,7 +78,8 @@ def test_scraper_keeps_its_answers(
 
 
 # The agent's command line, run under a lower limit of open files (the soft limit systemd
-# gives a service is 1024; the unit does not raise it): exec'd, so that the pid is the agent's.
+# gives a service is 1024; the unit raises it, a drop-in may not): exec'd, so that the pid is
+# the agent's.
 UNDER_LIMIT = (
     "import os, resource, sys; n = int(sys.argv[1]); "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
@@ -126,6 +127,46 @@ def test_out_of_files_the_scraper_is_answered_and_the_log_is_quiet(
     told = [line for line in agent.log().splitlines() if "Too many open files" in line]
     assert len(told) <= 3, (len(told), told[:3])
     assert 'gpuwarden_http_accept_failed_total{reason="out_of_files"}' in body
+
+
+# More clients than the budget (64), each with a connection or a few that never finish a
+# request: idle, or sending a header line now and then (slowloris).
+CROWDS = {
+    "200-idle-hosts": [("idle", 200, 200)],
+    "300-slowloris-from-150-hosts": [("slowloris", 300, 150)],
+    "idle-and-slowloris-from-250-hosts": [("idle", 100, 100), ("slowloris", 300, 150)],
+}
+
+
+@pytest.mark.parametrize("crowd", list(CROWDS))
+@pytest.mark.parametrize("keeps", [False, True], ids=["reconnecting", "keeping-its-connection"])
+def test_a_scraper_among_more_hosts_than_the_budget_gets_every_scrape(
+    agent: AgentProcess, crowd: str, keeps: bool
+) -> None:
+    """Each connection of the crowd comes from a host of its own, so none is "the client
+    holding the most"; the scraper's new connection, the newest waiting one, became the oldest
+    after 64 more connects, before its request was read, and was evicted. Every scrape now
+    gets its answer: the scraper has been answered before, and a client that has been is
+    given up after every one that has not."""
+    assert scrape(agent.port, 0.1).ok == 1  # the scraper is known before the crowd comes
+    attackers = [
+        start_attack(kind, agent.port, SECONDS + 1.5, count, sources)
+        for kind, count, sources in CROWDS[crowd]
+    ]
+    result: list[Scrapes] = []
+    timer = threading.Timer(
+        1.0, lambda: result.append(scrape(agent.port, SECONDS, 0.25, timeout=5.0, keep=keeps))
+    )
+    timer.start()
+    timer.join()
+    tallies = [finish_attack(attacker) for attacker in attackers]
+    assert all(
+        t.connections >= count for t, (_, count, _) in zip(tallies, CROWDS[crowd], strict=True)
+    )
+    scrapes = result[0]
+    assert scrapes.failed == 0, (scrapes, tallies)
+    assert scrapes.ok >= 4
+    assert agent.process is not None and agent.process.poll() is None
 
 
 # Crowds of one-connection clients, from loopback addresses 127.0.0.2 and up (Prometheus is

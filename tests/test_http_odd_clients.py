@@ -303,6 +303,50 @@ class TestTarget:
         assert reply.status == 404, answer[:200]
 
 
+# -- line endings ----------------------------------------------------------------------------
+
+LINE_ENDINGS = {
+    "bare-lf": b"GET /metrics HTTP/1.1\n\n",
+    "lf-everywhere": b"GET /metrics HTTP/1.1\nHost: x\nAccept: */*\n\n",
+    "lf-request-line": b"GET /metrics HTTP/1.1\nHost: x\r\n\r\n",
+    "lf-in-headers": b"GET /metrics HTTP/1.1\r\nHost: x\nAccept: */*\r\n\r\n",
+    "lf-empty-line": b"GET /metrics HTTP/1.1\r\nHost: x\r\n\n",
+    "lf-then-crlf": b"GET /metrics HTTP/1.1\nHost: x\n\r\n",
+    "empty-line-first": b"\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+    "lf-first": b"\nGET /metrics HTTP/1.1\nHost: x\n\n",
+}
+LF_CLOSE = b"GET /metrics HTTP/1.1\nHost: x\nConnection: close\n\n"
+
+
+class TestLineEndings:
+    """A line of the request head may end in a bare LF, as RFC 9112 section 2.2 lets a
+    recipient take it (curl, Prometheus and browsers send CRLF; a hand-made client, `nc` or a
+    script, often sends LF): the request is answered at once, as if it had said CRLF, and
+    the connection kept. Empty lines before a request line are skipped (section 2.2, too).
+    Taken for a line that never ends, the head used to wait out the header deadline and be
+    dropped unanswered."""
+
+    @pytest.mark.parametrize("shape", list(LINE_ENDINGS))
+    async def test_answered_and_kept(self, endpoint: Endpoint, shape: str) -> None:
+        head = LINE_ENDINGS[shape]
+        # Twice on one kept connection, then a request whose LF-ended `Connection: close`
+        # must be read as such: the server closes after its answer, which ends the exchange.
+        answer = await exchange(endpoint.port, [head, head.replace(b"GET", b"HEAD", 1), LF_CLOSE])
+        replies, rest = split_replies(answer, ["GET", "HEAD", "GET"])
+        assert [r.status for r in replies] == [200, 200, 200], answer[:300]
+        assert rest == b""
+        assert replies[0].headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert replies[0].headers["connection"] == "keep-alive"
+        assert replies[2].headers["connection"] == "close"
+
+    async def test_a_head_too_large_in_lf_lines(self, endpoint: Endpoint) -> None:
+        """LF lines count against the 8 KiB of a head like CRLF ones."""
+        data = b"GET /metrics HTTP/1.1\n" + b"".join(b"X-%d: v\n" % i for i in range(2000)) + b"\n"
+        answer = await asyncio.to_thread(blocking_exchange, endpoint.port, data)
+        replies, _ = split_replies(answer, ["GET"])
+        assert [r.status for r in replies] == [431], answer[:300]
+
+
 # -- where it listens -------------------------------------------------------------------------
 
 

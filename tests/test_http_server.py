@@ -227,6 +227,29 @@ class TestKeptScraper:
                 for client in crowd:
                     client.close()
 
+    @pytest.mark.parametrize("opening", [b"", b"GET /metrics HTTP/1.1\r\n"], ids=["idle", "slow"])
+    async def test_a_served_clients_new_connection_outlives_a_crowd_of_hosts(
+        self, served: tuple[ScrapeServer, Gate, int], opening: bytes
+    ) -> None:
+        """Between a scraper's connect and its request come more hosts than the budget, one
+        connection each (none holds the most): the crowd gives way to itself, not to the
+        client already served, whose new connection was the oldest waiting 6 connects on."""
+        server, _, port = served
+        assert (await request(port)).startswith(b"HTTP/1.1 200 ")  # served once, and gone
+        with await connect(port) as scraper:
+            await until(lambda: server.open_connections == 1, what="the scraper connected")
+            crowd = [await connect(port, f"127.0.0.{2 + i}") for i in range(12)]
+            try:
+                for client in crowd:
+                    if opening:
+                        await send(client, opening)
+                await until(lambda: server.dropped["evicted"] == 7, what="seven evicted")
+                await send(scraper, GET)
+                assert (await receive(scraper)).startswith(b"HTTP/1.1 200 ")
+            finally:
+                for client in crowd:
+                    client.close()
+
     async def test_a_client_at_its_cap_gives_up_a_new_connection_first(
         self, served: tuple[ScrapeServer, Gate, int]
     ) -> None:

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from exporters.http import MAX_CONNECTIONS
+from exporters.listener import BACKLOG
+
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = ROOT / "systemd"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze") or "/usr/bin/systemd-analyze"
@@ -99,6 +102,17 @@ class TestSecurity:
         assert {"char-nvidia-frontend rw", "char-nvidia-uvm rw", "/dev/nvidiactl rw"} <= set(
             allowed
         )
+
+    @pytest.mark.parametrize("unit", ["gpuwarden.service", "gpuwarden-watch.service"])
+    def test_open_files_above_a_burst_of_accepts(self, unit: str) -> None:
+        """LimitNOFILE= is raised over systemd's 1024 (the process cannot raise its own under
+        ~@resources): the listener may accept a whole BACKLOG of queued connects at once,
+        besides its budget of kept connections and the process's own files."""
+        text = (UNITS / unit).read_text()
+        (value,) = re.findall(r"^LimitNOFILE=(\d+)$", text, re.MULTILINE)  # soft = hard
+        assert int(value) >= BACKLOG + MAX_CONNECTIONS + 1024
+        assert int(value) <= 524288  # systemd's own default hard limit: nothing unusual asked
+        assert "~@privileged @resources" in text  # why the unit, not the process, raises it
 
     def test_a_loose_unit_scores_worse(self, tmp_path: Path) -> None:
         loose = tmp_path / "loose.service"

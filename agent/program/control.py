@@ -41,12 +41,15 @@ from agent.contracts.model import ActiveRepair, RepairAction, Severity
 from agent.program.control_client import reachable
 from agent.runtime.core import Runtime
 from agent.runtime.pause import PauseRefused
+from exporters.listener import AcceptFailures, Listener
 
 log = structlog.get_logger(component="control")
 
 REQUEST_LIMIT: Final = 4096
 """Bytes a request may have: a reason of a line, not a file."""
 READ_TIMEOUT: Final = 5.0
+BACKLOG: Final = 64
+"""Connections the kernel queues while the agent cannot accept (out of files, a busy loop)."""
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
@@ -67,7 +70,22 @@ class ControlServer:
     def __init__(self, runtime: Runtime, path: Path) -> None:
         self.runtime = runtime
         self.path = path
-        self._server: asyncio.Server | None = None
+        self._server: Listener | None = None
+        self.accept_failures = AcceptFailures(
+            "control",
+            "control socket cannot accept connections; retrying",
+            "out of files: raise LimitNOFILE= in the unit, or find what holds them",
+        )
+
+    def _protocol(self) -> asyncio.StreamReaderProtocol:
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=REQUEST_LIMIT), self._client)
+
+    def _cannot_accept(self, exc: OSError) -> bool:
+        """Out of files (or another failed accept): counted, said at most once a minute; the
+        listener retries shortly. Nothing is given up for room: a control connection is a
+        local operator's, and is done within READ_TIMEOUT."""
+        self.accept_failures.note(exc)
+        return False
 
     async def start(self) -> None:
         """Bind the socket; a stale one (an agent killed before it removed it) is replaced,
@@ -80,11 +98,10 @@ class ControlServer:
             with reachable(self.path) as name:
                 sock.bind(name)
             os.chmod(self.path, 0o600)
-            sock.listen(8)
-            sock.setblocking(False)
-            self._server = await asyncio.start_unix_server(
-                self._client, sock=sock, limit=REQUEST_LIMIT
-            )
+            sock.listen(BACKLOG)
+            # Not asyncio's start_unix_server: out of files, its listener logged a traceback
+            # for every accept it tried, hundreds a second (exporters/listener.py).
+            self._server = Listener([sock], self._protocol, self._cannot_accept)
         except BaseException:
             sock.close()
             raise

@@ -239,16 +239,21 @@ def scrape(
     interval: float = 0.5,
     timeout: float = 2.0,
     authorization: str | None = None,
+    *,
+    keep: bool = False,
 ) -> Scrapes:
     """GET /metrics every `interval` s for `seconds` s from 127.0.0.1 on a new connection each
-    time (the harder case: it must be let in), counting answers 200 within `timeout`."""
+    time (the harder case: it must be let in), or on one kept connection (`keep`: Prometheus'
+    way; a new one after a failure), counting answers 200 within `timeout`."""
     result = Scrapes()
     stop = time.monotonic() + seconds
     headers = {"Authorization": authorization} if authorization else {}
+    connection: http.client.HTTPConnection | None = None
     while (started := time.monotonic()) < stop:
-        connection = http.client.HTTPConnection(
-            "127.0.0.1", port, timeout=timeout, source_address=("127.0.0.1", 0)
-        )
+        if connection is None:
+            connection = http.client.HTTPConnection(
+                "127.0.0.1", port, timeout=timeout, source_address=("127.0.0.1", 0)
+            )
         try:
             connection.request("GET", "/metrics", headers=headers)
             answer = connection.getresponse()
@@ -256,11 +261,14 @@ def scrape(
             ok = answer.status == 200 and time.monotonic() - started <= timeout
         except (OSError, http.client.HTTPException):
             ok = False
-        finally:
+        if not (ok and keep):
             connection.close()
+            connection = None
         result.ok += ok
         result.failed += not ok
         time.sleep(max(0.0, started + interval - time.monotonic()))
+    if connection is not None:
+        connection.close()
     return result
 
 

@@ -23,7 +23,8 @@ from agent import __version__
 from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.program.watch.fleet import Alert, Fleet, Node, State
 from exporters.exposition import Block, blocks_text
-from exporters.http import CONTENT_TYPE, Answer, Listener, ScrapeServer, request_line
+from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, request_line
+from exporters.listener import Listener
 
 MALFORMED_REASONS = (
     "bad_topic",
