@@ -5,7 +5,8 @@ to block the agent's start for good: no heartbeat, no metrics, the node looked d
 hold instead: past `state_open_timeout` the agent runs on memory with a `state_store_hung`
 problem that names the state dir and says what to do, tries the disk again as a store that
 started in memory does, and the open stuck in the kernel, once it returns, never becomes the
-store or writes into it: what it opened is closed.
+store or writes into it: what it opened is closed. The mount is asked first by a child
+process (a probe), so that no thread of the agent waits there and a stop is not held up.
 
 The real thing: the agent with its state dir on a FUSE mount whose look-ups never answer, in a
 private mount namespace (tests/support/fuse_hang.py). The other shapes (a late open that
@@ -19,6 +20,7 @@ import contextlib
 import os
 import signal
 import sqlite3
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -31,7 +33,7 @@ from agent.runtime.state import DB_NAME, StateStore
 from tests.support.agent_proc import AgentProcess, http_get
 from tests.support.waiting import wait_until
 from tests.support.watch import metric_value
-from tests.test_disk_hung_mount import agent_config, fuse_usable, process_state
+from tests.test_disk_hung_mount import STOP_BUDGET, agent_config, fuse_usable, process_state
 
 DEADLINE = 0.3
 """The open's deadline here (seconds)."""
@@ -207,9 +209,11 @@ def hung_state_dir(agent_process: AgentProcess, tmp_path: Path) -> Iterator[Path
 
 
 @pytest.mark.slow
-def test_the_real_agent_serves_and_says_the_state_dir_hangs(
+def test_the_real_agent_serves_says_the_state_dir_hangs_and_stops_at_once(
     agent_process: AgentProcess, hung_state_dir: Path
 ) -> None:
+    """No thread of the agent waits on the mount (a probe child asks it first), so SIGTERM
+    ends the agent within the stop budget while the mount still hangs."""
     agent_process.core_text = "state_open_timeout = 1.0\nstate_retry_interval = 1.0\n"
     agent_process.config_text = agent_config(Path("/"))
     agent_process.start(timeout=30)  # /metrics served: the start went on without the disk
@@ -217,19 +221,26 @@ def test_the_real_agent_serves_and_says_the_state_dir_hangs(
     assert metric_value(body, "gpuwarden_state_store_durable") == 0
     status, health = http_get(agent_process.metrics_url.replace("/metrics", "/healthz"))
     assert status != 200 and "hangs" in health, health
-    assert "getattr" in hung_state_dir.read_text()  # it did ask the mount
+    assert hung_state_dir.read_text()  # it did ask the mount (a statfs or a look-up)
     wait_until(
         lambda: "the last attempt to open the state store is still stuck" in agent_process.log(),
         timeout=20,
-        what="a retry that waits for the stuck open",
+        what="a retry that waits for the stuck one",
     )
-    # One thread waits on the mount, however many retries came.
-    assert hung_state_dir.read_text().count("getattr") == 1
+    # One asker waits on the mount, however many retries came.
+    assert len(hung_state_dir.read_text().splitlines()) == 1
     _, body = http_get(agent_process.metrics_url)  # still serving
     assert metric_value(body, "gpuwarden_state_store_durable") == 0
     process = agent_process.process
     assert process is not None
-    # The file server dies: the stuck look-up fails, the agent stops cleanly.
-    os.kill(int(Path(f"{hung_state_dir}.pid").read_text()), signal.SIGKILL)
-    assert agent_process.stop() == 0, agent_process.log()[-3000:]
-    assert process_state(process.pid) == ""
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(STOP_BUDGET)
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"the agent did not exit within {STOP_BUDGET} s of SIGTERM (its threads: "
+            f"{sorted(process_state(int(t.name)) for t in Path(f'/proc/{process.pid}/task').iterdir())})"
+        )
+    agent_process.process = None
+    assert code == 0, agent_process.log()[-3000:]
+    assert process_state(process.pid) == ""  # reaped: nothing of it waits on the mount

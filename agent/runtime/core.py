@@ -1029,7 +1029,7 @@ class Runtime:
         core = self.config.core
         while not self.store.durable:
             await asyncio.sleep(core.state_retry_interval)
-            attempt = self.store.disk_attempt()
+            attempt = self.store.disk_attempt(core.state_open_timeout)
             if attempt is None:
                 log.info("the last attempt to open the state store is still stuck; waiting")
                 continue

@@ -23,6 +23,8 @@ import json
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -304,6 +306,55 @@ def _disk_usable(state_dir: Path) -> None:
         raise OSError(errno.ENOSPC, "no room to open the database", str(target))
 
 
+PROBE = """
+import os, sys
+os.statvfs(sys.argv[1])
+for path in sys.argv[1:]:
+    try:
+        os.lstat(path)
+    except OSError:
+        pass
+"""
+"""The mount probe's program: what opening the database asks of the state dir's mount
+first (its statvfs, a look-up of each of the database's files)."""
+
+
+class MountProbe:
+    """Whether the state dir's mount answers, asked in a child process before the agent asks
+    it in one of its own threads. A look-up on a mount that hangs waits in the kernel, and
+    once the process is being killed the wait is uninterruptible: an agent thread stuck there
+    would keep the agent from exiting (SIGTERM, even SIGKILL) until the mount answers. The
+    child is killed and given up instead; it ends when the mount answers."""
+
+    def __init__(self, state_dir: Path) -> None:
+        paths = [state_dir, *(Path(f"{state_dir / DB_NAME}{s}") for s in ("", "-wal", "-shm"))]
+        self.process: subprocess.Popen[bytes] | None = None
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", PROBE, *map(str, paths)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError as exc:  # no process to spare: the open's own deadline still holds
+            log.warning("cannot start the state dir probe", error=str(exc))
+
+    def answered(self, timeout: float) -> bool:
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()  # not waited for: it ends when the mount answers
+            return False
+        return True
+
+    @property
+    def stuck(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
 class OpenAttempt:
     """One opening of the state database, in a daemon thread of its own: the caller waits for
     `future` as long as it will. An attempt abandoned (the caller stopped waiting: a mount
@@ -371,6 +422,8 @@ class StateStore:
         """In memory: what it started from, read back from the disk's database (`adopt`)."""
         self._attempt: OpenAttempt | None = None
         """The latest attempt to open the database on the disk (perhaps stuck there)."""
+        self._probe: MountProbe | None = None
+        """The latest probe of the state dir's mount (perhaps stuck there)."""
         self.write_failures = 0
         self.last_write_failure: tuple[float, str] | None = None
         """(time, error) of the latest failed write: a full disk shows here first."""
@@ -490,32 +543,44 @@ class StateStore:
         for good, with no heartbeat and no metrics. Past the deadline the store is in memory
         (`state_store_hung`); the open that hangs is abandoned: whatever it opens once the
         mount answers is closed, never used."""
-        attempt = OpenAttempt(lambda: cls.open(state_dir), f"state-open {state_dir}")
-        try:
-            return attempt.future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            attempt.abandon()
+        began = time.monotonic()
+        probe = MountProbe(state_dir)
+        attempt: OpenAttempt | None = None
+        if probe.answered(timeout):
+            attempt = OpenAttempt(lambda: cls.open(state_dir), f"state-open {state_dir}")
+            try:
+                # The mount answered the probe: what is left of the deadline, and a moment.
+                return attempt.future.result(max(timeout - (time.monotonic() - began), 1.0))
+            except concurrent.futures.TimeoutError:
+                attempt.abandon()
         log.error("opening the state store hangs; using memory", state_dir=str(state_dir))
         store = cls.in_memory([_hung(state_dir, timeout)], state_dir=state_dir)
-        store._attempt = attempt
+        store._probe, store._attempt = probe, attempt
         return store
 
     # -- back to the disk (a store that started in memory) ----------------------------------
 
-    def disk_attempt(self) -> OpenAttempt | None:
+    def disk_attempt(self, timeout: float = 10.0) -> OpenAttempt | None:
         """For a store in memory: open its database on the disk again, in a thread of its
-        own, after a cheap check (the directory writable, some room free). None while the
-        last attempt is still running (stuck on a mount that hangs: one thread waits there at
-        most) or for a durable store. The caller waits for `future` as long as it will,
-        abandons an attempt it stops waiting for, and hands a store it gets to `adopt`. An
-        attempt that fails says why in `problems` (it may have hung before)."""
+        own, after a cheap check (the mount answers a probe within `timeout`, the directory
+        is writable, some room free). None while the last attempt is still running or its
+        probe is still stuck on a mount that hangs (one of each waits there at most), or for
+        a durable store. The caller waits for `future` as long as it will, abandons an
+        attempt it stops waiting for, and hands a store it gets to `adopt`. An attempt that
+        fails says why in `problems` (it may have hung before)."""
         state_dir = self.state_dir
         if self.durable or state_dir is None:
             return None
         if self._attempt is not None and self._attempt.running:
             return None
+        if self._probe is not None and self._probe.stuck:
+            return None
 
         def attempt() -> StateStore:
+            probe = self._probe = MountProbe(state_dir)
+            if not probe.answered(timeout):
+                self._set_problem(_hung(state_dir, timeout))
+                raise StateStoreError(f"the state dir {state_dir} does not answer (it hangs)")
             try:
                 _disk_usable(state_dir)
                 disk = StateStore._open_on_disk(state_dir, [])
