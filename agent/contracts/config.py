@@ -46,6 +46,20 @@ class CoreSettings:
         help="state database, outbox, benchmark history",
     )
     log_level: LogLevel = setting("info", help="debug, info, warning or error")
+    state_open_timeout: float = setting(
+        10.0,
+        minimum=0.5,
+        maximum=300.0,
+        help="seconds opening the state database may take (at start, and each retry); past "
+        "that the state dir counts as hung and the agent keeps state in memory",
+    )
+    state_retry_interval: float = setting(
+        60.0,
+        minimum=1.0,
+        maximum=3600.0,
+        help="seconds between attempts to move a state store kept in memory (the state dir "
+        "unusable or hung at start) back to the disk",
+    )
 
     def __post_init__(self) -> None:
         if self.node_id and not NODE_ID.fullmatch(self.node_id):

@@ -17,6 +17,7 @@ one message for each file.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ def parse(data: Mapping[str, Any], source: str, schema: Schema) -> Config:
 
 
 def _parse(data: Mapping[str, Any], source: str, schema: Schema) -> Config:
-    core_keys = {"node_id", "state_dir", "log_level"}
+    core_keys = {field.name for field in dataclasses.fields(CoreSettings)}
     unknown = sorted(set(data) - core_keys - set(TOP_LEVEL_TABLES))
     if unknown:
         valid = ", ".join(sorted(core_keys | set(TOP_LEVEL_TABLES)))

@@ -109,10 +109,11 @@ class ControlServer:
 
     async def stop(self) -> None:
         server, self._server = self._server, None
-        if server is not None:
-            server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 1.0)
+        if server is None:  # never bound (a state dir that hangs): nothing of ours is there
+            return
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 1.0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 

@@ -46,7 +46,7 @@ from agent.runtime.metrics import RuntimeMetrics
 from agent.runtime.pause import PauseControl
 from agent.runtime.repairs import RepairLedger
 from agent.runtime.rounds import CollectorPool, Failure, RoundOutcome, collector_pool, run_round
-from agent.runtime.state import KvChanges, StateStore
+from agent.runtime.state import IN_MEMORY_PROBLEMS, KvChanges, StateStore
 from agent.runtime.store_guard import RETRY_EVERY, CollectorState, StoreGuard
 from agent.runtime.systemd import Supervisor
 
@@ -213,6 +213,8 @@ class Runtime:
     """The events the store writer is storing now, to be announced next."""
     _clock_steps_told = 0
     """How many of the store's clock steps have been told (an event each)."""
+    _disk_task: asyncio.Task[None] | None = None
+    """Moving a store that started in memory back to the disk (`_back_to_disk`)."""
 
     def __init__(
         self,
@@ -745,6 +747,8 @@ class Runtime:
             self._sink_tasks[name] = task
         self._monitor_task = asyncio.create_task(self._health_monitor(), name="health-monitor")
         self._writer_task = asyncio.create_task(self._store_writer(), name="state-writer")
+        if not self.store.durable and self.store.state_dir is not None:
+            self._disk_task = asyncio.create_task(self._back_to_disk(), name="state-disk")
         self.pause.arm()  # a pause kept from the last run ends at its own deadline
 
     def _sink_ended(self, name: str, task: asyncio.Task[None]) -> None:
@@ -757,7 +761,7 @@ class Runtime:
 
     async def stop(self) -> None:
         await self.pause.stop()
-        monitor = [self._monitor_task] if self._monitor_task is not None else []
+        monitor = [t for t in (self._monitor_task, self._disk_task) if t is not None]
         await cancel_tasks(
             [s.task for s in self.collectors.values() if s.task is not None] + monitor
         )
@@ -885,7 +889,7 @@ class Runtime:
         """Keys of `new` that differ from what runs: (read only at start, not read at all)."""
         pending = [
             key
-            for key in ("node_id", "state_dir")
+            for key in ("node_id", "state_dir", "state_open_timeout", "state_retry_interval")
             if getattr(new.core, key) != getattr(self.config.core, key)
         ]
         read = {*self._sink_specs, "heartbeat"}
@@ -947,7 +951,13 @@ class Runtime:
         for sink in self.sinks.values():
             problems.extend(sink.problems())
         problems.extend(self.guard.problems())
-        if any(p.kind == "state_store_unwritable" for p in self.store.problems):
+        kinds = {p.kind for p in self.store.problems}
+        if "state_store_hung" in kinds:
+            problems.append(
+                f"state store is in memory (state dir {self.config.state_dir} hangs: check "
+                "its mount)"
+            )
+        elif "state_store_unwritable" in kinds:
             problems.append("state store is in memory (state dir unusable)")
         problems.extend(self._start_problems())
         return Health(not problems, tuple(problems), self._notices())
@@ -1009,6 +1019,54 @@ class Runtime:
                 pruned_at = time.monotonic()
                 await self.in_store_thread(self.prune_history)
                 await self.in_store_thread(self.store.checkpoint)
+
+    async def _back_to_disk(self) -> None:
+        """A store that started in memory (its state dir unusable or hung at start): every
+        state_retry_interval seconds, open its database on the disk again (at most
+        state_open_timeout seconds, and never while the last attempt is still stuck there),
+        and once that works move what memory holds into it (in the store thread, in turn
+        with the writes) and say so: `state_store_durable`."""
+        core = self.config.core
+        while not self.store.durable:
+            await asyncio.sleep(core.state_retry_interval)
+            attempt = self.store.disk_attempt(core.state_open_timeout)
+            if attempt is None:
+                log.info("the last attempt to open the state store is still stuck; waiting")
+                continue
+            try:
+                disk = await asyncio.wait_for(
+                    asyncio.shield(asyncio.wrap_future(attempt.future)), core.state_open_timeout
+                )
+            except TimeoutError:
+                attempt.abandon()
+                self.store.note_hung(core.state_open_timeout)
+                log.warning("the state dir still hangs", state_dir=str(self.config.state_dir))
+                continue
+            except asyncio.CancelledError:  # a stop: what it opens later is closed
+                attempt.abandon()
+                raise
+            except Exception as exc:  # whatever it is, memory goes on
+                log.info("the state dir is still unusable", error=str(exc))
+                continue
+            try:
+                moved = await self.in_store_thread(self.store.adopt, disk)
+            except StateStoreError as exc:
+                log.warning("the state store stays in memory", error=str(exc))
+                continue
+            self.emit(
+                Event(
+                    source="state",
+                    kind="state_store_durable",
+                    severity=Severity.INFO,
+                    repair_action=RepairAction.NONE,  # the agent's own health, not a repair
+                    subject=str(self.config.state_dir),
+                    message=f"the state store is on the disk again ({self.store.path}): what "
+                    "memory held since the start (outbox, events, counters, cursors) is moved "
+                    "there and survives a restart",
+                    clears=tuple(sorted(IN_MEMORY_PROBLEMS)),
+                    attributes=moved,
+                )
+            )
 
     def _tell_clock_steps(self) -> None:
         """One event per step of the wall clock the store moved its stamps by: a fact about

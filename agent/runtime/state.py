@@ -16,14 +16,18 @@ collecting and serving.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import errno
 import json
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +95,7 @@ MAX_PARAMETERS = 500
 
 @dataclass(frozen=True, slots=True)
 class StoreProblem:
-    kind: str  # state_store_corrupt | state_store_unwritable
+    kind: str  # state_store_corrupt | state_store_unwritable | state_store_hung
     message: str
     action: str
 
@@ -244,6 +248,159 @@ def _marks(count: int) -> str:
     return ",".join("?" * count)
 
 
+IN_MEMORY_PROBLEMS = frozenset({"state_store_unwritable", "state_store_hung"})
+"""The problems of a store in memory for want of its disk: gone once it is durable again."""
+RETRY_MIN_FREE = 256 * 1024
+"""Bytes free on the state dir's file system below which a retry does not try to open the
+database there (the cheap check): a few pages for the database and its WAL, with room."""
+
+
+def _unusable(
+    state_dir: Path,
+    exc: BaseException,
+    odd: Sequence[tuple[Path, str]],
+    found: Salvage | None = None,
+) -> StoreProblem:
+    read_back = f" ({found.summary()})" if found is not None and found.rows else ""
+    odd = odd or _odd_files(state_dir / DB_NAME)
+    why = f"{'; '.join(text for _, text in odd)} ({exc})" if odd else f"({exc})"
+    action = (
+        f"remove or move {', '.join(str(part) for part, _ in odd)} (the database's "
+        "files must be plain files), or set state_dir"
+        if odd
+        else f"make {state_dir} writable by the gpuwarden user (or free space there), or set "
+        "state_dir; the agent tries it again every state_retry_interval seconds"
+    )
+    return StoreProblem(
+        "state_store_unwritable",
+        f"cannot use the state database in {state_dir}: {why}; keeping state in "
+        f"memory{read_back}: events, counters and the outbox will not survive a restart "
+        "until the disk can be used again",
+        action,
+    )
+
+
+def _hung(state_dir: Path, timeout: float) -> StoreProblem:
+    return StoreProblem(
+        "state_store_hung",
+        f"opening the state database in {state_dir} did not finish within {timeout:g} s: "
+        "the state dir hangs (a file server gone, a FUSE daemon that does not answer?); "
+        "keeping state in memory: events, counters and the outbox will not survive a restart "
+        "until the state dir answers again",
+        f"check the mount that holds {state_dir} (findmnt -T {state_dir}; its file server), "
+        "or set state_dir to a local disk; the agent tries it again every "
+        "state_retry_interval seconds",
+    )
+
+
+def _disk_usable(state_dir: Path) -> None:
+    """The cheap check before a retry opens the database: the state dir (or the nearest
+    directory above it that exists) writable, and some room free. Raises OSError."""
+    target = state_dir
+    while not target.exists() and target.parent != target:
+        target = target.parent
+    if not os.access(target, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise PermissionError(errno.EACCES, "not writable", str(target))
+    room = os.statvfs(target)
+    if room.f_bavail * room.f_frsize < RETRY_MIN_FREE:
+        raise OSError(errno.ENOSPC, "no room to open the database", str(target))
+
+
+PROBE = """
+import os, sys
+os.statvfs(sys.argv[1])
+for path in sys.argv[1:]:
+    try:
+        os.lstat(path)
+    except OSError:
+        pass
+"""
+"""The mount probe's program: what opening the database asks of the state dir's mount
+first (its statvfs, a look-up of each of the database's files)."""
+
+
+class MountProbe:
+    """Whether the state dir's mount answers, asked in a child process before the agent asks
+    it in one of its own threads. A look-up on a mount that hangs waits in the kernel, and
+    once the process is being killed the wait is uninterruptible: an agent thread stuck there
+    would keep the agent from exiting (SIGTERM, even SIGKILL) until the mount answers. The
+    child is killed and given up instead; it ends when the mount answers."""
+
+    def __init__(self, state_dir: Path) -> None:
+        paths = [state_dir, *(Path(f"{state_dir / DB_NAME}{s}") for s in ("", "-wal", "-shm"))]
+        self.process: subprocess.Popen[bytes] | None = None
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", PROBE, *map(str, paths)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError as exc:  # no process to spare: the open's own deadline still holds
+            log.warning("cannot start the state dir probe", error=str(exc))
+
+    def answered(self, timeout: float) -> bool:
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()  # not waited for: it ends when the mount answers
+            return False
+        return True
+
+    @property
+    def stuck(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class OpenAttempt:
+    """One opening of the state database, in a daemon thread of its own: the caller waits for
+    `future` as long as it will. An attempt abandoned (the caller stopped waiting: a mount
+    that hangs) keeps nothing it opens: the thread, back from the kernel, closes it, so it
+    never writes into a store the agent moved on from."""
+
+    def __init__(self, open_store: Callable[[], StateStore], name: str) -> None:
+        self.future: concurrent.futures.Future[StateStore] = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._open = open_store
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
+    def _run(self) -> None:
+        try:
+            store = self._open()
+        except BaseException as exc:  # handed to the caller, whatever it is
+            with self._lock:
+                if not self._abandoned:
+                    self.future.set_exception(exc)
+            return
+        with self._lock:
+            if not self._abandoned:
+                self.future.set_result(store)
+                return
+        log.warning("an abandoned state store open finished; closing what it opened")
+        store.close()
+
+    def abandon(self) -> None:
+        """Stop waiting: what the attempt opens, now or later, is closed."""
+        with self._lock:
+            self._abandoned = True
+            done = self.future.done() and self.future.exception() is None
+        if done:
+            self.future.result().close()
+
+
 KvChanges = Mapping[tuple[str, str], str | None]
 """(namespace, key) -> the value as JSON text, or None to delete it."""
 
@@ -259,6 +416,14 @@ class StateStore:
         self._lock = threading.Lock()
         self.path = path
         self.problems: list[StoreProblem] = list(problems)
+        self.state_dir: Path | None = path.parent if path is not None else None
+        """Where the database is, or (in memory) where it belongs."""
+        self._read_back = Salvage()
+        """In memory: what it started from, read back from the disk's database (`adopt`)."""
+        self._attempt: OpenAttempt | None = None
+        """The latest attempt to open the database on the disk (perhaps stuck there)."""
+        self._probe: MountProbe | None = None
+        """The latest probe of the state dir's mount (perhaps stuck there)."""
         self.write_failures = 0
         self.last_write_failure: tuple[float, str] | None = None
         """(time, error) of the latest failed write: a full disk shows here first."""
@@ -282,96 +447,265 @@ class StateStore:
         path = state_dir / DB_NAME
         odd = _odd_files(path)  # before SQLite tries: it may remove an odd -wal as it fails
         try:
-            _make_private_dir(state_dir)
-            try:
-                conn = _open_or_alone(path)
-            except sqlite3.DatabaseError as exc:
-                if isinstance(exc, sqlite3.OperationalError):
-                    raise  # cannot open or write: not corruption
-                found = salvage(path)  # before the move: read with its WAL, where it is
-                aside = path.with_name(f"{DB_NAME}.corrupt-{int(time.time())}")
-                for suffix in ("", "-wal", "-shm"):
-                    part = Path(str(path) + suffix)
-                    if part.exists():
-                        part.rename(Path(str(aside) + suffix))
-                log.error(
-                    "state database corrupt, moved aside",
-                    path=str(path),
-                    aside=str(aside),
-                    error=str(exc),
-                    **{f"salvaged_{table}": found.count(table) for table in COLUMNS},
-                )
-                conn = _open_checked(path)
-                restore(conn, found)
-                problems.append(
-                    StoreProblem(
-                        "state_store_corrupt",
-                        f"state database {path} was unreadable ({exc}); moved to {aside} and "
-                        f"started a new one; {found.summary()}, the rest is lost (counters "
-                        "and cursors not read back start over)",
-                        f"keep {aside} for support; check the disk of {state_dir} for errors",
-                    )
-                )
-            store = cls(conn, path, problems)
-            try:
-                conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
-                conn.execute("DROP TABLE _probe")
-            except sqlite3.OperationalError as exc:
-                if not _disk_full(exc):
-                    conn.close()
-                    raise
-                # A full disk: what the database holds is read and delivered, what comes
-                # waits in memory (store_guard.py) until a write works again.
-                store._rollback()
-                store._write_failed(exc)
-                log.error(
-                    "state disk full at start; the state store is read, writes wait",
-                    state_dir=str(state_dir),
-                    error=str(exc),
-                )
-            return store
+            return cls._open_on_disk(state_dir, problems)
         except (OSError, sqlite3.Error, StateStoreError) as exc:
             # A whole database it cannot write to (no inode for its WAL, a file system gone
             # read-only) still holds the outbox and the cursors: memory starts from it. Not
             # one of a newer schema: it is whole, and its own release will use it again.
             newer = isinstance(exc, StateStoreError)
             found = salvage(path) if not newer and _is_file(path) else Salvage()
-            read_back = f" ({found.summary()})" if found.rows else ""
-            odd = odd or _odd_files(path)
-            why = f"{'; '.join(text for _, text in odd)} ({exc})" if odd else f"({exc})"
-            action = (
-                f"remove or move {', '.join(str(part) for part, _ in odd)} (the database's "
-                "files must be plain files), or set state_dir"
-                if odd
-                else f"make {state_dir} writable by the gpuwarden user, or set state_dir"
-            )
-            problems.append(
-                StoreProblem(
-                    "state_store_unwritable",
-                    f"cannot use the state database in {state_dir}: {why}; keeping state in "
-                    f"memory{read_back}: events, counters and the outbox will not survive a "
-                    "restart",
-                    action,
-                )
-            )
+            problems.append(_unusable(state_dir, exc, odd, found))
             log.error(
                 "state store unusable, using memory",
                 state_dir=str(state_dir),
                 error=str(exc),
                 **{f"salvaged_{table}": found.count(table) for table in COLUMNS},
             )
-            return cls.in_memory(problems, found)
+            return cls.in_memory(problems, found, state_dir=state_dir)
+
+    @classmethod
+    def _open_on_disk(cls, state_dir: Path, problems: list[StoreProblem]) -> StateStore:
+        """The store on its database in `state_dir` (a corrupt one moved aside and made
+        again, a full disk's held alone), or the error that leaves it in memory."""
+        path = state_dir / DB_NAME
+        _make_private_dir(state_dir)
+        try:
+            conn = _open_or_alone(path)
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError):
+                raise  # cannot open or write: not corruption
+            found = salvage(path)  # before the move: read with its WAL, where it is
+            aside = path.with_name(f"{DB_NAME}.corrupt-{int(time.time())}")
+            for suffix in ("", "-wal", "-shm"):
+                part = Path(str(path) + suffix)
+                if part.exists():
+                    part.rename(Path(str(aside) + suffix))
+            log.error(
+                "state database corrupt, moved aside",
+                path=str(path),
+                aside=str(aside),
+                error=str(exc),
+                **{f"salvaged_{table}": found.count(table) for table in COLUMNS},
+            )
+            conn = _open_checked(path)
+            restore(conn, found)
+            problems.append(
+                StoreProblem(
+                    "state_store_corrupt",
+                    f"state database {path} was unreadable ({exc}); moved to {aside} and "
+                    f"started a new one; {found.summary()}, the rest is lost (counters "
+                    "and cursors not read back start over)",
+                    f"keep {aside} for support; check the disk of {state_dir} for errors",
+                )
+            )
+        store = cls(conn, path, problems)
+        try:
+            conn.execute("CREATE TABLE IF NOT EXISTS _probe (x)")
+            conn.execute("DROP TABLE _probe")
+        except sqlite3.OperationalError as exc:
+            if not _disk_full(exc):
+                conn.close()
+                raise
+            # A full disk: what the database holds is read and delivered, what comes
+            # waits in memory (store_guard.py) until a write works again.
+            store._rollback()
+            store._write_failed(exc)
+            log.error(
+                "state disk full at start; the state store is read, writes wait",
+                state_dir=str(state_dir),
+                error=str(exc),
+            )
+        return store
 
     @classmethod
     def in_memory(
-        cls, problems: Sequence[StoreProblem] = (), found: Salvage | None = None
+        cls,
+        problems: Sequence[StoreProblem] = (),
+        found: Salvage | None = None,
+        state_dir: Path | None = None,
     ) -> StateStore:
-        """`found`: what the database it stands in for still held, to start from."""
+        """`found`: what the database it stands in for still held, to start from.
+        `state_dir`: where that database belongs: `disk_attempt` tries it again."""
         conn = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         _migrate(conn)
         if found is not None and found.rows:
             restore(conn, found)
-        return cls(conn, None, problems)
+        store = cls(conn, None, problems)
+        store.state_dir = state_dir
+        if found is not None:
+            store._read_back = found
+        return store
+
+    @classmethod
+    def open_within(cls, state_dir: Path, timeout: float) -> StateStore:
+        """`open`, given at most `timeout` seconds: a state dir on a mount that hangs (an NFS
+        server gone, a FUSE daemon that never answers) would otherwise hold the agent's start
+        for good, with no heartbeat and no metrics. Past the deadline the store is in memory
+        (`state_store_hung`); the open that hangs is abandoned: whatever it opens once the
+        mount answers is closed, never used."""
+        began = time.monotonic()
+        probe = MountProbe(state_dir)
+        attempt: OpenAttempt | None = None
+        if probe.answered(timeout):
+            attempt = OpenAttempt(lambda: cls.open(state_dir), f"state-open {state_dir}")
+            try:
+                # The mount answered the probe: what is left of the deadline, and a moment.
+                return attempt.future.result(max(timeout - (time.monotonic() - began), 1.0))
+            except concurrent.futures.TimeoutError:
+                attempt.abandon()
+        log.error("opening the state store hangs; using memory", state_dir=str(state_dir))
+        store = cls.in_memory([_hung(state_dir, timeout)], state_dir=state_dir)
+        store._probe, store._attempt = probe, attempt
+        return store
+
+    # -- back to the disk (a store that started in memory) ----------------------------------
+
+    def disk_attempt(self, timeout: float = 10.0) -> OpenAttempt | None:
+        """For a store in memory: open its database on the disk again, in a thread of its
+        own, after a cheap check (the mount answers a probe within `timeout`, the directory
+        is writable, some room free). None while the last attempt is still running or its
+        probe is still stuck on a mount that hangs (one of each waits there at most), or for
+        a durable store. The caller waits for `future` as long as it will, abandons an
+        attempt it stops waiting for, and hands a store it gets to `adopt`. An attempt that
+        fails says why in `problems` (it may have hung before)."""
+        state_dir = self.state_dir
+        if self.durable or state_dir is None:
+            return None
+        if self._attempt is not None and self._attempt.running:
+            return None
+        if self._probe is not None and self._probe.stuck:
+            return None
+
+        def attempt() -> StateStore:
+            probe = self._probe = MountProbe(state_dir)
+            if not probe.answered(timeout):
+                self._set_problem(_hung(state_dir, timeout))
+                raise StateStoreError(f"the state dir {state_dir} does not answer (it hangs)")
+            try:
+                _disk_usable(state_dir)
+                disk = StateStore._open_on_disk(state_dir, [])
+                if disk.write_error is not None:  # read, but the disk is too full to write
+                    error = disk.write_error
+                    disk.close()
+                    raise StateStoreError(f"the state disk is still full ({error})")
+            except (OSError, sqlite3.Error, StateStoreError) as exc:
+                # Said here, in this thread: what the problem names is looked up on the
+                # disk (odd files), never on the caller's event loop.
+                self._set_problem(_unusable(state_dir, exc, ()))
+                raise
+            return disk
+
+        self._attempt = OpenAttempt(attempt, f"state-retry {state_dir}")
+        return self._attempt
+
+    def adopt(self, disk: StateStore) -> dict[str, int]:
+        """Move what this store holds in memory into `disk` (a store `disk_attempt` opened)
+        and carry on there: this store becomes durable, its startup problem (unwritable,
+        hung) goes, `disk` is used up. One transaction, under both locks, so nothing written
+        here meanwhile is left behind; on failure nothing moved and this store stays in
+        memory (StateStoreError).
+
+        Nothing is lost or stored twice, and what a sink knows stays true: outbox entries
+        keep their sequence numbers (a sink's cursor and its delivered-but-not-deleted list
+        refer to them). An entry that memory read back from the disk at start and has since
+        delivered is deleted there; one that the disk holds and memory never saw (unreadable
+        at start) stays, numbered after every number memory gave, so that a sink's cursor
+        reaches it. Events are
+        kept once by id; state values are memory's where it has them (it started from the
+        disk's and changed them since), a value memory read back and deleted is deleted.
+        Returns how many outbox entries, events and state values moved."""
+        if self.durable or disk.path is None:
+            raise StateStoreError("adopt: this store is durable already, or that one is not")
+        with self._lock, disk._lock:
+            try:
+                moved = self._move_into(disk._conn)
+            except sqlite3.Error as exc:
+                with contextlib.suppress(sqlite3.Error):
+                    if disk._conn.in_transaction:
+                        disk._conn.execute("ROLLBACK")
+                disk._conn.close()
+                raise StateStoreError(f"cannot move the state into {disk.path}: {exc}") from exc
+            memory, self._conn = self._conn, disk._conn
+            self.path = disk.path
+            memory.close()
+            self._read_back = Salvage()
+            self.write_error = None
+            with self._usage_lock:
+                self._usage = self._usage_of(self._conn, "1", ())
+        self.problems = [p for p in self.problems if p.kind not in IN_MEMORY_PROBLEMS]
+        log.warning("the state store is durable again", path=str(self.path), **moved)
+        return moved
+
+    def _move_into(self, conn: sqlite3.Connection) -> dict[str, int]:
+        """Under both locks: memory's rows into `conn`, in one transaction (`adopt`)."""
+        mine = self._conn
+        outbox = mine.execute(
+            "SELECT seq, kind, key, created, payload FROM outbox ORDER BY seq"
+        ).fetchall()
+        events = mine.execute(
+            "SELECT id, time, severity, source, kind, subject, body FROM events"
+        ).fetchall()
+        values = mine.execute("SELECT namespace, key, value, updated FROM kv").fetchall()
+        # The highest number memory ever gave (its entries delivered since included): a sink
+        # may have read up to it, so what the disk gives from now on comes after it.
+        counter = mine.execute("SELECT seq FROM sqlite_sequence WHERE name='outbox'").fetchone()
+        read_outbox = {int(row[0]): row[2] for row in self._read_back.rows.get("outbox", [])}
+        read_kv = {(row[0], row[1]) for row in self._read_back.rows.get("kv", [])}
+        held = {int(row[0]) for row in outbox}
+        conn.execute("BEGIN IMMEDIATE")
+        theirs = conn.execute("SELECT seq, key FROM outbox ORDER BY seq").fetchall()
+        known = {int(seq) for seq, key in theirs if read_outbox.get(int(seq)) == key}
+        # Read back at start, and gone from memory since: delivered or dropped.
+        done = sorted(known - held)
+        for chunk in _chunks(done):
+            conn.execute(f"DELETE FROM outbox WHERE seq IN ({_marks(len(chunk))})", chunk)  # noqa: S608
+        # The disk's own entries, which no sink has seen: numbered after everything memory
+        # numbered, in their order, so that a sink's cursor reaches them and no number means
+        # two entries.
+        unknown = [int(seq) for seq, _ in theirs if int(seq) not in known]
+        top = max([0, *held, *(int(seq) for seq, _ in theirs), int(counter[0]) if counter else 0])
+        for seq in unknown:
+            top += 1
+            conn.execute("UPDATE outbox SET seq = ? WHERE seq = ?", (top, seq))
+        fresh = [row for row in outbox if int(row[0]) not in known]
+        conn.executemany(
+            "INSERT INTO outbox(seq, kind, key, created, payload) VALUES (?,?,?,?,?)", fresh
+        )
+        conn.execute("DELETE FROM sqlite_sequence WHERE name='outbox'")
+        conn.execute("INSERT INTO sqlite_sequence(name, seq) VALUES ('outbox', ?)", (top,))
+        before = conn.total_changes
+        conn.executemany(
+            "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body) "
+            "VALUES (?,?,?,?,?,?,?)",
+            events,
+        )
+        new_events = conn.total_changes - before
+        gone = read_kv - {(row[0], row[1]) for row in values}
+        conn.executemany("DELETE FROM kv WHERE namespace=? AND key=?", sorted(gone))
+        conn.executemany(
+            "INSERT INTO kv(namespace, key, value, updated) VALUES (?,?,?,?) "
+            "ON CONFLICT(namespace, key) DO UPDATE SET value=excluded.value, "
+            "updated=excluded.updated",
+            values,
+        )
+        conn.execute("COMMIT")
+        return {
+            "outbox_moved": len(fresh),
+            "outbox_renumbered": len(unknown),
+            "events_moved": new_events,
+            "values_moved": len(values),
+        }
+
+    def note_hung(self, timeout: float) -> None:
+        """An attempt to go back to the disk did not finish within `timeout`: the problem
+        says the state dir hangs."""
+        if self.state_dir is not None:
+            self._set_problem(_hung(self.state_dir, timeout))
+
+    def _set_problem(self, problem: StoreProblem) -> None:
+        # A new list, never changed in place: the runtime reads it from another thread.
+        kept = [p for p in self.problems if p.kind not in IN_MEMORY_PROBLEMS]
+        self.problems = [*kept, problem]
 
     @property
     def durable(self) -> bool:

@@ -59,6 +59,8 @@ class AgentProcess:
     the agent's): a launcher of a private mount namespace, say."""
     process: subprocess.Popen[bytes] | None = None
     node_id: str = "test-node"
+    core_text: str = ""
+    """Top-level keys (before any table) after the generated node_id and state_dir."""
     entry: list[str] = field(default_factory=lambda: ["-m", "agent"])
     """What Python runs: the agent, or a launcher of it (tests/support/fake_nvml_agent.py)."""
 
@@ -78,6 +80,7 @@ class AgentProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         head = (
             f'node_id = "{self.node_id}"\nstate_dir = "{self.workdir / "state"}"\n'
+            f"{self.core_text}"
             f'[prometheus]\nlisten = "127.0.0.1:{self.port}"\n'
         )
         self.config_path.write_text(head + self.config_text)

@@ -78,7 +78,10 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     """Run until SIGTERM/SIGINT. Returns the exit code and the number of calls still hung."""
     loop = asyncio.get_running_loop()
     log.info("starting", config=cfg.source, node=cfg.node_id, state_dir=str(cfg.state_dir))
-    store = await asyncio.to_thread(StateStore.open, cfg.state_dir)
+    # Bounded: a state dir on a mount that hangs must not keep the agent from starting.
+    store = await asyncio.to_thread(
+        StateStore.open_within, cfg.state_dir, cfg.core.state_open_timeout
+    )
     runtime = Runtime(
         cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS, boot_id=_boot_id()
     )
@@ -100,10 +103,18 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         HANGUPS.ignore()
         return 1, runtime.calls_outstanding()
     control = ControlServer(runtime, socket_path(cfg.state_dir))
-    try:
-        await control.start()
-    except OSError as exc:  # the agent still watches; only pause and resume cannot reach it
-        log.error("control socket not available", path=str(control.path), error=str(exc))
+    if any(p.kind == "state_store_hung" for p in store.problems):
+        # Its socket is in the state dir, which hangs: binding it would hold up the loop.
+        log.error(
+            "control socket not available: the state dir hangs (pause and resume cannot "
+            "reach this agent until it restarts)",
+            path=str(control.path),
+        )
+    else:
+        try:
+            await control.start()
+        except OSError as exc:  # the agent still watches; only pause and resume cannot reach it
+            log.error("control socket not available", path=str(control.path), error=str(exc))
     helpers = [asyncio.create_task(_reload_loop(runtime, path, reloads))]
     if await _first_round_or_stop(runtime, stop):
         notifier.ready(runtime.health().summary())
