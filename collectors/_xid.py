@@ -11,6 +11,11 @@ never a second alert. Where the driver's words make the Xid worse than the first
 said (NVLink5 `Fatal`, Xid 154 to a reset), the follow-up is `xid_escalated`, at the worse
 severity.
 
+The correlation outlives the process: `shared_correlator` seeds the correlator once per
+process with the Xid events the state store holds from its last life on this boot
+(`CollectorDeps.stored_events`), so that a kernel-log line read again after a crash confirms
+the event NVML raised before it, instead of raising a second one.
+
 The catalog lookup lives in collectors/_xid_catalog.py; `build_xid_event` here is the default
 event builder (meaning, severity, action, which sources saw it), so the NVML side gets full
 events whether or not the kernel_log collector runs. `set_builder` replaces it.
@@ -26,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from agent.contracts.collector import CollectorDeps
 from agent.contracts.model import AttributeValue, Event, RepairAction, Severity, stable_event_id
 from collectors._repair import clears_for, repair_for
 from collectors._xid_catalog import lookup_event
@@ -209,6 +215,19 @@ def gpu_aliases(uuid: str, pci_bus_id: str) -> tuple[str, ...]:
 
 CONFIRMED: Final = "xid_confirmed"
 ESCALATED: Final = "xid_escalated"
+XID_KINDS: Final = ("xid", CONFIRMED, ESCALATED)
+SEED_HORIZON: Final = 86400.0
+"""Seconds of stored Xid events a new process takes over (`XidCorrelator.seed`): the
+kernel-log backlog it reads again after a crash may be that old (a restart loop, a stop of
+hours); a sighting is matched to them by when the Xid happened, not by when it is read."""
+
+
+def shared_correlator(deps: CollectorDeps) -> XidCorrelator:
+    """The process's one correlator (`deps.shared`), seeded once per process with the Xid
+    events the state store holds from its last life (`XidCorrelator.seed`)."""
+    correlator = deps.shared.get(XidCorrelator, XidCorrelator)
+    correlator.seed_once(lambda since: deps.stored_events("gpu", XID_KINDS, since), SEED_HORIZON)
+    return correlator
 
 
 class XidCorrelator:
@@ -248,6 +267,52 @@ class XidCorrelator:
         """(pci_bus_id, code) -> Xids seen since start, a twin seen by both sources once."""
         self.confirmations: dict[tuple[str, int], int] = {}
         """(pci_bus_id, code) -> Xids the second source saw within the window of the first."""
+        self._past: dict[tuple[str, int], list[_Incident]] = {}
+        """(pci_bus_id, code) -> the incidents of the process's last life (`seed`), oldest
+        first: a sighting within `window` of one of them (by when the Xid happened) joins it."""
+        self._seeded = False
+        self.seeded = 0
+        """Stored Xid events taken over at start."""
+
+    def seed_once(self, read: Callable[[float], Sequence[Event]], horizon: float) -> None:
+        """`seed` with the events `read(since)` gives, `horizon` seconds back; only the first
+        call of a process reads (a collector rebuilt by a reload finds it done)."""
+        with self._lock:
+            if self._seeded:
+                return
+            self._seeded = True
+        self.seed(read(self._clock() - horizon))
+
+    def seed(self, events: Sequence[Event]) -> None:
+        """Take over the Xid events of the process's last life (the state store's, oldest
+        first). A process killed after NVML raised an Xid and before the kernel log's line of
+        it was read, or its cursor stored, reads the line again at start: it confirms the
+        stored event (`xid_confirmed`, the id the line gives) instead of raising a second
+        one; an NVML twin of a kernel-log event raised just before the kill does too. The
+        holdoff goes on from the last event's time. Events that do not parse are skipped."""
+        with self._lock:
+            by_id: dict[str, _Incident] = {}
+            for event in events:
+                if event.kind == "xid":
+                    incident = _stored_incident(event)
+                    if incident is None:
+                        continue
+                    key = (incident.first.pci_bus_id, incident.first.code)
+                    self._past.setdefault(key, []).append(incident)
+                    by_id[event.id] = incident
+                    last = self._last_event.get(key)
+                    if incident.asks is not None and (last is None or last[0] <= event.time):
+                        self._last_event[key] = (event.time, incident.asks)
+                    self.seeded += 1
+                    continue
+                confirmed = by_id.get(str(event.attributes.get("confirms", "")))
+                source = event.attributes.get("source_now")
+                if confirmed is None or source not in _SOURCE_NAMES:
+                    continue
+                named: XidSource = "kmsg" if source == "kmsg" else "nvml"
+                confirmed.per_source[named] = confirmed.per_source.get(named, 0) + 1
+                if event.kind == ESCALATED and event.severity > confirmed.severity:
+                    confirmed.severity = event.severity
 
     def set_builder(self, build_event: EventBuilder) -> None:
         with self._lock:
@@ -284,13 +349,25 @@ class XidCorrelator:
             return next(iter(self.observe_backlog([obs])), None)
         key = (obs.pci_bus_id, obs.code)
         with self._lock:
-            incident = self._open.get(key)
-            if incident is not None and abs(obs.time - incident.first.time) > self.window:
-                del self._open[key]  # closed: this is a new incident, not a twin
-                incident = None
+            incident = self._twin_of(key, obs)
             if incident is None:
                 return self._first_sight(key, obs)
             return self._join(key, incident, obs)
+
+    def _twin_of(self, key: tuple[str, int], obs: XidObservation) -> _Incident | None:
+        """The open incident, or one of the last life's, that `obs` is a sighting of (within
+        `window` of its first); it is the open one from here on. Under the lock."""
+        incident = self._open.get(key)
+        if incident is not None and abs(obs.time - incident.first.time) > self.window:
+            del self._open[key]  # closed: this is a new incident, not a twin
+            incident = None
+        if incident is None:
+            past = [
+                i for i in self._past.get(key, ()) if abs(obs.time - i.first.time) <= self.window
+            ]
+            if past:
+                incident = self._open[key] = past[-1]
+        return incident
 
     def describe(self, obs: XidObservation) -> Event:
         """The event of an Xid as the builder makes it, and nothing else: not counted, no
@@ -446,10 +523,19 @@ class XidCorrelator:
         # Lines that ask otherwise are apart (an Xid 154 to a reset and back to None): in
         # the order they were first logged, so the all-clear comes after what it clears.
         groups: dict[tuple[str, int, Asks | None], list[XidObservation]] = {}
-        for obs in observations:
-            groups.setdefault((obs.pci_bus_id, obs.code, _words(obs)), []).append(obs)
         out: list[Event] = []
         with self._lock:
+            for obs in observations:
+                # A line of an Xid already raised, by this process's NVML thread or before a
+                # crash (`seed`): its twin or repeat, never a second event.
+                key = (obs.pci_bus_id, obs.code)
+                incident = self._twin_of(key, obs)
+                if incident is None:
+                    groups.setdefault((obs.pci_bus_id, obs.code, _words(obs)), []).append(obs)
+                    continue
+                follow_up = self._join(key, incident, obs)
+                if follow_up is not None:
+                    out.append(follow_up)
             for (pci_bus_id, code, _), group in groups.items():
                 key = (pci_bus_id, code)
                 self.counts[key] = self.counts.get(key, 0) + len(group)
@@ -464,6 +550,33 @@ class XidCorrelator:
         """Forget incidents whose window closed (called under the lock)."""
         for key in [k for k, i in self._open.items() if abs(now - i.first.time) > self.window]:
             del self._open[key]
+
+
+def _stored_incident(event: Event) -> _Incident | None:
+    """The incident a stored `xid` event raised; None when its attributes do not say."""
+    pci = event.attributes.get("pci_bus_id")
+    code = event.attributes.get("xid")
+    if not isinstance(pci, str) or not pci or not isinstance(code, int) or isinstance(code, bool):
+        return None
+    sources = [s for s in str(event.attributes.get("sources", "")).split(",") if s in _SOURCE_NAMES]
+    if not sources:
+        return None
+    named: list[XidSource] = ["kmsg" if s == "kmsg" else "nvml" for s in sources]
+    text = event.attributes.get("text")
+    first = XidObservation(
+        named[0], pci, code, event.time, text=text if isinstance(text, str) else ""
+    )
+    incident = _Incident(
+        first,
+        event.id,
+        event.subject,
+        event.severity,
+        # As the first life judged it: the stored event's own repair may be a recurrence's.
+        asks=_asks(first),
+    )
+    for source in named:
+        incident.per_source[source] = 1
+    return incident
 
 
 def _word_severity(obs: XidObservation) -> Severity:

@@ -138,6 +138,15 @@ class CollectorDeps:
     from it, so that the fault an earlier instance reported gets its all-clear, under the
     subject it was raised under, when it ends before this instance saw it."""
 
+    stored_events: Callable[[str, Sequence[str], float], Sequence[Event]] = (
+        lambda source, kinds, since: ()
+    )
+    """(source, kinds, since) -> the events of `source` of `kinds` the state store holds from
+    `since` on (their own time), oldest first: what the process's last life raised, for a
+    collector that must not raise it again (the Xid correlator's seed, collectors/_xid.py).
+    A synchronous read of the store: call it once, at construction; empty when the store
+    cannot be read."""
+
     def held_by(self, source: str, kinds: Sequence[str]) -> dict[str, dict[str, ActiveRepair]]:
         """subject -> kind -> the requirement held, for the events of `source` of `kinds`."""
         out: dict[str, dict[str, ActiveRepair]] = {}

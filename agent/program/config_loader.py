@@ -18,11 +18,12 @@ one message for each file.
 from __future__ import annotations
 
 import dataclasses
+import time
 import tomllib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agent.contracts.collector import CollectorSettings, CollectorSpec
 from agent.contracts.config import EMBEDDED, TOP_LEVEL_TABLES, Config, CoreSettings
@@ -30,6 +31,7 @@ from agent.contracts.errors import ConfigError
 from agent.contracts.settings import FileProblem, build, check_files, read_regular, to_table
 
 DEFAULT_CONFIG_PATH = Path("/etc/gpuwarden/gpuwarden.toml")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,86 @@ def _parse(data: Mapping[str, Any], source: str, schema: Schema) -> Config:
         merged = {**to_table(defaults, mask_secrets=False), **table}
         collectors[name] = build(spec.settings_type, merged, f"collectors.{name}")
     return Config(core=core, sections=sections, collectors=collectors, source=source)
+
+
+SETTLE = 0.5
+"""Seconds a file must stay unchanged before it is read, and while it is read."""
+SETTLE_BOUND = 10.0
+"""Seconds a read waits for a file that keeps changing (or is missing) before it refuses it."""
+
+
+def settled(
+    path: Path | None,
+    read: Callable[[], T],
+    *,
+    quiet: float = SETTLE,
+    bound: float = SETTLE_BOUND,
+    again: str = "send SIGHUP again once it is written",
+) -> T:
+    """`read()` the configuration once the file at `path` (None: the system file, if it
+    exists) is written: unchanged for `quiet` seconds, and through the read. The start and
+    every reload read this way.
+
+    A file truncated and written again in place (an editor, `cat >`, a tool that does not
+    rename), still being appended to, or replaced by a rename (missing for a moment where the
+    tool unlinks it first) is empty, half written or gone for a moment: a part cut at a line
+    is valid TOML and would be taken as meant (collectors back to their defaults, one the
+    file disables started). A file whose last change is `quiet` seconds old is read at once
+    (a start does not wait for a file written long ago). A read that fails while the file
+    was changing is tried again; one that fails on a file that stood still raises its own
+    error (it names the file, the key and what was expected). A file still changing (or
+    missing after being there) after `bound` seconds is refused with ConfigError; `again`
+    says what to do then."""
+    target = path
+    if target is None and DEFAULT_CONFIG_PATH.exists():
+        target = DEFAULT_CONFIG_PATH
+    if target is None:
+        return read()
+    deadline = time.monotonic() + bound
+    seen = _identity(target)
+    wait = not _quiet_since(target, quiet)
+    while True:
+        if wait:
+            time.sleep(quiet)
+        wait = True
+        now = _identity(target)
+        if now == seen:
+            try:
+                value = read()
+            except ConfigError:
+                if _identity(target) == seen or time.monotonic() >= deadline:
+                    raise
+            else:
+                if _identity(target) == seen:
+                    return value
+            now = _identity(target)
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                "",
+                f"the file kept changing for {bound:g} s (still being written?); expected a "
+                f"finished file: {again}",
+                str(target),
+            )
+        seen = now
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """What changes when a file is written or replaced (None: it cannot be read now)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _quiet_since(path: Path, quiet: float) -> bool:
+    """The file's last change (its ctime: a write, a rename, a chmod; no tool sets it) is at
+    least `quiet` seconds old by the wall clock."""
+    try:
+        changed = path.stat().st_ctime
+    except OSError:
+        return False
+    return time.time() - changed - quiet >= 0
 
 
 def load(path: Path | None, schema: Schema, files_of: Collection[str] | None = None) -> Config:

@@ -92,6 +92,16 @@ async def cancel_tasks(tasks: Sequence[asyncio.Task[None]]) -> None:
 
 EVENT_RETENTION = 30 * 86400.0
 """Seconds of event history kept in the state store (diag bundles and `recent_events`)."""
+BOOT_NAMESPACE, BOOT_KEY = "runtime", "events_boot_id"
+"""Where the runtime keeps the boot its stored events are of (`stored_events`)."""
+
+
+def _stored_boot(store: StateStore) -> str | None:
+    try:
+        value = store.get(BOOT_NAMESPACE, BOOT_KEY)
+    except StateStoreError:
+        return None
+    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -244,7 +254,8 @@ class Runtime:
         self.last_reload_ok = True
         self._specs = dict(collectors)
         self._sink_specs = dict(sinks)
-        self.store = store
+        # _events_boot: the boot the stored events were raised in (the last life's), or None.
+        self.store, self.boot_id, self._events_boot = store, boot_id, _stored_boot(store)
         self.node_id = config.node_id
         self.shared = SharedServices()
         self.supervisor = Supervisor()
@@ -385,6 +396,20 @@ class Runtime:
         starts now takes over from the one it replaces, whose last round may be on its way
         to the store."""
         return self.repair_ledger.after(self._pending_now())
+
+    def stored_events(self, source: str, kinds: Sequence[str], since: float) -> list[Event]:
+        """The stored events of `source` of `kinds` from `since` on (CollectorDeps): a read
+        of the store in the caller's thread, for a collector's construction; empty when the
+        store cannot be read (the collector then starts without its last life's events), and
+        when they are of another boot, or of one not known (a store of before the boot was
+        kept): what a reboot ended is not taken over."""
+        if self.boot_id and self._events_boot != self.boot_id:
+            return []
+        try:
+            return self.store.events_since(source, kinds, since)
+        except StateStoreError as exc:
+            log.warning("cannot read stored events", source=source, error=str(exc))
+            return []
 
     def pause_state(self) -> PauseState | None:
         return self.pause.state
@@ -531,6 +556,7 @@ class Runtime:
             shared=self.shared,
             emit=self.emit,
             held=self.held_repairs,
+            stored_events=self.stored_events,
         )
 
     def _build(self, name: str, settings: CollectorSettings) -> Collector | None:
@@ -729,6 +755,8 @@ class Runtime:
         for event in self._pending_events:
             self._emit_now(event)
         self._pending_events.clear()
+        if self.boot_id:  # the events stored from here on are this boot's
+            self.guard.put(BOOT_NAMESPACE, BOOT_KEY, self.boot_id)
         self.flush_events()  # startup problems are stored before start() returns
         for name, settings in self.config.collectors.items():
             collector = self._build(name, settings) if settings.enabled else None

@@ -914,6 +914,19 @@ class StateStore:
         )
         return [Event.from_dict(json.loads(body)) for (body,) in rows]
 
+    def events_since(
+        self, source: str, kinds: Sequence[str], since: float, limit: int = 2000
+    ) -> list[Event]:
+        """The stored events of `source` of `kinds` at or after `since` (their own time), the
+        newest `limit`, oldest first: what a collector of a restarted process takes over (the
+        Xid correlator's incidents of its last life)."""
+        if not kinds:
+            return []
+        marks = _marks(len(kinds))  # placeholders only: the kinds are parameters
+        sql = f"SELECT body FROM events WHERE time >= ? AND source = ? AND kind IN ({marks})"  # noqa: S608
+        rows = self._read(sql + " ORDER BY time DESC LIMIT ?", (since, source, *kinds, limit))
+        return [Event.from_dict(json.loads(body)) for (body,) in reversed(rows)]
+
     def prune_events(self, older_than: float) -> int:
         return self._write("DELETE FROM events WHERE time < ?", (older_than,)).rowcount
 

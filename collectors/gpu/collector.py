@@ -61,7 +61,7 @@ from collectors._nvml import (
 )
 from collectors._procfs import ProcessOwner, open_files, read_boot_id, read_owner
 from collectors._repair import shared_recurrence
-from collectors._xid import XidCorrelator
+from collectors._xid import shared_correlator
 from collectors.gpu import metrics as m
 from collectors.gpu.checks import (
     FAST_COUNTERS,
@@ -243,7 +243,7 @@ class GpuCollector:
         self.settings = settings
         self.deps = deps
         self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
-        self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
+        self.correlator = shared_correlator(deps)
         self.boot_id = _boot_id()
         self.recurrence = shared_recurrence(deps, lambda: read_boot_id(Path("/proc")))
         self.counters = CounterTracker(deps.state, self.boot_id)

@@ -45,7 +45,12 @@ from agent.contracts.model import (
 from agent.contracts.pause import PauseHistory, PauseWindow, logged_during_pause
 from agent.contracts.settings import setting
 from collectors._repair import shared_recurrence
-from collectors._xid import XidCorrelator, XidObservation, gpu_aliases, gpu_description
+from collectors._xid import (
+    XidObservation,
+    gpu_aliases,
+    gpu_description,
+    shared_correlator,
+)
 from collectors.kernel_log.kmsg import (
     FileLogReader,
     KmsgIO,
@@ -240,7 +245,7 @@ class KernelLogCollector:
         self.settings = settings
         self.deps = deps
         self.io = io
-        self.correlator = deps.shared.get(XidCorrelator, XidCorrelator)
+        self.correlator = shared_correlator(deps)
         self.recurrence = shared_recurrence(deps, lambda: read_boot_id(settings.boot_id_path))
         self.matchers = MatcherSet()
         self.reader: LogReader | None = None

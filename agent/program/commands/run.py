@@ -20,7 +20,7 @@ import structlog
 
 from agent.contracts.errors import ConfigError
 from agent.program import config_file as config_module
-from agent.program import registry
+from agent.program import config_loader, registry
 from agent.program.control import ControlServer
 from agent.program.control_client import socket_path
 from agent.program.hangup import HANGUPS
@@ -36,10 +36,9 @@ FIRST_ROUND_WAIT = 30.0
 """READY=1 waits for the first round of every collector, but not forever."""
 STOP_BUDGET = 4.0
 """SIGTERM to exit: well inside systemd's and the contract's 5 seconds."""
-SETTLE = 0.5
-"""Seconds a reloaded file must stay unchanged before it is read, and while it is read."""
-SETTLE_BOUND = 10.0
-"""Seconds a reload waits for a file that keeps changing before it refuses it."""
+SETTLE = config_loader.SETTLE
+SETTLE_BOUND = config_loader.SETTLE_BOUND
+START_AGAIN = "start the agent again once it is written"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        cfg = config_module.load(args.config)
+        # As a reload reads it: a file being written as the agent starts (Ansible, an editor)
+        # is read once it is finished, not half.
+        cfg = load_settled(args.config, again=START_AGAIN)
     except ConfigError as exc:
         print(f"gpuwarden: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -193,48 +194,17 @@ async def _reload_loop(runtime: Runtime, path: Path | None, reloads: asyncio.Que
 
 
 def load_settled(
-    path: Path | None, quiet: float = SETTLE, bound: float = SETTLE_BOUND
+    path: Path | None,
+    quiet: float = SETTLE,
+    bound: float = SETTLE_BOUND,
+    again: str = "send SIGHUP again once it is written",
 ) -> config_module.Config:
-    """Load the file once it is written: unchanged for `quiet` seconds, and through the read.
-
-    A file truncated and written again in place (an editor, `cat >`, a tool that does not
-    rename) is empty or half written for a moment, and a SIGHUP then read it: a part cut at a
-    line is valid TOML, and was applied as if meant (collectors back to their defaults, one
-    disabled in the file started), with no reload to follow once the file was whole. A
-    file still changing after `bound` seconds is refused (ConfigError), the running
-    configuration stays."""
-    target = path
-    if target is None and config_module.DEFAULT_CONFIG_PATH.exists():
-        target = config_module.DEFAULT_CONFIG_PATH
-    if target is None:
-        return config_module.load(path)
-    deadline = time.monotonic() + bound
-    seen = _identity(target)
-    while True:
-        time.sleep(quiet)
-        now = _identity(target)
-        if now == seen:
-            new = config_module.load(path)
-            if _identity(target) == seen:
-                return new
-            now = _identity(target)
-        if time.monotonic() >= deadline:
-            raise ConfigError(
-                "",
-                f"the file kept changing for {bound:g} s (still being written?); expected a "
-                "finished file: send SIGHUP again once it is written",
-                str(target),
-            )
-        seen = now
-
-
-def _identity(path: Path) -> tuple[int, ...] | None:
-    """What changes when a file is written or replaced (None: it cannot be read now)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    """Load the file once it is written (config_loader.settled): the start reads this way,
+    and so does every reload. A file still changing after `bound` seconds is refused
+    (ConfigError): a reload keeps the running configuration, a start exits 2."""
+    return config_loader.settled(
+        path, lambda: config_module.load(path), quiet=quiet, bound=bound, again=again
+    )
 
 
 async def _reload_once(runtime: Runtime, path: Path | None) -> None:

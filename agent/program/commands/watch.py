@@ -42,7 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> WatchSettings:
     # Only [watch] and the core keys are judged: the watcher never imports the collectors.
-    cfg = config_loader.load(args.config, config_loader.Schema(sections={"watch": WatchSettings}))
+    schema = config_loader.Schema(sections={"watch": WatchSettings})
+    cfg = config_loader.settled(  # a file being written as the watcher starts: once finished
+        args.config,
+        lambda: config_loader.load(args.config, schema),
+        again="start the watcher again once it is written",
+    )
     settings = cfg.section("watch", WatchSettings)
     overrides: dict[str, Any] = {}
     if args.url is not None:
