@@ -48,7 +48,10 @@ def normalize_pci_bus_id(text: str) -> str:
     """Any PCI address form -> the Linux form `0000:3b:00.0`.
 
     The kernel log writes `0000:3b:00` (no function), sometimes with a `PCI:` prefix; NVML
-    writes `00000000:3B:00.0` (8-digit domain, upper case). Raises ValueError on anything else.
+    writes `00000000:3B:00.0` (8-digit domain, upper case). A domain may be wider than 16 bits
+    (Intel VMD puts its devices in domains from 0x10000; Hyper-V's pci-hyperv makes its own):
+    Linux writes it with `%04x`, so `10000:01:00.0` (NVML: `00010000:01:00.0`), and that is the
+    form returned. Raises ValueError on anything else.
     """
     cleaned = text.strip()
     if cleaned.upper().startswith("PCI:"):
@@ -56,9 +59,7 @@ def normalize_pci_bus_id(text: str) -> str:
     match = _PCI.match(cleaned)
     if match is None:
         raise ValueError(f"not a PCI address: {text!r}")
-    domain = int(match["domain"] or "0", 16)
-    if domain > 0xFFFF:
-        raise ValueError(f"PCI domain out of range: {text!r}")
+    domain = int(match["domain"] or "0", 16)  # at most 8 digits: 32 bits, as Linux and NVML
     function = int(match["function"] or "0")
     return f"{domain:04x}:{match['bus'].lower()}:{match['device'].lower()}.{function}"
 

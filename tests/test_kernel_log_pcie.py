@@ -293,9 +293,9 @@ async def test_live_a_gpu_aer_report_is_named_by_the_gpu(
         # Intel VMD puts the devices behind it in domains from 10000 (drivers/pci/controller/vmd.c)
         ("nvme", "10000:01:00.0", "", "10000:01:00.0"),
         ("pcieport", "10000:00:02.0", "", "10000:00:02.0"),
-        # a GPU there cannot be named as NVML names it (a domain of 4 digits): by its address,
-        # and still a GPU's fatal error
-        ("nvidia", "10000:e1:00.0", "", "10000:e1:00.0"),
+        # a GPU there is named as NVML names it (`00010000:E1:00.0`, the same address)
+        ("nvidia", "10000:e1:00.0", "10000:e1:00.0", ""),
+        ("nvidia", "10000:E1:00.0", "10000:e1:00.0", ""),
         ("nvidia", "0001:41:00.0", "0001:41:00.0", ""),
     ],
 )

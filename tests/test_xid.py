@@ -138,6 +138,45 @@ class TestNormalize:
         """Kernel, NVML and short forms agree."""
         assert normalize_pci_bus_id(text) == expected
 
+    @pytest.mark.parametrize(
+        ("domain", "linux"),
+        [
+            ("", "0000"),  # no domain: 0
+            ("0000", "0000"),
+            ("00000000", "0000"),
+            ("abcd", "abcd"),
+            ("ABCD", "abcd"),
+            ("0000abcd", "abcd"),
+            ("10000", "10000"),  # Intel VMD's first domain (drivers/pci/controller/vmd.c)
+            ("1000A", "1000a"),
+            ("00010000", "10000"),  # NVML's 8 digits of the same domain
+            ("7870f", "7870f"),
+            ("fffffffe", "fffffffe"),
+            ("FFFFFFFF", "ffffffff"),
+        ],
+    )
+    @pytest.mark.parametrize("prefix", ["", "PCI:", "pci:"])
+    @pytest.mark.parametrize(
+        ("bdf", "tail"), [("3b:00", ".0"), ("3B:1F.7", ".7"), ("3b:00.0", ".0")]
+    )
+    def test_any_domain_width(
+        self, domain: str, linux: str, prefix: str, bdf: str, tail: str
+    ) -> None:
+        """A domain of 4 to 8 hex digits (Linux writes `%04x`, NVML `%08X`), either case, with
+        and without the function: the Linux form, the same for the kernel's and NVML's text."""
+        text = f"{prefix}{domain}:{bdf}" if domain else f"{prefix}{bdf}"
+        expected = f"{linux}:{bdf.lower()[:5]}{tail}"
+        assert normalize_pci_bus_id(text) == expected
+        assert normalize_pci_bus_id(expected) == expected
+
+    @pytest.mark.parametrize(
+        "text", ["100000000:3b:00.0", "000:3b:00.0", "1:3b:00.0", "10000:3b:0.0", "10000:3b:00.8"]
+    )
+    def test_not_an_address(self, text: str) -> None:
+        """More than 8 or fewer than 4 domain digits, a short device or a function past 7."""
+        with pytest.raises(ValueError, match="not a PCI address"):
+            normalize_pci_bus_id(text)
+
     @given(st.text(max_size=30))
     def test_any_text(self, text: str) -> None:
         """Anything else raises ValueError; a result is always in the canonical form."""

@@ -39,7 +39,6 @@ from collectors.kernel_log.parse import LogRecord
 
 PCIE_KINDS: Final = ("pcie_error", "gpu_init_failed")
 
-_BDF: Final = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 # Each line is found by its fixed words, and the device (`<driver> <bdf>: [AER: ]`) read from
 # just before them, with every field bounded: a pattern that began with the driver's name would
 # try it from every place in a line, the square of its length (tests/test_kernel_log_hostile.py).
@@ -245,7 +244,7 @@ class AerMatcher(Assembling[_Aer]):
                 self._open.extend(key)
 
 
-_NV_GPU: Final = rf"NVRM: (?:GPU (?P<pci>{_BDF}): )?"
+_NV_GPU: Final = rf"NVRM: (?:GPU (?P<pci>{ANY_BDF}): )?"
 _INIT_FAILED = re.compile(
     _NV_GPU + r"RmInitAdapter failed! \((?P<init>0x[0-9a-fA-F]+):(?P<rm>0x[0-9a-fA-F]+):"
     r"(?P<line>\d+)\)"
@@ -256,7 +255,7 @@ _ADAPTER_FAILED = re.compile(
 )
 _NO_POWER = re.compile(_NV_GPU + r"GPU does not have the necessary power cables connected")
 _PROBE_FAILED = re.compile(
-    rf"nvidia(?: (?P<pci>{_BDF}))?: probe (?:of (?P<old>{_BDF}) )?(?:with driver nvidia )?"
+    rf"nvidia(?: (?P<pci>{ANY_BDF}))?: probe (?:of (?P<old>{ANY_BDF}) )?(?:with driver nvidia )?"
     r"failed with error (?P<errno>-?\d+)"
 )
 # The driver writes these lines of one attempt together; every open of the device tries again.
