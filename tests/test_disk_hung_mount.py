@@ -78,6 +78,30 @@ def hung_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     mountpoint.mkdir()
     state = tmp_path / "fuse-state"
     yield mountpoint, state
+    kill_daemon(state)
+
+
+def hang_launcher(mountpoint: Path, state: Path, *options: str) -> list[str]:
+    """The prefix that runs a command beside a hanging FUSE mount at `mountpoint`, in a
+    private mount namespace (tests/support/fuse_hang.py; `options`: its own, `--lookups`)."""
+    return [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        sys.executable,
+        "-m",
+        "tests.support.fuse_hang",
+        str(mountpoint),
+        str(state),
+        *options,
+        "--",
+    ]
+
+
+def kill_daemon(state: Path) -> None:
+    """SIGKILL the FUSE daemon whose pid is in the state file's .pid sibling, if it ran:
+    that ends every wait on its mount."""
     pidfile = Path(f"{state}.pid")
     if pidfile.exists():
         with contextlib.suppress(ProcessLookupError):
@@ -99,18 +123,7 @@ class TestDeadFileServer:
         self, agent_process: AgentProcess, hung_mount: tuple[Path, Path]
     ) -> None:
         mountpoint, state = hung_mount
-        agent_process.prefix = [
-            "unshare",
-            "-m",
-            "--propagation",
-            "private",
-            sys.executable,
-            "-m",
-            "tests.support.fuse_hang",
-            str(mountpoint),
-            str(state),
-            "--",
-        ]
+        agent_process.prefix = hang_launcher(mountpoint, state)
         agent_process.config_text = agent_config(mountpoint)
         agent_process.start()
         process = agent_process.process

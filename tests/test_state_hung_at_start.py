@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,14 @@ from agent.runtime.state import DB_NAME, StateStore
 from tests.support.agent_proc import AgentProcess, http_get
 from tests.support.waiting import wait_until
 from tests.support.watch import metric_value
-from tests.test_disk_hung_mount import STOP_BUDGET, agent_config, fuse_usable, process_state
+from tests.test_disk_hung_mount import (
+    STOP_BUDGET,
+    agent_config,
+    fuse_usable,
+    hang_launcher,
+    kill_daemon,
+    process_state,
+)
 
 DEADLINE = 0.3
 """The open's deadline here (seconds)."""
@@ -188,24 +193,9 @@ def hung_state_dir(agent_process: AgentProcess, tmp_path: Path) -> Iterator[Path
     mountpoint = agent_process.workdir / "state"
     mountpoint.mkdir(parents=True)
     state = tmp_path / "fuse-state"
-    agent_process.prefix = [
-        "unshare",
-        "-m",
-        "--propagation",
-        "private",
-        sys.executable,
-        "-m",
-        "tests.support.fuse_hang",
-        str(mountpoint),
-        str(state),
-        "--lookups",
-        "--",
-    ]
+    agent_process.prefix = hang_launcher(mountpoint, state, "--lookups")
     yield state
-    pidfile = Path(f"{state}.pid")
-    if pidfile.exists():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    kill_daemon(state)
 
 
 @pytest.mark.slow
