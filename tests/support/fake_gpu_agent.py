@@ -82,6 +82,40 @@ def scripted_gpus(count: int) -> list[FakeGpu]:
     return [scripted_gpu(i) for i in range(count)]
 
 
+MIG_GPM_METRICS = {
+    # Per GPU instance (1 and 2), distinct from each other and from the GPUs' own.
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: (87.5, 43.75),
+    pynvml.NVML_GPM_METRIC_SM_UTIL: (81.25, 40.625),
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: (68.75, 34.375),
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: (56.25, 28.125),
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: (18.75, 9.375),
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: (10.0, 20.0),
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: (30.0, 40.0),
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: (50.0, 60.0),
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: (70.0, 80.0),
+}
+MIG_INSTANCES = ((1, "3g.71gb", 1), (2, "2g.35gb", 2))
+"""The last GPU's GPU instances in scripted_mig_gpus: (id, profile, compute instances)."""
+
+
+def scripted_mig_gpus(count: int) -> list[FakeGpu]:
+    """scripted_gpus with the last GPU in MIG mode: GPU instance 1 (3g.71gb, one compute
+    instance) and 2 (2g.35gb, two compute instances: one GPU instance still). NVML gives
+    no utilization on a GPU in MIG mode; its GPU-wide GPM stays (the rules must not use it
+    for a GPU that has GPU instances)."""
+    gpus = scripted_gpus(count)
+    mig = gpus[-1]
+    mig.mig_mode = (1, 1)
+    mig.utilization = None
+    for n, (gi, profile, computes) in enumerate(MIG_INSTANCES):
+        gpm = {metric: values[n] for metric, values in MIG_GPM_METRICS.items()}
+        for ci in range(computes):
+            name = profile if computes == 1 else f"1c.{profile}"
+            # 77 bytes over whole MiB: the rules round an instance's MiB down too.
+            mig.add_mig(gi, name, ci, memory_used=(2000 + n) * MIB + 77, gpm=gpm)
+    return gpus
+
+
 def fake_runtime(fake: FakeNvml) -> type[Runtime]:
     """The program's Runtime with `fake` as the process's NVML backend."""
 
@@ -99,12 +133,14 @@ def main(argv: Sequence[str]) -> int:
     split = list(argv).index("--")
     parser = argparse.ArgumentParser(prog="fake_gpu_agent")
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--mig", action="store_true", help="the last GPU in MIG mode")
     args = parser.parse_args(argv[:split])
     command = list(argv[split + 1 :])
     if command[1:3] != ["-m", "agent"]:
         raise SystemExit(f"fake_gpu_agent runs `PYTHON -m agent ...`, not {command}")
     # The run command builds its Runtime by this name; the fake backend rides in with it.
-    run.Runtime = fake_runtime(FakeNvml(scripted_gpus(args.gpus)))  # type: ignore[attr-defined]
+    gpus = scripted_mig_gpus(args.gpus) if args.mig else scripted_gpus(args.gpus)
+    run.Runtime = fake_runtime(FakeNvml(gpus))  # type: ignore[attr-defined]
     return cli.main(command[3:])
 
 
