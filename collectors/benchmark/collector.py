@@ -128,6 +128,12 @@ SKIPS = MetricFamily(
     "Rounds in which a due benchmark was not run, by reason",
     (*GPU_LABELS, "reason"),
 )
+UNSAVED = MetricFamily(
+    "gpuwarden_benchmark_history_unsaved_records",
+    G,
+    "Benchmark records kept in memory that the history file in state_dir has not taken "
+    "(full disk, read-only, failing or hung state dir); written when it takes them again",
+)
 
 Profile = Literal["fp32", "tf32", "bf16", "fp16"]
 When = Literal["idle", "always"]
@@ -309,6 +315,8 @@ class BenchmarkCollector:
         self.source = source
         self.policy = settings.policy()
         self.history = HistoryFile.in_state_dir(deps.state_dir)
+        self._history_error: str | None = None
+        """Why the history file failed last (logged once per outage), None while it works."""
         self.gpus: dict[str, GpuState] = {}
         self._no_gpu_logged = False
         self.state: KeyValueStore = deps.state
@@ -321,6 +329,7 @@ class BenchmarkCollector:
     def families(self) -> Sequence[MetricFamily]:
         return (
             GPUS,
+            UNSAVED,
             FLOPS,
             BASELINE_RATIO,
             PEER_RATIO,
@@ -381,7 +390,7 @@ class BenchmarkCollector:
                 log.info("no GPU: the benchmark has nothing to test", reason=reason)
                 self._no_gpu_logged = True
             return Collection(samples=[GPUS.sample(0)])
-        await ctx.call("benchmark:history", self.history.refresh)
+        await self._sync_history(ctx)
         for gpu in gpus:
             await self._observe(ctx, gpu)
         chosen: GpuIdentity | None = None
@@ -395,6 +404,33 @@ class BenchmarkCollector:
                 chosen = gpu
         events = list((await self.benchmark(ctx, chosen, gpus)).events) if chosen else []
         return Collection(samples=self._samples(gpus), events=events)
+
+    async def _sync_history(self, ctx: CollectContext) -> None:
+        """Write the records that wait and read others' lines (`gpuwarden bench`). A history
+        that fails or hangs leaves the one in memory as it is: said once per outage, and in
+        gpuwarden_benchmark_history_unsaved_records. While a call hangs it is not asked
+        again (CallStillHung at once), so the round never waits on the state dir twice."""
+        try:
+            written = await ctx.call("benchmark:history", self.history.sync)
+        except (OSError, CallTimedOut, CallStillHung) as exc:
+            error = type(exc).__name__ if isinstance(exc, CallStillHung) else str(exc)
+            if self._history_error is None:
+                log.warning(
+                    "benchmark history not written: records wait in memory",
+                    path=str(self.history.path),
+                    error=error,
+                    unsaved=len(self.history.unsaved),
+                )
+            self._history_error = self._history_error or error
+            return
+        if self._history_error is not None:
+            log.info(
+                "benchmark history written again",
+                path=str(self.history.path),
+                written=written,
+                unsaved=len(self.history.unsaved),
+            )
+            self._history_error = None
 
     def _state(self, gpu: GpuIdentity) -> GpuState:
         state = self.gpus.get(gpu.uuid)
@@ -472,13 +508,12 @@ class BenchmarkCollector:
         if record is None:
             state.failures[outcome.failure] += 1
             return RunResult(gpu, None, outcome, self._failure_events(gpu, outcome))
-        history = await ctx.call("benchmark:history", self.history.refresh)
-        record = judge(history, record, self.policy)
-        try:
-            await ctx.call("benchmark:history", self.history.append, record)
-        except OSError as exc:  # a read-only state_dir must not lose the result or the events
-            log.warning("benchmark record not saved", path=str(self.history.path), error=str(exc))
-            self.history.records.append(record)
+        await self._sync_history(ctx)
+        record = judge(self.history.records, record, self.policy)
+        # Kept first: a state dir that refuses or hangs loses neither the result nor its
+        # events; the record waits, and a later round writes it.
+        self.history.keep(record)
+        await self._sync_history(ctx)
         state.last, state.last_success = record, finished
         if record.correct is False:
             state.wrong += 1
@@ -525,7 +560,7 @@ class BenchmarkCollector:
     # -- samples ------------------------------------------------------------------------------
 
     def _samples(self, gpus: Sequence[GpuIdentity]) -> list[Sample]:
-        samples = [GPUS.sample(len(gpus))]
+        samples = [GPUS.sample(len(gpus)), UNSAVED.sample(len(self.history.unsaved))]
         for gpu in gpus:
             state, labels = self._state(gpu), gpu.labels()
             samples.append(IDLE.sample_map(1 if self._idle(gpu) else 0, labels))

@@ -16,9 +16,12 @@ so a GPU that degrades does not drag its own baseline down.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import math
 import os
+import stat
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -241,13 +244,26 @@ def parse_lines(lines: Iterable[str]) -> HistoryLoad:
 
 class HistoryFile:
     """The JSON-lines history. Appends are single writes of one line, so a `gpuwarden bench`
-    and the daemon appending at once do not interleave; `refresh` picks up the other's lines."""
+    and the daemon appending at once do not interleave; `refresh` picks up the other's lines.
+
+    A record the file does not take (a full disk, a read-only or failing state dir) is kept:
+    it is in `records` at once and in `unsaved` until a later `save` writes it. A line the
+    disk cut short (a short write at its last free byte, a crash mid-write) stays a line of
+    its own: the next write starts with a newline, so the part is one bad line, counted and
+    skipped, and no other record is spoilt. `save` may run in a worker thread while the
+    event loop keeps records (`keep`) and reads them: the lists change under a lock."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.records: list[BenchmarkRecord] = []
         self.bad_lines: list[tuple[int, str]] = []
+        self.unsaved: list[BenchmarkRecord] = []
+        """Records kept in memory that the file has not taken yet, oldest first."""
         self._size = -1
+        self._lock = threading.Lock()
+        self._saving = threading.Lock()
+        """Held by the one `save` writing: another (a call given up on while this one hangs,
+        then asked again) writes nothing twice and does not hang a second thread."""
 
     @classmethod
     def in_state_dir(cls, state_dir: Path) -> HistoryFile:
@@ -261,27 +277,85 @@ class HistoryFile:
         if size != self._size:
             text = self.path.read_text(encoding="utf-8", errors="replace") if size else ""
             loaded = parse_lines(text.splitlines())
-            self.records = sorted(loaded.records, key=lambda r: r.time)
-            self.bad_lines = loaded.bad_lines
-            self._size = size
+            with self._lock:
+                self.records = sorted([*loaded.records, *self.unsaved], key=lambda r: r.time)
+                self.bad_lines = loaded.bad_lines
+                self._size = size
         return self.records
 
+    def keep(self, record: BenchmarkRecord) -> None:
+        """`record` in the history now, and waiting for `save` to write it."""
+        with self._lock:
+            self.unsaved.append(record)
+            self.records = sorted([*self.records, record], key=lambda r: r.time)
+
     def append(self, record: BenchmarkRecord) -> None:
+        """Keep `record` and write what waits; an OSError says the file did not take it (it
+        waits, in `records` and `unsaved`)."""
+        self.keep(record)
+        self.save()
+
+    def sync(self) -> int:
+        """Write what waits, then read the lines others wrote; the records written."""
+        written = self.save()
         self.refresh()
+        return written
+
+    def save(self) -> int:
+        """Write the records that wait, one line each; how many were written. OSError when
+        the file takes no more (ENOSPC for a short write): the rest wait. 0 at once while
+        another save is under way (it writes them)."""
+        if not self._saving.acquire(blocking=False):
+            return 0
+        try:
+            return self._save()
+        finally:
+            self._saving.release()
+
+    def _save(self) -> int:
+        with self._lock:
+            waiting = list(self.unsaved)
+        if not waiting:
+            return 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = (record.to_json() + "\n").encode("utf-8")
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except FileNotFoundError:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             _give_to_directory_owner(fd, self.path.parent)
+        written = 0
         try:
-            os.write(fd, data)
+            start = os.fstat(fd).st_size
+            for record in waiting:
+                data = (record.to_json() + "\n").encode("utf-8")
+                if not self._ends_a_line(fd):
+                    data = b"\n" + data  # after a part line: a line of its own
+                done = os.write(fd, data)
+                if done != len(data):
+                    raise OSError(
+                        errno.ENOSPC,
+                        f"No space left: {done} of {len(data)} bytes of a record written",
+                        str(self.path),
+                    )
+                written += 1
+                with self._lock:
+                    self.unsaved.remove(record)
+            size = os.fstat(fd).st_size
         finally:
             os.close(fd)
-        self.records.append(record)
-        self.records.sort(key=lambda r: r.time)
-        self._size = self.path.stat().st_size
+        with self._lock:
+            if self._size == start:  # nobody else wrote since our last read: nothing new
+                self._size = size  # to read (our own lines are in `records` already)
+        return written
+
+    def _ends_a_line(self, fd: int) -> bool:
+        """Whether the file open (write-only) on `fd` is empty or ends with a newline."""
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or not info.st_size:
+            return True
+        with self.path.open("rb") as reader:
+            reader.seek(info.st_size - 1)
+            return reader.read(1) == b"\n"
 
 
 def _give_to_directory_owner(fd: int, directory: Path) -> None:
