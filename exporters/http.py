@@ -7,6 +7,10 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
 
 - A request head's lines end in CRLF or a bare LF (read_head): a client sending LF is
   answered at once, not left to wait out the header deadline.
+- A head with a bare CR, a control byte in a field, a folded line (obs-fold) or a field line
+  that is not `name: value` is answered 400 and its connection closed (malformed): RFC 9112
+  sections 2.2 and 5.2 let a server refuse these, and a proxy in front may frame them
+  otherwise than we do.
 - A connection has HEADER_TIMEOUT (TLS handshake included) to send a whole request head, and
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
@@ -40,6 +44,7 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
+import re
 import socket
 import ssl
 import time
@@ -128,6 +133,30 @@ def request_line(head: bytes) -> tuple[str, str] | Answer:
     if method not in ("GET", "HEAD"):
         return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"
     return method, target_path(target)
+
+
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e\x80-\xff]+ HTTP/[0-9]\.[0-9]")
+"""method SP request-target SP HTTP-version (RFC 9112 section 3): no control byte, one space."""
+_FIELD_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*")
+"""field-name ":" field-value (RFC 9112 section 5, RFC 9110 section 5.5): a token, the colon
+right after it, a value of visible bytes, obs-text, SP and HTAB: no control byte, no CR."""
+
+
+def malformed(head: bytes) -> str | None:
+    """Why a request head (as read_head returns it) is not one, or None. A bare CR, a control
+    byte in a field, a folded line (obs-fold) or a field line without its colon are refused,
+    not mended: a proxy in front may read such a head otherwise than we would (request
+    smuggling), and no scraper sends one."""
+    first, *fields = head[:-4].split(b"\r\n")
+    if _REQUEST_LINE.fullmatch(first) is None:
+        return "bad request line"
+    for line in fields:
+        if line[:1] in (b" ", b"\t"):
+            return "folded header line (obs-fold)"
+        if _FIELD_LINE.fullmatch(line) is None:
+            return "bad header line"
+    return None
 
 
 def target_path(target: str) -> str:
@@ -255,6 +284,8 @@ class ScrapeServer:
         self._open: dict[_Connection, None] = {}  # in order of arrival
         self._served: dict[str, None] = {}  # clients answered below 400, the latest last
         self.dropped: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        """Malformed request heads answered 400, by what was wrong (malformed())."""
         self.accept_failures = AcceptFailures(
             "http",
             "cannot accept connections; giving up waiting ones to make room",
@@ -429,6 +460,8 @@ class ScrapeServer:
             if connection not in self._open:  # evicted while its head came in
                 return
             connection.waiting_since = None
+            if not await self._well_formed(connection, reader, head):
+                return
             keep = served < self.max_requests and may_keep_alive(head)
             status, headers, body = await self._respond(head, connection.client)
             if head.startswith(b"HEAD "):
@@ -448,6 +481,22 @@ class ScrapeServer:
             # The next request comes a scrape interval later; meanwhile the connection is
             # waiting, so evictable: an idle keep-alive holds no room anyone needs.
             deadline, reason = self.idle_timeout, "idle_timeout"
+
+    async def _well_formed(
+        self, connection: _Connection, reader: asyncio.StreamReader, head: bytes
+    ) -> bool:
+        """Whether the head is a request; if not, it is answered 400 and the connection ends:
+        what follows on it is not read as a request (its framing is unknown), but taken and
+        dropped."""
+        problem = malformed(head)
+        if problem is None:
+            return True
+        self.rejected[problem] += 1
+        if await self._send(
+            connection.writer, response(400, {}, f"bad request: {problem}\n".encode())
+        ):
+            await self._linger(connection, reader)
+        return False
 
     async def _linger(self, connection: _Connection, reader: asyncio.StreamReader) -> None:
         """End a connection whose client may still be sending what was not read (a body, a
