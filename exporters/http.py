@@ -338,7 +338,7 @@ class ScrapeServer:
             raise
         if not sockets:
             raise OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
-        return Listener(sockets, self._protocol, self._cannot_accept)
+        return Listener(sockets, self._protocol, self._cannot_accept, self.accept_failures.aborted)
 
     def _protocol(self) -> asyncio.StreamReaderProtocol:
         reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
