@@ -7,6 +7,10 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
 
 - A request head's lines end in CRLF or a bare LF (read_head): a client sending LF is
   answered at once, not left to wait out the header deadline.
+- A head with a bare CR, a control byte in a field, a folded line (obs-fold) or a field line
+  that is not `name: value` is answered 400 and its connection closed (malformed): RFC 9112
+  sections 2.2 and 5.2 let a server refuse these, and a proxy in front may frame them
+  otherwise than we do.
 - A connection has HEADER_TIMEOUT (TLS handshake included) to send a whole request head, and
   SEND_TIMEOUT to take its response; between keep-alive requests it may wait IDLE_TIMEOUT.
 - A connection waiting for a request head (new, or idle between requests) costs the server
@@ -18,7 +22,11 @@ than it serves. What matters is that no client can hold the port (docs/alerts.md
   crowd of idle sockets, from one address or from more than the budget, then only ever
   evicts itself: a scraper has been served since its first scrape, so neither its new
   connection (before its request is read, a burst of connects could make it the oldest
-  waiting) nor its kept one, idle between scrapes, goes while a stranger's waits.
+  waiting) nor its kept one, idle between scrapes, goes while a stranger's waits. Being
+  served trusts TRUSTED_PER_CLIENT waiting connections of a client, no more (a flooder that
+  scraped once gets no free pass). A client whose connections were given up waiting before
+  goes before one whose were not, and a connection whose request head has come, unread, is
+  never given up: so a new scraper's first scrape gets through a crowd too.
 - At most PER_CLIENT connections per client (an IPv4 address, an IPv6 /64): the next one
   evicts that client's own oldest waiting connection, or is refused (503) while all of them
   are being answered.
@@ -40,6 +48,7 @@ import asyncio
 import contextlib
 import errno
 import ipaddress
+import re
 import socket
 import ssl
 import time
@@ -69,6 +78,13 @@ MAX_CONNECTIONS = 64
 PER_CLIENT = 8
 SERVED_CLIENTS = 1024
 """Clients remembered as answered (below 400), whose connections are given up last."""
+STRUCK_CLIENTS = 1024
+"""Clients remembered with the count of their connections given up waiting (evicted, or out
+of header time): the most struck go first."""
+TRUSTED_PER_CLIENT = 2
+"""Waiting connections of one answered client that are given up last: more (a client that
+scraped once, then opened hundreds) are given up as a stranger's. Prometheus keeps one a
+target; two jobs on one endpoint, two."""
 MAX_REQUESTS = 1000
 """Requests on one kept-alive connection; then the response says Connection: close."""
 DROP_REASONS = (
@@ -128,6 +144,30 @@ def request_line(head: bytes) -> tuple[str, str] | Answer:
     if method not in ("GET", "HEAD"):
         return 405, {"Allow": "GET, HEAD"}, b"method not allowed\n"
     return method, target_path(target)
+
+
+_TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_REQUEST_LINE = re.compile(_TOKEN + rb" [\x21-\x7e\x80-\xff]+ HTTP/[0-9]\.[0-9]")
+"""method SP request-target SP HTTP-version (RFC 9112 section 3): no control byte, one space."""
+_FIELD_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*")
+"""field-name ":" field-value (RFC 9112 section 5, RFC 9110 section 5.5): a token, the colon
+right after it, a value of visible bytes, obs-text, SP and HTAB: no control byte, no CR."""
+
+
+def malformed(head: bytes) -> str | None:
+    """Why a request head (as read_head returns it) is not one, or None. A bare CR, a control
+    byte in a field, a folded line (obs-fold) or a field line without its colon are refused,
+    not mended: a proxy in front may read such a head otherwise than we would (request
+    smuggling), and no scraper sends one."""
+    first, *fields = head[:-4].split(b"\r\n")
+    if _REQUEST_LINE.fullmatch(first) is None:
+        return "bad request line"
+    for line in fields:
+        if line[:1] in (b" ", b"\t"):
+            return "folded header line (obs-fold)"
+        if _FIELD_LINE.fullmatch(line) is None:
+            return "bad header line"
+    return None
 
 
 def target_path(target: str) -> str:
@@ -220,6 +260,7 @@ async def read_head(reader: asyncio.StreamReader) -> bytes:
 class _Connection:
     client: str
     writer: asyncio.StreamWriter
+    reader: asyncio.StreamReader
     waiting_since: float | None = field(default_factory=time.monotonic)
     """When it began waiting for a request head; None while a request is being answered."""
     answered: int = 0
@@ -254,7 +295,10 @@ class ScrapeServer:
         self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
         self._served: dict[str, None] = {}  # clients answered below 400, the latest last
+        self._struck: dict[str, int] = {}  # connections given up waiting, by client
         self.dropped: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        """Malformed request heads answered 400, by what was wrong (malformed())."""
         self.accept_failures = AcceptFailures(
             "http",
             "cannot accept connections; giving up waiting ones to make room",
@@ -294,7 +338,7 @@ class ScrapeServer:
             raise
         if not sockets:
             raise OSError(errno.EADDRNOTAVAIL, f"no address for {host!r}")
-        return Listener(sockets, self._protocol, self._cannot_accept)
+        return Listener(sockets, self._protocol, self._cannot_accept, self.accept_failures.aborted)
 
     def _protocol(self) -> asyncio.StreamReaderProtocol:
         reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
@@ -319,7 +363,7 @@ class ScrapeServer:
         self._open.clear()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = self._admit(writer)
+        connection = self._admit(reader, writer)
         if connection is None:
             self.dropped["refused"] += 1
             if self.tls is not None:  # a plain-text 503 would be noise to a TLS client
@@ -339,7 +383,9 @@ class ScrapeServer:
 
     # -- the budget ------------------------------------------------------------------------
 
-    def _admit(self, writer: asyncio.StreamWriter) -> _Connection | None:
+    def _admit(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> _Connection | None:
         client = _client_of(writer)
         mine = [c for c in self._open if c.client == client]
         if len(mine) >= self.per_client:
@@ -352,30 +398,67 @@ class ScrapeServer:
             self._evict(victim)
         elif len(mine) >= self.per_client or len(self._open) >= self.max_connections:
             return None
-        connection = _Connection(client, writer)
+        connection = _Connection(client, writer, reader)
         self._open[connection] = None
         return connection
 
     def _victim(self) -> _Connection | None:
-        """A waiting connection: one draining (nothing more to answer on it) first, else one
-        of a client never served (while there is one: a scraper has been, at its first
-        scrape); of those, one of the client that holds the most connections, then one never
-        answered, then the oldest waiting (_oldest_waiting).
+        """A waiting connection whose request has not come: one draining (nothing more to
+        answer on it) first, else one that is not trusted (_trusted: a client never served,
+        or one holding more than TRUSTED_PER_CLIENT); of those, one of the client that holds
+        the most connections, then of the client most often given up before (_strike), then
+        one never answered, then the oldest waiting
+        (_oldest_waiting); the trusted last. None when every waiting one has its request
+        here (_request_here).
 
         Without the first rule, a crowd from more addresses than the budget, one connection
         each, evicted the scraper's new connection: the newest waiting at its connect, it was
-        the oldest 64 connects later, before its request was read."""
+        the oldest 64 connects later, before its request was read. A new scraper (never
+        answered, so not trusted) was evicted the same way, its request unread: now a
+        connection whose request is here is not waiting for its client, and is kept. Its request not here yet (its client slower
+        to send than 64 connects of a crowd that reconnects at once), it is still given up
+        after those of the crowd's hosts, each of which has had connections given up."""
         held = Counter(c.client for c in self._open)
         waiting = [c for c in self._open if c.waiting_since is not None]
-        if not waiting:
-            return None
-        pool = (
-            [c for c in waiting if c.draining]
-            or [c for c in waiting if c.client not in self._served]
-            or waiting
+        trusted = self._trusted(waiting)
+        pools = (
+            [c for c in waiting if c.draining],
+            [c for c in waiting if c not in trusted],
+            waiting,
         )
-        most = max(held[c.client] for c in pool)
-        return _oldest_waiting([c for c in pool if held[c.client] == most])
+        for pool in pools:
+            for candidate in sorted(
+                pool, key=lambda c: (-held[c.client], -self._strikes(c), *_order(c))
+            ):
+                if not self._request_here(candidate):
+                    return candidate
+        return None
+
+    def _trusted(self, waiting: list[_Connection]) -> set[_Connection]:
+        """The waiting connections given up last: of each client served, TRUSTED_PER_CLIENT
+        at most, those answered before first, then the newest."""
+        mine: dict[str, list[_Connection]] = {}
+        for connection in waiting:
+            if connection.client in self._served:
+                mine.setdefault(connection.client, []).append(connection)
+        trusted: set[_Connection] = set()
+        for connections in mine.values():
+            ranked = sorted(
+                enumerate(connections), key=lambda p: (p[1].answered > 0, p[0]), reverse=True
+            )
+            trusted.update(c for _, c in ranked[:TRUSTED_PER_CLIENT])
+        return trusted
+
+    def _request_here(self, connection: _Connection) -> bool:
+        """Whether a whole request head has come on a waiting connection, not read yet: in
+        its reader's buffer, or still in the socket (peeked; not under TLS, whose bytes
+        there are ciphertext). A burst of accepts admits many connections before any is
+        read: the first request of a new client is then here, unread, and the connection
+        is waiting for the server, not for its client."""
+        data = bytes(getattr(connection.reader, "_buffer", b""))  # CPython's StreamReader
+        if self.tls is None:
+            data += _peek(connection.writer)
+        return b"\n\r\n" in data or b"\n\n" in data
 
     def _remember(self, client: str) -> None:
         """A client given a good answer (below 400: not a refused password): the last
@@ -385,8 +468,20 @@ class ScrapeServer:
         if len(self._served) > SERVED_CLIENTS:
             del self._served[next(iter(self._served))]
 
+    def _strikes(self, connection: _Connection) -> int:
+        return self._struck.get(connection.client, 0)
+
+    def _strike(self, client: str) -> None:
+        """A connection of `client` given up waiting: counted, the last STRUCK_CLIENTS
+        clients remembered (the most recently struck last)."""
+        self._struck[client] = self._struck.pop(client, 0) + 1
+        if len(self._struck) > STRUCK_CLIENTS:
+            del self._struck[next(iter(self._struck))]
+
     def _evict(self, victim: _Connection) -> None:
         self.dropped["evicted"] += 1
+        if not victim.draining:
+            self._strike(victim.client)
         self._open.pop(victim, None)
         victim.writer.transport.abort()  # its read then ends, and so does its task
 
@@ -416,8 +511,7 @@ class ScrapeServer:
             try:
                 head = await asyncio.wait_for(read_head(reader), deadline)
             except TimeoutError:
-                self.dropped[reason] += 1
-                writer.transport.abort()
+                self._timed_out(connection, reason)
                 return
             except asyncio.LimitOverrunError:
                 # A head over MAX_REQUEST_BYTES: say so, and take the rest the client sends.
@@ -429,6 +523,8 @@ class ScrapeServer:
             if connection not in self._open:  # evicted while its head came in
                 return
             connection.waiting_since = None
+            if not await self._well_formed(connection, reader, head):
+                return
             keep = served < self.max_requests and may_keep_alive(head)
             status, headers, body = await self._respond(head, connection.client)
             if head.startswith(b"HEAD "):
@@ -448,6 +544,29 @@ class ScrapeServer:
             # The next request comes a scrape interval later; meanwhile the connection is
             # waiting, so evictable: an idle keep-alive holds no room anyone needs.
             deadline, reason = self.idle_timeout, "idle_timeout"
+
+    async def _well_formed(
+        self, connection: _Connection, reader: asyncio.StreamReader, head: bytes
+    ) -> bool:
+        """Whether the head is a request; if not, it is answered 400 and the connection ends:
+        what follows on it is not read as a request (its framing is unknown), but taken and
+        dropped."""
+        problem = malformed(head)
+        if problem is None:
+            return True
+        self.rejected[problem] += 1
+        if await self._send(
+            connection.writer, response(400, {}, f"bad request: {problem}\n".encode())
+        ):
+            await self._linger(connection, reader)
+        return False
+
+    def _timed_out(self, connection: _Connection, reason: str) -> None:
+        """No request head in time: dropped, and, new, the client struck (_strike)."""
+        self.dropped[reason] += 1
+        if reason == "header_timeout":
+            self._strike(connection.client)
+        connection.writer.transport.abort()
 
     async def _linger(self, connection: _Connection, reader: asyncio.StreamReader) -> None:
         """End a connection whose client may still be sending what was not read (a body, a
@@ -525,6 +644,30 @@ def client_key(address: str) -> str:
     return str(ip)
 
 
+def _peek(writer: asyncio.StreamWriter) -> bytes:
+    """What the socket holds unread (up to MAX_REQUEST_BYTES), left there."""
+    transport_socket = writer.get_extra_info("socket")
+    fd = -1 if transport_socket is None else transport_socket.fileno()
+    if fd < 0:
+        return b""
+    try:
+        sock = socket.socket(fileno=fd)  # the same file, not a dup: no file more is used
+    except OSError:
+        return b""
+    try:
+        return sock.recv(MAX_REQUEST_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return b""
+    finally:
+        sock.detach()
+
+
+def _order(c: _Connection) -> tuple[int, float]:
+    """Draining first, then never answered, then the one waiting longest."""
+    rank = 0 if c.draining else 1 if c.answered == 0 else 2
+    return rank, c.waiting_since or 0.0
+
+
 def _oldest_waiting(connections: list[_Connection]) -> _Connection | None:
     """The waiting connection to give up first: one draining (nothing more to answer on
     it), then one that never had an answer (a scraper's kept connection has had some, and
@@ -533,12 +676,7 @@ def _oldest_waiting(connections: list[_Connection]) -> _Connection | None:
     waiting = [c for c in connections if c.waiting_since is not None]
     if not waiting:
         return None
-
-    def order(c: _Connection) -> tuple[int, float]:
-        rank = 0 if c.draining else 1 if c.answered == 0 else 2
-        return rank, c.waiting_since or 0.0
-
-    return min(waiting, key=order)
+    return min(waiting, key=_order)
 
 
 def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:

@@ -27,7 +27,9 @@ ACCEPT_BACKOFF = 0.1
 made."""
 ACCEPT_LOG_EVERY = 60.0
 """Seconds between two warnings about accepts that failed (each failure is counted)."""
-ACCEPT_FAILURES = ("out_of_files", "other")  # out of files: EMFILE, ENFILE, ENOBUFS, ENOMEM
+ACCEPT_FAILURES = ("out_of_files", "aborted", "other")
+"""out of files: EMFILE, ENFILE, ENOBUFS, ENOMEM; aborted: ECONNABORTED, a client that gave
+up while queued (counted, never said: nothing is wrong here)."""
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 MakeRoom = Callable[[OSError], bool]
@@ -46,6 +48,10 @@ class AcceptFailures:
         self.counts: Counter[str] = Counter()
         self._told_at: float | None = None
         self._untold = 0
+
+    def aborted(self) -> None:
+        """An accept that failed with ECONNABORTED: counted, not said (the client left)."""
+        self.counts["aborted"] += 1
 
     def note(self, exc: OSError) -> None:
         reason = "out_of_files" if exc.errno in _OUT_OF_FILES else "other"
@@ -85,10 +91,12 @@ class Listener:
         sockets: list[socket.socket],
         protocol: Callable[[], asyncio.BaseProtocol],
         make_room: MakeRoom,
+        aborted: Callable[[], None] = lambda: None,
     ) -> None:
         self._sockets = tuple(sockets)
         self._protocol = protocol
         self._make_room = make_room
+        self._aborted = aborted
         self._loop = asyncio.get_running_loop()
         self._closed = self._loop.create_future()
         self._resume: dict[int, asyncio.TimerHandle] = {}
@@ -109,7 +117,8 @@ class Listener:
             except (BlockingIOError, InterruptedError):
                 return  # nothing more queued
             except ConnectionAbortedError:
-                continue  # that client gave up while queued
+                self._aborted()  # that client gave up while queued: counted, and on
+                continue
             except OSError as exc:
                 made_room = self._make_room(exc)
                 fd = sock.fileno()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from agent.program.control_client import ControlError, reachable, request, socket_path
-from tests.support.agent_proc import AgentProcess
+from tests.support.agent_proc import AgentProcess, http_get
 from tests.support.waiting import wait_until
 
 CONFIG = (
@@ -91,6 +91,20 @@ def test_out_of_files_the_control_socket_is_quiet_and_comes_back(
         wait_until(lambda: status(state_dir, 2.0) is not None, 30, "a control answer")
         assert status(state_dir, 10.0) == {"ok": True, "paused": None}
         assert agent.process.poll() is None
+        # Counted, as the HTTP listener's are: the failed accepts of the control socket.
+        code, body = http_get(agent.metrics_url)
+        assert code == 200
+        failed = [
+            float(line.rsplit(" ", 1)[1])
+            for line in body.splitlines()
+            if line.startswith('gpuwarden_control_accept_failed_total{reason="out_of_files"}')
+        ]
+        assert failed and failed[0] >= 1, [
+            line for line in body.splitlines() if "accept_failed" in line
+        ]
+        assert 'gpuwarden_control_accept_failed_total{reason="other"} 0' in body.replace(
+            ".0\n", "\n"
+        )
     finally:
         agent.stop()
     log = agent.log().splitlines()

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.agent_proc import AgentProcess, http_get
-from tests.support.endpoint_attack import Scrapes, finish_attack, scrape, start_attack
+from tests.support.endpoint_attack import (
+    FirstScrapes,
+    Scrapes,
+    finish_attack,
+    first_scrapes,
+    scrape,
+    start_attack,
+)
 from tests.support.prometheus_server import PrometheusServer
 from tests.support.waiting import wait_until
 
@@ -216,4 +223,44 @@ def test_a_real_prometheus_misses_no_scrape_while_attacked(
     assert answered == scrapes, (answered, scrapes, errors - {""}, tallies)
     assert float(series["value"][1]) > 50
     assert all(t.connections > 0 for t in tallies), tallies
+    assert agent.process is not None and agent.process.poll() is None
+
+
+# Crowds that fill the budget before a scraper the agent has never answered comes: strangers
+# from more hosts than the budget, or clients that scraped once (so are "served") and then
+# hold idle connections, up to PER_CLIENT each.
+NEW_SCRAPER_CROWDS = {
+    "200-idle-hosts": [("idle", 200, 200)],
+    "300-slowloris-from-150-hosts": [("slowloris", 300, 150)],
+    "200-idle-from-25-hosts-that-scraped-once": [("trusted-idle", 200, 25)],
+    "trusted-and-strangers": [("trusted-idle", 100, 20), ("slowloris", 200, 100)],
+}
+FIRST_SCRAPES = 20
+
+
+@pytest.mark.parametrize("crowd", list(NEW_SCRAPER_CROWDS))
+def test_a_new_scraper_gets_its_first_scrape_through_a_crowd(
+    agent: AgentProcess, crowd: str
+) -> None:
+    """Each of FIRST_SCRAPES clients never answered before (a Prometheus starting during the
+    attack, the second of an HA pair) gets its first scrape answered within 2 s. The
+    preference for clients already answered does not help these; and a client answered once
+    does not get to keep hundreds of idle connections over them."""
+    third = 10 + list(NEW_SCRAPER_CROWDS).index(crowd)  # addresses no other test used
+    sources = [f"127.0.{third}.{i}" for i in range(1, FIRST_SCRAPES + 1)]
+    attackers = [
+        start_attack(kind, agent.port, SECONDS + 1.5, count, hosts)
+        for kind, count, hosts in NEW_SCRAPER_CROWDS[crowd]
+    ]
+    result: list[FirstScrapes] = []
+    timer = threading.Timer(1.0, lambda: result.append(first_scrapes(agent.port, sources)))
+    timer.start()
+    timer.join()
+    tallies = [finish_attack(attacker) for attacker in attackers]
+    assert all(
+        t.connections >= count
+        for t, (_, count, _) in zip(tallies, NEW_SCRAPER_CROWDS[crowd], strict=True)
+    )
+    firsts = result[0]
+    assert firsts.failed == 0, (firsts, tallies)
     assert agent.process is not None and agent.process.poll() is None

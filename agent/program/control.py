@@ -30,6 +30,7 @@ import pwd
 import socket
 import stat
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,11 +38,18 @@ import structlog
 
 from agent.contracts.errors import ModelError
 from agent.contracts.json_text import parse_json
-from agent.contracts.model import ActiveRepair, RepairAction, Severity
+from agent.contracts.model import (
+    ActiveRepair,
+    MetricFamily,
+    MetricType,
+    RepairAction,
+    Sample,
+    Severity,
+)
 from agent.program.control_client import reachable
 from agent.runtime.core import Runtime
 from agent.runtime.pause import PauseRefused
-from exporters.listener import AcceptFailures, Listener
+from exporters.listener import ACCEPT_FAILURES, AcceptFailures, Listener
 
 log = structlog.get_logger(component="control")
 
@@ -50,6 +58,15 @@ REQUEST_LIMIT: Final = 4096
 READ_TIMEOUT: Final = 5.0
 BACKLOG: Final = 64
 """Connections the kernel queues while the agent cannot accept (out of files, a busy loop)."""
+
+
+ACCEPT_FAILED = MetricFamily(
+    "gpuwarden_control_accept_failed_total",
+    MetricType.COUNTER,
+    "Connections to the control socket that could not be accepted: out_of_files (EMFILE and "
+    "the like), aborted, other",
+    ("reason",),
+)
 
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
@@ -77,6 +94,14 @@ class ControlServer:
             "out of files: raise LimitNOFILE= in the unit, or find what holds them",
         )
 
+    def families(self) -> Sequence[MetricFamily]:
+        return (ACCEPT_FAILED,)
+
+    def samples(self) -> Sequence[Sample]:
+        # Every reason, from 0 (a rate() over a series that appears late misses its start).
+        counts = self.accept_failures.counts
+        return [ACCEPT_FAILED.sample(counts[r], r) for r in ACCEPT_FAILURES]
+
     def _protocol(self) -> asyncio.StreamReaderProtocol:
         return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=REQUEST_LIMIT), self._client)
 
@@ -101,10 +126,14 @@ class ControlServer:
             sock.listen(BACKLOG)
             # Not asyncio's start_unix_server: out of files, its listener logged a traceback
             # for every accept it tried, hundreds a second (exporters/listener.py).
-            self._server = Listener([sock], self._protocol, self._cannot_accept)
+            self._server = Listener(
+                [sock], self._protocol, self._cannot_accept, self.accept_failures.aborted
+            )
         except BaseException:
             sock.close()
             raise
+        if self not in self.runtime.metrics.sources:
+            self.runtime.metrics.sources.append(self)
         log.info("control socket ready", path=str(self.path))
 
     async def stop(self) -> None:

@@ -1180,6 +1180,8 @@ class Runtime:
             out.extend(status.collector.families())
         for sink in self.sinks.values():
             out.extend(sink.families())
+        for source in self.metrics.sources:
+            out.extend(source.families())
         return out
 
     def samples(self) -> list[Sample]:
@@ -1189,6 +1191,8 @@ class Runtime:
             out.extend(status.samples)
         for sink in self.sinks.values():
             out.extend(sink.samples())
+        for source in self.metrics.sources:
+            out.extend(source.samples())
         return out
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from agent import __version__
 from agent.contracts.model import MetricFamily, MetricType, Sample, Severity
@@ -172,9 +172,19 @@ GPU_PAUSE_END = MetricFamily(
 )
 
 
+class MetricSource(Protocol):
+    """Series of a part of the program outside the runtime (the control socket)."""
+
+    def families(self) -> Sequence[MetricFamily]: ...
+
+    def samples(self) -> Sequence[Sample]: ...
+
+
 class RuntimeMetrics:
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
+        self.sources: list[MetricSource] = []
+        """Series the program hands in (the control socket's), each with its families."""
 
     def families(self) -> tuple[MetricFamily, ...]:
         return (

@@ -10,6 +10,8 @@ them), the scraper from 127.0.0.1. Every loop is bounded by a deadline.
 - pipeline: N connections that each send 200 GETs at once and never read the answers.
 - oversize: N clients sending request heads over 8 KiB, or a 1 MiB body, over and over.
 - reset: N clients that connect, send part of a request or all of it, and reset.
+- trusted-idle: N connections as idle's, from clients that first scrape once (answered, so
+  "served" as a scraper is), then hold idle connections.
 
 Run an attack in its own process (so that it does not share the scraper's CPU time slice):
     python -m tests.support.endpoint_attack KIND HOST PORT SECONDS COUNT [SOURCES]
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-KINDS = ("idle", "slowloris", "flood", "guess", "pipeline", "oversize", "reset")
+KINDS = ("idle", "slowloris", "flood", "guess", "pipeline", "oversize", "reset", "trusted-idle")
 
 
 @dataclass
@@ -185,7 +187,18 @@ async def _reset(host: str, port: int, source: str, stop: float, tally: Tally) -
         await asyncio.sleep(0.01)
 
 
+async def _trusted_idle(host: str, port: int, source: str, stop: float, tally: Tally) -> None:
+    with contextlib.suppress(OSError, TimeoutError):
+        reader, writer = await _connect(host, port, source)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        if await asyncio.wait_for(reader.read(), max(stop - time.monotonic(), 0.01)):
+            tally.answers += 1
+        writer.close()
+    await _idle(host, port, source, stop, tally)
+
+
 ATTACKS: dict[str, Attack] = {
+    "trusted-idle": _trusted_idle,
     "idle": _idle,
     "slowloris": _slowloris,
     "flood": _flood,
@@ -269,6 +282,44 @@ def scrape(
         time.sleep(max(0.0, started + interval - time.monotonic()))
     if connection is not None:
         connection.close()
+    return result
+
+
+@dataclass
+class FirstScrapes:
+    ok: int = 0
+    failed: int = 0
+    slowest: float = 0.0
+    """Seconds the slowest answered one took."""
+
+
+def first_scrapes(
+    port: int, sources: list[str], interval: float = 0.1, timeout: float = 2.0
+) -> FirstScrapes:
+    """One GET /metrics from each address in `sources`, one after the other: each the first
+    scrape of a client the server has never answered (a Prometheus starting, or the second of
+    an HA pair), counted when answered 200 within `timeout`."""
+    result = FirstScrapes()
+    for source in sources:
+        started = time.monotonic()
+        connection = http.client.HTTPConnection(
+            "127.0.0.1", port, timeout=timeout, source_address=(source, 0)
+        )
+        try:
+            connection.request("GET", "/metrics")
+            answer = connection.getresponse()
+            answer.read()
+            took = time.monotonic() - started
+            ok = answer.status == 200 and took <= timeout
+        except (OSError, http.client.HTTPException):
+            ok, took = False, 0.0
+        finally:
+            connection.close()
+        result.ok += ok
+        result.failed += not ok
+        if ok:
+            result.slowest = max(result.slowest, took)
+        time.sleep(max(0.0, started + interval - time.monotonic()))
     return result
 
 
