@@ -265,7 +265,8 @@ class XidCorrelator:
         self._identities: dict[str, dict[str, str]] = {}
         self._mig_profiles: dict[str, dict[int, str]] = {}
         self.counts: dict[tuple[str, int], int] = {}
-        """(pci_bus_id, code) -> Xids seen since start, a twin seen by both sources once."""
+        """(pci_bus_id, code) -> Xids seen on this boot (since start, plus what `carry_counts`
+        took over from the last life), a twin seen by both sources once."""
         self.confirmations: dict[tuple[str, int], int] = {}
         """(pci_bus_id, code) -> Xids the second source saw within the window of the first."""
         self._past: dict[tuple[str, int], list[_Incident]] = {}
@@ -274,6 +275,29 @@ class XidCorrelator:
         self._seeded = False
         self.seeded = 0
         """Stored Xid events taken over at start."""
+        self._carried = False
+
+    def carry_counts(
+        self,
+        counts: Mapping[tuple[str, int], int],
+        confirmations: Mapping[tuple[str, int], int],
+    ) -> bool:
+        """Add the counts the process's last life had on this boot (the kernel_log
+        collector's stored snapshot), once per process: a collector rebuilt by a reload
+        finds them taken. False when they were already."""
+        with self._lock:
+            if self._carried:
+                return False
+            self._carried = True
+            for into, carried in ((self.counts, counts), (self.confirmations, confirmations)):
+                for key, n in carried.items():
+                    into[key] = into.get(key, 0) + n
+            return True
+
+    def counted(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+        """`counts` and `confirmations` as they are now, taken together under the lock."""
+        with self._lock:
+            return dict(self.counts), dict(self.confirmations)
 
     def seed_once(self, read: Callable[[float], Sequence[Event]], horizon: float) -> None:
         """`seed` with the events `read(since)` gives, `horizon` seconds back; only the first

@@ -29,7 +29,9 @@ from agent.contracts.collector import (
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
+    JSONValue,
 )
+from agent.contracts.errors import GpuwardenError
 from agent.contracts.model import (
     GPU_LABELS,
     AttributeValue,
@@ -52,6 +54,7 @@ from collectors._xid import (
     shared_correlator,
 )
 from collectors.kernel_log.kmsg import (
+    STATE_NAMESPACE,
     FileLogReader,
     KmsgIO,
     KmsgReader,
@@ -74,11 +77,15 @@ _XID_OWN = frozenset({"fault", "known", "text"})
 
 C = MetricType.COUNTER
 
+COUNTS_KEY = "finding_counts"
+"""The state key of the finding counters (`_Counts`), stored with each round's cursor."""
+
 XID_ERRORS = MetricFamily(
     "gpuwarden_xid_errors_total",
     C,
-    "Xid errors per GPU and code since the agent started (kernel log and NVML correlated: one "
-    "Xid seen by both counts once); GPU labels empty when NVML does not know the GPU",
+    "Xid errors per GPU and code on this boot, carried across agent restarts (kernel log and "
+    "NVML correlated: one Xid seen by both counts once); GPU labels empty when NVML does not "
+    "know the GPU",
     (*GPU_LABELS, "xid"),
 )
 XID_CONFIRMED = MetricFamily(
@@ -91,14 +98,16 @@ XID_CONFIRMED = MetricFamily(
 SXID_ERRORS = MetricFamily(
     "gpuwarden_sxid_errors_total",
     C,
-    "NVSwitch SXid errors per switch and code seen in the kernel log since the agent started",
+    "NVSwitch SXid errors per switch and code seen in the kernel log on this boot, carried "
+    "across agent restarts",
     ("pci_bus_id", "device", "sxid"),
 )
 FINDINGS = MetricFamily(
     "gpuwarden_kernel_log_findings_total",
     C,
-    "Kernel-log lines that are findings, by kind, since the agent started (GPU findings logged "
-    "while the GPUs were paused count in gpuwarden_kernel_log_paused_findings_total instead)",
+    "Kernel-log lines that are findings, by kind, on this boot, carried across agent restarts "
+    "(GPU findings logged while the GPUs were paused count in "
+    "gpuwarden_kernel_log_paused_findings_total instead)",
     ("kind",),
 )
 PAUSED_FINDINGS = MetricFamily(
@@ -260,6 +269,9 @@ class KernelLogCollector:
         """Apart from `_holdoff`: what the reset logs must not hold back the same finding
         logged right after the resume (the GPU came back broken)."""
         self._more = False
+        self._counts_loaded = False
+        self._boot: str | None = None
+        self._stored_counts: JSONValue | None = None
 
     def families(self) -> Sequence[MetricFamily]:
         return (
@@ -292,6 +304,8 @@ class KernelLogCollector:
     async def collect(self, ctx: CollectContext) -> Collection:
         if self.reader is None:
             self.reader = await ctx.call("kernel_log:open", self._open_reader)
+        if not self._counts_loaded:
+            await ctx.call("kernel_log:counts", self._load_counts)
         reader = self.reader
         batch = await ctx.call("kernel_log:read", reader.read)
         self._more = batch.more
@@ -299,6 +313,7 @@ class KernelLogCollector:
         if not self.recurrence.loaded:  # its boots in memory: escalation reads no SQL here
             await ctx.call("kernel_log:xid_boots", self.recurrence.load)
         events = self._process(batch, reader)
+        self._store_counts()
         # Every finding of the batch is in `events`, none waits in memory: the runtime stores
         # them with (never after) this cursor, so no death of the process between here and
         # the store loses a finding, and a restart does not skip one. Never raises.
@@ -331,6 +346,62 @@ class KernelLogCollector:
             loop.remove_reader(fd)
         if reader is not None:
             reader.woken()
+
+    def _load_counts(self) -> None:
+        """Take over the finding counters this boot's last life of the agent stored with its
+        cursor (`COUNTS_KEY`): they stand for exactly the records before that cursor, which
+        this life does not read again. A finding stored and then killed before Prometheus
+        scraped it is still in the series, and a restart alone never lowers one (a lower
+        value would read as a counter reset). Another boot's, or none: from zero."""
+        self._counts_loaded = True
+        try:
+            self._boot = read_boot_id(self.settings.boot_id_path)
+        except GpuwardenError:
+            self._boot = None  # no boot to tie them to: neither carried nor stored
+            return
+        saved = self.deps.state.get(STATE_NAMESPACE, COUNTS_KEY)
+        if not isinstance(saved, dict) or saved.get("boot") != self._boot:
+            return
+        self._stored_counts = saved
+        for name, into in (
+            ("findings", self.findings),
+            ("paused_findings", self.paused_findings),
+            ("suppressed", self.suppressed),
+        ):
+            for kind, number in _pairs(saved.get(name)):
+                into[kind] += number
+        for pci, device, code, n in _rows(saved.get("sxids"), 4):
+            sxid, many = _count(code), _count(n)
+            if isinstance(pci, str) and isinstance(device, str) and sxid is not None and many:
+                self.sxids[(pci, device, sxid)] += many
+        carried: list[dict[tuple[str, int], int]] = []
+        for name in ("xids", "confirmed"):
+            table: dict[tuple[str, int], int] = {}
+            for pci, code, n in _rows(saved.get(name), 3):
+                xid, many = _count(code), _count(n)
+                if isinstance(pci, str) and xid is not None and many:
+                    table[(pci, xid)] = many
+            carried.append(table)
+        self.correlator.carry_counts(carried[0], carried[1])
+
+    def _store_counts(self) -> None:
+        """The finding counters as they are now, in the round's state (stored with its
+        cursor, in one transaction); written only when they changed."""
+        if self._boot is None:
+            return
+        counts, confirmed = self.correlator.counted()
+        value: JSONValue = {
+            "boot": self._boot,
+            "findings": {k: n for k, n in sorted(self.findings.items()) if n},
+            "paused_findings": {k: n for k, n in sorted(self.paused_findings.items()) if n},
+            "suppressed": {k: n for k, n in sorted(self.suppressed.items()) if n},
+            "sxids": [[p, d, c, n] for (p, d, c), n in sorted(self.sxids.items())],
+            "xids": [[p, c, n] for (p, c), n in sorted(counts.items())],
+            "confirmed": [[p, c, n] for (p, c), n in sorted(confirmed.items())],
+        }
+        if value != self._stored_counts:
+            self.deps.state.put(STATE_NAMESPACE, COUNTS_KEY, value)
+            self._stored_counts = value
 
     def _process(self, batch: ReadBatch, reader: LogReader) -> list[Event]:
         for name, value in (
@@ -559,6 +630,27 @@ class KernelLogCollector:
         horizon = now - self.settings.repeat_holdoff
         self._holdoff.prune(horizon)
         self._paused_holdoff.prune(horizon)
+
+
+def _count(value: object) -> int | None:
+    """A stored count: a non-negative int (not a bool); None otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _pairs(value: object) -> list[tuple[str, int]]:
+    """A stored {kind: count}, what of it is well formed."""
+    if not isinstance(value, dict):
+        return []
+    return [(k, n) for k, v in value.items() if (n := _count(v)) is not None and isinstance(k, str)]
+
+
+def _rows(value: object, width: int) -> list[list[object]]:
+    """A stored list of rows of `width` fields, what of it is well formed in shape."""
+    if not isinstance(value, list):
+        return []
+    return [row for row in value if isinstance(row, list) and len(row) == width]
 
 
 def _message(finding: Finding, identity: dict[str, str], predates: bool) -> str:

@@ -6,6 +6,14 @@ alerts, so one missing member must not lose an alert), active alerts are posted 
 `resolve_timeout`, 5 min by default, from the last post), and a cleared alert is posted once
 with `endsAt` = when it cleared.
 
+Times across a step of the watcher's wall clock: Alertmanager judges `endsAt` by its own clock,
+and a `startsAt` that moves is another interval of the alert. An alert keeps the `startsAt` of
+its first post for as long as it is active (the fleet moves its `since` with a step: news to
+nobody), and its `endsAt` is the earlier of when it cleared on the clock as it is now and on
+the clock as it was at the raise (the step taken back, by the monotonic clock): whichever of
+the two was wrong, a cleared alert is never held active by an `endsAt` ahead of
+Alertmanager's clock, and it is never before the `startsAt`.
+
 Labels are only what two watchers of the same fleet agree on (alertname, node, severity, kind,
 repair_action): their posts then have the same fingerprint, and Alertmanager notifies once for
 both (the high-availability setup). Annotations (summary, action, runbook_url) may differ;
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import socket
 import ssl
@@ -327,17 +336,26 @@ class AlertmanagerSender:
             for url in settings.alertmanager_urls
         ]
         self.active: dict[tuple[str, str], Alert] = {}
+        self._offsets: dict[tuple[str, str], float] = {}
+        """Active alert -> the wall clock less the monotonic one when it was raised."""
         self._tasks: list[asyncio.Task[None]] = []
 
     def change(self, change: AlertChange) -> None:
         """An alert raised or cleared (on the event loop, from the evaluation)."""
-        alert = change.alert
+        alert, key = change.alert, change.alert.key
+        offset = self.clock() - time.monotonic()
+        posted = self.active.get(key)
+        if posted is not None:  # as first posted: the same startsAt, whatever the clock did
+            alert = dataclasses.replace(alert, since=posted.since)
         if change.raised:
-            self.active[alert.key] = alert
+            self._offsets.setdefault(key, offset)
+            self.active[key] = alert
             entry = Entry(alert, None)
         else:
-            self.active.pop(alert.key, None)
-            entry = Entry(alert, change.at)
+            self.active.pop(key, None)
+            raised = self._offsets.pop(key, offset)
+            # On the raise's clock, the step since taken back; the earlier of the two.
+            entry = Entry(alert, min(change.at, change.at + raised - offset))
         for member in self.members:
             member.queue(alert.key, entry)
 
