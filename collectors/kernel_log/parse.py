@@ -27,8 +27,10 @@ kern.log without printk times); a raw record carries it in its header (`,caller=
 A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read,
 and so is a byte-order mark at its start (logs joined with `cat`).
 Stamps that name months and days are read in any locale's words (`[Di Dez  1 18:10:02 2026]`,
-`déc. 01 18:10:02 host kernel: ...`), and dmesg's reltime stamp on the days 1 to 9 (`[Dec 1
-18:10]`).
+`déc. 01 18:10:02 host kernel: ...`), dmesg's in the CJK locales' too (`[四 12月  3 05:58:20
+2026]`, `[木  1月  1 18:10:02 2026]`, `[12월 3 05:58]`), and dmesg's reltime stamp on the days
+1 to 9 (`[Dec 1 18:10]`). Given `--time-format` more than once, util-linux 2.38 prints the last
+one's stamp alone (seen on this machine's dmesg); each is one of the shapes above.
 
 A record's further lines, which dmesg and journalctl indent under its first, are records of
 their own with the first line's facility and stamp (a process cannot make the second line of
@@ -192,10 +194,15 @@ _JOURNAL_META = re.compile(r"-- .* --")
 # with strftime after setlocale: `Mär`, `déc.`, `mié`, `дек`), and dmesg's reltime stamp on the
 # days 1 to 9 (`%b%e`: `Dec 1 18:10`). Tried when the English forms above do not match.
 _NAME = r"[^\W\d_]{2,5}\.?"
+# dmesg's own stamps also in the CJK locales, whose names are one wide character (glibc's
+# zh_CN, ja_JP, ko_KR abday: `四`, `木`, `목`) and whose months are a number and one (abmon:
+# `12月`, `12월`; ja_JP and ko_KR pad 1 to 9 with a space, ` 1月`).
+_DAY_NAME = r"[^\W\d_]{1,5}\.?"
+_MONTH_NAME = rf"(?:{_NAME}| ?\d{{1,2}}[^\W\d_])"
 _LOCAL_CTIME = re.compile(
-    rf"\[((?:{_NAME} ){{2}}[ \d]\d \d\d:\d\d:\d\d \d{{4}})\] ?(.*)", re.DOTALL
+    rf"\[({_DAY_NAME} {_MONTH_NAME} [ \d]\d \d\d:\d\d:\d\d \d{{4}})\] ?(.*)", re.DOTALL
 )
-_LOCAL_RELTIME = re.compile(rf"{_NAME}[ \d]\d \d\d:\d\d")
+_LOCAL_RELTIME = re.compile(rf"{_MONTH_NAME}[ \d]\d \d\d:\d\d")
 _LOCAL_BSD = re.compile(rf"({_NAME} [ \d]\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})?) (.*)", re.DOTALL)
 _LOCAL_FULL = re.compile(
     rf"({_NAME} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z0-9+-]{{1,8}}) (.*)",
@@ -325,7 +332,7 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
     if stamp is not None:
         return _after_stamp(inside.strip(), rest, line, _FORMATS[stamp.lastgroup or "dmesg"])
     if _LOCAL_RELTIME.fullmatch(inside) is not None:
-        return _after_stamp(inside, rest, line, "dmesg-delta")
+        return _after_stamp(inside.strip(), rest, line, "dmesg-delta")
     if _STAMP_LIKE.match(text):
         return _after_stamp("", rest, line, "dmesg", unreadable=inside)
     if _CALLER.match(text) is not None:
