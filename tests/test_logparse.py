@@ -758,9 +758,17 @@ class TestForgedLines:
             (f"<191>[   12.345678] {XID}", 23, 7),
             (f"2047,9,1,-;{XID}", 255, 7),
             (f"1030,9,1,-;{XID}", 128, 6),
+            # dmesg -r for a facility it has no name for: util-linux before 2.40 (`<-1>`,
+            # no level kept) and 2.40 on (`(-1 << 3) | level`).
+            (f"<-1>[   12.345678] {XID}", 1, None),
+            (f"<-8>[   12.345678] {XID}", 1, 0),
+            (f"<-5>[   12.345678] {XID}", 1, 3),
+            (f"<-2>{XID}", 1, 6),
         ],
     )
-    def test_user_space_facility_is_not_trusted(self, line: str, facility: int, level: int) -> None:
+    def test_user_space_facility_is_not_trusted(
+        self, line: str, facility: int, level: int | None
+    ) -> None:
         """`dmesg -r`'s `<N>` prefix and a raw record's priority carry the facility; anything
         above 0 came from a process (the kernel keeps up to 255: printk's facility is a u8)."""
         stats = ParseStats()

@@ -8,8 +8,11 @@ tests/fixtures/kernel_log/corpus/SOURCES.md):
 - `dmesg`: `[   12.345678] message`, also with `-d` (`[ 12.3 <  0.000012>]`), `-e`
   (`[  +0.000123]`, `[Nov29 18:10]`) and a printk caller id after the stamp (`[  T1234]`);
 - `dmesg -T`: `[Sun Nov 29 18:10:02 2026] message`;
-- `dmesg -r`: `<priority>[   12.345678] message` (the priority carries the facility);
-- `dmesg --decode` (optionally `--time-format iso`): `kern  :err   : 2026-11-29T18:10:02,123456+00:00 message`;
+- `dmesg -r`: `<priority>[   12.345678] message` (the priority carries the facility; `<-1>`,
+  or `<-8>` to `<-1>`, for a facility dmesg has no name for: user space's, see `_prioritised`);
+- `dmesg --decode` (optionally `--time-format iso`): `kern  :err   : 2026-11-29T18:10:02,123456+00:00 message`
+  (a facility dmesg has no name for, 12 and up before util-linux 2.40, 24 and up since, gets
+  no prefix: the line is plain dmesg's and taken as given);
 - `journalctl -k` in its short output modes (short, -precise, -iso, -iso-precise, -full,
   -monotonic, -unix), with or without the host name (`--no-hostname`), and syslog files
   (rsyslog's traditional and RFC 3339 formats, the host redacted or not):
@@ -24,8 +27,10 @@ kern.log without printk times); a raw record carries it in its header (`,caller=
 A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read,
 and so is a byte-order mark at its start (logs joined with `cat`).
 Stamps that name months and days are read in any locale's words (`[Di Dez  1 18:10:02 2026]`,
-`déc. 01 18:10:02 host kernel: ...`), and dmesg's reltime stamp on the days 1 to 9 (`[Dec 1
-18:10]`).
+`déc. 01 18:10:02 host kernel: ...`), dmesg's in the CJK locales' too (`[四 12月  3 05:58:20
+2026]`, `[木  1月  1 18:10:02 2026]`, `[12월 3 05:58]`), and dmesg's reltime stamp on the days
+1 to 9 (`[Dec 1 18:10]`). Given `--time-format` more than once, util-linux 2.38 prints the last
+one's stamp alone (seen on this machine's dmesg); each is one of the shapes above.
 
 A record's further lines, which dmesg and journalctl indent under its first, are records of
 their own with the first line's facility and stamp (a process cannot make the second line of
@@ -150,7 +155,9 @@ _FORMATS: Final = {"dmesg": "dmesg", "ctime": "dmesg-T", "delta": "dmesg-delta"}
 # an unreadable stamp, not a message that happens to start with `[word]`.
 _STAMP_LIKE = re.compile(r"\[ *[\d.+<-]|\[[A-Z][a-z]{2}(?: [A-Z][a-z]{2} |\d\d )", re.ASCII)
 _CALLER = re.compile(r"\[ *[TC]\d+\] ?", re.ASCII)
-_PRIORITY = re.compile(r"<(\d{1,10})>", re.ASCII)
+# dmesg -r writes `<-1>` (util-linux before 2.40) or `<-8>` to `<-1>` (2.40 on) for a facility
+# it has no name for: see `_prioritised`.
+_PRIORITY = re.compile(r"<(-?\d{1,10})>", re.ASCII)
 _DECODE = re.compile(r"([a-z0-9]+)\s*:([a-z]+)\s*: ?(.*)", re.DOTALL)
 
 _ISO = re.compile(
@@ -187,10 +194,15 @@ _JOURNAL_META = re.compile(r"-- .* --")
 # with strftime after setlocale: `Mär`, `déc.`, `mié`, `дек`), and dmesg's reltime stamp on the
 # days 1 to 9 (`%b%e`: `Dec 1 18:10`). Tried when the English forms above do not match.
 _NAME = r"[^\W\d_]{2,5}\.?"
+# dmesg's own stamps also in the CJK locales, whose names are one wide character (glibc's
+# zh_CN, ja_JP, ko_KR abday: `四`, `木`, `목`) and whose months are a number and one (abmon:
+# `12月`, `12월`; ja_JP and ko_KR pad 1 to 9 with a space, ` 1月`).
+_DAY_NAME = r"[^\W\d_]{1,5}\.?"
+_MONTH_NAME = rf"(?:{_NAME}| ?\d{{1,2}}[^\W\d_])"
 _LOCAL_CTIME = re.compile(
-    rf"\[((?:{_NAME} ){{2}}[ \d]\d \d\d:\d\d:\d\d \d{{4}})\] ?(.*)", re.DOTALL
+    rf"\[({_DAY_NAME} {_MONTH_NAME} [ \d]\d \d\d:\d\d:\d\d \d{{4}})\] ?(.*)", re.DOTALL
 )
-_LOCAL_RELTIME = re.compile(rf"{_NAME}[ \d]\d \d\d:\d\d")
+_LOCAL_RELTIME = re.compile(rf"{_MONTH_NAME}[ \d]\d \d\d:\d\d")
 _LOCAL_BSD = re.compile(rf"({_NAME} [ \d]\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})?) (.*)", re.DOTALL)
 _LOCAL_FULL = re.compile(
     rf"({_NAME} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z0-9+-]{{1,8}}) (.*)",
@@ -320,7 +332,7 @@ def _bracketed(text: str, line: int) -> LogRecord | None:
     if stamp is not None:
         return _after_stamp(inside.strip(), rest, line, _FORMATS[stamp.lastgroup or "dmesg"])
     if _LOCAL_RELTIME.fullmatch(inside) is not None:
-        return _after_stamp(inside, rest, line, "dmesg-delta")
+        return _after_stamp(inside.strip(), rest, line, "dmesg-delta")
     if _STAMP_LIKE.match(text):
         return _after_stamp("", rest, line, "dmesg", unreadable=inside)
     if _CALLER.match(text) is not None:
@@ -426,7 +438,14 @@ def _decoded(text: str, line: int) -> LogRecord:
 
 def _prioritised(text: str, line: int) -> LogRecord:
     """`dmesg -r`: `<priority>` (facility << 3 | level) before the stamp. A facility the inner
-    shape gives (a journal identifier other than `kernel`) can only make it less trusted."""
+    shape gives (a journal identifier other than `kernel`) can only make it less trusted.
+
+    What dmesg writes there is not always the record's priority (util-linux sys-utils/dmesg.c,
+    `parse_faclev` and `print_record`): it reads the facility with libc's `LOG_FAC`, which
+    keeps 7 bits (a process's facility 128 to 255 prints as 0 to 127); before 2.40 it wrote
+    `facility | level` unshifted (commit fa6ac102d), so a process's facility 1 to 7 prints as
+    `<0>` to `<7>`, the kernel's own numbers. Those cannot be told apart from the kernel's in
+    this shape; only the raw record can (the live reader reads it)."""
     match = _PRIORITY.match(text)
     if match is None:
         return LogRecord(text, line, "plain")
@@ -434,10 +453,16 @@ def _prioritised(text: str, line: int) -> LogRecord:
     inner = _body(rest, line) if rest.strip() else None
     if inner is None:
         inner = LogRecord(rest, line, "plain")
-    facility = priority >> 3
+    facility, level = priority >> 3, priority & 7
+    known_level: int | None = level
+    if priority < 0:
+        # dmesg names the facilities 0 to 11 (util-linux before 2.40) or 0 to 23, and writes
+        # a negative number for any other: the kernel's own (0) is always named, so such a
+        # record is user space's. `<-1>` before 2.40 is `-1 | level` and keeps no level.
+        facility, known_level = USER_FACILITY, (None if priority == -1 else level)
     if inner.facility is not None and inner.facility != KERNEL_FACILITY:
         facility = inner.facility
-    return inner._replace(format="prio+" + inner.format, facility=facility, level=priority & 7)
+    return inner._replace(format="prio+" + inner.format, facility=facility, level=known_level)
 
 
 def _body(text: str, line: int) -> LogRecord | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -157,3 +158,14 @@ def kernel_log_spec(kmsg: FakeKmsg) -> CollectorSpec[KernelLogSettings]:
         KernelLogSettings,
         lambda settings, deps: KernelLogCollector(settings, deps, io=kmsg),
     )
+
+
+def write_device(text: str, device: str = "/dev/kmsg") -> None:
+    """Write one record into the real /dev/kmsg (root only), as `echo text > /dev/kmsg` does:
+    a descriptor of its own each time, since the kernel rate-limits writes per open file
+    (printk.c `devkmsg_write`, 10 in 5 seconds with printk_devkmsg=ratelimit)."""
+    fd = os.open(device, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode("utf-8"))
+    finally:
+        os.close(fd)
