@@ -48,7 +48,7 @@ from typing import Any
 
 import pynvml
 
-from collectors._nvml import CLOCK_EVENT_REASONS
+from collectors._nvml import CLOCK_EVENT_REASONS, INSTANCE_ID_NONE
 
 _ECC_KEYS = tuple(
     (kind, counter)
@@ -312,7 +312,9 @@ class FakeNvml:
         compute_instance: int | None = None,
     ) -> None:
         """Queue an event; it is delivered only if `gpu` registered for its type."""
-        none = pynvml.NVML_GPU_INSTANCE_ID_ANY
+        # The collector's own constant: the older nvidia-ml-py of the GPU machine's image
+        # has no NVML_GPU_INSTANCE_ID_ANY.
+        none = INSTANCE_ID_NONE
         self.events.put(
             FakeEventData(
                 gpu,
