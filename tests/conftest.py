@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.agent_proc import AgentProcess
+from tests.support.alertmanager import webhook  # noqa: F401 (a fixture: a started receiver)
 from tests.support.clock import WallClock
 from tests.support.deb import deb_packages  # noqa: F401 (a fixture: the .deb, built once)
 from tests.support.disk import SmallDisk

@@ -99,13 +99,6 @@ async def wait_held(server: AlertmanagerServer, timeout: float = 20.0, **labels:
 
 
 @pytest.fixture
-def webhook() -> Iterator[WebhookReceiver]:
-    receiver = WebhookReceiver().start()
-    yield receiver
-    receiver.stop()
-
-
-@pytest.fixture
 def servers() -> Iterator[list[AlertmanagerServer]]:
     started: list[AlertmanagerServer] = []
     yield started

@@ -42,13 +42,6 @@ def _ts(text: str) -> float:
 
 
 @pytest.fixture
-def webhook() -> Iterator[WebhookReceiver]:
-    receiver = WebhookReceiver().start()
-    yield receiver
-    receiver.stop()
-
-
-@pytest.fixture
 def alertmanager(tmp_path: Path, webhook: WebhookReceiver) -> Iterator[AlertmanagerServer]:
     server = AlertmanagerServer(tmp_path / "am", hook_config(webhook.url)).start()
     yield server

@@ -45,13 +45,6 @@ KEEPALIVE = 5
 
 
 @pytest.fixture
-def webhook() -> Iterator[WebhookReceiver]:
-    receiver = WebhookReceiver().start()
-    yield receiver
-    receiver.stop()
-
-
-@pytest.fixture
 def servers() -> Iterator[list[AlertmanagerServer | PrometheusServer]]:
     started: list[AlertmanagerServer | PrometheusServer] = []
     yield started

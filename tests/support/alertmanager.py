@@ -9,11 +9,13 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.support.ports import free_port, wait_for_port
@@ -262,3 +264,11 @@ def amtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [AMTOOL, *map(str, args)], capture_output=True, text=True, timeout=60, check=False
     )
+
+
+@pytest.fixture
+def webhook() -> Iterator[WebhookReceiver]:
+    """A started WebhookReceiver (tests/conftest.py makes it every test's fixture)."""
+    receiver = WebhookReceiver().start()
+    yield receiver
+    receiver.stop()
