@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,14 @@ def metric(agent: AgentProcess, name: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(name)]
 
 
-def calls(devices: Path) -> int:
-    return int(calls_path(devices).read_text())
+def calls(devices: Path, since: float) -> dict[str, int]:
+    """The fake's library calls by name, from a report its reporter wrote after `since`: one
+    written earlier may lack the last calls before a release (it writes every 0.1 s, later
+    on a loaded machine), and they would read as calls made while paused."""
+    path = calls_path(devices)
+    wait_until(lambda: path.stat().st_mtime > since, what="a report of the fake's calls")
+    counts: dict[str, int] = json.loads(path.read_text())
+    return counts
 
 
 @pytest.fixture
@@ -90,6 +97,7 @@ class TestPauseCommand:
             )
             assert done.returncode == 0, done.stdout + done.stderr
             assert "gpu: released" in done.stdout
+            released = time.time()
             assert device_files(pid, devices) == []  # nvidia-smi -r could proceed now
             assert metric(agent, "gpuwarden_gpu_paused ") == ["gpuwarden_gpu_paused 1.0"]
             assert metric(agent, "gpuwarden_gpu_up{") == []
@@ -100,10 +108,10 @@ class TestPauseCommand:
             paused = next(h for h in heartbeats(sub) if h.get("gpu") == "paused")
             assert paused["paused"]["reason"] == "reset"
             assert paused["health"] == "ok"
-            before = calls(devices)
+            before = calls(devices, since=released)
             count = len(heartbeats(sub))
             sub.wait_for(lambda s: len(heartbeats(s)) >= count + 3, what="more heartbeats")
-            assert calls(devices) == before  # not one NVML call while paused
+            assert calls(devices, since=time.time()) == before  # not one NVML call while paused
 
             done = gpuwarden("resume", "--config", str(agent.config_path))
             assert done.returncode == 0, done.stdout + done.stderr

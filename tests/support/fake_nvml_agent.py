@@ -3,13 +3,14 @@ DEVICE_DIR GPUS run --config ...`.
 
 Every `NvmlBackend` the process makes uses one `FakeNvml` with GPUS fake H200s, whose nvmlInit
 opens real files in DEVICE_DIR (and nvmlShutdown closes them), so a test reads the agent's
-/proc/<pid>/fd as it would read /dev/nvidia* on a GPU host. The fake's library call count is
-written to `calls_path(DEVICE_DIR)` (beside it, not in it) every 0.1 s, for "no call while
-paused".
+/proc/<pid>/fd as it would read /dev/nvidia* on a GPU host. The fake's library calls, counted by
+name, are written as JSON to `calls_path(DEVICE_DIR)` (beside it, not in it) every 0.1 s, for
+"no call while paused".
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -41,7 +42,7 @@ def calls_path(device_dir: Path) -> Path:
 def _report(fake: FakeNvml, path: Path) -> None:
     while True:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(str(sum(fake.lib_calls.values())))
+        tmp.write_text(json.dumps(dict(fake.lib_calls)))
         tmp.replace(path)
         time.sleep(0.1)
 
