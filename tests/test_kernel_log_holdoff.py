@@ -197,10 +197,10 @@ def test_a_flood_of_subjects_costs_in_proportion_to_its_size(tmp_path: Path) -> 
             gc.disable()
             try:
                 now = time.time()
-                start = time.perf_counter()
+                start = time.thread_time()
                 for i, finding in enumerate(findings[:count]):
                     collector._handle(finding, now, False, ("flood", str(attempt), str(i)))
-                best = min(best, time.perf_counter() - start)
+                best = min(best, time.thread_time() - start)
             finally:
                 gc.enable()
         return best

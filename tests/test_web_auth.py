@@ -148,16 +148,17 @@ class TestSameCostForEveryUser:
         assert auth.check("cheap", "pw")  # and the right password still passes
 
     def test_wrong_answers_take_about_as_long(self) -> None:
-        """The wall time of a wrong answer, the fastest of 5 taken in turns (load on a shared
-        machine only ever adds time), within a gross factor of 4: on main it was 64 (cost 4
+        """The time of a wrong answer (this thread's CPU time: the bcrypt work is done in the
+        caller, and another job on a shared machine takes the core, not this thread's time),
+        the fastest of 5 taken in turns, within a gross factor of 4: on main it was 64 (cost 4
         against cost 10)."""
         auth = BasicAuth(dict(self.USERS))
         fastest = dict.fromkeys(["cheap", "dear", "nobody"], float("inf"))
         for _ in range(5):
             for user in fastest:
-                started = time.perf_counter()
+                started = time.thread_time()
                 auth.check(user, "wrong")
-                fastest[user] = min(fastest[user], time.perf_counter() - started)
+                fastest[user] = min(fastest[user], time.thread_time() - started)
         assert max(fastest.values()) < 4 * min(fastest.values()), fastest
 
     def test_dummy_hash_has_the_highest_cost(self) -> None:
