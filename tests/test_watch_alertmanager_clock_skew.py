@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agent.contracts.model import Severity
-from agent.program.watch.alertmanager import AlertmanagerSender
+from agent.program.watch.alertmanager import AlertmanagerSender, answered_at
 from agent.program.watch.fleet import Alert, AlertChange
 from agent.program.watch.settings import WatchSettings
 from tests.support.alertmanager import AlertmanagerServer, WebhookReceiver, hook_config
@@ -120,3 +120,35 @@ async def test_the_alert_that_clears_resolves_at_once(
     [resolved] = [a for a in alerts if a["status"] == "resolved"]
     ends = _ts(resolved["endsAt"])
     assert starts <= ends <= cleared + 1.0, (ends - cleared, skewed.offset)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "yesterday",
+        "Thu, 99 Dec 2026 08:00:00 GMT",
+        "Thu, 03 Dec 2026 25:61:00 GMT",
+        "\x00",
+    ],
+)
+def test_an_unreadable_date_tells_nothing(header: str | None) -> None:
+    """A proxy or a member that sends no Date, or garbage: no clock, the watcher's own times."""
+    assert answered_at(header) is None
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        "Thu, 03 Dec 2026 08:00:00 GMT",
+        "Thu, 03 Dec 2026 09:00:00 +0100",
+        "Thu, 03 Dec 2026 08:00:00 -0000",
+    ],
+)
+def test_a_date_is_the_middle_of_its_second(header: str) -> None:
+    told = answered_at(header)
+    assert told is not None
+    assert told + time.monotonic() == pytest.approx(
+        datetime(2026, 12, 3, 8, 0, 0, tzinfo=UTC).timestamp() + 0.5, abs=0.05
+    )
