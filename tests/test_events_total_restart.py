@@ -158,7 +158,9 @@ def test_the_count_after_a_kill_is_the_stored_events(
     assert +next_life(tmp_path) == stored
 
 
-def _life(store: StateStore, events: list[Event], boot: str = BOOT) -> Counter[tuple[str, ...]]:
+def _life(
+    store: StateStore, events: list[Event], boot: str = BOOT
+) -> Counter[tuple[str, str, str]]:
     async def run() -> Counter[tuple[str, str, str]]:
         runtime, _ = scripted_runtime({}, store=store, boot_id=boot)
         await runtime.start()
@@ -187,7 +189,9 @@ def test_pruning_the_history_never_lowers_the_count(tmp_path: Path) -> None:
     store = StateStore.open(tmp_path)
     again = _life(store, _fresh(SHAPES["one sxid"]))
     store.close()
-    assert again[("kernel_log", "sxid", "critical")] == counted[("kernel_log", "sxid", "critical")] + 1
+    assert (
+        again[("kernel_log", "sxid", "critical")] == counted[("kernel_log", "sxid", "critical")] + 1
+    )
 
 
 def test_a_new_boot_counts_from_zero(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ scrapes once.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ import pytest
 from agent.contracts.model import Event
 from agent.program import registry
 from agent.runtime.state import StateStore
+from collectors._xid import XidCorrelator, XidObservation, parse_snapshot
 from tests.support.agent_proc import AgentProcess, http_get
 from tests.support.fake_nvml_agent import inject_xid, injected
 from tests.support.kmsg import kmsg_record
@@ -82,8 +84,9 @@ class Host:
 
     def stored(self, code: int, count: int = 1) -> None:
         wait_until(
-            lambda: sum(e.attributes.get("xid") == code for e in stored_xids(self.state_dir))
-            >= count,
+            lambda: (
+                sum(e.attributes.get("xid") == code for e in stored_xids(self.state_dir)) >= count
+            ),
             15.0,
             f"Xid {code}'s event in the state store",
         )
@@ -200,3 +203,42 @@ def test_nvml_xid_counts_survive_kill_9(host: Host, point: str) -> None:
         want = sum(e.severity.label == severity for e in events)
         have = series(text, EVENTS, source="gpu", kind="xid", severity=severity)
         assert have == want, (severity, host.agent.log()[-3000:])
+
+
+# -- the carry: two snapshots of one correlator, each stored at its own time ------------------
+
+OLD = {(PCI, 79): 1}
+NEW = {(PCI, 79): 3, (PCI, 13): 1}
+
+
+@pytest.mark.parametrize(
+    ("kernel_log", "nvml"),
+    [(OLD, NEW), (NEW, OLD), (NEW, NEW), ({}, NEW), (NEW, {})],
+    ids=["nvml newer", "kernel_log newer", "the same", "nvml alone", "kernel_log alone"],
+)
+def test_the_carry_is_the_newer_snapshot_per_gpu_and_code(
+    kernel_log: dict[tuple[str, int], int], nvml: dict[tuple[str, int], int]
+) -> None:
+    correlator = XidCorrelator()
+    correlator.observe(XidObservation("nvml", PCI, 48, time.time()))  # this life's own
+    assert correlator.carry_counts(kernel_log, {}, origin="kernel_log")
+    assert correlator.carry_counts(nvml, nvml, origin="nvml")
+    want = {key: max(kernel_log.get(key, 0), nvml.get(key, 0)) for key in {*kernel_log, *nvml}}
+    assert correlator.counts == {**want, (PCI, 48): 1}
+    assert correlator.confirmations == nvml
+    # A collector rebuilt by a reload reads its own snapshot again (this life's, now): no
+    # second carry.
+    assert not correlator.carry_counts({(PCI, 79): 9}, {}, origin="kernel_log")
+    assert correlator.counts == {**want, (PCI, 48): 1}
+
+
+def test_a_snapshot_round_trips_and_malformed_rows_are_skipped() -> None:
+    correlator = XidCorrelator()
+    for code in (79, 79, 13):
+        correlator.observe(XidObservation("nvml", PCI, code, time.time()))
+    counts, confirmed = parse_snapshot(json.loads(json.dumps(correlator.snapshot())))
+    assert counts == correlator.counts
+    assert confirmed == correlator.confirmations
+    bad = {"xids": [[PCI, "13", 1], [PCI, 13, -1], [PCI, True, 2], [7, 13, 1], [PCI, 13]]}
+    assert parse_snapshot(bad) == ({}, {})
+    assert parse_snapshot("not a table") == ({}, {})

@@ -79,6 +79,7 @@ def scripted_runtime(
     timeout: float = 0.3,
     store: StateStore | None = None,
     core: Mapping[str, Any] | None = None,
+    *,
     boot_id: str = "",
 ) -> tuple[Runtime, dict[str, ScriptedCollector]]:
     """A runtime whose collectors are ScriptedCollectors; no sinks. `boot_id`: the boot it
