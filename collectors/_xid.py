@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from agent.contracts.collector import CollectorDeps
+from agent.contracts.collector import CollectorDeps, JSONValue
 from agent.contracts.model import AttributeValue, Event, RepairAction, Severity, stable_event_id
 from collectors._repair import clears_for, repair_for
 from collectors._xid_catalog import lookup_event
@@ -223,6 +223,37 @@ kernel-log backlog it reads again after a crash may be that old (a restart loop,
 hours); a sighting is matched to them by when the Xid happened, not by when it is read."""
 
 
+NVML_COUNTS: Final = ("xid", "nvml_counts")
+"""The state key of the Xid counts as the NVML thread last stored them: `{"boot": id,
+"xids": [[pci, code, n], ...], "confirmed": [...]}`, written with each of its Xid events (in
+the event's transaction: `CollectorDeps.emit_with`), or alone for a sighting that raised none
+(a repeat, an incident the holdoff held back). The kernel_log collector stores the same
+counts with its rounds (its `finding_counts`); a restart takes the larger of the two."""
+
+
+def parse_snapshot(
+    value: object,
+) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+    """(counts, confirmations) of a stored snapshot (`XidCorrelator.snapshot`): what of it is
+    well formed (a row of a PCI address, a code and a count of at least one)."""
+    tables: list[dict[tuple[str, int], int]] = []
+    for name in ("xids", "confirmed"):
+        table: dict[tuple[str, int], int] = {}
+        rows = value.get(name) if isinstance(value, dict) else None
+        for row in rows if isinstance(rows, list) else []:
+            if not isinstance(row, list) or len(row) != 3:
+                continue
+            pci, code, n = row
+            if isinstance(pci, str) and _whole(code) and _whole(n) and n > 0:
+                table[(pci, code)] = n
+        tables.append(table)
+    return tables[0], tables[1]
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def shared_correlator(deps: CollectorDeps) -> XidCorrelator:
     """The process's one correlator (`deps.shared`), seeded once per process with the Xid
     events the state store holds from its last life (`XidCorrelator.seed`)."""
@@ -275,29 +306,43 @@ class XidCorrelator:
         self._seeded = False
         self.seeded = 0
         """Stored Xid events taken over at start."""
-        self._carried = False
+        self._carried_from: set[str] = set()
+        self._carried: tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] = ({}, {})
+        """What `carry_counts` took over: (counts, confirmations) of the last life."""
 
     def carry_counts(
         self,
         counts: Mapping[tuple[str, int], int],
         confirmations: Mapping[tuple[str, int], int],
+        origin: str = "kernel_log",
     ) -> bool:
-        """Add the counts the process's last life had on this boot (the kernel_log
-        collector's stored snapshot), once per process: a collector rebuilt by a reload
-        finds them taken. False when they were already."""
+        """Take over the counts the process's last life had on this boot, as one of its
+        stored snapshots says (`origin`: the kernel_log collector's, stored with its rounds;
+        the NVML thread's, `NVML_COUNTS`, stored with its Xids), once per origin and process:
+        a collector rebuilt by a reload finds its own taken. Each snapshot is the shared
+        counts as they were when it was stored, so what was carried is, per GPU and code,
+        the larger of them: the one stored last. False when this origin's was already."""
         with self._lock:
-            if self._carried:
+            if origin in self._carried_from:
                 return False
-            self._carried = True
-            for into, carried in ((self.counts, counts), (self.confirmations, confirmations)):
-                for key, n in carried.items():
-                    into[key] = into.get(key, 0) + n
+            self._carried_from.add(origin)
+            tables = (self.counts, self.confirmations)
+            pairs = zip(tables, self._carried, (counts, confirmations), strict=True)
+            for into, carried, stored in pairs:
+                for key, n in stored.items():
+                    more = n - carried.get(key, 0)
+                    if more > 0:
+                        carried[key] = n
+                        into[key] = into.get(key, 0) + more
             return True
 
-    def counted(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
-        """`counts` and `confirmations` as they are now, taken together under the lock."""
+    def snapshot(self) -> dict[str, JSONValue]:
+        """`counts` and `confirmations` as stored (`parse_snapshot` reads them back)."""
         with self._lock:
-            return dict(self.counts), dict(self.confirmations)
+            return {
+                "xids": [[p, c, n] for (p, c), n in sorted(self.counts.items())],
+                "confirmed": [[p, c, n] for (p, c), n in sorted(self.confirmations.items())],
+            }
 
     def seed_once(self, read: Callable[[float], Sequence[Event]], horizon: float) -> None:
         """`seed` with the events `read(since)` gives, `horizon` seconds back; only the first

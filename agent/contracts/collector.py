@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
@@ -146,6 +146,30 @@ class CollectorDeps:
     collector that must not raise it again (the Xid correlator's seed, collectors/_xid.py).
     A synchronous read of the store: call it once, at construction; empty when the store
     cannot be read."""
+
+    emit_with_values: (
+        Callable[[Sequence[Event], Mapping[tuple[str, str], JSONValue]], None] | None
+    ) = None
+    """`emit_with` as the runtime does it (None: a caller that built these by hand)."""
+
+    def emit_with(
+        self, events: Sequence[Event], values: Mapping[tuple[str, str], JSONValue]
+    ) -> None:
+        """Emit `events` (none: the values alone) and key-value changes that belong to them
+        ((namespace, key) -> value; None deletes), stored in the transaction of the last of
+        them, never before and never apart: for a background thread's count that must not be
+        stored without its event, nor its event without the count (the NVML thread's Xid
+        counts). Thread-safe; stored as soon as the store writer takes them."""
+        if self.emit_with_values is not None:
+            self.emit_with_values(events, values)
+            return
+        for event in events:
+            self.emit(event)
+        for (namespace, key), value in values.items():
+            if value is None:
+                self.state.delete(namespace, key)
+            else:
+                self.state.put(namespace, key, value)
 
     def held_by(self, source: str, kinds: Sequence[str]) -> dict[str, dict[str, ActiveRepair]]:
         """subject -> kind -> the requirement held, for the events of `source` of `kinds`."""

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import json
 import threading
 import time
 from collections import Counter, deque
@@ -29,6 +30,7 @@ from agent.contracts.collector import (
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
+    JSONValue,
     KeyValueStore,
     SharedServices,
     WakeableCollector,
@@ -94,6 +96,43 @@ EVENT_RETENTION = 30 * 86400.0
 """Seconds of event history kept in the state store (diag bundles and `recent_events`)."""
 BOOT_NAMESPACE, BOOT_KEY = "runtime", "events_boot_id"
 """Where the runtime keeps the boot its stored events are of (`stored_events`)."""
+
+
+EVENT_COUNTS_NAMESPACE = "events_total"
+"""Where `gpuwarden_events_total` is kept: one key per (source, kind, severity), JSON
+`[source, kind, severity]`, whose value is `{"boot": id, "count": n}`."""
+
+EventKey = tuple[str, str, str]
+
+
+def _event_key(event: Event) -> EventKey:
+    return (event.source, event.kind, event.severity.label)
+
+
+def _stored_event_counts(
+    store: StateStore, boot: str
+) -> tuple[Counter[EventKey], Counter[EventKey]]:
+    """The event counts the process's last lives stored on boot `boot` (none for an unknown
+    boot: a count carried across a reboot would stand for nothing), twice."""
+    counts: Counter[EventKey] = Counter()
+    if not boot:
+        return counts, Counter()
+    try:
+        stored = store.items(EVENT_COUNTS_NAMESPACE)
+    except StateStoreError as exc:
+        log.warning("event counts not read; counting from zero", error=str(exc))
+        return counts, Counter()
+    for key, value in stored.items():
+        try:
+            source, kind, severity = json.loads(key)
+        except (ValueError, TypeError):
+            continue
+        if not isinstance(value, dict) or value.get("boot") != boot:
+            continue
+        count = value.get("count")
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            counts[(str(source), str(kind), str(severity))] = count
+    return counts, Counter(counts)
 
 
 def _stored_boot(store: StateStore) -> str | None:
@@ -263,7 +302,10 @@ class Runtime:
         self.collectors: dict[str, CollectorStatus] = {}
         self.sinks: dict[str, Sink] = {}
         self.ledger: dict[str, SinkLedger] = {}
-        self.events_by_key: Counter[tuple[str, str, str]] = Counter()
+        # events_by_key: `gpuwarden_events_total`, the events announced by (source, kind,
+        # severity) on this boot, with what the process's last lives stored (`_count_change`);
+        # _events_counted: what it will be once every event queued for the store is announced.
+        self.events_by_key, self._events_counted = _stored_event_counts(store, boot_id)
         self.recent_events: deque[Event] = deque(maxlen=200)
         self.outbox_enabled = False
         """Events are queued in the outbox too: a durable sink asked for it (enable_outbox)."""
@@ -424,6 +466,24 @@ class Runtime:
         else:
             self._emit_now(event)
 
+    def emit_with(
+        self, events: Sequence[Event], values: Mapping[tuple[str, str], JSONValue]
+    ) -> None:
+        """Emit `events` and key-value changes stored in the transaction of the last of them
+        (after them; none: stored at the writer's next pass). Thread-safe
+        (`CollectorDeps.emit_with`)."""
+        changes: KvChanges = {
+            key: None if value is None else json.dumps(value) for key, value in values.items()
+        }
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self._emit_now_all, list(events), changes)
+        elif loop is None:
+            self._pending_events.extend(events)
+            self.guard.hold(changes)
+        else:
+            self._emit_now_all(events, changes)
+
     def _emit_now(self, event: Event) -> None:
         """On the loop: queue the event; the store writer stores it, with whatever else waits,
         before any listener or log line hears of it."""
@@ -437,10 +497,26 @@ class Runtime:
             # What it does to the repair ledger goes into the store in the event's
             # transaction: a kill after that commit must not leave the event stored and the
             # requirement lost.
-            queued.append((event, self.repair_ledger.changes(event)))
+            # And its count (gpuwarden_events_total), so that no kill separates the two.
+            changes = self.repair_ledger.changes(event)
+            changes.update(self._count_change(event))
+            queued.append((event, changes))
         self.guard.queue_round(queued, values)
         self._unannounced.extend(event for event, _ in queued)
         self._store_wake.set()
+
+    def _count_change(self, event: Event) -> KvChanges:
+        """The stored count of the event's (source, kind, severity) once it is counted: a
+        key of its own, written in the event's transaction. Never derived from the stored
+        events: pruning the history must not lower it (a lower value reads as a reset to
+        Prometheus, and increase() as a rise). Of this boot only; nothing for an unknown one.
+        An event the store's queue drops keeps its count (store_guard.py)."""
+        key = _event_key(event)
+        self._events_counted[key] += 1
+        if not self.boot_id:
+            return {}
+        value = {"boot": self.boot_id, "count": self._events_counted[key]}
+        return {(EVENT_COUNTS_NAMESPACE, json.dumps(list(key))): json.dumps(value)}
 
     def flush_events(self) -> None:
         """Store what waits and announce it, now and in the caller's thread: for start and
@@ -518,7 +594,7 @@ class Runtime:
             self._emit_now(event)
 
     def _announce(self, event: Event) -> None:
-        self.events_by_key[(event.source, event.kind, event.severity.label)] += 1
+        self.events_by_key[_event_key(event)] += 1
         self.recent_events.append(event)
         logger = log.bind(source=event.source)
         level = (
@@ -557,6 +633,7 @@ class Runtime:
             emit=self.emit,
             held=self.held_repairs,
             stored_events=self.stored_events,
+            emit_with_values=self.emit_with,
         )
 
     def _build(self, name: str, settings: CollectorSettings) -> Collector | None:

@@ -43,8 +43,9 @@ from agent.contracts.collector import (
     CollectorDeps,
     CollectorSettings,
     CollectorSpec,
+    JSONValue,
 )
-from agent.contracts.errors import CallStillHung, CallTimedOut
+from agent.contracts.errors import CallStillHung, CallTimedOut, GpuwardenError
 from agent.contracts.model import Collection, Event, MetricFamily, RepairAction, Sample, Severity
 from agent.contracts.pause import Released
 from agent.contracts.settings import setting
@@ -61,7 +62,7 @@ from collectors._nvml import (
 )
 from collectors._procfs import ProcessOwner, open_files, read_boot_id, read_owner
 from collectors._repair import shared_recurrence
-from collectors._xid import shared_correlator
+from collectors._xid import NVML_COUNTS, parse_snapshot, shared_correlator
 from collectors.gpu import metrics as m
 from collectors.gpu.checks import (
     FAST_COUNTERS,
@@ -245,6 +246,9 @@ class GpuCollector:
         self.backend = backend or deps.shared.get(NvmlBackend, NvmlBackend)
         self.correlator = shared_correlator(deps)
         self.boot_id = _boot_id()
+        self._carry_nvml_counts()
+        self._nvml_counts_stored: JSONValue | None = None
+        """The NVML thread's last stored snapshot of the Xid counts (`_record_xid`)."""
         self.recurrence = shared_recurrence(deps, lambda: read_boot_id(Path("/proc")))
         self.counters = CounterTracker(deps.state, self.boot_id)
         self.conditions = ConditionTracker(deps.state)
@@ -402,6 +406,33 @@ class GpuCollector:
         if not self.recurrence.loaded:
             with contextlib.suppress(CallTimedOut, CallStillHung):
                 await ctx.call("gpu:xid_boots", self.recurrence.load)
+
+    def _carry_nvml_counts(self) -> None:
+        """Take over the Xid counts the NVML thread of this boot's last life stored with its
+        Xids (`NVML_COUNTS`): an Xid it saw after the kernel_log collector's last round
+        counts after a kill too. Another boot's, or none: nothing."""
+        if self.boot_id is None:
+            return
+        try:
+            saved = self.deps.state.get(*NVML_COUNTS)
+        except GpuwardenError:  # unreadable: the kernel_log collector's snapshot alone
+            return
+        if isinstance(saved, dict) and saved.get("boot") == self.boot_id:
+            self.correlator.carry_counts(*parse_snapshot(saved), origin="nvml")
+
+    def _record_xid(self, event: Event | None) -> None:
+        """The NVML event thread's Xid sighting, in that thread: its event (an Xid that came
+        back after two reboots says so; None: a sighting that raised none) and the Xid counts
+        as they are now, stored in one transaction (`CollectorDeps.emit_with`), so that no
+        kill -9 leaves the event stored and its count not, or a held-back repeat uncounted."""
+        events = [] if event is None else [self.recurrence.escalate(self._named([event])[0])]
+        values: dict[tuple[str, str], JSONValue] = {}
+        if self.boot_id is not None:
+            snapshot: JSONValue = {"boot": self.boot_id, **self.correlator.snapshot()}
+            if snapshot != self._nvml_counts_stored:
+                values[NVML_COUNTS] = self._nvml_counts_stored = snapshot
+        if events or values:
+            self.deps.emit_with(events, values)
 
     def _emit_escalated(self, event: Event) -> None:
         """The NVML event thread's emit: an Xid that came back after two reboots says so (in
@@ -904,6 +935,7 @@ class GpuCollector:
             gpus,
             self._identities,
             wait_ms=self.settings.event_wait_ms,
+            record_xid=self._record_xid,
         )
         thread.start()
         self.events_thread = thread

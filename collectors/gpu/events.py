@@ -48,9 +48,14 @@ class GpuEventThread:
         identities: Callable[[], Mapping[str, Mapping[str, str]]],
         *,
         wait_ms: int = 1000,
+        record_xid: Callable[[Event | None], None] | None = None,
     ) -> None:
         """`gpus`: (index, supported event mask or None when unknown) per GPU.
-        `identities`: pci_bus_id -> GPU labels, for ECC event text."""
+        `identities`: pci_bus_id -> GPU labels, for ECC event text. `record_xid`: called in
+        this thread after every Xid sighting, with its event or None (a repeat, an incident
+        the holdoff held back: counted, no event), to store the event with the counts it
+        changed; without it an Xid's event goes to `emit` and the counts are not stored."""
+        self._record_xid = record_xid
         self._backend = backend
         self._correlator = correlator
         self._emit = emit
@@ -153,7 +158,9 @@ class GpuEventThread:
                     details=_instances(record),
                 )
             )
-            if event is not None:
+            if self._record_xid is not None:  # counted with or without an event
+                self._record_xid(event)
+            elif event is not None:
                 self._emit(event)
         ecc = record.event_type & (EVENT_SINGLE_BIT_ECC | EVENT_DOUBLE_BIT_ECC)
         if ecc:

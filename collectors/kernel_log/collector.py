@@ -51,6 +51,7 @@ from collectors._xid import (
     XidObservation,
     gpu_aliases,
     gpu_description,
+    parse_snapshot,
     shared_correlator,
 )
 from collectors.kernel_log.kmsg import (
@@ -374,30 +375,21 @@ class KernelLogCollector:
             sxid, many = _count(code), _count(n)
             if isinstance(pci, str) and isinstance(device, str) and sxid is not None and many:
                 self.sxids[(pci, device, sxid)] += many
-        carried: list[dict[tuple[str, int], int]] = []
-        for name in ("xids", "confirmed"):
-            table: dict[tuple[str, int], int] = {}
-            for pci, code, n in _rows(saved.get(name), 3):
-                xid, many = _count(code), _count(n)
-                if isinstance(pci, str) and xid is not None and many:
-                    table[(pci, xid)] = many
-            carried.append(table)
-        self.correlator.carry_counts(carried[0], carried[1])
+        counts, confirmed = parse_snapshot(saved)
+        self.correlator.carry_counts(counts, confirmed, origin="kernel_log")
 
     def _store_counts(self) -> None:
         """The finding counters as they are now, in the round's state (stored with its
         cursor, in one transaction); written only when they changed."""
         if self._boot is None:
             return
-        counts, confirmed = self.correlator.counted()
         value: JSONValue = {
             "boot": self._boot,
             "findings": {k: n for k, n in sorted(self.findings.items()) if n},
             "paused_findings": {k: n for k, n in sorted(self.paused_findings.items()) if n},
             "suppressed": {k: n for k, n in sorted(self.suppressed.items()) if n},
             "sxids": [[p, d, c, n] for (p, d, c), n in sorted(self.sxids.items())],
-            "xids": [[p, c, n] for (p, c), n in sorted(counts.items())],
-            "confirmed": [[p, c, n] for (p, c), n in sorted(confirmed.items())],
+            **self.correlator.snapshot(),  # "xids", "confirmed"
         }
         if value != self._stored_counts:
             self.deps.state.put(STATE_NAMESPACE, COUNTS_KEY, value)

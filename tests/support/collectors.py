@@ -79,8 +79,11 @@ def scripted_runtime(
     timeout: float = 0.3,
     store: StateStore | None = None,
     core: Mapping[str, Any] | None = None,
+    *,
+    boot_id: str = "",
 ) -> tuple[Runtime, dict[str, ScriptedCollector]]:
-    """A runtime whose collectors are ScriptedCollectors; no sinks."""
+    """A runtime whose collectors are ScriptedCollectors; no sinks. `boot_id`: the boot it
+    runs in (empty: unknown)."""
     made: dict[str, ScriptedCollector] = {}
     specs: dict[str, CollectorSpec[Any]] = {}
     for name, mode in modes.items():
@@ -95,5 +98,11 @@ def scripted_runtime(
     cfg = config.parse({"prometheus": {"enabled": False}, **(core or {})})
     settings = CollectorSettings(interval=interval, timeout=timeout)
     cfg = dataclasses.replace(cfg, collectors=dict.fromkeys(modes, settings))
-    runtime = Runtime(cfg, store or StateStore.in_memory(), collectors=specs, sinks=registry.SINKS)
+    runtime = Runtime(
+        cfg,
+        store or StateStore.in_memory(),
+        collectors=specs,
+        sinks=registry.SINKS,
+        boot_id=boot_id,
+    )
     return runtime, made

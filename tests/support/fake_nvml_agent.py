@@ -5,12 +5,15 @@ Every `NvmlBackend` the process makes uses one `FakeNvml` with GPUS fake H200s, 
 opens real files in DEVICE_DIR (and nvmlShutdown closes them), so a test reads the agent's
 /proc/<pid>/fd as it would read /dev/nvidia* on a GPU host. The fake's library calls, counted by
 name, are written as JSON to `calls_path(DEVICE_DIR)` (beside it, not in it) every 0.1 s, for
-"no call while paused".
+"no call while paused". An Xid is injected from outside with `inject_xid`: a file in
+`inject_dir(DEVICE_DIR)` that the process turns into an NVML Xid event of its fake and then
+removes (so a process killed after the removal never gets it again; `injected` says when).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -39,6 +42,40 @@ def calls_path(device_dir: Path) -> Path:
     return device_dir.parent / f"{device_dir.name}-nvml-calls"
 
 
+def inject_dir(device_dir: Path) -> Path:
+    return device_dir.parent / f"{device_dir.name}-nvml-inject"
+
+
+def inject_xid(device_dir: Path, gpu: int, code: int) -> Path:
+    """Ask the running process for an NVML Xid `code` on GPU `gpu`; returns the request's
+    file, gone once the process has queued the event (`injected`). Requests are taken in
+    the order they were made."""
+    folder = inject_dir(device_dir)
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{time.time_ns():020d}-{os.getpid()}.json"
+    tmp = folder / f".{path.name}.tmp"
+    tmp.write_text(json.dumps({"gpu": gpu, "xid": code}))
+    tmp.replace(path)  # whole or not at all: the process never reads half a request
+    return path
+
+
+def injected(request: Path) -> bool:
+    return not request.exists()
+
+
+def _inject(fake: FakeNvml, folder: Path) -> None:
+    import pynvml
+
+    folder.mkdir(exist_ok=True)
+    while True:
+        for path in sorted(folder.glob("*.json")):
+            wanted = json.loads(path.read_text())
+            gpu = fake.gpus[int(wanted["gpu"])]
+            fake.push_event(gpu, pynvml.nvmlEventTypeXidCriticalError, int(wanted["xid"]))
+            path.unlink()
+        time.sleep(0.02)
+
+
 def _report(fake: FakeNvml, path: Path) -> None:
     while True:
         tmp = path.with_suffix(".tmp")
@@ -51,4 +88,5 @@ if __name__ == "__main__":
     directory, gpus, *rest = sys.argv[1:]
     fake = _install(Path(directory), int(gpus))
     threading.Thread(target=_report, args=(fake, calls_path(Path(directory))), daemon=True).start()
+    threading.Thread(target=_inject, args=(fake, inject_dir(Path(directory))), daemon=True).start()
     sys.exit(main(rest))
