@@ -1,9 +1,19 @@
-"""A followed kernel-log file's findings carry the time their line says, where the line says
-it with its zone (ISO 8601 with an offset, journalctl's short-unix), not the time the agent
-read it: a file read after a pause (an agent restarted, a log rotated) holds old lines."""
+"""A followed kernel-log file's findings carry the time their line says, not the time the
+agent read it: a file read after a pause (an agent restarted, a log rotated) holds old lines.
+
+Every stamp shape the parser knows is read: with its zone (ISO 8601 with an offset, RFC 5424,
+dmesg --time-format iso, journalctl's short-unix and short-full), and in the host's local time
+where the line gives none (syslog's `Nov 29 18:10:02`, dmesg -T and its reltime stamp, in any
+locale's month names), each in several zones. A stamp that says no wall time (seconds since
+some boot, a delta), or one that cannot be read, gives the time of the read; a stamp after the
+reader's clock is not trusted past it."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -11,44 +21,238 @@ import pytest
 
 from agent.contracts.collector import MemoryKeyValueStore
 from collectors.kernel_log.kmsg import FileLogReader
+from tests.support.zones import ZONES, local_epoch, local_zone
 
 XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus."
 STAMP = "2026-11-29T18:10:02.123456+00:00"
 WHEN = datetime.fromisoformat(STAMP).timestamp()
 NOW = WHEN + 6 * 3600.0  # the agent reads the file six hours later
-PENDING = "FileLogReader.record_time answers the time of the read for every line (not fixed yet)"
+HOST = "gpu-host-17"
+
+# Stamps that carry their zone: the same instant in every local zone.
+ZONED = [
+    (f"{STAMP} {HOST} kernel: {XID}", WHEN),  # journalctl -o short-iso-precise, rsyslog RFC 3339
+    (f"2026-11-29T18:10:02+0000 {HOST} kernel: {XID}", WHEN - 0.123456),  # short-iso
+    (f"2026-11-29T20:10:02+02:00 {HOST} kernel: {XID}", WHEN - 0.123456),
+    (f"2026-11-29T13:10:02.123456-05:00 {HOST} kernel: {XID}", WHEN),
+    (f"2026-11-29T18:10:02Z {HOST} kernel: {XID}", WHEN - 0.123456),
+    (f"<4>1 {STAMP} {HOST} kernel - - - {XID}", WHEN),  # RFC 5424 file
+    (f"1 2026-11-29T18:10:02.123Z {HOST} kernel - - - {XID}", WHEN - 0.000456),
+    (f"kern  :err   : 2026-11-29T18:10:02,123456+00:00 {XID}", WHEN),  # dmesg -x iso
+    (f"2026-11-29T18:10:02,123456+00:00 {XID}", WHEN),  # dmesg --time-format iso
+    (f"<3>2026-11-29T18:10:02,123456+00:00 {XID}", WHEN),  # dmesg -r --time-format iso
+    (f"{WHEN:.6f} {HOST} kernel: {XID}", WHEN),  # journalctl -o short-unix
+    (f"{WHEN:.6f} kernel: {XID}", WHEN),  # short-unix --no-hostname
+    (f"Sun 2026-11-29 18:10:02 UTC {HOST} kernel: {XID}", WHEN - 0.123456),  # short-full
+    (f"Sun 2026-11-29 18:10:02.123456 GMT {HOST} kernel: {XID}", WHEN),
+    (f"So 2026-11-29 20:10:02 +0200 {HOST} kernel: {XID}", WHEN - 0.123456),
+    (
+        json.dumps(
+            {
+                "MESSAGE": XID,
+                "_TRANSPORT": "kernel",
+                "SYSLOG_FACILITY": "0",
+                "__REALTIME_TIMESTAMP": str(round(WHEN * 1e6)),
+                "_SOURCE_MONOTONIC_TIMESTAMP": "5123456789",
+            }
+        ),
+        WHEN,
+    ),  # journalctl -o json: its wall time, not the kernel's time since boot
+]
+
+# Stamps without a zone are the host's local time: (line, local fields, microseconds).
+LOCAL = [
+    (f"Nov 29 18:10:02 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"Nov 29 18:10:02.123456 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 123456),
+    (f"Nov 29 18:10:02 kernel: {XID}", (2026, 11, 29, 18, 10, 2), 0),  # --no-hostname
+    (f"Nov  9 08:05:07 {HOST} kernel: [ 5123.456789] {XID}", (2026, 11, 9, 8, 5, 7), 0),
+    (f"2026-11-29T18:10:02 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"2026-11-29T18:10:02.5 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 500000),
+    (f"[Sun Nov 29 18:10:02 2026] {XID}", (2026, 11, 29, 18, 10, 2), 0),  # dmesg -T
+    (f"[Mon Nov  9 18:10:02 2026] {XID}", (2026, 11, 9, 18, 10, 2), 0),
+    (f"[Sun Nov 29 18:10:02 2026 <    0.000012>] {XID}", (2026, 11, 29, 18, 10, 2), 0),  # -T -d
+    (f"kern  :err   : [Sun Nov 29 18:10:02 2026] {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"[Nov29 18:10] {XID}", (2026, 11, 29, 18, 10, 0), 0),  # dmesg -e's time break
+    (f"[Nov 9 18:10] {XID}", (2026, 11, 9, 18, 10, 0), 0),
+    # The months in the reader's locale (glibc's names: de_DE, fr_FR, ru_RU, pl_PL, zh_CN,
+    # ja_JP, ko_KR).
+    (f"[So Nov 29 18:10:02 2026] {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"[dim. nov. 29 18:10:02 2026] {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"[вс ноя 29 18:10:02 2026] {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"[日 11月 29 18:10:02 2026] {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"[木  1月  8 18:10:02 2026] {XID}", (2026, 1, 8, 18, 10, 2), 0),
+    (f"[일 11월 29 18:10:02 2026] {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"[11월29 18:10] {XID}", (2026, 11, 29, 18, 10, 0), 0),
+    (f"[févr.28 18:10] {XID}", (2026, 2, 28, 18, 10, 0), 0),
+    (f"nov. 29 18:10:02 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"ноя 29 18:10:02 kernel: {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"lis 29 18:10:02.123456 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 123456),
+    (f"Mär 01 18:10:02 {HOST} kernel: {XID}", (2026, 3, 1, 18, 10, 2), 0),
+]
+
+# No wall time in the line, or one that cannot be read: the time of the read.
+READ_TIME = [
+    f"[   12.345678] {XID}",  # seconds since a boot, which boot not said
+    f"[    5.123456 <    0.000012>] {XID}",  # dmesg -d
+    f"[  +0.000123] {XID}",  # dmesg -e's delta
+    f"<3>[ 5123.456789] {XID}",  # dmesg -r
+    f"4,1005,5123456789,-;{XID}",  # raw records saved to a file
+    f"[ 5123.456789] {HOST} kernel: {XID}",  # journalctl -o short-monotonic
+    f"123456789.123456 {HOST} kernel: {XID}",  # short-monotonic's size, unix-like: 1973
+    XID,  # no stamp at all (dmesg -t)
+    # Garbage where a stamp goes: the line is read, its time is the read's.
+    f"[Sun Foo 29 18:10:02 2026] {XID}",
+    f"[Sun Nov 31 18:10:02 2026] {XID}",
+    f"[Sun Nov 29 25:10:02 2026] {XID}",
+    f"Foo 29 18:10:02 {HOST} kernel: {XID}",
+    f"Nov 29 18:61:02 {HOST} kernel: {XID}",
+    f"2026-13-45T18:10:02+00:00 {HOST} kernel: {XID}",
+    f"2026-11-29T18:10:02+99:00 {HOST} kernel: {XID}",
+    f"Sun 2026-11-29 18:10:02 XYZ {HOST} kernel: {XID}",
+    f"[Foo29 18:10] {XID}",
+    # A stamp after the reader's clock (a skewed sender) is not trusted past now.
+    f"2027-11-29T18:10:02+00:00 {HOST} kernel: {XID}",
+    f"{NOW + 3600:.6f} {HOST} kernel: {XID}",
+]
 
 
-def _pending(line: str, expected: float) -> object:
-    return pytest.param(line, expected, marks=pytest.mark.xfail(strict=True, reason=PENDING))
+@pytest.fixture(params=sorted(ZONES))
+def zone(request: pytest.FixtureRequest) -> Iterator[str]:
+    with local_zone(request.param):
+        yield request.param
+
+
+def _time_of(line: str, tmp_path: Path, now: float = NOW) -> float:
+    path = tmp_path / "kern.log"
+    path.write_text(line + "\n", encoding="utf-8")
+    reader = FileLogReader(path, MemoryKeyValueStore(), clock=lambda: now)
+    [record] = reader.read().records
+    assert record.message == XID
+    return reader.record_time(record)
+
+
+@pytest.mark.parametrize(("line", "expected"), ZONED)
+def test_a_zoned_stamp_is_its_instant(
+    line: str, expected: float, zone: str, tmp_path: Path
+) -> None:
+    assert _time_of(line, tmp_path) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize(("line", "fields", "micro"), LOCAL)
+def test_a_stamp_without_zone_is_local_time(
+    line: str, fields: tuple[int, ...], micro: int, zone: str, tmp_path: Path
+) -> None:
+    expected = local_epoch(zone, *fields, micro=micro)
+    assert expected < NOW  # else it would be capped: the case would test the cap
+    assert _time_of(line, tmp_path) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("line", READ_TIME)
+def test_no_wall_time_in_the_line_gives_the_read_time(line: str, zone: str, tmp_path: Path) -> None:
+    assert _time_of(line, tmp_path) == NOW
 
 
 @pytest.mark.parametrize(
-    ("line", "expected"),
+    ("line", "after"),
     [
-        _pending(f"{STAMP} gpu-host-17 kernel: {XID}", WHEN),  # journalctl -o short-iso-precise
-        _pending(
-            f"2026-11-29T18:10:02+0000 gpu-host-17 kernel: {XID}", WHEN - 0.123456
-        ),  # short-iso
-        _pending(f"2026-11-29T20:10:02+02:00 gpu-host-17 kernel: {XID}", WHEN - 0.123456),
-        _pending(f"2026-11-29T18:10:02Z gpu-host-17 kernel: {XID}", WHEN - 0.123456),
-        _pending(f"<4>1 {STAMP} gpu-host-17 kernel - - - {XID}", WHEN),  # RFC 5424 file
-        _pending(f"kern  :err   : 2026-11-29T18:10:02,123456+00:00 {XID}", WHEN),  # dmesg -x iso
-        _pending(f"2026-11-29T18:10:02,123456+00:00 {XID}", WHEN),  # dmesg --time-format iso
-        _pending(f"{WHEN:.6f} gpu-host-17 kernel: {XID}", WHEN),  # journalctl -o short-unix
-        # No zone or no year: the line cannot say when; the time it was read.
-        (f"Nov 29 18:10:02 gpu-host-17 kernel: {XID}", NOW),
-        (f"[Sun Nov 29 18:10:02 2026] {XID}", NOW),
-        (f"[   12.345678] {XID}", NOW),
-        (f"2026-11-29T18:10:02 gpu-host-17 kernel: {XID}", NOW),
-        # A stamp after the reader's clock (a skewed sender) is not trusted past now.
-        (f"2027-11-29T18:10:02+00:00 gpu-host-17 kernel: {XID}", NOW),
+        (f"2026-11-29T18:10:02Z {HOST} kernel: {XID}", 0.6),
+        (f"Nov 29 18:10:02 {HOST} kernel: {XID}", 0.6),
+        (f"[Nov29 18:10] {XID}", 42.0),
     ],
 )
-def test_a_finding_carries_its_lines_time(line: str, expected: float, tmp_path: Path) -> None:
-    path = tmp_path / "kern.log"
-    path.write_text(line + "\n", encoding="utf-8")
-    reader = FileLogReader(path, MemoryKeyValueStore(), clock=lambda: NOW)
-    [record] = reader.read().records
-    assert record.message == XID
-    assert reader.record_time(record) == pytest.approx(expected, abs=1e-6)
+def test_a_read_inside_the_stamps_own_second_or_minute_is_the_finer_time(
+    line: str, after: float, tmp_path: Path
+) -> None:
+    """A stamp names the start of its second (or minute): a line read live, inside it, has
+    the read's time, which says more."""
+    with local_zone("UTC0"):
+        start = local_epoch("UTC0", 2026, 11, 29, 18, 10, 0 if "[Nov29" in line else 2)
+        assert _time_of(line, tmp_path, now=start + after) == start + after
+        # Past it, the stamp's own time.
+        assert _time_of(line, tmp_path, now=start + 3600) == start
+
+
+# Every month in every locale the month table names, as glibc's strftime writes it (`date`
+# calls it as dmesg and journalctl do), compiled here with `localedef` from glibc's sources
+# into a directory of the test's own (LOCPATH): the table is checked against the C library.
+GLIBC_LOCALES = [
+    "C",
+    "de_DE",
+    "fr_FR",
+    "es_ES",
+    "it_IT",
+    "pt_BR",
+    "pt_PT",
+    "nl_NL",
+    "pl_PL",
+    "sv_SE",
+    "ru_RU",
+    "uk_UA",
+    "cs_CZ",
+    "tr_TR",
+    "zh_CN",
+    "ja_JP",
+    "ko_KR",
+]
+GLIBC_SHAPES = {
+    "syslog": "%b %d %H:%M:%S gpu-host-17 kernel: ",
+    "journalctl short-precise": "%b %d %H:%M:%S.123456 kernel: ",
+    "dmesg -T": "[%a %b %e %H:%M:%S %Y] ",
+    "dmesg -e": "[%b%e %H:%M] ",
+}
+YEAR_END = local_epoch("UTC0", 2026, 12, 31, 23, 0, 0)
+SOURCES = Path("/usr/share/i18n/locales")
+
+
+@pytest.fixture(scope="module")
+def locpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("localedef") is None or not SOURCES.is_dir():
+        pytest.skip("needs localedef and glibc's locale sources")
+    where = tmp_path_factory.mktemp("locales")
+    for name in GLIBC_LOCALES[1:]:
+        subprocess.run(
+            ["localedef", "-i", name, "-f", "UTF-8", str(where / f"{name}.UTF-8")],
+            check=True,
+            capture_output=True,
+        )
+    return where
+
+
+# The parser reads the CJK locales' numbered months in dmesg's stamps only (parse.py).
+CJK = ("zh_CN", "ja_JP", "ko_KR")
+
+
+@pytest.mark.parametrize(
+    ("locale", "shape"),
+    [
+        (locale, shape)
+        for locale in GLIBC_LOCALES
+        for shape in sorted(GLIBC_SHAPES)
+        if locale not in CJK or shape.startswith("dmesg")
+    ],
+)
+def test_every_month_in_every_locale_known(
+    locale: str, shape: str, locpath: Path, tmp_path: Path
+) -> None:
+    env = {"LOCPATH": str(locpath), "LC_ALL": "C" if locale == "C" else f"{locale}.UTF-8"}
+    with local_zone("UTC0"):
+        for month in range(1, 13):
+            day = 3 if month % 2 else 28
+            prefix = subprocess.run(
+                [
+                    "date",
+                    "-u",
+                    "-d",
+                    f"2026-{month:02d}-{day:02d} 18:10:02",
+                    "+" + GLIBC_SHAPES[shape],
+                ],
+                env={**env, "TZ": "UTC"},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.rstrip("\n")
+            seconds = 0 if shape == "dmesg -e" else 2
+            micro = 123456 if "precise" in shape else 0
+            expected = local_epoch("UTC0", 2026, month, day, 18, 10, seconds, micro=micro)
+            got = _time_of(prefix + XID, tmp_path, now=YEAR_END)
+            assert got == pytest.approx(expected, abs=1e-6), prefix

@@ -23,7 +23,7 @@ from typing import Final, Protocol
 
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
-from collectors.kernel_log import lines
+from collectors.kernel_log import lines, stamps
 from collectors.kernel_log.parse import (
     UNKNOWN_RECORD,
     LogRecord,
@@ -384,7 +384,9 @@ class FileLogReader:
             self._watch.drain()
 
     def record_time(self, record: LogRecord) -> float:
-        return self._clock()  # saved lines' stamps are relative or local-time text: unreliable
+        """The time the line's stamp says (collectors/kernel_log/stamps.py), never after the
+        reader's clock; the read's time for a line whose stamp says no wall time."""
+        return stamps.line_time(record, self._clock())
 
     def commit(self, batch: ReadBatch) -> None:
         """Move past `batch` (it was handed on), then persist the cursor. In memory first: a

@@ -19,10 +19,13 @@ none worse than warning, or a kernel record journalctl did not print (saved with
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
+import stat
 import sys
 import textwrap
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
@@ -39,6 +42,7 @@ from collectors.kernel_log.parse import (
     parse_lines,
 )
 from collectors.kernel_log.saved import ReadNotes, SavedLogError, saved_lines
+from collectors.kernel_log.stamps import timeline
 
 EXIT_CLEAN = 0
 EXIT_WARNINGS = 1
@@ -317,11 +321,34 @@ def _open(name: str) -> BinaryIO:
     return Path(name).open("rb")
 
 
+def saved_at(handle: BinaryIO) -> float:
+    """When the saved log was last written (its modification time), the reference for its
+    year-less stamps; now for a pipe or a terminal."""
+    try:
+        info = os.fstat(handle.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return time.time()
+    return info.st_mtime if stat.S_ISREG(info.st_mode) else time.time()
+
+
+def json_lines(findings: Sequence[Finding], reference: float) -> Iterator[str]:
+    """One JSON object per finding, with `time` (seconds since the epoch) where its line's
+    stamp says one (collectors/kernel_log/stamps.py; a year-less stamp's year from the lines
+    after it and `reference`)."""
+    times = timeline([finding.record for finding in findings], reference)
+    for finding, when in zip(findings, times, strict=True):
+        out = finding.to_dict()
+        if when is not None:
+            out["time"] = round(when, 6)
+        yield json.dumps(out, sort_keys=True)
+
+
 def main(args: argparse.Namespace) -> int:
     stats, matchers, notes = ParseStats(), MatcherSet(), ReadNotes()
     try:
         handle = _open(args.file)
         with handle:
+            reference = saved_at(handle)
             findings = scan_stream(handle, stats, matchers, args.file, notes)
     except OSError as exc:
         reason = exc.strerror or str(exc)
@@ -332,8 +359,8 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_CRITICAL
     try:
         if args.json:
-            for finding in findings:
-                print(json.dumps(finding.to_dict(), sort_keys=True))
+            for line in json_lines(findings, reference):
+                print(line)
         elif findings:
             print_findings(findings, sys.stdout, args.every)
         sys.stdout.flush()
