@@ -256,3 +256,55 @@ def test_every_month_in_every_locale_known(
             expected = local_epoch("UTC0", 2026, month, day, 18, 10, seconds, micro=micro)
             got = _time_of(prefix + XID, tmp_path, now=YEAR_END)
             assert got == pytest.approx(expected, abs=1e-6), prefix
+
+
+# A line read live (the reader past its backlog) was written a moment ago, whatever its stamp
+# says: a writer in another time zone than the agent's (a container on UTC following the host's
+# file in local time, a remote host's lines) writes local stamps hours off, and the finding's
+# time would then miss the NVML twin's 5 s window (collectors/_xid.py), raising the Xid twice.
+LIVE_LINES = [
+    f"Nov 29 {{hour:02d}}:10:02 {HOST} kernel: {XID}",  # syslog, local time
+    f"[Sun Nov 29 {{hour:02d}}:10:02 2026] {XID}",  # dmesg -T, local time
+    f"2026-11-29T{{hour:02d}}:10:02 {HOST} kernel: {XID}",  # ISO without an offset
+    f"2026-11-29T{{hour:02d}}:10:02+00:00 {HOST} kernel: {XID}",  # zoned: the writer's clock
+]
+
+
+def _live_time(line: str, tmp_path: Path, now: float, skewed: int | None = None) -> float:
+    """The time of `line` read live at `now`; `skewed`: how many such lines the reader
+    should have counted as stamped far before their read."""
+    path = tmp_path / "kern.log"
+    path.write_text("", encoding="utf-8")
+    reader = FileLogReader(path, MemoryKeyValueStore(), clock=lambda: now)
+    reader.commit(reader.read())  # the (empty) backlog read to its end: following now
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(line + "\n")
+    [record] = reader.read().records
+    assert record.message == XID
+    when = reader.record_time(record)
+    if skewed is not None:
+        assert reader.skewed_stamps == skewed
+    return when
+
+
+@pytest.mark.parametrize("line", LIVE_LINES)
+@pytest.mark.parametrize("hours_off", [-5, -1, 2, 13])
+def test_a_live_line_far_from_the_read_is_the_reads_time(
+    line: str, hours_off: int, tmp_path: Path
+) -> None:
+    with local_zone("UTC0"):
+        now = local_epoch("UTC0", 2026, 11, 29, 14, 10, 32)
+        text = line.format(hour=14 + hours_off)
+        assert _live_time(text, tmp_path, now, skewed=int(hours_off < 0)) == now
+        # Read as the backlog (a restart, the file's old lines), the same line keeps its stamp
+        # where that is not after the read.
+        if hours_off < 0:
+            assert _time_of(text, tmp_path, now=now) == now + hours_off * 3600 - 30
+
+
+@pytest.mark.parametrize("line", LIVE_LINES)
+def test_a_live_line_keeps_its_stamp_when_it_is_a_moment_old(line: str, tmp_path: Path) -> None:
+    """Written a few seconds (or a delayed writer's minutes) before the read: the stamp."""
+    with local_zone("UTC0"):
+        now = local_epoch("UTC0", 2026, 11, 29, 14, 15, 2)
+        assert _live_time(line.format(hour=14), tmp_path, now, skewed=0) == now - 300

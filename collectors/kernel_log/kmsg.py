@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
 
+import structlog
+
 from agent.contracts.collector import KeyValueStore
 from agent.contracts.errors import GpuwardenError
 from collectors.kernel_log import lines, stamps
@@ -34,6 +36,8 @@ from collectors.kernel_log.parse import (
     parse_lines,
 )
 from collectors.kernel_log.wake import FileWatch
+
+log = structlog.get_logger(component="kernel_log")
 
 READ_SIZE: Final = 8192
 """The kernel's largest record (CONSOLE_EXT_LOG_MAX); a smaller buffer can fail with EINVAL."""
@@ -306,6 +310,8 @@ class FileLogReader:
         """The inode of the file the last read came from (origin() names records by it)."""
         self._watch: FileWatch | None = None
         self._watch_tried = False
+        self.skewed_stamps = 0
+        """Lines read live whose stamp lay more than stamps.LIVE_SKEW before the read."""
 
     def _load(self) -> dict[str, int]:
         saved = self.state.get(STATE_NAMESPACE, FILE_CURSOR_KEY)
@@ -385,8 +391,25 @@ class FileLogReader:
 
     def record_time(self, record: LogRecord) -> float:
         """The time the line's stamp says (collectors/kernel_log/stamps.py), never after the
-        reader's clock; the read's time for a line whose stamp says no wall time."""
-        return stamps.line_time(record, self._clock())
+        reader's clock; the read's time for a line whose stamp says no wall time, and for a
+        line read live (past the backlog) stamped far before the read: its writer's zone or
+        clock is not the agent's (said once in the log, and counted: `skewed_stamps`)."""
+        now = self._clock()
+        live = not self._backlog
+        when = stamps.line_time(record, now, live=live)
+        if live and when == now:
+            skew = stamps.stamp_skew(record, now)
+            if skew is not None and skew > stamps.LIVE_SKEW:
+                self.skewed_stamps += 1
+                if self.skewed_stamps == 1:
+                    log.warning(
+                        "the followed kernel-log file's stamps are far behind the agent's "
+                        "clock for lines written just now: its writer runs in another time "
+                        "zone (or on another clock); those findings get the time of the read",
+                        path=str(self.path),
+                        behind_s=round(skew),
+                    )
+        return when
 
     def commit(self, batch: ReadBatch) -> None:
         """Move past `batch` (it was handed on), then persist the cursor. In memory first: a

@@ -40,6 +40,10 @@ the stamp is the year before's."""
 EARLIEST_UNIX: Final = 946684800.0
 """2000-01-01: a short-unix stamp before it is a count of seconds since a boot written in the
 same digits (journalctl -o short-monotonic after three years up), not a wall time."""
+LIVE_SKEW: Final = 600.0
+"""Seconds a line read live may be stamped before its read and keep its stamp: a writer that
+lagged (rsyslog's queue behind a slow disk) is minutes late at most; a writer whose zone is not
+the agent's is at least a quarter of an hour off, and mostly whole hours."""
 _YEARS_BACK: Final = 8
 """How many years before the reference a year-less stamp is tried in (Feb 29 needs up to
 eight: 2096 to 2104 has no leap day)."""
@@ -253,17 +257,29 @@ def stamp_time(stamp: Stamp, reference: float) -> float | None:
     return stamp.when
 
 
-def line_time(record: LogRecord, now: float) -> float:
+def line_time(record: LogRecord, now: float, *, live: bool = False) -> float:
     """The time of a line read at `now` as it was written (a followed file): its stamp's,
     never after `now`; `now` when the stamp says none, or when `now` lies inside the second
-    (or minute) the stamp names, which `now` then says more finely."""
+    (or minute) the stamp names, which `now` then says more finely. `live`: the line was
+    written since the last read (the reader follows the file's end), so a moment ago: a stamp
+    more than LIVE_SKEW before `now` is a writer in another time zone or on another clock,
+    and `now` is the better time (`stamp_skew` tells how far off)."""
     stamp = read_stamp(record)
     if stamp is None:
         return now
     when = stamp_time(stamp, now)
     if when is None or when <= now < when + stamp.precision:
         return now
+    if live and now - when > LIVE_SKEW:
+        return now
     return min(when, now)
+
+
+def stamp_skew(record: LogRecord, now: float) -> float | None:
+    """How far the line's stamp lies before `now` (negative: after it); None without one."""
+    stamp = read_stamp(record)
+    when = None if stamp is None else stamp_time(stamp, now)
+    return None if when is None else now - when
 
 
 def timeline(records: Sequence[LogRecord], reference: float) -> list[float | None]:
