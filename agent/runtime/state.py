@@ -248,6 +248,27 @@ def _marks(count: int) -> str:
     return ",".join("?" * count)
 
 
+EventRow = tuple[str, float, int, str, str, str, str]
+
+
+def _new_events(conn: sqlite3.Connection, rows: Sequence[EventRow]) -> list[EventRow]:
+    """The rows whose event the store does not hold yet, each id once (its first): an event
+    made again from the same record (a stable id, after a crash) is stored once, and so
+    queued for delivery once; a second outbox entry would deliver it twice."""
+    ids = list(dict.fromkeys(row[0] for row in rows))
+    held: set[str] = set()
+    for start in range(0, len(ids), MAX_PARAMETERS):
+        chunk = ids[start : start + MAX_PARAMETERS]
+        sql = f"SELECT id FROM events WHERE id IN ({_marks(len(chunk))})"  # noqa: S608
+        held.update(str(i) for (i,) in conn.execute(sql, chunk))
+    fresh: list[EventRow] = []
+    for row in rows:
+        if row[0] not in held:
+            held.add(row[0])
+            fresh.append(row)
+    return fresh
+
+
 IN_MEMORY_PROBLEMS = frozenset({"state_store_unwritable", "state_store_hung"})
 """The problems of a store in memory for want of its disk: gone once it is durable again."""
 RETRY_MIN_FREE = 256 * 1024
@@ -868,8 +889,9 @@ class StateStore:
     def write_batch(self, events: Sequence[Event], values: KvChanges, *, outbox: bool) -> None:
         """Events (queued for delivery too with `outbox`), then key-value changes, in one
         transaction: a value that depends on an event (a log cursor past it) is never stored
-        without the event."""
-        rows = [
+        without the event. An event whose id is stored already is neither stored nor queued
+        again (`_new_events`)."""
+        rows: Sequence[EventRow] = [
             (e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
             for e in events
         ]
@@ -880,8 +902,9 @@ class StateStore:
             failure = "state store write failed"
         with self._transaction(failure) as conn:
             queued = time.time()  # after a step is caught up: on the clock as it reads now
+            rows = _new_events(conn, rows)
             conn.executemany(
-                "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body)"
+                "INSERT INTO events(id, time, severity, source, kind, subject, body)"
                 " VALUES (?,?,?,?,?,?,?)",
                 rows,
             )
