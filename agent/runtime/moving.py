@@ -2,7 +2,7 @@
 
 A store that started in memory moves its rows onto the disk in batches, each its own
 transaction, so that the store thread is not held for the whole outbox at once (100k entries
-held it for 4 s in one transaction: bench/state_adopt.py). Until the move's last transaction
+held it for 3-4 s in one transaction: bench/state_adopt.py). Until the move's last transaction
 commits, what it wrote is marked:
 
 - the outbox entries and events it copied are listed in two tables of their own

@@ -1009,8 +1009,8 @@ class StateStore:
 
 ADOPT_BATCH_ROWS = 1000
 """Rows a step of a move from memory to the disk copies in one transaction (`Move`): about
-25 ms of the store thread here (bench/state_adopt.py), where one transaction of a full outbox
-(100k entries, 64 MiB) held it for 4 s."""
+30 ms of the store thread here (bench/state_adopt.py), where one transaction of a full outbox
+(100k entries, 64 MiB) held it for 3-4 s."""
 
 
 class Move:
