@@ -41,10 +41,12 @@ from agent.runtime.core import Runtime
 from agent.runtime.salvage import salvage
 from agent.runtime.state import DB_NAME, StateStore
 from tests.support.agent_proc import REPO, pythonpath
+from tests.support.clock import WallClock
 from tests.support.collectors import scripted_runtime
 from tests.support.disk import MIB, SmallDisk
 from tests.support.waiting import announced
 
+DAY = 86400.0
 ATTEMPT_BOUND = 20.0
 """Seconds an attempt to open the disk may take at most here: a hang guard."""
 
@@ -189,6 +191,35 @@ class TestWritesBetweenBatches:
         assert store.outbox_usage() == (count + 1, size + len(own[2].to_json().encode()))
         counted = store._count_outbox().values()
         assert store.outbox_usage() == (sum(c for c, _ in counted), sum(s for _, s in counted))
+        store.close()
+
+    def test_a_clock_step_during_the_move_moves_the_copied_stamps_too(
+        self, tmp_path: Path, wall: WallClock
+    ) -> None:
+        """Memory moves its stamps by a step of the wall clock (the outbox's age bound counts
+        real time); the copies a step made before it must not stay on the old clock."""
+        store = StateStore.in_memory(state_dir=tmp_path / "state")
+        store.record_events([event(n) for n in range(30)], outbox=True)
+        move = store.moving_into(attempt_disk(store), 5)
+        for _ in range(4):
+            assert not move.step()
+        wall.offset += 8 * DAY
+        store.record_event(event(99), outbox=True)  # the first write after the step
+        assert store.clock_steps
+        while not move.step():
+            pass
+        with store._lock:
+            expected = store._conn.execute(
+                "SELECT seq, created FROM outbox ORDER BY seq"
+            ).fetchall()
+            times = dict(store._conn.execute("SELECT id, time FROM events").fetchall())
+        move.finish()
+        with store._lock:
+            assert (
+                store._conn.execute("SELECT seq, created FROM outbox ORDER BY seq").fetchall()
+                == expected
+            )
+            assert dict(store._conn.execute("SELECT id, time FROM events").fetchall()) == times
         store.close()
 
 
