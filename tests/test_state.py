@@ -320,3 +320,37 @@ def counted_usage(store: StateStore) -> tuple[int, int]:
         "SELECT COUNT(*), COALESCE(SUM(LENGTH(payload)), 0) FROM outbox"
     ).fetchall()
     return int(count), int(size)
+
+
+class TestDuplicateEvents:
+    """An event whose id the store already holds (made again from the same kernel-log record
+    after a crash: `stable_event_id`) is kept once in the history, and so must be queued for
+    delivery once: a second outbox entry for it is a second delivery of the same event."""
+
+    @pytest.mark.parametrize(
+        "form",
+        ["queued_again", "delivered_then_again", "twice_in_one_batch", "again_among_new"],
+    )
+    def test_an_event_already_stored_is_not_queued_again(self, form: str) -> None:
+        store = StateStore.in_memory()
+        e, other = event("a"), event("b")
+        if form == "queued_again":
+            store.record_event(e, outbox=True)
+            store.record_event(e, outbox=True)
+            expected = [e.id]
+        elif form == "delivered_then_again":
+            store.record_event(e, outbox=True)
+            store.outbox_ack([store.outbox_peek(1)[0].seq])
+            store.record_event(e, outbox=True)
+            expected = []
+        elif form == "twice_in_one_batch":
+            store.record_events([e, e], outbox=True)
+            expected = [e.id]
+        else:
+            store.record_event(e, outbox=True)
+            store.record_events([other, e], outbox=True)
+            expected = [e.id, other.id]
+        assert [entry.key for entry in store.outbox_peek(10)] == expected
+        assert store.outbox_usage()[0] == len(expected)  # the running totals agree
+        assert len(store.recent_events()) == (2 if form == "again_among_new" else 1)
+        store.close()

@@ -1154,10 +1154,12 @@ class Runtime:
                 log.info("the state dir is still unusable", error=str(exc))
                 continue
             try:
-                moved = await self.in_store_thread(self.store.adopt, disk)
+                moved = await self._move_to_disk(disk)
             except StateStoreError as exc:
                 log.warning("the state store stays in memory", error=str(exc))
+                self._move_failed(exc)
                 continue
+            self._move_failing = False
             self.emit(
                 Event(
                     source="state",
@@ -1168,10 +1170,51 @@ class Runtime:
                     message=f"the state store is on the disk again ({self.store.path}): what "
                     "memory held since the start (outbox, events, counters, cursors) is moved "
                     "there and survives a restart",
-                    clears=tuple(sorted(IN_MEMORY_PROBLEMS)),
+                    clears=(*sorted(IN_MEMORY_PROBLEMS), "state_store_move_failed"),
                     attributes=moved,
                 )
             )
+
+    _move_failing = False
+    """The last move of the store onto the disk failed (said once, until one works)."""
+
+    async def _move_to_disk(self, disk: StateStore) -> dict[str, int]:
+        """The move from memory onto the disk (`StateStore.moving_into`), one step at a time
+        in the store thread: the writes queued behind a step run before the next one, so no
+        event waits for the whole outbox to move (bench/state_adopt.py)."""
+        move = self.store.moving_into(disk)
+        try:
+            while not await self.in_store_thread(move.step):
+                pass
+            return await self.in_store_thread(move.finish)
+        except asyncio.CancelledError:  # a stop: the move is undone, in turn with the writes
+            with contextlib.suppress(RuntimeError):  # the store thread is shut down already
+                self._store_thread.submit(move.abandon)
+            raise
+
+    def _move_failed(self, exc: StateStoreError) -> None:
+        """A move onto the disk failed part-way (the disk full again): undone, memory holds
+        everything, the next retry tries again. One event until a move works."""
+        self.store.note_move_failed(str(exc))
+        if self._move_failing:
+            return
+        self._move_failing = True
+        self.emit(
+            Event(
+                source="state",
+                kind="state_store_move_failed",
+                severity=Severity.WARNING,
+                repair_action=RepairAction.NONE,
+                subject=str(self.config.state_dir),
+                message=f"moving the state store from memory onto the disk failed ({exc}); "
+                "what the disk got of it is undone (at once, or by the next open where the "
+                "disk has no room even for that), memory still holds everything (outbox, "
+                "events, counters, cursors), and the move is tried again every "
+                f"{self.config.core.state_retry_interval:g} s",
+                action=f"free space in {self.config.state_dir} (the move needs room for the "
+                "whole outbox and history held in memory)",
+            )
+        )
 
     def _tell_clock_steps(self) -> None:
         """One event per step of the wall clock the store moved its stamps by: a fact about

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.contracts.model import Event
+from agent.runtime.moving import unstaged
 
 COLUMNS: dict[str, str] = {
     "outbox": "seq, kind, key, created, payload",
@@ -118,6 +119,8 @@ def salvage(path: Path) -> Salvage:
             found.left_out += len(rows) - len(kept)
             if kept:
                 found.rows[table] = kept
+        # A move into this database that did not finish: not what the database holds.
+        found.rows = unstaged(conn, found.rows)
     return found
 
 

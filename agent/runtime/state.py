@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 
@@ -39,6 +39,7 @@ from agent.contracts.collector import JSONValue
 from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, Severity
 from agent.contracts.sink import OutboxEntry
+from agent.runtime import moving
 from agent.runtime.salvage import COLUMNS, Salvage, restore, salvage
 
 log = structlog.get_logger(component="state")
@@ -181,6 +182,8 @@ def _open_checked(path: Path, alone: bool = False) -> sqlite3.Connection:
         if check != "ok":
             raise sqlite3.DatabaseError(f"quick_check: {check}")
         _migrate(conn)
+        if moving.undo(conn):  # a move from memory cut short: the database as before it
+            log.warning("undid a move into the state database that did not finish", path=str(path))
     except BaseException:
         conn.close()
         raise
@@ -248,6 +251,27 @@ def _marks(count: int) -> str:
     return ",".join("?" * count)
 
 
+EventRow = tuple[str, float, int, str, str, str, str]
+
+
+def _new_events(conn: sqlite3.Connection, rows: Sequence[EventRow]) -> list[EventRow]:
+    """The rows whose event the store does not hold yet, each id once (its first): an event
+    made again from the same record (a stable id, after a crash) is stored once, and so
+    queued for delivery once; a second outbox entry would deliver it twice."""
+    ids = list(dict.fromkeys(row[0] for row in rows))
+    held: set[str] = set()
+    for start in range(0, len(ids), MAX_PARAMETERS):
+        chunk = ids[start : start + MAX_PARAMETERS]
+        sql = f"SELECT id FROM events WHERE id IN ({_marks(len(chunk))})"  # noqa: S608
+        held.update(str(i) for (i,) in conn.execute(sql, chunk))
+    fresh: list[EventRow] = []
+    for row in rows:
+        if row[0] not in held:
+            held.add(row[0])
+            fresh.append(row)
+    return fresh
+
+
 IN_MEMORY_PROBLEMS = frozenset({"state_store_unwritable", "state_store_hung"})
 """The problems of a store in memory for want of its disk: gone once it is durable again."""
 RETRY_MIN_FREE = 256 * 1024
@@ -290,6 +314,17 @@ def _hung(state_dir: Path, timeout: float) -> StoreProblem:
         f"check the mount that holds {state_dir} (findmnt -T {state_dir}; its file server), "
         "or set state_dir to a local disk; the agent tries it again every "
         "state_retry_interval seconds",
+    )
+
+
+def _move_failed(state_dir: Path, error: str) -> StoreProblem:
+    return StoreProblem(
+        "state_store_unwritable",
+        f"the state database in {state_dir} opened again, but moving the state there from "
+        f"memory failed ({error}); undone, keeping state in memory: events, counters and the "
+        "outbox will not survive a restart until a move works",
+        f"free space in {state_dir} (room for what memory holds: the outbox and the history); "
+        "the agent tries it again every state_retry_interval seconds",
     )
 
 
@@ -598,103 +633,26 @@ class StateStore:
         self._attempt = OpenAttempt(attempt, f"state-retry {state_dir}")
         return self._attempt
 
-    def adopt(self, disk: StateStore) -> dict[str, int]:
+    def adopt(self, disk: StateStore, batch_rows: int | None = None) -> dict[str, int]:
         """Move what this store holds in memory into `disk` (a store `disk_attempt` opened)
-        and carry on there: this store becomes durable, its startup problem (unwritable,
-        hung) goes, `disk` is used up. One transaction, under both locks, so nothing written
-        here meanwhile is left behind; on failure nothing moved and this store stays in
-        memory (StateStoreError).
+        and carry on there, all at once: `moving_into(disk)`, its steps, its finish. The
+        runtime takes the steps one by one instead, so that writes run between them."""
+        move = self.moving_into(disk, batch_rows)
+        while not move.step():
+            pass
+        return move.finish()
 
-        Nothing is lost or stored twice, and what a sink knows stays true: outbox entries
-        keep their sequence numbers (a sink's cursor and its delivered-but-not-deleted list
-        refer to them). An entry that memory read back from the disk at start and has since
-        delivered is deleted there; one that the disk holds and memory never saw (unreadable
-        at start) stays, numbered after every number memory gave, so that a sink's cursor
-        reaches it. Events are
-        kept once by id; state values are memory's where it has them (it started from the
-        disk's and changed them since), a value memory read back and deleted is deleted.
-        Returns how many outbox entries, events and state values moved."""
+    def moving_into(self, disk: StateStore, batch_rows: int | None = None) -> Move:
+        """A move of what this store holds in memory into `disk` (a store `disk_attempt`
+        opened), in transactions of `batch_rows` rows (ADOPT_BATCH_ROWS): see `Move`."""
         if self.durable or disk.path is None:
             raise StateStoreError("adopt: this store is durable already, or that one is not")
-        with self._lock, disk._lock:
-            try:
-                moved = self._move_into(disk._conn)
-            except sqlite3.Error as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    if disk._conn.in_transaction:
-                        disk._conn.execute("ROLLBACK")
-                disk._conn.close()
-                raise StateStoreError(f"cannot move the state into {disk.path}: {exc}") from exc
-            memory, self._conn = self._conn, disk._conn
-            self.path = disk.path
-            memory.close()
-            self._read_back = Salvage()
-            self.write_error = None
-            with self._usage_lock:
-                self._usage = self._usage_of(self._conn, "1", ())
-        self.problems = [p for p in self.problems if p.kind not in IN_MEMORY_PROBLEMS]
-        log.warning("the state store is durable again", path=str(self.path), **moved)
-        return moved
+        return Move(self, disk, ADOPT_BATCH_ROWS if batch_rows is None else batch_rows)
 
-    def _move_into(self, conn: sqlite3.Connection) -> dict[str, int]:
-        """Under both locks: memory's rows into `conn`, in one transaction (`adopt`)."""
-        mine = self._conn
-        outbox = mine.execute(
-            "SELECT seq, kind, key, created, payload FROM outbox ORDER BY seq"
-        ).fetchall()
-        events = mine.execute(
-            "SELECT id, time, severity, source, kind, subject, body FROM events"
-        ).fetchall()
-        values = mine.execute("SELECT namespace, key, value, updated FROM kv").fetchall()
-        # The highest number memory ever gave (its entries delivered since included): a sink
-        # may have read up to it, so what the disk gives from now on comes after it.
-        counter = mine.execute("SELECT seq FROM sqlite_sequence WHERE name='outbox'").fetchone()
-        read_outbox = {int(row[0]): row[2] for row in self._read_back.rows.get("outbox", [])}
-        read_kv = {(row[0], row[1]) for row in self._read_back.rows.get("kv", [])}
-        held = {int(row[0]) for row in outbox}
-        conn.execute("BEGIN IMMEDIATE")
-        theirs = conn.execute("SELECT seq, key FROM outbox ORDER BY seq").fetchall()
-        known = {int(seq) for seq, key in theirs if read_outbox.get(int(seq)) == key}
-        # Read back at start, and gone from memory since: delivered or dropped.
-        done = sorted(known - held)
-        for chunk in _chunks(done):
-            conn.execute(f"DELETE FROM outbox WHERE seq IN ({_marks(len(chunk))})", chunk)  # noqa: S608
-        # The disk's own entries, which no sink has seen: numbered after everything memory
-        # numbered, in their order, so that a sink's cursor reaches them and no number means
-        # two entries.
-        unknown = [int(seq) for seq, _ in theirs if int(seq) not in known]
-        top = max([0, *held, *(int(seq) for seq, _ in theirs), int(counter[0]) if counter else 0])
-        for seq in unknown:
-            top += 1
-            conn.execute("UPDATE outbox SET seq = ? WHERE seq = ?", (top, seq))
-        fresh = [row for row in outbox if int(row[0]) not in known]
-        conn.executemany(
-            "INSERT INTO outbox(seq, kind, key, created, payload) VALUES (?,?,?,?,?)", fresh
-        )
-        conn.execute("DELETE FROM sqlite_sequence WHERE name='outbox'")
-        conn.execute("INSERT INTO sqlite_sequence(name, seq) VALUES ('outbox', ?)", (top,))
-        before = conn.total_changes
-        conn.executemany(
-            "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body) "
-            "VALUES (?,?,?,?,?,?,?)",
-            events,
-        )
-        new_events = conn.total_changes - before
-        gone = read_kv - {(row[0], row[1]) for row in values}
-        conn.executemany("DELETE FROM kv WHERE namespace=? AND key=?", sorted(gone))
-        conn.executemany(
-            "INSERT INTO kv(namespace, key, value, updated) VALUES (?,?,?,?) "
-            "ON CONFLICT(namespace, key) DO UPDATE SET value=excluded.value, "
-            "updated=excluded.updated",
-            values,
-        )
-        conn.execute("COMMIT")
-        return {
-            "outbox_moved": len(fresh),
-            "outbox_renumbered": len(unknown),
-            "events_moved": new_events,
-            "values_moved": len(values),
-        }
+    def note_move_failed(self, error: str) -> None:
+        """A move onto the disk failed part-way: the problem says so (still in memory)."""
+        if self.state_dir is not None:
+            self._set_problem(_move_failed(self.state_dir, error))
 
     def note_hung(self, timeout: float) -> None:
         """An attempt to go back to the disk did not finish within `timeout`: the problem
@@ -868,8 +826,9 @@ class StateStore:
     def write_batch(self, events: Sequence[Event], values: KvChanges, *, outbox: bool) -> None:
         """Events (queued for delivery too with `outbox`), then key-value changes, in one
         transaction: a value that depends on an event (a log cursor past it) is never stored
-        without the event."""
-        rows = [
+        without the event. An event whose id is stored already is neither stored nor queued
+        again (`_new_events`)."""
+        rows: Sequence[EventRow] = [
             (e.id, e.time, int(e.severity), e.source, e.kind, e.subject, e.to_json())
             for e in events
         ]
@@ -880,8 +839,9 @@ class StateStore:
             failure = "state store write failed"
         with self._transaction(failure) as conn:
             queued = time.time()  # after a step is caught up: on the clock as it reads now
+            rows = _new_events(conn, rows)
             conn.executemany(
-                "INSERT OR IGNORE INTO events(id, time, severity, source, kind, subject, body)"
+                "INSERT INTO events(id, time, severity, source, kind, subject, body)"
                 " VALUES (?,?,?,?,?,?,?)",
                 rows,
             )
@@ -1045,3 +1005,281 @@ class StateStore:
     def _uncount(self, gone: Mapping[str, tuple[int, int]]) -> None:
         for kind, (count, size) in gone.items():
             self._count(kind, -count, -size)
+
+
+ADOPT_BATCH_ROWS = 1000
+"""Rows a step of a move from memory to the disk copies in one transaction (`Move`): about
+30 ms of the store thread here (bench/state_adopt.py), where one transaction of a full outbox
+(100k entries, 64 MiB) held it for 3-4 s."""
+
+
+class Move:
+    """What a store in memory holds, moved into its database on the disk (`StateStore.adopt`).
+
+    `step()` copies one batch of outbox entries, then of events, each in a transaction of its
+    own, the memory store's lock held only to read the batch: writes to memory go on between
+    steps, and what they add is copied by a later step. `finish()`, under both locks, copies
+    the rest, settles what changed in memory meanwhile, moves the key-value area and carries
+    on on the disk: this store becomes durable, its startup problem (unwritable, hung) goes,
+    `disk` is used up. Until `finish` commits, the copied rows are marked (agent/runtime/
+    moving.py): a move cut short, by a kill or a disk full again, is undone at the next open
+    (or at once, after a failure), and leaves the database as it was. On failure
+    (StateStoreError) nothing has moved and the store stays in memory.
+
+    Nothing is lost or stored twice, and what a sink knows stays true: outbox entries keep
+    their sequence numbers (a sink's cursor and its delivered-but-not-deleted list refer to
+    them). An entry that memory read back from the disk at start and has since delivered is
+    deleted there, and so is one copied and delivered during the move; one that the disk holds
+    and memory never saw (unreadable at start) stays, numbered after every number memory
+    gave, so that a sink's cursor reaches it. Events are kept once by id; state values are
+    memory's where it has them (it started from the disk's and changed them since), a value
+    memory read back and deleted is deleted."""
+
+    def __init__(self, memory: StateStore, disk: StateStore, batch_rows: int) -> None:
+        self.memory, self.disk = memory, disk
+        self.batch_rows = max(1, batch_rows)
+        self.batches = 0
+        self._began = False
+        self._ended = False
+        self._outbox_after = 0
+        """Memory's outbox is copied up to this sequence number."""
+        self._events_after = 0
+        """Memory's events are copied up to this rowid."""
+        self._outbox_done = False
+        self._events_done = False
+        self._known: set[int] = set()
+        """The disk's entries that memory read back at start (the same number, the same key)."""
+        self._set_aside = 0
+        self._aside_usage: dict[str, tuple[int, int]] = {}
+        """kind -> (entries, payload bytes) of the disk's own entries."""
+        self._staged: set[int] = set()
+        """The outbox entries a step copied."""
+        self._outbox_moved = 0
+        self._events_moved = 0
+        self._steps = len(memory.clock_steps)
+
+    def step(self) -> bool:
+        """One transaction of the move; True once everything there was is copied (`finish`
+        next). Raises StateStoreError, after which the move is undone."""
+        if self._ended:
+            raise StateStoreError("this move has ended")
+        try:
+            if not self._began:
+                self._begin()
+            elif not self._outbox_done:
+                self._copy_outbox()
+            elif not self._events_done:
+                self._copy_events()
+        except sqlite3.Error as exc:
+            self._failed(exc)
+        return self._began and self._outbox_done and self._events_done
+
+    def _begin(self) -> None:
+        with self.memory._lock:
+            rows = self.memory._read_back.rows.get("outbox", [])
+            read_back = {int(row[0]): row[2] for row in rows}
+        conn = self.disk._conn
+        with self.disk._lock:
+            moving.undo(conn)  # one left from before (an open undoes it already)
+            conn.execute("BEGIN IMMEDIATE")
+            moving.begin(conn)
+            theirs = conn.execute("SELECT seq, key FROM outbox ORDER BY seq").fetchall()
+            self._known = {int(seq) for seq, key in theirs if read_back.get(int(seq)) == key}
+            # The disk's own entries, out of the way of memory's numbers until `finish`.
+            unknown = [int(seq) for seq, _ in theirs if int(seq) not in self._known]
+            for chunk in _chunks(unknown):
+                marks = _marks(len(chunk))
+                sql = f"UPDATE outbox SET seq = seq - ? WHERE seq IN ({marks})"  # noqa: S608
+                conn.execute(sql, (moving.SET_ASIDE, *chunk))
+            self._aside_usage = StateStore._usage_of(conn, "seq < 0", ())
+            conn.execute("COMMIT")
+        self._set_aside = len(unknown)
+        self._began = True
+
+    def _outbox_rows(self, limit: int | None) -> list[tuple[Any, ...]]:
+        """Under the memory store's lock: its entries not copied yet, `limit` at most."""
+        rows = self.memory._conn.execute(
+            "SELECT seq, kind, key, created, payload FROM outbox WHERE seq > ? ORDER BY seq "
+            "LIMIT ?",
+            (self._outbox_after, -1 if limit is None else limit),
+        ).fetchall()
+        if rows:
+            self._outbox_after = int(rows[-1][0])
+        return [row for row in rows if int(row[0]) not in self._known]
+
+    def _event_rows(self, limit: int | None) -> list[EventRow]:
+        rows = self.memory._conn.execute(
+            "SELECT rowid, id, time, severity, source, kind, subject, body FROM events "
+            "WHERE rowid > ? ORDER BY rowid LIMIT ?",
+            (self._events_after, -1 if limit is None else limit),
+        ).fetchall()
+        if rows:
+            self._events_after = int(rows[-1][0])
+        return [tuple(row[1:]) for row in rows]
+
+    def _copy_outbox(self) -> None:
+        with self.memory._lock:
+            rows = self._outbox_rows(self.batch_rows)
+            self._outbox_done = self._outbox_after >= self._memory_top_seq()
+        conn = self.disk._conn
+        with self.disk._lock:
+            conn.execute("BEGIN IMMEDIATE")
+            self._insert_outbox(conn, rows, staged=True)
+            conn.execute("COMMIT")
+        self.batches += 1
+
+    def _copy_events(self) -> None:
+        with self.memory._lock:
+            rows = self._event_rows(self.batch_rows)
+            self._events_done = len(rows) < self.batch_rows
+        conn = self.disk._conn
+        with self.disk._lock:
+            conn.execute("BEGIN IMMEDIATE")
+            self._insert_events(conn, rows, staged=True)
+            conn.execute("COMMIT")
+        self.batches += 1
+
+    def _memory_top_seq(self) -> int:
+        row = self.memory._conn.execute("SELECT MAX(seq) FROM outbox").fetchone()
+        return int(row[0] or 0)
+
+    def _insert_outbox(
+        self, conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]], staged: bool
+    ) -> None:
+        conn.executemany(
+            "INSERT INTO outbox(seq, kind, key, created, payload) VALUES (?,?,?,?,?)", rows
+        )
+        if staged:
+            conn.executemany(
+                f"INSERT INTO {moving.STAGED_OUTBOX}(seq) VALUES (?)",  # noqa: S608
+                [(row[0],) for row in rows],
+            )
+            self._staged.update(int(row[0]) for row in rows)
+        self._outbox_moved += len(rows)
+
+    def _insert_events(
+        self, conn: sqlite3.Connection, rows: Sequence[EventRow], staged: bool
+    ) -> None:
+        fresh = _new_events(conn, rows)
+        conn.executemany(
+            "INSERT INTO events(id, time, severity, source, kind, subject, body) "
+            "VALUES (?,?,?,?,?,?,?)",
+            fresh,
+        )
+        if staged:
+            conn.executemany(
+                f"INSERT INTO {moving.STAGED_EVENTS}(id) VALUES (?)",  # noqa: S608
+                [(row[0],) for row in fresh],
+            )
+        self._events_moved += len(fresh)
+
+    def finish(self) -> dict[str, int]:
+        """The move's last transaction, under both locks, then the store on the disk.
+        Returns how many outbox entries, events and state values moved. Raises
+        StateStoreError, after which the move is undone and the store stays in memory."""
+        while not self.step():  # the steps not taken yet
+            pass
+        memory, disk = self.memory, self.disk
+        with memory._lock, disk._lock:
+            try:
+                values = self._settle(memory._conn, disk._conn)
+            except sqlite3.Error as exc:
+                self._failed(exc)
+            self._ended = True
+            old, memory._conn = memory._conn, disk._conn
+            memory.path = disk.path
+            old.close()
+            memory._read_back = Salvage()
+            memory.write_error = None
+            with memory._usage_lock:  # memory's entries, all moved, and the disk's own
+                for kind, (count, size) in self._aside_usage.items():
+                    before = memory._usage.get(kind, (0, 0))
+                    memory._usage[kind] = (before[0] + count, before[1] + size)
+        memory.problems = [p for p in memory.problems if p.kind not in IN_MEMORY_PROBLEMS]
+        moved = {
+            "outbox_moved": self._outbox_moved,
+            "outbox_renumbered": self._set_aside,
+            "events_moved": self._events_moved,
+            "values_moved": values,
+            "batches": self.batches,
+        }
+        log.warning("the state store is durable again", path=str(memory.path), **moved)
+        return moved
+
+    def _settle(self, mine: sqlite3.Connection, conn: sqlite3.Connection) -> int:
+        """Under both locks, in one transaction: what memory wrote since the last step,
+        what it deleted since a step copied it, the disk's own entries numbered after
+        memory's, the key-value area. Returns how many values moved."""
+        conn.execute("BEGIN IMMEDIATE")
+        copied = self._known | self._staged
+        # Read back at start, or copied by a step, and gone from memory since: delivered or
+        # dropped. Counted first: a full outbox that waits for a broker has lost none.
+        after = self._outbox_after
+        kept = mine.execute("SELECT COUNT(*) FROM outbox WHERE seq <= ?", (after,)).fetchone()
+        if int(kept[0]) != len(copied):
+            rows = mine.execute("SELECT seq FROM outbox WHERE seq <= ?", (after,)).fetchall()
+            gone = copied - {int(seq) for (seq,) in rows}
+            for chunk in _chunks(sorted(gone)):
+                conn.execute(f"DELETE FROM outbox WHERE seq IN ({_marks(len(chunk))})", chunk)  # noqa: S608
+        self._insert_outbox(conn, self._outbox_rows(None), staged=False)
+        self._insert_events(conn, self._event_rows(None), staged=False)
+        if len(self.memory.clock_steps) != self._steps:
+            # The wall clock stepped during the move: memory moved its stamps, the copies
+            # of them are on the old clock.
+            conn.executemany(
+                "UPDATE outbox SET created = ? WHERE seq = ?",
+                mine.execute("SELECT created, seq FROM outbox").fetchall(),
+            )
+            conn.executemany(
+                "UPDATE events SET time = ? WHERE id = ?",
+                mine.execute("SELECT time, id FROM events").fetchall(),
+            )
+        # The highest number memory ever gave (its entries delivered since included): a sink
+        # may have read up to it, so what the disk gives from now on comes after it.
+        counter = mine.execute("SELECT seq FROM sqlite_sequence WHERE name='outbox'").fetchone()
+        top_row = conn.execute("SELECT MAX(seq) FROM outbox").fetchone()
+        top = max(0, int(top_row[0] or 0), int(counter[0]) if counter else 0)
+        aside = [
+            int(s) for (s,) in conn.execute("SELECT seq FROM outbox WHERE seq < 0 ORDER BY seq")
+        ]
+        for seq in aside:
+            top += 1
+            conn.execute("UPDATE outbox SET seq = ? WHERE seq = ?", (top, seq))
+        conn.execute("DELETE FROM sqlite_sequence WHERE name='outbox'")
+        conn.execute("INSERT INTO sqlite_sequence(name, seq) VALUES ('outbox', ?)", (top,))
+        values = mine.execute("SELECT namespace, key, value, updated FROM kv").fetchall()
+        read_kv = {(row[0], row[1]) for row in self.memory._read_back.rows.get("kv", [])}
+        deleted = read_kv - {(row[0], row[1]) for row in values}
+        conn.executemany("DELETE FROM kv WHERE namespace=? AND key=?", sorted(deleted))
+        conn.executemany(
+            "INSERT INTO kv(namespace, key, value, updated) VALUES (?,?,?,?) "
+            "ON CONFLICT(namespace, key) DO UPDATE SET value=excluded.value, "
+            "updated=excluded.updated",
+            values,
+        )
+        moving.drop(conn)
+        conn.execute("COMMIT")
+        return len(values)
+
+    def _failed(self, exc: sqlite3.Error) -> NoReturn:
+        """The move undone (or, where the disk cannot take even that, left for the next
+        open to undo), `disk` closed; memory holds everything still."""
+        self._ended = True
+        conn = self.disk._conn
+        with self.disk._lock:
+            with contextlib.suppress(sqlite3.Error):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):
+                moving.undo(conn)
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.close()
+        raise StateStoreError(f"cannot move the state into {self.disk.path}: {exc}") from exc
+
+    def abandon(self) -> None:
+        """Stop here (the agent stops): the move undone, `disk` closed."""
+        if self._ended:
+            return
+        with contextlib.suppress(StateStoreError):
+            self._failed(sqlite3.OperationalError("the move was abandoned"))
