@@ -246,6 +246,8 @@ async def read_head(reader: asyncio.StreamReader) -> bytes:
     size = 2  # the empty line that ends the head
     while True:
         line = await reader.readuntil(b"\n")  # LimitOverrunError past the reader's limit
+        if isinstance(reader, HeadReader):
+            reader.taken += len(line)
         text = line[:-2] if line.endswith(b"\r\n") else line[:-1]
         size += len(text) + 2
         if size > MAX_REQUEST_BYTES:
@@ -256,11 +258,64 @@ async def read_head(reader: asyncio.StreamReader) -> bytes:
             return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+class HeadReader(asyncio.StreamReader):
+    """A StreamReader told by its protocol of the bytes that come (`arrived`: what the
+    transport read, or TLS decrypted), which notes where the last empty line in them ends,
+    while read_head counts what it takes: `head_here` says a whole request head has come and
+    is not read yet, with no look at the reader's buffer and no system call. An empty line
+    (LF LF, LF CR LF) cut between two reads is found too."""
+
+    def __init__(self) -> None:
+        super().__init__(limit=MAX_REQUEST_BYTES + 2)
+        self.received = 0
+        """Bytes that came so far."""
+        self.head_end = 0
+        """Offset in them just past the last empty line (0: none yet)."""
+        self.taken = 0
+        """Bytes read_head has taken."""
+        self._tail = b""  # the last two bytes that came: an empty line may start there
+
+    @property
+    def head_here(self) -> bool:
+        return self.head_end > self.taken
+
+    def arrived(self, data: bytes) -> None:
+        """Bytes about to be fed (feed_data)."""
+        end = _after_empty_line(data)
+        if end >= 0:
+            self.head_end = self.received + end
+        elif self._tail:
+            end = _after_empty_line(self._tail + data[:2])
+            if end >= 0:
+                self.head_end = self.received - len(self._tail) + end
+        self.received += len(data)
+        self._tail = (self._tail + data[-2:])[-2:]
+
+
+class _HeadProtocol(asyncio.StreamReaderProtocol):
+    """Tells its HeadReader what comes, then hands it on as StreamReaderProtocol does."""
+
+    def __init__(self, reader: HeadReader, handle: Callable[..., Awaitable[None]]) -> None:
+        super().__init__(reader, handle)
+        self._head_reader = reader
+
+    def data_received(self, data: bytes) -> None:
+        self._head_reader.arrived(data)
+        super().data_received(data)
+
+
+def _after_empty_line(data: bytes) -> int:
+    """The offset just past the last empty line (LF LF, LF CR LF) in `data`; -1 if none."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\n\r\n")
+    return max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
+
+
 @dataclass(eq=False)
 class _Connection:
     client: str
     writer: asyncio.StreamWriter
-    reader: asyncio.StreamReader
+    reader: HeadReader
     waiting_since: float | None = field(default_factory=time.monotonic)
     """When it began waiting for a request head; None while a request is being answered."""
     answered: int = 0
@@ -341,9 +396,9 @@ class ScrapeServer:
         return Listener(sockets, self._protocol, self._cannot_accept, self.accept_failures.aborted)
 
     def _protocol(self) -> asyncio.StreamReaderProtocol:
-        reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
+        reader = HeadReader()
         if self.tls is None:
-            return asyncio.StreamReaderProtocol(reader, self.handle)
+            return _HeadProtocol(reader, self.handle)
         return _PausedUntilTls(reader, self.handle)
 
     def _cannot_accept(self, exc: OSError) -> bool:
@@ -363,6 +418,13 @@ class ScrapeServer:
         self._open.clear()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not isinstance(reader, HeadReader):
+            raise TypeError("ScrapeServer.handle takes the readers of its own protocol")
+        # One turn of the loop before the budget is applied: a burst of accepts starts every
+        # connection's task before any socket is read, and the transports read what their
+        # sockets hold on this turn, so that a request that came with the burst is here
+        # (HeadReader.head_here) when the burst's evictions are chosen.
+        await asyncio.sleep(0)
         connection = self._admit(reader, writer)
         if connection is None:
             self.dropped["refused"] += 1
@@ -383,9 +445,7 @@ class ScrapeServer:
 
     # -- the budget ------------------------------------------------------------------------
 
-    def _admit(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> _Connection | None:
+    def _admit(self, reader: HeadReader, writer: asyncio.StreamWriter) -> _Connection | None:
         client = _client_of(writer)
         mine = [c for c in self._open if c.client == client]
         if len(mine) >= self.per_client:
@@ -404,61 +464,48 @@ class ScrapeServer:
 
     def _victim(self) -> _Connection | None:
         """A waiting connection whose request has not come: one draining (nothing more to
-        answer on it) first, else one that is not trusted (_trusted: a client never served,
-        or one holding more than TRUSTED_PER_CLIENT); of those, one of the client that holds
-        the most connections, then of the client most often given up before (_strike), then
-        one never answered, then the oldest waiting
+        answer on it, whatever it sends) first, else one that is not trusted (_trusted: a
+        client never served, or one holding more than TRUSTED_PER_CLIENT); of those, one of
+        the client that holds the most connections, then of the client most often given up
+        before (_strike), then one never answered, then the oldest waiting
         (_oldest_waiting); the trusted last. None when every waiting one has its request
-        here (_request_here).
+        here (HeadReader.head_here). One pass over the table, no sort, no system call.
 
         Without the first rule, a crowd from more addresses than the budget, one connection
         each, evicted the scraper's new connection: the newest waiting at its connect, it was
         the oldest 64 connects later, before its request was read. A new scraper (never
         answered, so not trusted) was evicted the same way, its request unread: now a
-        connection whose request is here is not waiting for its client, and is kept. Its request not here yet (its client slower
-        to send than 64 connects of a crowd that reconnects at once), it is still given up
-        after those of the crowd's hosts, each of which has had connections given up."""
+        connection whose request is here is not waiting for its client, and is kept. Its
+        request not here yet (its client slower to send than 64 connects of a crowd that
+        reconnects at once), it is still given up after those of the crowd's hosts, each of
+        which has had connections given up."""
         held = Counter(c.client for c in self._open)
+
+        def key(c: _Connection) -> tuple[int, int, int, float]:
+            return (-held[c.client], -self._strikes(c), *_order(c))
+
         waiting = [c for c in self._open if c.waiting_since is not None]
+        draining = [c for c in waiting if c.draining]
+        if draining:
+            return min(draining, key=key)
+        free = [c for c in waiting if not c.reader.head_here]
         trusted = self._trusted(waiting)
-        pools = (
-            [c for c in waiting if c.draining],
-            [c for c in waiting if c not in trusted],
-            waiting,
-        )
-        for pool in pools:
-            for candidate in sorted(
-                pool, key=lambda c: (-held[c.client], -self._strikes(c), *_order(c))
-            ):
-                if not self._request_here(candidate):
-                    return candidate
-        return None
+        pool = [c for c in free if c not in trusted] or free
+        return min(pool, key=key) if pool else None
 
     def _trusted(self, waiting: list[_Connection]) -> set[_Connection]:
         """The waiting connections given up last: of each client served, TRUSTED_PER_CLIENT
-        at most, those answered before first, then the newest."""
-        mine: dict[str, list[_Connection]] = {}
-        for connection in waiting:
-            if connection.client in self._served:
-                mine.setdefault(connection.client, []).append(connection)
-        trusted: set[_Connection] = set()
-        for connections in mine.values():
-            ranked = sorted(
-                enumerate(connections), key=lambda p: (p[1].answered > 0, p[0]), reverse=True
-            )
-            trusted.update(c for _, c in ranked[:TRUSTED_PER_CLIENT])
-        return trusted
-
-    def _request_here(self, connection: _Connection) -> bool:
-        """Whether a whole request head has come on a waiting connection, not read yet: in
-        its reader's buffer, or still in the socket (peeked; not under TLS, whose bytes
-        there are ciphertext). A burst of accepts admits many connections before any is
-        read: the first request of a new client is then here, unread, and the connection
-        is waiting for the server, not for its client."""
-        data = bytes(getattr(connection.reader, "_buffer", b""))  # CPython's StreamReader
-        if self.tls is None:
-            data += _peek(connection.writer)
-        return b"\n\r\n" in data or b"\n\n" in data
+        at most, those answered before first, then the newest (one pass: a client's best
+        few kept as it goes)."""
+        best: dict[str, list[tuple[tuple[bool, int], _Connection]]] = {}
+        for number, connection in enumerate(waiting):
+            if connection.client not in self._served:
+                continue
+            kept = best.setdefault(connection.client, [])
+            kept.append(((connection.answered > 0, number), connection))
+            if len(kept) > TRUSTED_PER_CLIENT:
+                kept.remove(min(kept, key=lambda p: p[0]))
+        return {c for kept in best.values() for _, c in kept}
 
     def _remember(self, client: str) -> None:
         """A client given a good answer (below 400: not a refused password): the last
@@ -600,7 +647,7 @@ class ScrapeServer:
         return True
 
 
-class _PausedUntilTls(asyncio.StreamReaderProtocol):
+class _PausedUntilTls(_HeadProtocol):
     """Reads nothing until `handle` starts TLS on the connection: a ClientHello read before
     that would land in the plain stream, and the handshake would never see it.
 
@@ -642,24 +689,6 @@ def client_key(address: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
-
-
-def _peek(writer: asyncio.StreamWriter) -> bytes:
-    """What the socket holds unread (up to MAX_REQUEST_BYTES), left there."""
-    transport_socket = writer.get_extra_info("socket")
-    fd = -1 if transport_socket is None else transport_socket.fileno()
-    if fd < 0:
-        return b""
-    try:
-        sock = socket.socket(fileno=fd)  # the same file, not a dup: no file more is used
-    except OSError:
-        return b""
-    try:
-        return sock.recv(MAX_REQUEST_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:
-        return b""
-    finally:
-        sock.detach()
 
 
 def _order(c: _Connection) -> tuple[int, float]:
