@@ -154,19 +154,29 @@ _FIELD_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*")
 right after it, a value of visible bytes, obs-text, SP and HTAB: no control byte, no CR."""
 
 
+REJECT_REASONS = {
+    "bad_request_line": "bad request line",  # not method SP target SP version, or a control byte
+    "obs_fold": "folded header line (obs-fold)",  # a field line starting with SP or HTAB
+    "bad_header_line": "bad header line",  # not name ":" value, or a control byte in it
+}
+"""Why a request head was answered 400 (malformed()): the reason, as counted, and as the
+answer says it."""
+
+
 def malformed(head: bytes) -> str | None:
-    """Why a request head (as read_head returns it) is not one, or None. A bare CR, a control
+    """Why a request head (as read_head returns it) is not one (a key of REJECT_REASONS), or
+    None. A bare CR, a control
     byte in a field, a folded line (obs-fold) or a field line without its colon are refused,
     not mended: a proxy in front may read such a head otherwise than we would (request
     smuggling), and no scraper sends one."""
     first, *fields = head[:-4].split(b"\r\n")
     if _REQUEST_LINE.fullmatch(first) is None:
-        return "bad request line"
+        return "bad_request_line"
     for line in fields:
         if line[:1] in (b" ", b"\t"):
-            return "folded header line (obs-fold)"
+            return "obs_fold"
         if _FIELD_LINE.fullmatch(line) is None:
-            return "bad header line"
+            return "bad_header_line"
     return None
 
 
@@ -327,8 +337,9 @@ class _Connection:
 class ScrapeServer:
     """Serves connections with `respond(request head, client) -> (status, headers, body)`.
 
-    `dropped` counts connections closed early, by reason (DROP_REASONS); `accept_failed`
-    accepts that failed, by reason (ACCEPT_FAILURES).
+    `dropped` counts connections closed early, by reason (DROP_REASONS); `rejected` request
+    heads answered 400, by reason (REJECT_REASONS); `accept_failed` accepts that failed, by
+    reason (ACCEPT_FAILURES).
     """
 
     def __init__(
@@ -353,7 +364,7 @@ class ScrapeServer:
         self._struck: dict[str, int] = {}  # connections given up waiting, by client
         self.dropped: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
-        """Malformed request heads answered 400, by what was wrong (malformed())."""
+        """Malformed request heads answered 400, by what was wrong (REJECT_REASONS)."""
         self.accept_failures = AcceptFailures(
             "http",
             "cannot accept connections; giving up waiting ones to make room",
@@ -602,9 +613,8 @@ class ScrapeServer:
         if problem is None:
             return True
         self.rejected[problem] += 1
-        if await self._send(
-            connection.writer, response(400, {}, f"bad request: {problem}\n".encode())
-        ):
+        body = f"bad request: {REJECT_REASONS[problem]}\n".encode()
+        if await self._send(connection.writer, response(400, {}, body)):
             await self._linger(connection, reader)
         return False
 
