@@ -360,6 +360,7 @@ class ScrapeServer:
         self.max_requests = MAX_REQUESTS
         self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
+        self._held: Counter[str] = Counter()  # open connections by client (_open's, kept)
         self._served: dict[str, None] = {}  # clients answered below 400, the latest last
         self._struck: dict[str, int] = {}  # connections given up waiting, by client
         self.dropped: Counter[str] = Counter()
@@ -427,6 +428,7 @@ class ScrapeServer:
         for connection in list(self._open):
             connection.writer.transport.abort()
         self._open.clear()
+        self._held.clear()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not isinstance(reader, HeadReader):
@@ -450,7 +452,7 @@ class ScrapeServer:
             if await self._arrive(connection):
                 await self._serve(connection, reader)
         finally:
-            self._open.pop(connection, None)
+            self._forget(connection)
             if not connection.writer.transport.is_closing():
                 connection.writer.close()
 
@@ -458,20 +460,27 @@ class ScrapeServer:
 
     def _admit(self, reader: HeadReader, writer: asyncio.StreamWriter) -> _Connection | None:
         client = _client_of(writer)
-        mine = [c for c in self._open if c.client == client]
-        if len(mine) >= self.per_client:
-            victim = _oldest_waiting(mine)
+        at_cap = self._held[client] >= self.per_client
+        if at_cap:
+            victim = _oldest_waiting([c for c in self._open if c.client == client])
         elif len(self._open) >= self.max_connections:
             victim = self._victim()
         else:
             victim = None
         if victim is not None:
             self._evict(victim)
-        elif len(mine) >= self.per_client or len(self._open) >= self.max_connections:
+        elif at_cap or len(self._open) >= self.max_connections:
             return None
         connection = _Connection(client, writer, reader)
         self._open[connection] = None
+        self._held[client] += 1
         return connection
+
+    def _forget(self, connection: _Connection) -> None:
+        if self._open.pop(connection, False) is None:  # it was open
+            self._held[connection.client] -= 1
+            if not self._held[connection.client]:
+                del self._held[connection.client]
 
     def _victim(self) -> _Connection | None:
         """A waiting connection whose request has not come: one draining (nothing more to
@@ -490,25 +499,34 @@ class ScrapeServer:
         request not here yet (its client slower to send than 64 connects of a crowd that
         reconnects at once), it is still given up after those of the crowd's hosts, each of
         which has had connections given up."""
-        held = Counter(c.client for c in self._open)
-
-        def key(c: _Connection) -> tuple[int, int, int, float]:
-            return (-held[c.client], -self._strikes(c), *_order(c))
-
+        held, struck = self._held, self._struck
         waiting = [c for c in self._open if c.waiting_since is not None]
         draining = [c for c in waiting if c.draining]
         if draining:
-            return min(draining, key=key)
-        free = [c for c in waiting if not c.reader.head_here]
+            return min(draining, key=lambda c: (-held[c.client], -struck.get(c.client, 0)))
+        free = [c for c in waiting if c.reader.head_end <= c.reader.taken]  # not head_here
         trusted = self._trusted(waiting)
-        pool = [c for c in free if c not in trusted] or free
-        return min(pool, key=key) if pool else None
+        pool = [c for c in free if c not in trusted] if trusted else free
+        # The order of _order, inlined (this runs at every accept over the budget): of the
+        # non-draining, one never answered first, then the one waiting longest.
+        return min(
+            pool or free,
+            key=lambda c: (
+                -held[c.client],
+                -struck.get(c.client, 0),
+                c.answered > 0,
+                c.waiting_since,
+            ),
+            default=None,
+        )
 
     def _trusted(self, waiting: list[_Connection]) -> set[_Connection]:
         """The waiting connections given up last: of each client served, TRUSTED_PER_CLIENT
         at most, those answered before first, then the newest (one pass: a client's best
         few kept as it goes)."""
         best: dict[str, list[tuple[tuple[bool, int], _Connection]]] = {}
+        if not self._served:
+            return set()
         for number, connection in enumerate(waiting):
             if connection.client not in self._served:
                 continue
@@ -540,7 +558,7 @@ class ScrapeServer:
         self.dropped["evicted"] += 1
         if not victim.draining:
             self._strike(victim.client)
-        self._open.pop(victim, None)
+        self._forget(victim)
         victim.writer.transport.abort()  # its read then ends, and so does its task
 
     # -- one connection ----------------------------------------------------------------------

@@ -379,6 +379,39 @@ class TestHeadReader:
         assert here == [True, True, False, True]
 
 
+class TestCounts:
+    """A client's connections are counted as they open and end, however they end: a count
+    left behind would hold the client at its cap (refused 503) with nothing open."""
+
+    @pytest.mark.parametrize("ending", ["answered", "client-closed", "header-timeout", "evicted"])
+    async def test_a_client_gets_its_whole_cap_after_its_connections_ended(
+        self, served: tuple[ScrapeServer, Gate, int], ending: str
+    ) -> None:
+        server, _, port = served
+        server.header_timeout = 0.3 if ending in ("header-timeout", "evicted") else 2.0
+        for _ in range(3):
+            # Its cap is 3: a fourth evicts the first.
+            count = 4 if ending == "evicted" else 3
+            clients = [await connect(port, "127.0.0.2") for _ in range(count)]
+            for client in clients:
+                if ending == "answered":
+                    await send(client, GET_CLOSE)
+                    assert (await read_all(client)).startswith(b"HTTP/1.1 200 ")
+                elif ending in ("header-timeout", "evicted"):
+                    assert await read_all(client) == b""  # timed out, or the 4th evicted one
+                client.close()
+            await until(lambda: server.open_connections == 0, what="all ended")
+        server.header_timeout = 30.0
+        dropped = dict(server.dropped)
+        mine = [await connect(port, "127.0.0.2") for _ in range(3)]
+        try:
+            await until(lambda: server.open_connections == 3, what="the cap admitted")
+            assert server.dropped == dropped  # none refused, none evicted
+        finally:
+            for client in mine:
+                client.close()
+
+
 class TestDraining:
     """A connection answered and ending, its unread body still coming (read and dropped for
     up to the linger time), is the first given up: nothing more will be answered on it."""
