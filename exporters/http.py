@@ -165,10 +165,9 @@ answer says it."""
 
 def malformed(head: bytes) -> str | None:
     """Why a request head (as read_head returns it) is not one (a key of REJECT_REASONS), or
-    None. A bare CR, a control
-    byte in a field, a folded line (obs-fold) or a field line without its colon are refused,
-    not mended: a proxy in front may read such a head otherwise than we would (request
-    smuggling), and no scraper sends one."""
+    None. A bare CR, a control byte in a field, a folded line (obs-fold) or a field line
+    without its colon are refused, not mended: a proxy in front may read such a head
+    otherwise than we would (request smuggling), and no scraper sends one."""
     first, *fields = head[:-4].split(b"\r\n")
     if _REQUEST_LINE.fullmatch(first) is None:
         return "bad_request_line"
@@ -503,7 +502,10 @@ class ScrapeServer:
         waiting = [c for c in self._open if c.waiting_since is not None]
         draining = [c for c in waiting if c.draining]
         if draining:
-            return min(draining, key=lambda c: (-held[c.client], -struck.get(c.client, 0)))
+            return min(
+                draining,
+                key=lambda c: (-held[c.client], -struck.get(c.client, 0), c.waiting_since),
+            )
         free = [c for c in waiting if c.reader.head_end <= c.reader.taken]  # not head_here
         trusted = self._trusted(waiting)
         pool = [c for c in free if c not in trusted] if trusted else free
