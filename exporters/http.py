@@ -154,19 +154,28 @@ _FIELD_LINE = re.compile(_TOKEN + rb":[\t\x20-\x7e\x80-\xff]*")
 right after it, a value of visible bytes, obs-text, SP and HTAB: no control byte, no CR."""
 
 
+REJECT_REASONS = {
+    "bad_request_line": "bad request line",  # not method SP target SP version, or a control byte
+    "obs_fold": "folded header line (obs-fold)",  # a field line starting with SP or HTAB
+    "bad_header_line": "bad header line",  # not name ":" value, or a control byte in it
+}
+"""Why a request head was answered 400 (malformed()): the reason, as counted, and as the
+answer says it."""
+
+
 def malformed(head: bytes) -> str | None:
-    """Why a request head (as read_head returns it) is not one, or None. A bare CR, a control
-    byte in a field, a folded line (obs-fold) or a field line without its colon are refused,
-    not mended: a proxy in front may read such a head otherwise than we would (request
-    smuggling), and no scraper sends one."""
+    """Why a request head (as read_head returns it) is not one (a key of REJECT_REASONS), or
+    None. A bare CR, a control byte in a field, a folded line (obs-fold) or a field line
+    without its colon are refused, not mended: a proxy in front may read such a head
+    otherwise than we would (request smuggling), and no scraper sends one."""
     first, *fields = head[:-4].split(b"\r\n")
     if _REQUEST_LINE.fullmatch(first) is None:
-        return "bad request line"
+        return "bad_request_line"
     for line in fields:
         if line[:1] in (b" ", b"\t"):
-            return "folded header line (obs-fold)"
+            return "obs_fold"
         if _FIELD_LINE.fullmatch(line) is None:
-            return "bad header line"
+            return "bad_header_line"
     return None
 
 
@@ -246,6 +255,8 @@ async def read_head(reader: asyncio.StreamReader) -> bytes:
     size = 2  # the empty line that ends the head
     while True:
         line = await reader.readuntil(b"\n")  # LimitOverrunError past the reader's limit
+        if isinstance(reader, HeadReader):
+            reader.taken += len(line)
         text = line[:-2] if line.endswith(b"\r\n") else line[:-1]
         size += len(text) + 2
         if size > MAX_REQUEST_BYTES:
@@ -256,11 +267,64 @@ async def read_head(reader: asyncio.StreamReader) -> bytes:
             return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+class HeadReader(asyncio.StreamReader):
+    """A StreamReader told by its protocol of the bytes that come (`arrived`: what the
+    transport read, or TLS decrypted), which notes where the last empty line in them ends,
+    while read_head counts what it takes: `head_here` says a whole request head has come and
+    is not read yet, with no look at the reader's buffer and no system call. An empty line
+    (LF LF, LF CR LF) cut between two reads is found too."""
+
+    def __init__(self) -> None:
+        super().__init__(limit=MAX_REQUEST_BYTES + 2)
+        self.received = 0
+        """Bytes that came so far."""
+        self.head_end = 0
+        """Offset in them just past the last empty line (0: none yet)."""
+        self.taken = 0
+        """Bytes read_head has taken."""
+        self._tail = b""  # the last two bytes that came: an empty line may start there
+
+    @property
+    def head_here(self) -> bool:
+        return self.head_end > self.taken
+
+    def arrived(self, data: bytes) -> None:
+        """Bytes about to be fed (feed_data)."""
+        end = _after_empty_line(data)
+        if end >= 0:
+            self.head_end = self.received + end
+        elif self._tail:
+            end = _after_empty_line(self._tail + data[:2])
+            if end >= 0:
+                self.head_end = self.received - len(self._tail) + end
+        self.received += len(data)
+        self._tail = (self._tail + data[-2:])[-2:]
+
+
+class _HeadProtocol(asyncio.StreamReaderProtocol):
+    """Tells its HeadReader what comes, then hands it on as StreamReaderProtocol does."""
+
+    def __init__(self, reader: HeadReader, handle: Callable[..., Awaitable[None]]) -> None:
+        super().__init__(reader, handle)
+        self._head_reader = reader
+
+    def data_received(self, data: bytes) -> None:
+        self._head_reader.arrived(data)
+        super().data_received(data)
+
+
+def _after_empty_line(data: bytes) -> int:
+    """The offset just past the last empty line (LF LF, LF CR LF) in `data`; -1 if none."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\n\r\n")
+    return max(lf + 2 if lf >= 0 else -1, crlf + 3 if crlf >= 0 else -1)
+
+
 @dataclass(eq=False)
 class _Connection:
     client: str
     writer: asyncio.StreamWriter
-    reader: asyncio.StreamReader
+    reader: HeadReader
     waiting_since: float | None = field(default_factory=time.monotonic)
     """When it began waiting for a request head; None while a request is being answered."""
     answered: int = 0
@@ -272,8 +336,9 @@ class _Connection:
 class ScrapeServer:
     """Serves connections with `respond(request head, client) -> (status, headers, body)`.
 
-    `dropped` counts connections closed early, by reason (DROP_REASONS); `accept_failed`
-    accepts that failed, by reason (ACCEPT_FAILURES).
+    `dropped` counts connections closed early, by reason (DROP_REASONS); `rejected` request
+    heads answered 400, by reason (REJECT_REASONS); `accept_failed` accepts that failed, by
+    reason (ACCEPT_FAILURES).
     """
 
     def __init__(
@@ -294,11 +359,12 @@ class ScrapeServer:
         self.max_requests = MAX_REQUESTS
         self.linger_timeout = LINGER_TIMEOUT
         self._open: dict[_Connection, None] = {}  # in order of arrival
+        self._held: Counter[str] = Counter()  # open connections by client (_open's, kept)
         self._served: dict[str, None] = {}  # clients answered below 400, the latest last
         self._struck: dict[str, int] = {}  # connections given up waiting, by client
         self.dropped: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
-        """Malformed request heads answered 400, by what was wrong (malformed())."""
+        """Malformed request heads answered 400, by what was wrong (REJECT_REASONS)."""
         self.accept_failures = AcceptFailures(
             "http",
             "cannot accept connections; giving up waiting ones to make room",
@@ -341,9 +407,9 @@ class ScrapeServer:
         return Listener(sockets, self._protocol, self._cannot_accept, self.accept_failures.aborted)
 
     def _protocol(self) -> asyncio.StreamReaderProtocol:
-        reader = asyncio.StreamReader(limit=MAX_REQUEST_BYTES + 2)
+        reader = HeadReader()
         if self.tls is None:
-            return asyncio.StreamReaderProtocol(reader, self.handle)
+            return _HeadProtocol(reader, self.handle)
         return _PausedUntilTls(reader, self.handle)
 
     def _cannot_accept(self, exc: OSError) -> bool:
@@ -361,8 +427,16 @@ class ScrapeServer:
         for connection in list(self._open):
             connection.writer.transport.abort()
         self._open.clear()
+        self._held.clear()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not isinstance(reader, HeadReader):
+            raise TypeError("ScrapeServer.handle takes the readers of its own protocol")
+        # One turn of the loop before the budget is applied: a burst of accepts starts every
+        # connection's task before any socket is read, and the transports read what their
+        # sockets hold on this turn, so that a request that came with the burst is here
+        # (HeadReader.head_here) when the burst's evictions are chosen.
+        await asyncio.sleep(0)
         connection = self._admit(reader, writer)
         if connection is None:
             self.dropped["refused"] += 1
@@ -377,88 +451,92 @@ class ScrapeServer:
             if await self._arrive(connection):
                 await self._serve(connection, reader)
         finally:
-            self._open.pop(connection, None)
+            self._forget(connection)
             if not connection.writer.transport.is_closing():
                 connection.writer.close()
 
     # -- the budget ------------------------------------------------------------------------
 
-    def _admit(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> _Connection | None:
+    def _admit(self, reader: HeadReader, writer: asyncio.StreamWriter) -> _Connection | None:
         client = _client_of(writer)
-        mine = [c for c in self._open if c.client == client]
-        if len(mine) >= self.per_client:
-            victim = _oldest_waiting(mine)
+        at_cap = self._held[client] >= self.per_client
+        if at_cap:
+            victim = _oldest_waiting([c for c in self._open if c.client == client])
         elif len(self._open) >= self.max_connections:
             victim = self._victim()
         else:
             victim = None
         if victim is not None:
             self._evict(victim)
-        elif len(mine) >= self.per_client or len(self._open) >= self.max_connections:
+        elif at_cap or len(self._open) >= self.max_connections:
             return None
         connection = _Connection(client, writer, reader)
         self._open[connection] = None
+        self._held[client] += 1
         return connection
+
+    def _forget(self, connection: _Connection) -> None:
+        if self._open.pop(connection, False) is None:  # it was open
+            self._held[connection.client] -= 1
+            if not self._held[connection.client]:
+                del self._held[connection.client]
 
     def _victim(self) -> _Connection | None:
         """A waiting connection whose request has not come: one draining (nothing more to
-        answer on it) first, else one that is not trusted (_trusted: a client never served,
-        or one holding more than TRUSTED_PER_CLIENT); of those, one of the client that holds
-        the most connections, then of the client most often given up before (_strike), then
-        one never answered, then the oldest waiting
+        answer on it, whatever it sends) first, else one that is not trusted (_trusted: a
+        client never served, or one holding more than TRUSTED_PER_CLIENT); of those, one of
+        the client that holds the most connections, then of the client most often given up
+        before (_strike), then one never answered, then the oldest waiting
         (_oldest_waiting); the trusted last. None when every waiting one has its request
-        here (_request_here).
+        here (HeadReader.head_here). One pass over the table, no sort, no system call.
 
         Without the first rule, a crowd from more addresses than the budget, one connection
         each, evicted the scraper's new connection: the newest waiting at its connect, it was
         the oldest 64 connects later, before its request was read. A new scraper (never
         answered, so not trusted) was evicted the same way, its request unread: now a
-        connection whose request is here is not waiting for its client, and is kept. Its request not here yet (its client slower
-        to send than 64 connects of a crowd that reconnects at once), it is still given up
-        after those of the crowd's hosts, each of which has had connections given up."""
-        held = Counter(c.client for c in self._open)
+        connection whose request is here is not waiting for its client, and is kept. Its
+        request not here yet (its client slower to send than 64 connects of a crowd that
+        reconnects at once), it is still given up after those of the crowd's hosts, each of
+        which has had connections given up."""
+        held, struck = self._held, self._struck
         waiting = [c for c in self._open if c.waiting_since is not None]
+        draining = [c for c in waiting if c.draining]
+        if draining:
+            return min(
+                draining,
+                key=lambda c: (-held[c.client], -struck.get(c.client, 0), c.waiting_since),
+            )
+        free = [c for c in waiting if c.reader.head_end <= c.reader.taken]  # not head_here
         trusted = self._trusted(waiting)
-        pools = (
-            [c for c in waiting if c.draining],
-            [c for c in waiting if c not in trusted],
-            waiting,
+        pool = [c for c in free if c not in trusted] if trusted else free
+        # The order of _order, inlined (this runs at every accept over the budget): of the
+        # non-draining, one never answered first, then the one waiting longest.
+        return min(
+            pool or free,
+            key=lambda c: (
+                -held[c.client],
+                -struck.get(c.client, 0),
+                c.answered > 0,
+                c.waiting_since,
+            ),
+            default=None,
         )
-        for pool in pools:
-            for candidate in sorted(
-                pool, key=lambda c: (-held[c.client], -self._strikes(c), *_order(c))
-            ):
-                if not self._request_here(candidate):
-                    return candidate
-        return None
 
     def _trusted(self, waiting: list[_Connection]) -> set[_Connection]:
         """The waiting connections given up last: of each client served, TRUSTED_PER_CLIENT
-        at most, those answered before first, then the newest."""
-        mine: dict[str, list[_Connection]] = {}
-        for connection in waiting:
-            if connection.client in self._served:
-                mine.setdefault(connection.client, []).append(connection)
-        trusted: set[_Connection] = set()
-        for connections in mine.values():
-            ranked = sorted(
-                enumerate(connections), key=lambda p: (p[1].answered > 0, p[0]), reverse=True
-            )
-            trusted.update(c for _, c in ranked[:TRUSTED_PER_CLIENT])
-        return trusted
-
-    def _request_here(self, connection: _Connection) -> bool:
-        """Whether a whole request head has come on a waiting connection, not read yet: in
-        its reader's buffer, or still in the socket (peeked; not under TLS, whose bytes
-        there are ciphertext). A burst of accepts admits many connections before any is
-        read: the first request of a new client is then here, unread, and the connection
-        is waiting for the server, not for its client."""
-        data = bytes(getattr(connection.reader, "_buffer", b""))  # CPython's StreamReader
-        if self.tls is None:
-            data += _peek(connection.writer)
-        return b"\n\r\n" in data or b"\n\n" in data
+        at most, those answered before first, then the newest (one pass: a client's best
+        few kept as it goes)."""
+        best: dict[str, list[tuple[tuple[bool, int], _Connection]]] = {}
+        if not self._served:
+            return set()
+        for number, connection in enumerate(waiting):
+            if connection.client not in self._served:
+                continue
+            kept = best.setdefault(connection.client, [])
+            kept.append(((connection.answered > 0, number), connection))
+            if len(kept) > TRUSTED_PER_CLIENT:
+                kept.remove(min(kept, key=lambda p: p[0]))
+        return {c for kept in best.values() for _, c in kept}
 
     def _remember(self, client: str) -> None:
         """A client given a good answer (below 400: not a refused password): the last
@@ -482,7 +560,7 @@ class ScrapeServer:
         self.dropped["evicted"] += 1
         if not victim.draining:
             self._strike(victim.client)
-        self._open.pop(victim, None)
+        self._forget(victim)
         victim.writer.transport.abort()  # its read then ends, and so does its task
 
     # -- one connection ----------------------------------------------------------------------
@@ -555,9 +633,8 @@ class ScrapeServer:
         if problem is None:
             return True
         self.rejected[problem] += 1
-        if await self._send(
-            connection.writer, response(400, {}, f"bad request: {problem}\n".encode())
-        ):
+        body = f"bad request: {REJECT_REASONS[problem]}\n".encode()
+        if await self._send(connection.writer, response(400, {}, body)):
             await self._linger(connection, reader)
         return False
 
@@ -600,7 +677,7 @@ class ScrapeServer:
         return True
 
 
-class _PausedUntilTls(asyncio.StreamReaderProtocol):
+class _PausedUntilTls(_HeadProtocol):
     """Reads nothing until `handle` starts TLS on the connection: a ClientHello read before
     that would land in the plain stream, and the handshake would never see it.
 
@@ -642,24 +719,6 @@ def client_key(address: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
-
-
-def _peek(writer: asyncio.StreamWriter) -> bytes:
-    """What the socket holds unread (up to MAX_REQUEST_BYTES), left there."""
-    transport_socket = writer.get_extra_info("socket")
-    fd = -1 if transport_socket is None else transport_socket.fileno()
-    if fd < 0:
-        return b""
-    try:
-        sock = socket.socket(fileno=fd)  # the same file, not a dup: no file more is used
-    except OSError:
-        return b""
-    try:
-        return sock.recv(MAX_REQUEST_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:
-        return b""
-    finally:
-        sock.detach()
 
 
 def _order(c: _Connection) -> tuple[int, float]:

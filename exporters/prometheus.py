@@ -25,6 +25,7 @@ from exporters.exposition import ProcessMetrics, snapshot_text
 from exporters.http import (
     CONTENT_TYPE,
     DROP_REASONS,
+    REJECT_REASONS,
     Answer,
     ScrapeServer,
     accepts_gzip,
@@ -55,6 +56,13 @@ ACCEPT_FAILED = MetricFamily(
     "gpuwarden_http_accept_failed_total",
     MetricType.COUNTER,
     "Connections to /metrics that could not be accepted: out_of_files (EMFILE and the like)",
+    ("reason",),
+)
+REQUESTS_REJECTED = MetricFamily(
+    "gpuwarden_http_requests_rejected_total",
+    MetricType.COUNTER,
+    "Request heads to /metrics answered 400 as malformed: bad_request_line, obs_fold, "
+    "bad_header_line",
     ("reason",),
 )
 AUTH_REFUSED = MetricFamily(
@@ -139,12 +147,13 @@ class PrometheusSink:
         self.http = ScrapeServer(self._answer)
 
     def families(self) -> Sequence[MetricFamily]:
-        return (CONNECTIONS_DROPPED, ACCEPT_FAILED, AUTH_REFUSED)
+        return (CONNECTIONS_DROPPED, REQUESTS_REJECTED, ACCEPT_FAILED, AUTH_REFUSED)
 
     def samples(self) -> Sequence[Sample]:
         # Every reason always, from 0: a rate() over a series that appears late misses its
         # first increase.
         out = [CONNECTIONS_DROPPED.sample(self.http.dropped[r], r) for r in DROP_REASONS]
+        out += [REQUESTS_REJECTED.sample(self.http.rejected[r], r) for r in REJECT_REASONS]
         out += [ACCEPT_FAILED.sample(self.http.accept_failed[r], r) for r in ACCEPT_FAILURES]
         if self._gate is not None:
             out += [AUTH_REFUSED.sample(self._gate.refused[r], r) for r in REFUSAL_REASONS]

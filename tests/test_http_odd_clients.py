@@ -546,3 +546,52 @@ class TestMalformedHeads:
             want = [200] if b"HTTP/1.0" in head else [200, 200]
             assert [r.status for r in replies] == want, (head, answer[:200])
             assert rest == b""
+
+
+def rejected_counts(metrics: bytes) -> dict[str, float]:
+    prefix = 'gpuwarden_http_requests_rejected_total{reason="'
+    counts = {}
+    for line in metrics.decode().splitlines():
+        if line.startswith(prefix):
+            reason, _, value = line[len(prefix) :].partition('"} ')
+            counts[reason] = float(value)
+    return counts
+
+
+REJECTED = [
+    ("bad_request_line", MALFORMED["two-spaces"]),
+    ("bad_request_line", MALFORMED["cr-as-line-end"]),
+    ("obs_fold", MALFORMED["obs-fold-htab"]),
+    ("obs_fold", MALFORMED["space-before-first-field"]),
+    ("bad_header_line", MALFORMED["no-colon"]),
+    ("bad_header_line", MALFORMED["value-0x00"]),
+]
+
+
+class TestRejectedCounted:
+    """The agent's /metrics counts the heads it answered 400, by what was wrong: every reason
+    from 0 (a rate() over a series that appears late misses its first increase)."""
+
+    @pytest.mark.parametrize(("reason", "head"), REJECTED, ids=[r for r, _ in REJECTED])
+    async def test_each_reason_counts_its_own(
+        self, tmp_path: Path, reason: str, head: bytes
+    ) -> None:
+        async with agent_endpoint(tmp_path) as port:
+            before = split_replies(await exchange(port, [get("GET", "/metrics", True)]), ["GET"])
+            assert rejected_counts(before[0][0].body) == dict.fromkeys(
+                ("bad_request_line", "obs_fold", "bad_header_line"), 0.0
+            )
+            for _ in range(3):
+                (reply,), _ = split_replies(await exchange(port, [head]), ["GET"])
+                assert reply.status == 400
+            after = split_replies(await exchange(port, [get("GET", "/metrics", True)]), ["GET"])
+            counts = rejected_counts(after[0][0].body)
+            assert counts.pop(reason) == 3.0
+            assert set(counts.values()) == {0.0}, counts
+
+    async def test_every_malformed_head_is_counted_once(self, tmp_path: Path) -> None:
+        async with agent_endpoint(tmp_path) as port:
+            for head in MALFORMED.values():
+                await exchange(port, [head])
+            answer = split_replies(await exchange(port, [get("GET", "/metrics", True)]), ["GET"])
+            assert sum(rejected_counts(answer[0][0].body).values()) == len(MALFORMED)

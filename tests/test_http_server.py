@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from exporters.http import Answer, ScrapeServer, client_key, may_keep_alive
+from exporters.http import Answer, HeadReader, ScrapeServer, client_key, may_keep_alive, read_head
 from tests.support.tls import Authority
 from tests.support.waiting import until
 
@@ -266,6 +266,150 @@ class TestKeptScraper:
             finally:
                 for client in mine:
                     client.close()
+
+
+def queued(port: int, source: str, data: bytes = b"") -> socket.socket:
+    """A connection made, and `data` sent, without a turn of the loop: queued in the kernel
+    for the server's next burst of accepts, unread."""
+    client = socket.socket()
+    client.bind((source, 0))
+    client.connect(("127.0.0.1", port))  # the kernel completes it; no accept needed
+    if data:
+        client.sendall(data)
+    client.setblocking(False)
+    return client
+
+
+class TestRequestHere:
+    """A connection whose whole request head has come is waiting for the server, not for its
+    client: it is never the one given up. A burst of accepts admits many connections before
+    any is read: a new scraper's (never answered, the oldest, so the first victim by every
+    other rule) has its request queued with them, unread."""
+
+    @pytest.mark.parametrize(
+        "head",
+        [
+            GET,
+            b"GET /metrics HTTP/1.1\nHost: x\n\n",  # bare LF lines
+            b"\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",  # an empty line before
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 300 + b"\r\n",
+        ],
+        ids=["crlf", "lf", "leading-empty-line", "large"],
+    )
+    @pytest.mark.parametrize("crowd", [6, 12, 40])
+    async def test_a_new_scrapers_request_queued_in_a_burst_is_answered(
+        self, served: tuple[ScrapeServer, Gate, int], head: bytes, crowd: int
+    ) -> None:
+        server, _, port = served
+        # The loop does not run between these: one burst, the scraper's connection first.
+        scraper = queued(port, "127.0.0.1", head)
+        strangers = [queued(port, f"127.0.1.{1 + i}") for i in range(crowd)]
+        try:
+            assert (await receive(scraper)).startswith(b"HTTP/1.1 200 ")
+            # Room made for the rest of the burst from the strangers alone (budget 6).
+            await until(
+                lambda: server.dropped["evicted"] >= crowd + 1 - 6, what="the crowd evicted"
+            )
+            assert server.dropped["evicted"] == crowd + 1 - 6
+        finally:
+            scraper.close()
+            for client in strangers:
+                client.close()
+
+    async def test_a_request_split_over_sends_is_here_once_whole(
+        self, served: tuple[ScrapeServer, Gate, int]
+    ) -> None:
+        """The end of a head cut between two reads (CRLF, CR LF) is found; half a head is not
+        a request (a slowloris's never is), and goes first."""
+        server, _, port = served
+        half = queued(port, "127.0.0.1", b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        whole = queued(port, "127.0.0.2", b"GET /metrics HTTP/1.1\r\nHost: x\r")
+        await until(lambda: server.open_connections == 2, what="both admitted")
+        await send(whole, b"\n\r")
+        await asyncio.sleep(0.05)
+        await send(whole, b"\n")  # the end of its head, alone in a read
+        strangers = [queued(port, f"127.0.1.{1 + i}") for i in range(5)]
+        try:
+            assert (await receive(whole)).startswith(b"HTTP/1.1 200 ")
+            assert await receive(half) == b""  # evicted: the oldest, and only half here
+        finally:
+            for client in [half, whole, *strangers]:
+                client.close()
+
+
+HEADS = [GET, b"GET /metrics HTTP/1.1\nHost: x\n\n", b"\r\n" + GET, b"GET / HTTP/1.1\r\n\n"]
+
+
+def feed(reader: HeadReader, data: bytes) -> None:
+    """As its protocol does (_HeadProtocol.data_received)."""
+    reader.arrived(data)
+    reader.feed_data(data)
+
+
+class TestHeadReader:
+    """HeadReader.head_here: a whole head fed and not read, however the reads cut it."""
+
+    @pytest.mark.parametrize("head", HEADS)
+    async def test_here_exactly_once_its_last_byte_came_whatever_the_cuts(
+        self, head: bytes
+    ) -> None:
+        for first in range(1, len(head)):
+            for second in range(first, len(head)):
+                reader = HeadReader()
+                here = []
+                for part in (head[:first], head[first:second], head[second:]):
+                    if part:
+                        feed(reader, part)
+                        here.append(reader.head_here)
+                assert here[-1] and not any(here[:-1]), (first, second, here)
+                assert await read_head(reader) == head.lstrip(b"\r\n").replace(
+                    b"\r\n", b"\n"
+                ).replace(b"\n", b"\r\n")
+                assert not reader.head_here
+
+    async def test_pipelined_heads_are_here_until_each_is_read(self) -> None:
+        reader = HeadReader()
+        feed(reader, GET + GET + b"GET /metrics HTTP/1.1\r\n")  # two whole, a part
+        here = [reader.head_here]
+        for _ in range(2):
+            await read_head(reader)
+            here.append(reader.head_here)
+        feed(reader, b"\r\n")  # the part made whole
+        here.append(reader.head_here)
+        assert here == [True, True, False, True]
+
+
+class TestCounts:
+    """A client's connections are counted as they open and end, however they end: a count
+    left behind would hold the client at its cap (refused 503) with nothing open."""
+
+    @pytest.mark.parametrize("ending", ["answered", "client-closed", "header-timeout", "evicted"])
+    async def test_a_client_gets_its_whole_cap_after_its_connections_ended(
+        self, served: tuple[ScrapeServer, Gate, int], ending: str
+    ) -> None:
+        server, _, port = served
+        server.header_timeout = 0.3 if ending in ("header-timeout", "evicted") else 2.0
+        for _ in range(3):
+            # Its cap is 3: a fourth evicts the first.
+            count = 4 if ending == "evicted" else 3
+            clients = [await connect(port, "127.0.0.2") for _ in range(count)]
+            for client in clients:
+                if ending == "answered":
+                    await send(client, GET_CLOSE)
+                    assert (await read_all(client)).startswith(b"HTTP/1.1 200 ")
+                elif ending in ("header-timeout", "evicted"):
+                    assert await read_all(client) == b""  # timed out, or the 4th evicted one
+                client.close()
+            await until(lambda: server.open_connections == 0, what="all ended")
+        server.header_timeout = 30.0
+        dropped = dict(server.dropped)
+        mine = [await connect(port, "127.0.0.2") for _ in range(3)]
+        try:
+            await until(lambda: server.open_connections == 3, what="the cap admitted")
+            assert server.dropped == dropped  # none refused, none evicted
+        finally:
+            for client in mine:
+                client.close()
 
 
 class TestDraining:

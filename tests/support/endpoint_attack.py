@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -291,6 +291,8 @@ class FirstScrapes:
     failed: int = 0
     slowest: float = 0.0
     """Seconds the slowest answered one took."""
+    took: list[float] = field(default_factory=list)
+    """Seconds each answered one took, in order."""
 
 
 def first_scrapes(
@@ -319,6 +321,7 @@ def first_scrapes(
         result.failed += not ok
         if ok:
             result.slowest = max(result.slowest, took)
+            result.took.append(took)
         time.sleep(max(0.0, started + interval - time.monotonic()))
     return result
 
