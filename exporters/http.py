@@ -58,7 +58,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from agent.contracts.errors import ConfigError
-from exporters.listener import BACKLOG, AcceptFailures, Listener
+from agent.contracts.model import MetricFamily, MetricType, Sample
+from exporters.listener import ACCEPT_FAILURES, BACKLOG, AcceptFailures, Listener
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_REQUEST_BYTES = 8192
@@ -749,3 +750,45 @@ def parse_listen(value: str, key: str = "prometheus.listen") -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, port
+
+
+# -- what the endpoint turned away, on its own /metrics (the agent's and the watcher's) ------
+
+CONNECTIONS_DROPPED = MetricFamily(
+    "gpuwarden_http_connections_dropped_total",
+    MetricType.COUNTER,
+    "Connections to /metrics closed before an answer, by reason (exporters/http.py)",
+    ("reason",),
+)
+ACCEPT_FAILED = MetricFamily(
+    "gpuwarden_http_accept_failed_total",
+    MetricType.COUNTER,
+    "Connections to /metrics that could not be accepted: out_of_files (EMFILE and the like)",
+    ("reason",),
+)
+REQUESTS_REJECTED = MetricFamily(
+    "gpuwarden_http_requests_rejected_total",
+    MetricType.COUNTER,
+    "Request heads to /metrics answered 400 as malformed: bad_request_line, obs_fold, "
+    "bad_header_line",
+    ("reason",),
+)
+
+
+def endpoint_blocks(server: ScrapeServer) -> list[tuple[MetricFamily, list[Sample]]]:
+    """The server's counts of what it turned away, every reason from 0 (a rate() over a series
+    that appears late misses its first increase)."""
+    return [
+        (
+            CONNECTIONS_DROPPED,
+            [CONNECTIONS_DROPPED.sample(server.dropped[r], r) for r in DROP_REASONS],
+        ),
+        (
+            REQUESTS_REJECTED,
+            [REQUESTS_REJECTED.sample(server.rejected[r], r) for r in REJECT_REASONS],
+        ),
+        (
+            ACCEPT_FAILED,
+            [ACCEPT_FAILED.sample(server.accept_failed[r], r) for r in ACCEPT_FAILURES],
+        ),
+    ]

@@ -23,17 +23,19 @@ from agent.contracts.settings import check_files, setting
 from agent.contracts.sink import SinkContext, SinkSpec
 from exporters.exposition import ProcessMetrics, snapshot_text
 from exporters.http import (
+    ACCEPT_FAILED,
+    CONNECTIONS_DROPPED,
     CONTENT_TYPE,
-    DROP_REASONS,
-    REJECT_REASONS,
+    REQUESTS_REJECTED,
     Answer,
     ScrapeServer,
     accepts_gzip,
+    endpoint_blocks,
     header_values,
     parse_listen,
     request_line,
 )
-from exporters.listener import ACCEPT_FAILURES, Listener
+from exporters.listener import Listener
 from exporters.web_auth import (
     REFUSAL_REASONS,
     AuthGate,
@@ -46,25 +48,6 @@ from exporters.web_auth import (
 
 log = structlog.get_logger(component="prometheus")
 
-CONNECTIONS_DROPPED = MetricFamily(
-    "gpuwarden_http_connections_dropped_total",
-    MetricType.COUNTER,
-    "Connections to /metrics closed before an answer, by reason (exporters/http.py)",
-    ("reason",),
-)
-ACCEPT_FAILED = MetricFamily(
-    "gpuwarden_http_accept_failed_total",
-    MetricType.COUNTER,
-    "Connections to /metrics that could not be accepted: out_of_files (EMFILE and the like)",
-    ("reason",),
-)
-REQUESTS_REJECTED = MetricFamily(
-    "gpuwarden_http_requests_rejected_total",
-    MetricType.COUNTER,
-    "Request heads to /metrics answered 400 as malformed: bad_request_line, obs_fold, "
-    "bad_header_line",
-    ("reason",),
-)
 AUTH_REFUSED = MetricFamily(
     "gpuwarden_http_auth_refused_total",
     MetricType.COUNTER,
@@ -152,9 +135,7 @@ class PrometheusSink:
     def samples(self) -> Sequence[Sample]:
         # Every reason always, from 0: a rate() over a series that appears late misses its
         # first increase.
-        out = [CONNECTIONS_DROPPED.sample(self.http.dropped[r], r) for r in DROP_REASONS]
-        out += [REQUESTS_REJECTED.sample(self.http.rejected[r], r) for r in REJECT_REASONS]
-        out += [ACCEPT_FAILED.sample(self.http.accept_failed[r], r) for r in ACCEPT_FAILURES]
+        out = [sample for _, samples in endpoint_blocks(self.http) for sample in samples]
         if self._gate is not None:
             out += [AUTH_REFUSED.sample(self._gate.refused[r], r) for r in REFUSAL_REASONS]
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -10,6 +11,8 @@ from pathlib import Path
 
 from agent.program.watch.fleet import SETTLE_SECONDS, Fleet
 from agent.program.watch.metrics import MetricsServer
+from exporters.http import DROP_REASONS, REJECT_REASONS
+from exporters.listener import ACCEPT_FAILURES
 
 METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 T0 = 1_700_000_000.0
@@ -95,3 +98,28 @@ class TestMetricsDoc:
         for name in names:
             base = name.removesuffix("_total")
             assert f"`{name}`" in doc or f"`{base}_total`" in doc, name
+
+
+class TestEndpointCounters:
+    """The watcher's /metrics says what its own endpoint turned away, as the agent's does:
+    the watcher is the fleet's last line, and a crowd that blinds its scraper must show."""
+
+    async def test_a_malformed_head_is_counted_and_every_reason_shown(self) -> None:
+        server = MetricsServer(fleet_with_nodes(), "127.0.0.1", 0)
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /metrics HTTP/1.1\r\nno colon here\r\n\r\n")
+            await writer.drain()
+            assert (await reader.read(100)).startswith(b"HTTP/1.1 400 ")
+            writer.close()
+            text = (await server.metrics_body()).decode()
+        finally:
+            await server.stop()
+        assert 'gpuwarden_http_requests_rejected_total{reason="bad_header_line"} 1.0' in text
+        for reason in REJECT_REASONS:
+            assert f'gpuwarden_http_requests_rejected_total{{reason="{reason}"}}' in text
+        for reason in DROP_REASONS:  # every reason from 0: a late series hides its first rise
+            assert f'gpuwarden_http_connections_dropped_total{{reason="{reason}"}}' in text
+        for reason in ACCEPT_FAILURES:
+            assert f'gpuwarden_http_accept_failed_total{{reason="{reason}"}}' in text

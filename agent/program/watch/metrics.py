@@ -23,7 +23,7 @@ from agent import __version__
 from agent.contracts.model import MetricFamily, MetricType, Sample
 from agent.program.watch.fleet import Alert, Fleet, Node, State
 from exporters.exposition import Block, blocks_text
-from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, request_line
+from exporters.http import CONTENT_TYPE, Answer, ScrapeServer, endpoint_blocks, request_line
 from exporters.listener import Listener
 
 MALFORMED_REASONS = (
@@ -283,16 +283,20 @@ class MetricsServer:
 
     def render_now(self) -> bytes:
         """A fresh exposition, rendered by the caller (tests; a scrape renders in the pool)."""
-        extra = self.extra() if self.extra is not None else ()
-        return render(snapshot(self.fleet, self.clock(), extra), self.node_limit)
+        return render(snapshot(self.fleet, self.clock(), self._extra()), self.node_limit)
+
+    def _extra(self) -> list[Block]:
+        """What the watcher adds beside the fleet: the Alertmanager sender's series and this
+        endpoint's counts of what it turned away (taken on the loop, rendered in the pool)."""
+        extra = list(self.extra()) if self.extra is not None else []
+        return [*extra, *endpoint_blocks(self.http)]
 
     async def metrics_body(self) -> bytes:
         """The exposition, rendered in the worker thread; scrapes that arrive while one is
         being rendered get that one (it is fresh: it started after them or just before)."""
         if self._rendering is None:
             loop = asyncio.get_running_loop()
-            extra = self.extra() if self.extra is not None else ()
-            snap = snapshot(self.fleet, self.clock(), extra)
+            snap = snapshot(self.fleet, self.clock(), self._extra())
             future = loop.run_in_executor(self._pool, render, snap, self.node_limit)
             self._rendering = future
             future.add_done_callback(self._rendered)
