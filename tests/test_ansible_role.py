@@ -8,11 +8,15 @@ package built by `make deb` (tests/support/deb.py): twice (the second run change
 then once with a key the agent refuses (validation keeps the old file). It checks the rendered
 configuration with `gpuwarden config check`, the secrets' owner and mode and that they appear
 in no output, the file_sd file's JSON and that a real Prometheus discovers its target, and runs
-the installed agent as its own user on that configuration against a password broker. Marked
-`host`: root only, the package purged afterwards.
+the installed agent as its own user on that configuration against a password broker.
+TestWatcherOnHost then makes the same host run the watcher too (gpuwarden_runs [agent, watch]),
+then the watcher alone ([watch]), each twice, and runs the installed watcher as its unit would,
+with the unit's credentials; TestRemoval takes the host out (state absent, purge). Marked
+`host`: root only, the package purged afterwards. test_a_bad_variable_... needs neither.
 
-Not tested here: the service tasks under a running systemd (this machine's PID 1 is not
-systemd; they run when `systemctl is-system-running` says running or degraded).
+Not tested here: starting and stopping the units under a running systemd (this machine's PID 1
+is not systemd; they run when `systemctl is-system-running` says running or degraded); their
+enabling and disabling are (`systemctl enable` needs no running systemd).
 """
 
 from __future__ import annotations
@@ -190,7 +194,7 @@ def playbook(env: dict[str, str], *args: str, timeout: float = 300) -> PlaybookR
 @needs_ansible
 def test_the_example_playbook_passes_the_syntax_check(tmp_path: Path) -> None:
     inventory = tmp_path / "inventory.ini"
-    inventory.write_text("[gpu]\ngpu-node-01\n[prometheus]\nprom-1\n")
+    inventory.write_text("[gpu]\ngpu-node-01\n[watcher]\nops-1\n[prometheus]\nprom-1\n")
     run = playbook(
         ansible_env(tmp_path / "home"),
         "--syntax-check",
