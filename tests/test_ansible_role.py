@@ -8,11 +8,15 @@ package built by `make deb` (tests/support/deb.py): twice (the second run change
 then once with a key the agent refuses (validation keeps the old file). It checks the rendered
 configuration with `gpuwarden config check`, the secrets' owner and mode and that they appear
 in no output, the file_sd file's JSON and that a real Prometheus discovers its target, and runs
-the installed agent as its own user on that configuration against a password broker. Marked
-`host`: root only, the package purged afterwards.
+the installed agent as its own user on that configuration against a password broker.
+TestWatcherOnHost then makes the same host run the watcher too (gpuwarden_runs [agent, watch]),
+then the watcher alone ([watch]), each twice, and runs the installed watcher as its unit would,
+with the unit's credentials; TestRemoval takes the host out (state absent, purge). Marked
+`host`: root only, the package purged afterwards. test_a_bad_variable_... needs neither.
 
-Not tested here: the service tasks under a running systemd (this machine's PID 1 is not
-systemd; they run when `systemctl is-system-running` says running or degraded).
+Not tested here: starting and stopping the units under a running systemd (this machine's PID 1
+is not systemd; they run when `systemctl is-system-running` says running or degraded); their
+enabling and disabling are (`systemctl enable` needs no running systemd).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from configs.ansible.roles.gpuwarden.filter_plugins.gpuwarden_filters import (
     to_label,
     to_toml,
 )
+from tests.support.alertmanager import WebhookReceiver
 from tests.support.deb import DebPackages, host_package
 from tests.support.mosquitto import Broker, password_broker
 from tests.support.ports import free_port
@@ -189,7 +194,7 @@ def playbook(env: dict[str, str], *args: str, timeout: float = 300) -> PlaybookR
 @needs_ansible
 def test_the_example_playbook_passes_the_syntax_check(tmp_path: Path) -> None:
     inventory = tmp_path / "inventory.ini"
-    inventory.write_text("[gpu]\ngpu-node-01\n[prometheus]\nprom-1\n")
+    inventory.write_text("[gpu]\ngpu-node-01\n[watcher]\nops-1\n[prometheus]\nprom-1\n")
     run = playbook(
         ansible_env(tmp_path / "home"),
         "--syntax-check",
@@ -248,6 +253,97 @@ def test_registration_brackets_ipv6_takes_the_listen_port_and_refuses_bad_label_
     assert json.loads((targets / "gpuwarden-v6.json").read_text()) == [
         {"targets": ["[fd00::7]:9500"], "labels": {"node": "v6", "rack": "7", "spare": "false"}}
     ]
+
+
+FATAL = re.compile(r"^fatal: \[([^\]]+)\]: FAILED! => (\{.*\})$", re.MULTILINE)
+WATCH_VARS = {
+    "gpuwarden_runs": ["agent", "watch"],
+    "gpuwarden_watch_mqtt_url": "mqtt://broker.example:1883",
+    "gpuwarden_watch_mqtt_username": "watcher",
+    "gpuwarden_watch_mqtt_password_file": "secrets/watch-mqtt-password",
+    "gpuwarden_watch_alertmanager_urls": ["http://am-1:9093", "http://am-2:9093"],
+    "gpuwarden_watch_alertmanager_username": "watcher",
+    "gpuwarden_watch_alertmanager_password_file": "secrets/am-password",
+}
+# Host -> the variables it differs in from WATCH_VARS, and what its failure must say.
+BAD_VARIABLES: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
+    "runs-typo": ({"gpuwarden_runs": ["agent", "watcher"]}, ("gpuwarden_runs", "watcher")),
+    "runs-empty": ({"gpuwarden_runs": []}, ("gpuwarden_runs", "agent", "watch")),
+    "runs-string": ({"gpuwarden_runs": "watch"}, ("gpuwarden_runs", "a list")),
+    "urls-string": (
+        {"gpuwarden_watch_alertmanager_urls": "http://am-1:9093"},
+        ("gpuwarden_watch_alertmanager_urls", "a list"),
+    ),
+    "mqtt-password-alone": (
+        {"gpuwarden_watch_mqtt_username": ""},
+        ("gpuwarden_watch_mqtt_password_file", "gpuwarden_watch_mqtt_username"),
+    ),
+    "am-password-alone": (
+        {"gpuwarden_watch_alertmanager_username": ""},
+        ("gpuwarden_watch_alertmanager_password_file", "gpuwarden_watch_alertmanager_username"),
+    ),
+    "am-password-and-token": (
+        {"gpuwarden_watch_alertmanager_bearer_token_file": "secrets/am-token"},
+        (
+            "gpuwarden_watch_alertmanager_password_file",
+            "gpuwarden_watch_alertmanager_bearer_token_file",
+        ),
+    ),
+    "am-token-and-user": (
+        {
+            "gpuwarden_watch_alertmanager_password_file": "",
+            "gpuwarden_watch_alertmanager_bearer_token_file": "secrets/am-token",
+        },
+        ("gpuwarden_watch_alertmanager_bearer_token_file", "gpuwarden_watch_alertmanager_username"),
+    ),
+    "watch-labels-node": (
+        {"gpuwarden_watch_prometheus_labels": {"node": "x"}},
+        ("gpuwarden_watch_prometheus_labels", "node"),
+    ),
+    "watch-labels-bad-name": (
+        {"gpuwarden_watch_prometheus_labels": {"bad-name": "x"}},
+        ("gpuwarden_watch_prometheus_labels", "bad-name"),
+    ),
+}
+
+
+@needs_ansible
+def test_a_bad_variable_fails_first_naming_the_variable(tmp_path: Path) -> None:
+    """One run, one inventory host per bad variable (no root, no package): each fails at the
+    role's first tasks with a message naming the variable, before anything is installed; the
+    control host `good`, with every watcher variable valid, passes the checks and fails only
+    where the package file it names is missing."""
+    hosts = {"good": {}, **{name: bad for name, (bad, _) in BAD_VARIABLES.items()}}
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text(
+        "[gpu]\n" + "\n".join(hosts) + "\n[gpu:vars]\nansible_connection=local\n"
+        f"ansible_python_interpreter={sys.executable}\n"
+    )
+    # Inventory variables, so that each host's own (host_vars) win over the shared ones.
+    common = {
+        **WATCH_VARS,
+        "gpuwarden_package_file": str(tmp_path / "missing.deb"),
+        "gpuwarden_package_cache_dir": str(tmp_path / "cache"),
+        "gpuwarden_config_dir": str(tmp_path / "etc"),
+    }
+    (tmp_path / "group_vars").mkdir()
+    (tmp_path / "group_vars" / "gpu.yml").write_text(json.dumps(common))
+    (tmp_path / "host_vars").mkdir()
+    for host, variables in hosts.items():
+        (tmp_path / "host_vars" / f"{host}.yml").write_text(json.dumps(variables))
+    play = [{"hosts": "gpu", "gather_facts": False, "roles": ["gpuwarden"]}]
+    (tmp_path / "play.yml").write_text(json.dumps(play))
+    run = playbook(ansible_env(tmp_path / "home"), "-i", str(inventory), str(tmp_path / "play.yml"))
+    recap = run.recap()
+    failures = {host: json.loads(text) for host, text in FATAL.findall(run.output)}
+    assert set(failures) == set(hosts), run.output
+    for host, (_, words) in BAD_VARIABLES.items():
+        assert recap[host]["changed"] == 0, (host, run.output)
+        message = failures[host]["msg"]
+        for word in words:
+            assert word in message, (host, message)
+    assert "missing.deb" in failures["good"]["msg"], failures["good"]
+    assert not (tmp_path / "etc").exists()
 
 
 # --- the role on this host ---------------------------------------------------------------------
@@ -447,6 +543,116 @@ def deployed(
 
 
 @dataclass(frozen=True)
+class Watching:
+    """The same host made the watcher's too (gpuwarden_runs [agent, watch]), run twice, then
+    the watcher's alone ([watch]): what each left, read before the next."""
+
+    both: PlaybookRun
+    both_again: PlaybookRun
+    both_config: str
+    both_units: dict[str, str]  # unit -> `systemctl is-enabled`
+    both_targets: list[str]
+    alone: PlaybookRun
+    alone_again: PlaybookRun
+    alone_config: str
+    alone_units: dict[str, str]
+    alone_targets: list[str]
+    refused: PlaybookRun
+    config_after_refusal: str
+    variables: Mapping[str, object]  # the watcher-only play's
+    broker: Broker
+    alertmanager: WebhookReceiver
+    watch_port: int
+
+
+WATCH_UNITS = ("gpuwarden.service", "gpuwarden-watch.service")
+WATCH_DROP_IN = Path("/etc/systemd/system/gpuwarden-watch.service.d/gpuwarden-ansible.conf")
+WATCH_CREDENTIALS = Path("/run/credentials/gpuwarden-watch.service")
+WATCH_PASSWORD = "watch-pw-\"'$ {{ nor_this }}"
+ALERTMANAGER_PASSWORD = "am-pw-Zk2 {{ x }}"
+
+
+def units_enabled() -> dict[str, str]:
+    return {
+        unit: subprocess.run(
+            ["systemctl", "is-enabled", unit], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        for unit in WATCH_UNITS
+    }
+
+
+def target_files(targets: Path) -> list[str]:
+    return sorted(str(p.relative_to(targets)) for p in targets.rglob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def watching(deployed: Deployed, deb_packages: DebPackages) -> Iterator[Watching]:
+    """Runs after TestOnHost (the first test that asks for it is in TestWatcherOnHost). The
+    units' boot state is set for real (`systemctl enable`/`disable` need no running systemd);
+    where systemd does not run, gpuwarden_service_state "" leaves their running state alone."""
+    work = deployed.work
+    # The version the upgrade left installed, from its file: apt sees nothing to do.
+    deb = deb_packages.path(deb_packages.next_version)
+    secrets = work / "secrets"
+    (secrets / "watch-mqtt-password").write_text(WATCH_PASSWORD + "\n")
+    (secrets / "am-password").write_text(ALERTMANAGER_PASSWORD + "\n")
+    broker = password_broker(work / "watch-broker", {"watcher": WATCH_PASSWORD})
+    alertmanager = WebhookReceiver().start()
+    watch_port = free_port()
+    try:
+        watch = {
+            "gpuwarden_manage_service": True,
+            "gpuwarden_service_state": "started" if deployed.manage_service else "",
+            "gpuwarden_watch_mqtt_url": broker.url,
+            "gpuwarden_watch_mqtt_username": "watcher",
+            "gpuwarden_watch_mqtt_password_file": str(secrets / "watch-mqtt-password"),
+            "gpuwarden_watch_listen": f"127.0.0.1:{watch_port}",
+            "gpuwarden_watch_alertmanager_urls": [alertmanager.url.rstrip("/")],
+            "gpuwarden_watch_alertmanager_username": "watcher",
+            "gpuwarden_watch_alertmanager_password_file": str(secrets / "am-password"),
+            "gpuwarden_watch_prometheus_labels": {"cluster": "a", "tier": 1},
+        }
+
+        def run(extra: Mapping[str, object], *args: str) -> PlaybookRun:
+            play = write_play(work, deb, extra, deployed.listen_port, deployed.broker.port)
+            return playbook(deployed.env, "-i", str(deployed.inventory), *args, str(play))
+
+        both_vars = {**watch, "gpuwarden_runs": ["agent", "watch"]}
+        both = run(both_vars, "--diff", "-v")
+        both_again = run(both_vars, "--diff")
+        both_config = (CONFIG_DIR / "gpuwarden.toml").read_text()
+        both_units, both_targets = units_enabled(), target_files(deployed.targets)
+        alone_vars = {**watch, "gpuwarden_runs": ["watch"]}
+        alone = run(alone_vars, "--diff", "-v")
+        alone_again = run(alone_vars)
+        alone_config = (CONFIG_DIR / "gpuwarden.toml").read_text()
+        alone_units, alone_targets = units_enabled(), target_files(deployed.targets)
+        # A [watch] key the watcher refuses: the old file stays.
+        refused = run({**alone_vars, "gpuwarden_config": {"watch": {"no_such_key": 1}}})
+        yield Watching(
+            both,
+            both_again,
+            both_config,
+            both_units,
+            both_targets,
+            alone,
+            alone_again,
+            alone_config,
+            alone_units,
+            alone_targets,
+            refused,
+            (CONFIG_DIR / "gpuwarden.toml").read_text(),
+            alone_vars,
+            broker,
+            alertmanager,
+            watch_port,
+        )
+    finally:
+        alertmanager.stop()
+        broker.stop()
+
+
+@dataclass(frozen=True)
 class Removed:
     run: PlaybookRun
     status: str  # dpkg's state letters after it ("" once purged)
@@ -454,10 +660,10 @@ class Removed:
 
 
 @pytest.fixture(scope="module")
-def removed(deployed: Deployed) -> Removed:
+def removed(deployed: Deployed, watching: Watching) -> Removed:
     """gpuwarden_state absent with a purge, once the tests that read the installed host ran
-    (TestOnHost.test_z_... is the last of the class)."""
-    gone = {"gpuwarden_state": "absent", "gpuwarden_purge": True}
+    (TestRemoval, the file's last class), from the watcher's host that `watching` left."""
+    gone = {**watching.variables, "gpuwarden_state": "absent", "gpuwarden_purge": True}
     play = write_play(deployed.work, deployed.deb, gone, deployed.listen_port, deployed.broker.port)
     run = playbook(deployed.env, "-i", str(deployed.inventory), str(play))
     status = subprocess.run(
@@ -466,7 +672,13 @@ def removed(deployed: Deployed) -> Removed:
         text=True,
         check=False,
     ).stdout.strip()
-    made = [deployed.targets / "gpuwarden-node-a.json", deployed.work / "cache", CONFIG_DIR]
+    made = [
+        deployed.targets / "gpuwarden-node-a.json",
+        deployed.targets / "gpuwarden-watch" / "node-a.json",
+        deployed.work / "cache",
+        CONFIG_DIR,
+        WATCH_DROP_IN,
+    ]
     return Removed(run, status, [str(p) for p in made if p.exists()])
 
 
@@ -632,7 +844,171 @@ class TestOnHost:
             agent.terminate()
             agent.wait(15)
 
-    def test_z_state_absent_unregisters_and_purges(self, removed: Removed) -> None:
+
+@pytest.mark.host
+@pytest.mark.slow
+class TestWatcherOnHost:
+    def test_each_run_changes_the_host_once_and_then_nothing(self, watching: Watching) -> None:
+        for first, second in (
+            (watching.both, watching.both_again),
+            (watching.alone, watching.alone_again),
+        ):
+            assert first.returncode == 0, first.output
+            assert first.total("changed") >= 1, first.recap()
+            assert second.returncode == 0, second.output
+            assert second.total("changed") == 0, second.output
+        restart = "RUNNING HANDLER [gpuwarden : Restart gpuwarden-watch]"
+        assert restart in watching.both.output
+        assert restart not in watching.both_again.output
+
+    def test_the_units_enabled_are_those_the_host_runs(self, watching: Watching) -> None:
+        """The package enables gpuwarden.service on its first install: a watcher's host
+        disables it."""
+        assert watching.both_units == dict.fromkeys(WATCH_UNITS, "enabled")
+        assert watching.alone_units == {
+            "gpuwarden.service": "disabled",
+            "gpuwarden-watch.service": "enabled",
+        }
+
+    def test_the_watch_table_holds_the_variables_and_names_the_credentials(
+        self, watching: Watching
+    ) -> None:
+        expected = {
+            "url": watching.broker.url,
+            "username": "watcher",
+            "password_file": f"{WATCH_CREDENTIALS}/mqtt-password",
+            "listen": f"127.0.0.1:{watching.watch_port}",
+            "alertmanager_urls": [watching.alertmanager.url.rstrip("/")],
+            "alertmanager_username": "watcher",
+            "alertmanager_password_file": f"{WATCH_CREDENTIALS}/alertmanager-password",
+        }
+        both = tomllib.loads(watching.both_config)
+        assert both["watch"] == expected
+        assert both["mqtt"]["username"] == "gpuwarden"  # the agent's table, beside it
+        alone = tomllib.loads(watching.alone_config)
+        assert alone["watch"] == expected
+        # No agent key on a host without the agent (gpuwarden_config's own keys stay).
+        assert not {"node_id", "prometheus", "mqtt"} & set(alone), alone
+        assert WATCH_DROP_IN.read_text().splitlines()[-1] == (
+            "LoadCredential=alertmanager-password:/etc/gpuwarden/watch-alertmanager-password"
+        )
+
+    def test_a_watch_key_the_watcher_refuses_fails_the_run_and_keeps_the_old_file(
+        self, watching: Watching
+    ) -> None:
+        assert watching.refused.returncode != 0
+        assert watching.refused.recap()["node-a"]["failed"] == 1
+        assert "no_such_key" in watching.refused.output
+        assert watching.config_after_refusal == watching.alone_config
+
+    def test_the_watchers_secrets_are_roots_alone_and_never_shown(self, watching: Watching) -> None:
+        for name, text in (
+            ("watch-mqtt-password", WATCH_PASSWORD),
+            ("watch-alertmanager-password", ALERTMANAGER_PASSWORD),
+        ):
+            path = CONFIG_DIR / name
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
+            assert (path.owner(), path.group()) == ("root", "root"), name
+            assert path.read_text() == text + "\n"
+        runs = (watching.both, watching.both_again, watching.alone, watching.alone_again)
+        for run in (*runs, watching.refused):
+            assert WATCH_PASSWORD not in run.output
+            assert ALERTMANAGER_PASSWORD not in run.output
+        assert WATCH_PASSWORD not in watching.alone_config
+
+    def test_registration_follows_what_the_host_runs(self, watching: Watching) -> None:
+        assert watching.both_targets == ["gpuwarden-node-a.json", "gpuwarden-watch/node-a.json"]
+        assert watching.alone_targets == ["gpuwarden-watch/node-a.json"]
+
+    def test_prometheus_scrapes_the_watcher_as_its_job_and_not_as_an_agent(
+        self, deployed: Deployed, watching: Watching
+    ) -> None:
+        """configs/prometheus/prometheus.yml, unchanged, on the directory the role wrote; the
+        watcher's file must not be read as an agent's target too."""
+        groups = json.loads((deployed.targets / "gpuwarden-watch" / "node-a.json").read_text())
+        assert groups == [
+            {
+                "targets": [f"127.0.0.1:{watching.watch_port}"],
+                "labels": {"cluster": "a", "tier": "1"},
+            }
+        ]
+        workdir = deployed.targets.parent
+        shutil.copy(ROOT / "configs" / "prometheus" / "gpuwarden-rules.yml", workdir)
+        server = PrometheusServer(
+            workdir, (ROOT / "configs" / "prometheus" / "prometheus.yml").read_text()
+        ).start()
+        try:
+
+            def active() -> list[dict[str, Any]]:
+                return list(server.api("targets")["activeTargets"])
+
+            wait_until(
+                lambda: any(t["labels"]["job"] == "gpuwarden-watch" for t in active()), timeout=30
+            )
+            assert [(t["labels"]["job"], t["scrapeUrl"]) for t in active()] == [
+                ("gpuwarden-watch", f"http://127.0.0.1:{watching.watch_port}/metrics")
+            ]
+        finally:
+            server.stop()
+
+    def test_the_installed_watcher_runs_with_the_units_credentials(
+        self, watching: Watching
+    ) -> None:
+        """What gpuwarden-watch.service runs, as it runs it: an unprivileged user with the two
+        credentials systemd copies from /etc/gpuwarden into /run/credentials/<unit>/ (here in
+        a mount namespace of its own, a tmpfs over /run). The broker takes the password, and
+        the Alertmanager member gets the basic-auth password at the watcher's first post."""
+        if systemd_runs():
+            pytest.skip("systemd runs the watcher here")
+        script = (
+            "set -e; mount -t tmpfs -o mode=0755 tmpfs /run; "
+            f"mkdir -p {WATCH_CREDENTIALS}; "
+            f"cp {CONFIG_DIR}/watch-mqtt-password {WATCH_CREDENTIALS}/mqtt-password; "
+            f"cp {CONFIG_DIR}/watch-alertmanager-password {WATCH_CREDENTIALS}/alertmanager-password; "
+            f"chown -R nobody {WATCH_CREDENTIALS}; chmod 0400 {WATCH_CREDENTIALS}/*; "
+            f"chmod 0500 {WATCH_CREDENTIALS}; "
+            "exec setpriv --reuid=nobody --regid=nogroup --clear-groups "
+            f"{GPUWARDEN} watch --config {CONFIG_DIR / 'gpuwarden.toml'}"
+        )
+        log = watching.broker.workdir / "watcher.log"
+        watcher = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{watching.watch_port}/metrics"
+        basic = "Basic " + b64encode(f"watcher:{ALERTMANAGER_PASSWORD}".encode()).decode()
+        try:
+
+            def metrics() -> str:
+                try:
+                    with urllib.request.urlopen(url, timeout=5) as response:
+                        return str(response.read().decode())
+                except OSError:
+                    return ""
+
+            connected = re.compile(r"^gpuwarden_watch_broker_connected 1(\.0)?$", re.MULTILINE)
+            wait_until(
+                lambda: bool(connected.search(metrics())) or watcher.poll() is not None,
+                timeout=60,
+            )
+            assert watcher.poll() is None, log.read_text()
+            wait_until(lambda: watching.alertmanager.received() != [], timeout=30)
+            assert {n.authorization for n in watching.alertmanager.received()} == {basic}
+            assert {n.path for n in watching.alertmanager.received()} == {"/api/v2/alerts"}
+        finally:
+            watcher.terminate()
+            watcher.wait(15)
+
+
+@pytest.mark.host
+@pytest.mark.slow
+class TestRemoval:
+    def test_state_absent_unregisters_first_and_purges(self, removed: Removed) -> None:
         assert removed.run.returncode == 0, removed.run.output
         assert removed.status in {"", "un", "pn"}, removed.status
         assert removed.left == []
+        # Both target files go before the package: nobody is paged for units it stops.
+        tasks = re.findall(r"^TASK \[gpuwarden : (.+?)\]", removed.run.output, re.MULTILINE)
+        unregister = tasks.index("Remove the host's file_sd target files")
+        assert unregister < tasks.index("Remove the package"), tasks
