@@ -20,6 +20,9 @@ DEBS += python3-apt
 # gpuwarden scan reads journals and rotated logs: systemd-journal-remote makes a real journal
 # file, journalctl writes its output modes, and the compressors make what logrotate leaves.
 DEBS += systemd-journal-remote zstd xz-utils bzip2 gzip
+# glibc's locale sources, which the tests compile with localedef to check the month and day
+# names that date and journalctl write in each locale (tests/support/locales.py).
+DEBS += locales
 
 .PHONY: run test check lint typecheck unit debs bench clean install deb
 

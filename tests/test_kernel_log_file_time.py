@@ -10,8 +10,8 @@ reader's clock is not trusted past it."""
 
 from __future__ import annotations
 
+import itertools
 import json
-import shutil
 import subprocess
 from collections.abc import Iterator
 from datetime import datetime
@@ -21,6 +21,8 @@ import pytest
 
 from agent.contracts.collector import MemoryKeyValueStore
 from collectors.kernel_log.kmsg import FileLogReader
+from collectors.kernel_log.parse import parse_line
+from tests.support.locales import compile_locales, environment
 from tests.support.zones import ZONES, local_epoch, local_zone
 
 XID = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus."
@@ -46,6 +48,8 @@ ZONED = [
     (f"Sun 2026-11-29 18:10:02 UTC {HOST} kernel: {XID}", WHEN - 0.123456),  # short-full
     (f"Sun 2026-11-29 18:10:02.123456 GMT {HOST} kernel: {XID}", WHEN),
     (f"So 2026-11-29 20:10:02 +0200 {HOST} kernel: {XID}", WHEN - 0.123456),
+    (f"日 2026-11-29 18:10:02 UTC {HOST} kernel: {XID}", WHEN - 0.123456),  # zh_CN, ja_JP
+    (f"일 2026-11-29 18:10:02.123456 UTC kernel: {XID}", WHEN),  # ko_KR
     (
         json.dumps(
             {
@@ -88,6 +92,13 @@ LOCAL = [
     (f"ноя 29 18:10:02 kernel: {XID}", (2026, 11, 29, 18, 10, 2), 0),
     (f"lis 29 18:10:02.123456 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 123456),
     (f"Mär 01 18:10:02 {HOST} kernel: {XID}", (2026, 3, 1, 18, 10, 2), 0),
+    # journalctl's short stamps in the CJK locales (zh_CN; ja_JP and ko_KR pad the months 1 to
+    # 9 with a space, which then starts the line).
+    (f"11月 29 18:10:02 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 0),
+    (f"1月 08 18:10:02 kernel: {XID}", (2026, 1, 8, 18, 10, 2), 0),
+    (f" 1月 08 18:10:02 {HOST} kernel: {XID}", (2026, 1, 8, 18, 10, 2), 0),
+    (f" 2월 08 18:10:02.123456 kernel: {XID}", (2026, 2, 8, 18, 10, 2), 123456),
+    (f"11월 29 18:10:02.123456 {HOST} kernel: {XID}", (2026, 11, 29, 18, 10, 2), 123456),
 ]
 
 # No wall time in the line, or one that cannot be read: the time of the read.
@@ -197,44 +208,25 @@ GLIBC_LOCALES = [
 GLIBC_SHAPES = {
     "syslog": "%b %d %H:%M:%S gpu-host-17 kernel: ",
     "journalctl short-precise": "%b %d %H:%M:%S.123456 kernel: ",
+    "journalctl short-full": "%a %Y-%m-%d %H:%M:%S UTC gpu-host-17 kernel: ",
     "dmesg -T": "[%a %b %e %H:%M:%S %Y] ",
     "dmesg -e": "[%b%e %H:%M] ",
 }
 YEAR_END = local_epoch("UTC0", 2026, 12, 31, 23, 0, 0)
-SOURCES = Path("/usr/share/i18n/locales")
 
 
 @pytest.fixture(scope="module")
 def locpath(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("localedef") is None or not SOURCES.is_dir():
-        pytest.skip("needs localedef and glibc's locale sources")
-    where = tmp_path_factory.mktemp("locales")
-    for name in GLIBC_LOCALES[1:]:
-        subprocess.run(
-            ["localedef", "-i", name, "-f", "UTF-8", str(where / f"{name}.UTF-8")],
-            check=True,
-            capture_output=True,
-        )
-    return where
-
-
-# The parser reads the CJK locales' numbered months in dmesg's stamps only (parse.py).
-CJK = ("zh_CN", "ja_JP", "ko_KR")
+    return compile_locales(GLIBC_LOCALES[1:], tmp_path_factory.mktemp("locales"))
 
 
 @pytest.mark.parametrize(
-    ("locale", "shape"),
-    [
-        (locale, shape)
-        for locale in GLIBC_LOCALES
-        for shape in sorted(GLIBC_SHAPES)
-        if locale not in CJK or shape.startswith("dmesg")
-    ],
+    ("locale", "shape"), list(itertools.product(GLIBC_LOCALES, sorted(GLIBC_SHAPES)))
 )
 def test_every_month_in_every_locale_known(
     locale: str, shape: str, locpath: Path, tmp_path: Path
 ) -> None:
-    env = {"LOCPATH": str(locpath), "LC_ALL": "C" if locale == "C" else f"{locale}.UTF-8"}
+    env = environment(locale, locpath)
     with local_zone("UTC0"):
         for month in range(1, 13):
             day = 3 if month % 2 else 28
@@ -256,6 +248,40 @@ def test_every_month_in_every_locale_known(
             expected = local_epoch("UTC0", 2026, month, day, 18, 10, seconds, micro=micro)
             got = _time_of(prefix + XID, tmp_path, now=YEAR_END)
             assert got == pytest.approx(expected, abs=1e-6), prefix
+            if "kernel: " in prefix:  # the same stamp on a program's line: not the kernel's
+                program = parse_line(prefix.replace("kernel: ", "python3[42]: ") + XID)
+                assert program is not None
+                assert (program.message, program.from_kernel) == (XID, False), prefix
+
+
+def test_a_month_padded_with_a_space_is_a_record_of_its_own(tmp_path: Path) -> None:
+    """ja_JP and ko_KR pad the months 1 to 9 with a space (` 1月`), as journalctl writes a
+    message's further lines indented: a followed file's line in that form is a record with
+    its own trust and time, not a further line of the record before it."""
+    lines = [
+        f"12月 31 23:59:58 {HOST} python3[42]: hello",
+        f" 1月 01 00:00:01 {HOST} kernel: {XID}",
+        f" 1월 01 00:00:02 {HOST} python3[42]: {XID}",
+        f" 1月 01 00:00:03 kernel: {XID}",
+    ]
+    path = tmp_path / "kern.log"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    with local_zone("UTC0"):
+        now = local_epoch("UTC0", 2027, 1, 1, 0, 5, 0)
+        reader = FileLogReader(path, MemoryKeyValueStore(), clock=lambda: now)
+        records = reader.read().records
+        assert [(r.message, r.from_kernel) for r in records] == [
+            ("hello", False),
+            (XID, True),
+            (XID, False),
+            (XID, True),
+        ]
+        assert [reader.record_time(r) for r in records] == [
+            local_epoch("UTC0", 2026, 12, 31, 23, 59, 58),
+            local_epoch("UTC0", 2027, 1, 1, 0, 0, 1),
+            local_epoch("UTC0", 2027, 1, 1, 0, 0, 2),
+            local_epoch("UTC0", 2027, 1, 1, 0, 0, 3),
+        ]
 
 
 # A line read live (the reader past its backlog) was written a moment ago, whatever its stamp

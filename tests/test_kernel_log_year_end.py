@@ -37,6 +37,9 @@ NAMES = {  # glibc's abbreviated January and December, and one month more
     "de_DE": ("Jan", "Dez", "Feb", "Nov"),
     "fr_FR": ("janv.", "déc.", "févr.", "nov."),
     "ru_RU": ("янв", "дек", "фев", "ноя"),
+    "zh_CN": ("1月", "12月", "2月", "11月"),
+    "ja_JP": (" 1月", "12月", " 2月", "11月"),  # ja_JP and ko_KR pad 1 to 9 with a space
+    "ko_KR": (" 1월", "12월", " 2월", "11월"),
 }
 
 

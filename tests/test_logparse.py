@@ -682,6 +682,46 @@ LOCAL_PROGRAM_LINES = [
     "дек 01 18:10:02 python3[42]: {message}",
     "mar. 2026-12-01 18:10:02 CET gpu-host-17 python3[42]: {message}",
 ]
+# The CJK locales' journal stamps as glibc writes them (zh_CN, ja_JP, ko_KR abmon and abday,
+# checked against `date` in tests/test_kernel_log_file_time.py): `%b` is the month's number
+# and 月 or 월, which ja_JP and ko_KR pad to two with a space (` 1月`, so the line starts with
+# one), `%a` one wide character. journalctl short `%b %d %H:%M:%S`, short-precise `.%06u`
+# after it, short-full `%a %Y-%m-%d %H:%M:%S %Z` (systemd 252 writes its day in English
+# whatever the locale, `Thu`; the locale's day is read too). 2026-12-03 is a Thursday.
+CJK_NAMES = {
+    "zh_CN": ("1月", "12月", "四"),
+    "ja_JP": (" 1月", "12月", "木"),
+    "ko_KR": (" 1월", "12월", "목"),
+}
+CJK_STAMPS = [
+    stamp
+    for jan, dec, day in CJK_NAMES.values()
+    for stamp in (
+        f"{jan} 03 18:10:02",
+        f"{dec} 03 18:10:02",
+        f"{jan} 03 18:10:02.123456",
+        f"{dec} 03 18:10:02.123456",
+        f"{day} 2026-12-03 18:10:02 JST",
+    )
+]
+CJK_KERNEL_LINES = [
+    (f"{stamp}{host} kernel: {{message}}", stamp)
+    for stamp in CJK_STAMPS
+    for host in (" gpu-host-17", "")  # --no-hostname
+]
+CJK_PROGRAM_LINES = [
+    f"{stamp}{host} python3[42]: {{message}}" for stamp in CJK_STAMPS for host in (" gpu-1", "")
+]
+# Those that start with the padding space, kernel's and program's.
+CJK_PADDED_LINES = [
+    (f"{stamp}{host} {ident}: {{message}}", stamp, ident == "kernel")
+    for stamp in CJK_STAMPS
+    if stamp[0] == " "
+    for host in (" gpu-host-17", "")
+    for ident in ("kernel", "python3[42]")
+]
+LOCAL_STAMPS += CJK_KERNEL_LINES
+LOCAL_PROGRAM_LINES += CJK_PROGRAM_LINES
 LOCAL_MESSAGES = [XID, "nfs: server nas01 not responding, still trying"]
 
 
@@ -710,6 +750,32 @@ class TestLocalisedStamps:
         matchers = MatcherSet()
         assert matchers.feed(saved) == []
         assert matchers.ignored["xid"] == 1
+
+    @pytest.mark.parametrize(("shape", "stamp", "kernel"), CJK_PADDED_LINES)
+    @pytest.mark.parametrize(
+        "before",
+        [
+            "Nov 29 17:42:14 gpu-host-17 python3[42]: hello",
+            "Nov 29 17:42:14 gpu-host-17 kernel: hello",
+            "12月 02 17:42:14 gpu-host-17 kernel: hello",
+        ],
+    )
+    def test_a_month_padded_with_a_space_starts_a_record(
+        self, shape: str, stamp: str, kernel: bool, before: str
+    ) -> None:
+        """ja_JP's and ko_KR's ` 1月` starts the line with a space, as a further line of the
+        record before it is indented: the line is a record of its own, with its own stamp and
+        trust, read alone, after another record, and through `gpuwarden scan`'s path."""
+        line = shape.format(message=XID)
+        stats = ParseStats()
+        records = list(parse_lines([before, line], stats))
+        assert [(r.line, r.message, r.timestamp, r.from_kernel) for r in records[1:]] == [
+            (2, XID, stamp, kernel)
+        ]
+        assert (stats.records, stats.bad_timestamps) == (2, 0)
+        assert [f.kind for f in scan_lines([before + "\n", line + "\n"])] == (
+            ["xid"] if kernel else []
+        )
 
 
 class TestForgedLines:

@@ -15,7 +15,7 @@ import shutil
 import struct
 import subprocess
 from pathlib import Path
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 import pytest
 from hypothesis import given
@@ -27,7 +27,10 @@ from collectors.kernel_log.journal import ExportReader
 from collectors.kernel_log.matchers import Finding, MatcherSet
 from collectors.kernel_log.parse import ParseStats, parse_line
 from collectors.kernel_log.saved import ReadNotes, saved_lines
+from collectors.kernel_log.stamps import read_stamp
 from collectors.kernel_log.syslog_names import KERNEL_FACILITY, USER_FACILITY
+from tests.support.locales import compile_locales, environment
+from tests.support.zones import local_zone
 
 JOURNAL_REMOTE = Path("/lib/systemd/systemd-journal-remote")
 XID = "NVRM: Xid (PCI:0000:17:00): 79, pid=1234, name=python3, GPU has fallen off the bus."
@@ -110,9 +113,17 @@ def _field(name: str, value: Field) -> bytes:
     return f"{name}={value}\n".encode()
 
 
-def _record_fields(index: int, record: dict[str, Field]) -> list[tuple[str, bytes]]:
+DECEMBER: Final = 1764650000000000
+"""The first record's wall time, microseconds: 2025-12-02 04:33:20 UTC."""
+JANUARY: Final = 1767450000000000
+"""2026-01-03 14:20:00 UTC: a month that ja_JP and ko_KR pad with a space (` 1月`)."""
+
+
+def _record_fields(
+    index: int, record: dict[str, Field], start: int = DECEMBER
+) -> list[tuple[str, bytes]]:
     head: dict[str, Field] = {
-        "__REALTIME_TIMESTAMP": str(1764650000000000 + index * 1_000_000),
+        "__REALTIME_TIMESTAMP": str(start + index * 1_000_000),
         "__MONOTONIC_TIMESTAMP": str(123456789 + index),
         "_BOOT_ID": "0123456789abcdef0123456789abcdef",
         "_HOSTNAME": "gpu1",
@@ -120,19 +131,18 @@ def _record_fields(index: int, record: dict[str, Field]) -> list[tuple[str, byte
     return [(k, _field(k, v)) for k, v in {**head, **record}.items()]
 
 
-def export_bytes(records: list[dict[str, Field]]) -> bytes:
+def export_bytes(records: list[dict[str, Field]], start: int = DECEMBER) -> bytes:
     return b"".join(
-        b"".join(data for _, data in _record_fields(i, r)) + b"\n" for i, r in enumerate(records)
+        b"".join(data for _, data in _record_fields(i, r, start)) + b"\n"
+        for i, r in enumerate(records)
     )
 
 
-@pytest.fixture(scope="module")
-def journal(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _make_journal(where: Path, start: int) -> Path:
     for program in (str(JOURNAL_REMOTE), "journalctl"):
         if shutil.which(program) is None:
             pytest.fail(f"{program} is missing: `make test` installs systemd-journal-remote")
-    where = tmp_path_factory.mktemp("journal")
-    (where / "in.export").write_bytes(export_bytes(RECORDS))
+    (where / "in.export").write_bytes(export_bytes(RECORDS, start))
     path = where / "node.journal"
     subprocess.run(
         [str(JOURNAL_REMOTE), f"--output={path}", str(where / "in.export")],
@@ -142,11 +152,17 @@ def journal(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def journalctl(journal: Path, *args: str) -> bytes:
+@pytest.fixture(scope="module")
+def journal(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make_journal(tmp_path_factory.mktemp("journal"), DECEMBER)
+
+
+def journalctl(journal: Path, *args: str, env: dict[str, str] | None = None) -> bytes:
     return subprocess.run(
         ["journalctl", "--file", str(journal), "--no-pager", *args],
         check=True,
         capture_output=True,
+        env=env,
     ).stdout
 
 
@@ -187,6 +203,63 @@ def test_short_modes_find_the_kernels_records(journal: Path, mode: str, tmp_path
     """The short modes carry only the identifier: a program's own line (with its pid) is
     not the kernel's; the kernel's records are all found, the bytes decoded by journalctl."""
     findings, _, matchers = scan_bytes(journalctl(journal, "-o", mode, "--all"), tmp_path)
+    _assert_the_kernels_findings(findings, matchers, mode)
+
+
+CJK = ("zh_CN", "ja_JP", "ko_KR")
+
+
+class CjkJournals(NamedTuple):
+    locpath: Path
+    """The CJK locales compiled (LOCPATH)."""
+    journals: dict[str, Path]
+    """The same records in December, and in January, whose month ja_JP and ko_KR pad."""
+
+
+@pytest.fixture(scope="module")
+def cjk(tmp_path_factory: pytest.TempPathFactory) -> CjkJournals:
+    return CjkJournals(
+        compile_locales(CJK, tmp_path_factory.mktemp("locales")),
+        {
+            "december": _make_journal(tmp_path_factory.mktemp("december"), DECEMBER),
+            "january": _make_journal(tmp_path_factory.mktemp("january"), JANUARY),
+        },
+    )
+
+
+CJK_MONTHS = {
+    ("zh_CN", "december"): "12月 02",
+    ("zh_CN", "january"): "\n1月 03",
+    ("ja_JP", "december"): "12月 02",
+    ("ja_JP", "january"): "\n 1月 03",
+    ("ko_KR", "december"): "12월 02",
+    ("ko_KR", "january"): "\n 1월 03",
+}
+"""How each locale writes the journals' month and day (`%b %d`), UTC."""
+
+
+@pytest.mark.parametrize("mode", ["short", "short-precise", "short-full", "with-unit"])
+@pytest.mark.parametrize(("locale", "month"), sorted(CJK_MONTHS))
+def test_short_modes_in_a_cjk_locale_find_the_kernels_records(
+    cjk: CjkJournals, locale: str, month: str, mode: str, tmp_path: Path
+) -> None:
+    """journalctl under zh_CN, ja_JP, ko_KR writes the month as its number and 月 or 월 (ja_JP
+    and ko_KR pad 1 to 9 with a space, which starts the line): the same findings as in
+    English, a program's line still not the kernel's, and every finding has its stamp's time
+    (systemd 252 writes short-full's and with-unit's day in English whatever the locale)."""
+    env = {**environment(locale, cjk.locpath), "TZ": "UTC"}
+    data = journalctl(cjk.journals[month], "-o", mode, "--all", env=env)
+    if mode in ("short", "short-precise"):
+        assert CJK_MONTHS[locale, month].encode() in b"\n" + data
+    findings, stats, matchers = scan_bytes(data, tmp_path)
+    _assert_the_kernels_findings(findings, matchers, mode)
+    assert stats.bad_timestamps == 0
+    with local_zone("UTC0"):
+        times = [read_stamp(f.record) for f in findings]
+    assert None not in times, [f.record.timestamp for f in findings]
+
+
+def _assert_the_kernels_findings(findings: list[Finding], matchers: MatcherSet, mode: str) -> None:
     kinds = _kinds(findings)
     for seen in (Seen("xid", 79), Seen("oom_kill", "py\ufffdt"), Seen("hung_task", "python3")):
         assert seen in kinds, (mode, kinds)

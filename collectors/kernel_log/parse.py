@@ -27,9 +27,11 @@ kern.log without printk times); a raw record carries it in its header (`,caller=
 A terminal's colours (`dmesg --color=always`, `dmesg -H`) are taken off a line before it is read,
 and so is a byte-order mark at its start (logs joined with `cat`).
 Stamps that name months and days are read in any locale's words (`[Di Dez  1 18:10:02 2026]`,
-`déc. 01 18:10:02 host kernel: ...`), dmesg's in the CJK locales' too (`[四 12月  3 05:58:20
-2026]`, `[木  1月  1 18:10:02 2026]`, `[12월 3 05:58]`), and dmesg's reltime stamp on the days
-1 to 9 (`[Dec 1 18:10]`). Given `--time-format` more than once, util-linux 2.38 prints the last
+`déc. 01 18:10:02 host kernel: ...`), the CJK locales' too (`[四 12月  3 05:58:20 2026]`,
+`[木  1月  1 18:10:02 2026]`, `[12월 3 05:58]`, `12月 03 18:10:02 host kernel: ...`,
+`木 2026-12-03 18:10:02 JST host kernel: ...`; ja_JP's and ko_KR's ` 1月 03 18:10:02 ...`
+starts with the space glibc pads the months 1 to 9 with, and is a line of its own, not an
+indented further line), and dmesg's reltime stamp on the days 1 to 9 (`[Dec 1 18:10]`). Given `--time-format` more than once, util-linux 2.38 prints the last
 one's stamp alone (seen on this machine's dmesg); each is one of the shapes above.
 
 A record's further lines, which dmesg and journalctl indent under its first, are records of
@@ -203,11 +205,17 @@ _LOCAL_CTIME = re.compile(
     rf"\[({_DAY_NAME} {_MONTH_NAME} [ \d]\d \d\d:\d\d:\d\d \d{{4}})\] ?(.*)", re.DOTALL
 )
 _LOCAL_RELTIME = re.compile(rf"{_MONTH_NAME}[ \d]\d \d\d:\d\d")
-_LOCAL_BSD = re.compile(rf"({_NAME} [ \d]\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})?) (.*)", re.DOTALL)
+# journalctl's short and short-full stamps in any locale, the CJK ones included (`12月 03
+# 18:10:02`, ` 1월 03 18:10:02`, `木 2026-12-03 18:10:02 JST`).
+_LOCAL_BSD = re.compile(rf"({_MONTH_NAME} [ \d]\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})?) (.*)", re.DOTALL)
 _LOCAL_FULL = re.compile(
-    rf"({_NAME} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z0-9+-]{{1,8}}) (.*)",
+    rf"({_DAY_NAME} \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d{{1,9}})? [A-Za-z0-9+-]{{1,8}}) (.*)",
     re.DOTALL,
 )
+# ja_JP's and ko_KR's months 1 to 9 (` 1月`) start a line with a space, as a record's further
+# lines do; those are indented as deep as the stamp and what follows it (journalctl) or the
+# stamp (dmesg), never by one space before a stamp.
+_PADDED_MONTH = re.compile(r" \d[^\W\d_] [ \d]\d \d\d:\d\d:\d\d")
 # A terminal's control sequences (CSI: ESC `[`, parameters, a final byte), which a saved
 # coloured output holds (`dmesg --color=always`, `dmesg -H`, a terminal's log of journalctl).
 _TERMINAL = re.compile(r"\x1b\[[0-?]{0,32}[ -/]{0,4}[@-~]")
@@ -397,7 +405,7 @@ def _digit_first(text: str, line: int) -> LogRecord:
         journal = _journal(stamped[1], stamped[2], line, strict=True)
         if journal is not None:
             return journal
-    return LogRecord(text, line, "plain")
+    return _localised(text, line)  # `12月 03 18:10:02 host kernel: ...` (zh_CN, ja_JP, ko_KR)
 
 
 def _upper_first(text: str, line: int) -> LogRecord:
@@ -479,10 +487,14 @@ def _body(text: str, line: int) -> LogRecord | None:
         return _journal_object(text, line) or LogRecord(text, line, "plain")
     if first.islower():
         return _decoded(text, line)
+    if first.isalpha():  # neither case: a CJK day name (`木 2026-12-03 18:10:02 JST host ...`)
+        return _localised(text, line)
     if first == "-" and _JOURNAL_META.fullmatch(text):
         return None
     if first.isspace() and not text.strip():
         return None
+    if first == " ":
+        return _localised(text, line)  # ja_JP's, ko_KR's padded month: ` 1月 03 18:10:02 ...`
     return LogRecord(text, line, "plain")
 
 
@@ -570,12 +582,19 @@ def _continued(previous: LogRecord, text: str, line: int) -> LogRecord:
     )
 
 
+def indented(text: str) -> bool:
+    """Whether `text` is a further line of the record before it: indented (a raw record's
+    ` KEY=value`, a message's further lines under its first), and not a line whose own
+    stamp starts with a space (ja_JP's and ko_KR's months 1 to 9: ` 1月 03 18:10:02`)."""
+    return text[:1] == " " and _PADDED_MONTH.match(text) is None
+
+
 def last_record_lines(lines: Sequence[str | None]) -> int:
     """How many lines at the end of `lines` are the last record: its first line and the
     indented lines after it (a raw record's ` KEY=value`, a message's further lines), which
     may go on in lines not read yet. 0 when the last line is no record's."""
     index = len(lines) - 1
-    while index >= 0 and (text := lines[index]) is not None and text[:1] == " ":
+    while index >= 0 and (text := lines[index]) is not None and indented(text):
         index -= 1
     if index < 0 or lines[index] is None:
         return 0
@@ -639,7 +658,13 @@ def parse_lines(
     fields: dict[str, str] | None = None
     for number, text in enumerate(lines, start=first_line):
         stats.lines += 1
-        if text is not None and text[:1] == " " and previous is not None and text.strip():
+        if (
+            text is not None
+            and text[:1] == " "
+            and previous is not None
+            and text.strip()
+            and _PADDED_MONTH.match(text) is None  # not `indented`'s call: the common path
+        ):
             if pending is not None and (field_ := _fields(text)) is not None:
                 fields = fields or {}
                 fields[field_[0]] = field_[1]

@@ -38,6 +38,7 @@ from collectors.kernel_log.parse import (
     LogRecord,
     MalformedLine,
     ParseStats,
+    indented,
     parse_line,
     parse_lines,
 )
@@ -108,17 +109,17 @@ def _candidate_records(
     head: str | None = None  # the last line that starts a record
     previous: LogRecord | None = None
     for number, text in enumerate(lines, 1):
-        indented = text is not None and text.startswith(" ")
-        if text is None or candidate(text) or (run and indented):
+        further = text is not None and text[:1] == " " and indented(text)
+        if text is None or candidate(text) or (run and further):
             if not run:
                 start = number
-                previous = _head_record(head) if indented else None
+                previous = _head_record(head) if further else None
             run.append(text)
-            if not indented:
+            if not further:
                 head = text
             continue
         skipped += 1
-        if not indented:
+        if not further:
             head = text
         if run:
             yield from parse_lines(run, stats, first_line=start, previous=previous)
