@@ -38,7 +38,15 @@ from agent.contracts.collector import (
 from agent.contracts.config import Config
 from agent.contracts.errors import GpuwardenError, StateStoreError
 from agent.contracts.heartbeat import HeartbeatSettings
-from agent.contracts.model import ActiveRepair, Event, MetricFamily, RepairAction, Sample, Severity
+from agent.contracts.model import (
+    ActiveRepair,
+    Event,
+    MetricFamily,
+    MetricType,
+    RepairAction,
+    Sample,
+    Severity,
+)
 from agent.contracts.pause import PauseHistory, PauseSettings, PauseState
 from agent.contracts.sink import EventListener, Health, Sink, SinkLedger, SinkSpec
 from agent.runtime import logs
@@ -799,7 +807,11 @@ class Runtime:
         else:
             if outcome.error != status.last_error:  # a failure that repeats is logged once
                 _log_failure(logger, outcome)
-            status.samples = ()
+            # Its counters stay at their last values (a count of what happened is no less true
+            # for a failed round, and a counter that vanishes for a scrape reads as new ten
+            # minutes later to the rules' `unless X offset 10m`: a page for nothing); its
+            # gauges go (a reading nobody took). gpuwarden_collector_success says why.
+            status.samples = tuple(s for s in status.samples if s.family.type is MetricType.COUNTER)
             status.success = False
             status.failures += 1
             status.last_error = outcome.error
