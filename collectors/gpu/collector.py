@@ -62,7 +62,7 @@ from collectors._nvml import (
 )
 from collectors._procfs import ProcessOwner, open_files, read_boot_id, read_owner
 from collectors._repair import shared_recurrence
-from collectors._xid import NVML_COUNTS, XID_FAMILIES, parse_snapshot, shared_correlator
+from collectors._xid import NVML_COUNTS, parse_snapshot, shared_correlator
 from collectors.gpu import metrics as m
 from collectors.gpu.checks import (
     FAST_COUNTERS,
@@ -286,7 +286,7 @@ class GpuCollector:
         self.correlator.attach(self, self.name)
 
     def families(self) -> Sequence[MetricFamily]:
-        return (*m.FAMILIES, *XID_FAMILIES)
+        return m.FAMILIES  # not the Xid series: the correlator's (`SharedSeries`)
 
     # -- NVML availability ----------------------------------------------------------------------
 
