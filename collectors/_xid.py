@@ -16,6 +16,12 @@ process with the Xid events the state store holds from its last life on this boo
 (`CollectorDeps.stored_events`), so that a kernel-log line read again after a crash confirms
 the event NVML raised before it, instead of raising a second one.
 
+The Xid counters (`gpuwarden_xid_errors_total`, `gpuwarden_xid_confirmed_total`) are the
+correlator's own series (`SharedSeries`): the runtime renders them once, live, while either
+source's collector is attached (`attach` at construction, `detach` at close), so that neither
+collector exports them (two would make each series twice, one alone has none where only the
+other runs), and a failed round or a reload of either takes nothing away.
+
 The catalog lookup lives in collectors/_xid_catalog.py; `build_xid_event` here is the default
 event builder (meaning, severity, action, which sources saw it), so the NVML side gets full
 events whether or not the kernel_log collector runs. `set_builder` replaces it.
@@ -32,7 +38,17 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from agent.contracts.collector import CollectorDeps, JSONValue
-from agent.contracts.model import AttributeValue, Event, RepairAction, Severity, stable_event_id
+from agent.contracts.model import (
+    GPU_LABELS,
+    AttributeValue,
+    Event,
+    MetricFamily,
+    MetricType,
+    RepairAction,
+    Sample,
+    Severity,
+    stable_event_id,
+)
 from collectors._repair import clears_for, repair_for
 from collectors._xid_catalog import lookup_event
 
@@ -223,6 +239,23 @@ kernel-log backlog it reads again after a crash may be that old (a restart loop,
 hours); a sighting is matched to them by when the Xid happened, not by when it is read."""
 
 
+XID_ERRORS: Final = MetricFamily(
+    "gpuwarden_xid_errors_total",
+    MetricType.COUNTER,
+    "Xid errors per GPU and code on this boot, carried across agent restarts (kernel log and "
+    "NVML correlated: one Xid seen by both counts once); GPU labels empty when NVML does not "
+    "know the GPU",
+    (*GPU_LABELS, "xid"),
+)
+XID_CONFIRMED: Final = MetricFamily(
+    "gpuwarden_xid_confirmed_total",
+    MetricType.COUNTER,
+    "Xids the second source (kernel log or NVML) saw within the correlation window of the "
+    "first, which had raised the event: confirmations, not new faults",
+    (*GPU_LABELS, "xid"),
+)
+XID_FAMILIES: Final = (XID_ERRORS, XID_CONFIRMED)
+
 NVML_COUNTS: Final = ("xid", "nvml_counts")
 """The state key of the Xid counts as the NVML thread last stored them: `{"boot": id,
 "xids": [[pci, code, n], ...], "confirmed": [...]}`, written with each of its Xid events (in
@@ -306,6 +339,9 @@ class XidCorrelator:
         self._seeded = False
         self.seeded = 0
         """Stored Xid events taken over at start."""
+        self._attached: dict[int, str] = {}
+        """id() -> name of the collectors feeding it now (`attach`): its series are exported
+        while there is one."""
         self._carried_from: set[str] = set()
         self._carried: tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] = ({}, {})
         """What `carry_counts` took over: (counts, confirmations) of the last life."""
@@ -335,6 +371,45 @@ class XidCorrelator:
                         carried[key] = n
                         into[key] = into.get(key, 0) + more
             return True
+
+    def attach(self, owner: object, name: str) -> None:
+        """A collector that feeds the correlator runs (`owner`, from its construction until
+        `detach` at its close): the Xid series are exported while one does. A collector
+        rebuilt by a reload attaches before the instance it replaces detaches."""
+        with self._lock:
+            self._attached[id(owner)] = name
+
+    def detach(self, owner: object) -> None:
+        with self._lock:
+            self._attached.pop(id(owner), None)
+
+    def shared_families(self) -> Sequence[MetricFamily]:
+        return XID_FAMILIES
+
+    def shared_samples(self) -> list[Sample]:
+        """The Xid counters as they are now, one series per GPU and code, while a source's
+        collector runs (`attach`); none otherwise. GPU labels from NVML's identity of the
+        address, empty strings where NVML does not know it."""
+        with self._lock:
+            if not self._attached:
+                return []
+            tables = ((XID_ERRORS, dict(self.counts)), (XID_CONFIRMED, dict(self.confirmations)))
+            identities = {k: dict(v) for k, v in self._identities.items()}
+        samples: list[Sample] = []
+        for family, table in tables:
+            for (pci, code), count in sorted(table.items()):
+                labels = identities.get(pci, {})
+                samples.append(
+                    family.sample(
+                        count,
+                        labels.get("gpu", ""),
+                        labels.get("uuid", ""),
+                        labels.get("pci_bus_id", pci),
+                        labels.get("model", ""),
+                        str(code),
+                    )
+                )
+        return samples
 
     def snapshot(self) -> dict[str, JSONValue]:
         """`counts` and `confirmations` as stored (`parse_snapshot` reads them back)."""

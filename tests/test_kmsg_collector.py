@@ -66,7 +66,10 @@ class Harness:
         ctx = CollectContext(caller, time.time() if now is None else now, self.round)
         self.round += 1
         result = await self.collector.collect(ctx)
-        return list(result.events), list(result.samples)
+        # The snapshot as the runtime makes it: the round's and the shared series (the Xid
+        # counters are the correlator's, agent/contracts/collector.py SharedSeries).
+        shared = [s for source in self.shared.series() for s in source.shared_samples()]
+        return list(result.events), [*result.samples, *shared]
 
     async def restart(self) -> None:
         await self.collector.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from agent.contracts.errors import CallStillHung, CallTimedOut  # noqa: F401 (re-exported)
-from agent.contracts.model import ActiveRepair, Collection, Event, MetricFamily
+from agent.contracts.model import ActiveRepair, Collection, Event, MetricFamily, Sample
 from agent.contracts.settings import setting
 
 P = ParamSpec("P")
@@ -92,6 +92,20 @@ class MemoryKeyValueStore:
             self._data.pop((namespace, key), None)
 
 
+@runtime_checkable
+class SharedSeries(Protocol):
+    """A shared service with series of its own (the Xid correlator's counters): what several
+    collectors feed and none of them alone may export. The runtime renders them live with
+    every snapshot, once, beside the collectors' (`SharedServices.series`): whichever of its
+    collectors runs, fails a round or is replaced by a reload, the series is there once."""
+
+    def shared_families(self) -> Sequence[MetricFamily]: ...
+
+    def shared_samples(self) -> Sequence[Sample]:
+        """Called on the event loop at each snapshot: from memory, never blocking long."""
+        ...
+
+
 class SharedServices:
     """Objects several components share, one per type: the NVML backend, the Xid correlator.
 
@@ -120,6 +134,11 @@ class SharedServices:
         with self._lock:
             obj = self._objects.get(kind)
         return obj if isinstance(obj, kind) else None
+
+    def series(self) -> list[SharedSeries]:
+        """The shared services with series of their own (`SharedSeries`)."""
+        with self._lock:
+            return [obj for obj in self._objects.values() if isinstance(obj, SharedSeries)]
 
 
 @dataclass(frozen=True)

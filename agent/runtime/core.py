@@ -1314,10 +1314,13 @@ class Runtime:
             out.extend(sink.families())
         for source in self.metrics.sources:
             out.extend(source.families())
+        for shared in self.shared.series():
+            out.extend(shared.shared_families())
         return out
 
     def samples(self) -> list[Sample]:
-        """The last snapshot of every collector, the sinks' and the runtime's own series."""
+        """The last snapshot of every collector, the sinks' and the runtime's own series, and
+        those of the shared services (`SharedSeries`: the Xid counters), read now."""
         out = list(self.metrics.samples())
         for status in self.collectors.values():
             out.extend(status.samples)
@@ -1325,6 +1328,8 @@ class Runtime:
             out.extend(sink.samples())
         for source in self.metrics.sources:
             out.extend(source.samples())
+        for shared in self.shared.series():
+            out.extend(shared.shared_samples())
         return out
 
 

@@ -281,9 +281,12 @@ class GpuCollector:
         self._before_pause: dict[str, dict[str, str]] = {}
         """uuid -> labels of the GPUs NVML listed when the pause began, until the first round
         after it has seen them again (a reset that failed leaves one out)."""
+        # The NVML thread's Xids count in the correlator's series, exported while this runs
+        # (or the kernel_log collector does): with the kernel log off or unreadable too.
+        self.correlator.attach(self, self.name)
 
     def families(self) -> Sequence[MetricFamily]:
-        return m.FAMILIES
+        return m.FAMILIES  # not the Xid series: the correlator's (`SharedSeries`)
 
     # -- NVML availability ----------------------------------------------------------------------
 
@@ -947,6 +950,7 @@ class GpuCollector:
             thread.request_stop()  # it ends within one wait; never join on the event loop
 
     async def close(self) -> None:
+        self.correlator.detach(self)
         thread, self.events_thread = self.events_thread, None
         if thread is not None:
             await asyncio.to_thread(thread.stop)

@@ -33,7 +33,6 @@ from agent.contracts.collector import (
 )
 from agent.contracts.errors import GpuwardenError
 from agent.contracts.model import (
-    GPU_LABELS,
     AttributeValue,
     Collection,
     Event,
@@ -48,6 +47,8 @@ from agent.contracts.pause import PauseHistory, PauseWindow, logged_during_pause
 from agent.contracts.settings import setting
 from collectors._repair import shared_recurrence
 from collectors._xid import (
+    XID_CONFIRMED,
+    XID_ERRORS,
     XidObservation,
     gpu_aliases,
     gpu_description,
@@ -81,21 +82,6 @@ C = MetricType.COUNTER
 COUNTS_KEY = "finding_counts"
 """The state key of the finding counters (`_Counts`), stored with each round's cursor."""
 
-XID_ERRORS = MetricFamily(
-    "gpuwarden_xid_errors_total",
-    C,
-    "Xid errors per GPU and code on this boot, carried across agent restarts (kernel log and "
-    "NVML correlated: one Xid seen by both counts once); GPU labels empty when NVML does not "
-    "know the GPU",
-    (*GPU_LABELS, "xid"),
-)
-XID_CONFIRMED = MetricFamily(
-    "gpuwarden_xid_confirmed_total",
-    C,
-    "Xids the second source (kernel log or NVML) saw within the correlation window of the "
-    "first, which had raised the event: confirmations, not new faults",
-    (*GPU_LABELS, "xid"),
-)
 SXID_ERRORS = MetricFamily(
     "gpuwarden_sxid_errors_total",
     C,
@@ -273,6 +259,9 @@ class KernelLogCollector:
         self._counts_loaded = False
         self._boot: str | None = None
         self._stored_counts: JSONValue | None = None
+        # The Xid counters are the correlator's series, exported while this runs (or the gpu
+        # collector does): never this collector's own samples, which a failed round drops.
+        self.correlator.attach(self, self.name)
 
     def families(self) -> Sequence[MetricFamily]:
         return (
@@ -582,31 +571,6 @@ class KernelLogCollector:
         samples += [
             SUPPRESSED.sample(self.suppressed[kind], kind) for kind in KINDS if kind not in ("xid",)
         ]
-        identities = self.correlator.identities()
-        for (pci, code), count in sorted(self.correlator.counts.items()):
-            labels = identities.get(pci, {})
-            samples.append(
-                XID_ERRORS.sample(
-                    count,
-                    labels.get("gpu", ""),
-                    labels.get("uuid", ""),
-                    labels.get("pci_bus_id", pci),
-                    labels.get("model", ""),
-                    str(code),
-                )
-            )
-        for (pci, code), count in sorted(self.correlator.confirmations.items()):
-            labels = identities.get(pci, {})
-            samples.append(
-                XID_CONFIRMED.sample(
-                    count,
-                    labels.get("gpu", ""),
-                    labels.get("uuid", ""),
-                    labels.get("pci_bus_id", pci),
-                    labels.get("model", ""),
-                    str(code),
-                )
-            )
         for (pci, device, code), count in sorted(self.sxids.items()):
             samples.append(SXID_ERRORS.sample(count, pci, device, str(code)))
         return samples
@@ -614,6 +578,7 @@ class KernelLogCollector:
     async def close(self) -> None:
         """Release the descriptors. Nothing waits in memory: every finding read is already
         one of a round's events."""
+        self.correlator.detach(self)
         if self.reader is not None:
             self.reader.close()
             self.reader = None
