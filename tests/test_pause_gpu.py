@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from collectors._nvml import NvmlBackend, NvmlUnavailable
 from tests.support.agent_proc import AgentProcess, http_get, run_gpuwarden
+from tests.support.nvml import real_gpu_count
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.gpu]
@@ -26,15 +26,7 @@ pytestmark = [pytest.mark.gpu]
 
 @pytest.fixture(scope="module")
 def gpus() -> int:
-    backend = NvmlBackend()
-    try:
-        backend.start()
-    except NvmlUnavailable as exc:
-        pytest.skip(f"no NVML here: {exc}")
-    try:
-        return backend.device_count()
-    finally:
-        backend.stop()
+    return real_gpu_count()
 
 
 @pytest.fixture

@@ -25,8 +25,13 @@ import pytest
 from agent.contracts.model import Severity
 from agent.program.watch.alertmanager import AlertmanagerSender, answered_at
 from agent.program.watch.fleet import Alert, AlertChange
-from agent.program.watch.settings import WatchSettings
-from tests.support.alertmanager import AlertmanagerServer, WebhookReceiver, hook_config
+from tests.support.alertmanager import (
+    AlertmanagerServer,
+    WebhookReceiver,
+    hooked_server,
+    stamp,
+    started_sender,
+)
 from tests.support.clock import WallClock
 from tests.support.waiting import until
 
@@ -37,13 +42,9 @@ SINCE = 30.0
 """The alert's condition began this long before it is raised."""
 
 
-def _ts(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 @pytest.fixture
 def alertmanager(tmp_path: Path, webhook: WebhookReceiver) -> Iterator[AlertmanagerServer]:
-    server = AlertmanagerServer(tmp_path / "am", hook_config(webhook.url)).start()
+    server = hooked_server(tmp_path / "am", webhook)
     yield server
     server.stop()
 
@@ -58,14 +59,8 @@ def skewed(request: pytest.FixtureRequest, wall: WallClock) -> WallClock:
 async def sender(
     alertmanager: AlertmanagerServer, skewed: WallClock
 ) -> AsyncIterator[AlertmanagerSender]:
-    """The sender on the skewed clock, as the Watcher makes it (its clock: time.time)."""
-    settings = WatchSettings(
-        url="mqtt://127.0.0.1:1883",
-        alertmanager_urls=(alertmanager.url,),
-        alertmanager_resend_interval=RESEND,
-    )
-    instance = AlertmanagerSender(settings, time.time)
-    instance.start()
+    """The sender on the skewed clock, from its first post."""
+    instance = await started_sender(alertmanager.url, RESEND)
     yield instance
     await instance.stop()
 
@@ -89,10 +84,10 @@ async def test_an_alert_is_held_active_on_alertmanagers_clock(
     await asyncio.sleep(RESEND * 5)  # re-sent several times
     [alert] = held(alertmanager)
     assert alert["status"]["state"] == "active"
-    starts = _ts(alert["startsAt"])
+    starts = stamp(alert["startsAt"])
     # Never after Alertmanager's now; at most the skew's measure (whole seconds) early.
     assert raised - SINCE - 2.0 <= starts <= raised + 1.0, (starts - raised, skewed.offset)
-    assert _ts(alert["endsAt"]) > skewed.real()
+    assert stamp(alert["endsAt"]) > skewed.real()
     [member] = sender.members  # the skew is measured (the answers' Date), not guessed
     assert member.dropped == 0
     assert member.skew(time.time()) == pytest.approx(skewed.offset, abs=1.5)
@@ -107,7 +102,7 @@ async def test_the_alert_that_clears_resolves_at_once(
     alert = node_dead()
     sender.change(AlertChange(True, alert, time.time()))
     await until(lambda: len(held(alertmanager)) == 1, 10.0, "Alertmanager to hold the alert")
-    starts = _ts(held(alertmanager)[0]["startsAt"])
+    starts = stamp(held(alertmanager)[0]["startsAt"])
     await asyncio.sleep(RESEND * 2)
     cleared = skewed.real()
     sender.change(AlertChange(False, alert, time.time()))
@@ -116,9 +111,9 @@ async def test_the_alert_that_clears_resolves_at_once(
         lambda: webhook.matching("resolved", node="n1") != [], 10.0, "the resolved notification"
     )
     alerts = [a for n in webhook.received() for a in n.alerts() if a["labels"]["node"] == "n1"]
-    assert {round(_ts(a["startsAt"]) - starts, 2) for a in alerts} == {0.0}, alerts
+    assert {round(stamp(a["startsAt"]) - starts, 2) for a in alerts} == {0.0}, alerts
     [resolved] = [a for a in alerts if a["status"] == "resolved"]
-    ends = _ts(resolved["endsAt"])
+    ends = stamp(resolved["endsAt"])
     assert starts <= ends <= cleared + 1.0, (ends - cleared, skewed.offset)
 
 

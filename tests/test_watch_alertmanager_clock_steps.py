@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,13 @@ import pytest
 from agent.contracts.model import Severity
 from agent.program.watch.alertmanager import AlertmanagerSender
 from agent.program.watch.fleet import Alert, AlertChange
-from agent.program.watch.settings import WatchSettings
-from tests.support.alertmanager import AlertmanagerServer, WebhookReceiver, hook_config
+from tests.support.alertmanager import (
+    AlertmanagerServer,
+    WebhookReceiver,
+    hooked_server,
+    stamp,
+    started_sender,
+)
 from tests.support.clock import WallClock
 from tests.support.waiting import until
 
@@ -37,13 +41,9 @@ STEPS = [120.0, -120.0, 3600.0, -3600.0, 86400.0]
 RESEND = 0.3
 
 
-def _ts(text: str) -> float:
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
 @pytest.fixture
 def alertmanager(tmp_path: Path, webhook: WebhookReceiver) -> Iterator[AlertmanagerServer]:
-    server = AlertmanagerServer(tmp_path / "am", hook_config(webhook.url)).start()
+    server = hooked_server(tmp_path / "am", webhook)
     yield server
     server.stop()
 
@@ -52,14 +52,8 @@ def alertmanager(tmp_path: Path, webhook: WebhookReceiver) -> Iterator[Alertmana
 async def sender(
     alertmanager: AlertmanagerServer, wall: WallClock
 ) -> AsyncIterator[AlertmanagerSender]:
-    """The sender on the stepped clock, as the Watcher makes it (its clock: time.time)."""
-    settings = WatchSettings(
-        url="mqtt://127.0.0.1:1883",
-        alertmanager_urls=(alertmanager.url,),
-        alertmanager_resend_interval=RESEND,
-    )
-    instance = AlertmanagerSender(settings, time.time)
-    instance.start()
+    """The sender on the stepped clock."""
+    instance = await started_sender(alertmanager.url, RESEND)
     yield instance
     await instance.stop()
 
@@ -80,7 +74,7 @@ async def raise_then_step(
     alert = alert_on(time.time() - 30.0)
     sender.change(AlertChange(True, alert, time.time()))
     await until(lambda: len(held(server)) == 1, 10.0, "Alertmanager to hold the alert")
-    starts = _ts(held(server)[0]["startsAt"])
+    starts = stamp(held(server)[0]["startsAt"])
     assert abs(starts - alert.since) < 0.01
     wall.offset += step
     return dataclasses.replace(alert, since=alert.since + step), starts
@@ -94,8 +88,8 @@ async def test_an_active_alert_stays_one_and_active(
     await asyncio.sleep(RESEND * 5)  # re-sent several times on the stepped clock
     [alert] = held(alertmanager)
     assert alert["status"]["state"] == "active"
-    assert _ts(alert["startsAt"]) == pytest.approx(starts, abs=0.01)
-    assert _ts(alert["endsAt"]) > wall.real()
+    assert stamp(alert["startsAt"]) == pytest.approx(starts, abs=0.01)
+    assert stamp(alert["endsAt"]) > wall.real()
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -115,9 +109,9 @@ async def test_the_alert_that_clears_resolves_at_once(
         lambda: webhook.matching("resolved", node="n1") != [], 10.0, "the resolved notification"
     )
     alerts = [a for n in webhook.received() for a in n.alerts() if a["labels"]["node"] == "n1"]
-    assert [round(_ts(a["startsAt"]) - starts, 2) for a in alerts] == [0.0] * len(alerts), alerts
+    assert [round(stamp(a["startsAt"]) - starts, 2) for a in alerts] == [0.0] * len(alerts), alerts
     [resolved] = [a for a in alerts if a["status"] == "resolved"]
-    ends = _ts(resolved["endsAt"])
+    ends = stamp(resolved["endsAt"])
     assert starts <= ends <= wall.real()
     # When it cleared on Alertmanager's clock: the re-sends after the step told the watcher
     # that clock (the answers' Date), so neither the step forward nor the step back moves it.

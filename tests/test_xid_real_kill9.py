@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from collectors._nvml import NvmlBackend, NvmlUnavailable
 from tests.support.agent_proc import AgentProcess, http_get
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber
+from tests.support.nvml import real_gpu_count
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -54,15 +54,7 @@ else:
 
 @pytest.fixture(scope="module")
 def gpus() -> int:
-    backend = NvmlBackend()
-    try:
-        backend.start()
-    except NvmlUnavailable as exc:
-        pytest.skip(f"no NVML here: {exc}")
-    try:
-        count = backend.device_count()
-    finally:
-        backend.stop()
+    count = real_gpu_count()
     if importlib.util.find_spec("cupy") is None:
         pytest.skip("no CuPy here to launch the faulting kernel")
     if not os.access("/dev/kmsg", os.R_OK):

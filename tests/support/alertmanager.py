@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.program.watch.alertmanager import AlertmanagerSender
+from agent.program.watch.settings import WatchSettings
 from tests.support.ports import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,3 +275,24 @@ def webhook() -> Iterator[WebhookReceiver]:
     receiver = WebhookReceiver().start()
     yield receiver
     receiver.stop()
+
+
+def stamp(text: str) -> float:
+    """An RFC 3339 time as Alertmanager writes it (`...Z`) -> seconds since the epoch."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def hooked_server(workdir: Path, webhook: WebhookReceiver) -> AlertmanagerServer:
+    """A started Alertmanager that notifies `webhook` (stop it when done)."""
+    return AlertmanagerServer(workdir, hook_config(webhook.url)).start()
+
+
+async def started_sender(url: str, resend: float) -> AlertmanagerSender:
+    """The watcher's sender to one member on `time.time` (as the Watcher makes it: a test's
+    stepped or skewed clock is the one it reads), started; `await sender.stop()` when done."""
+    settings = WatchSettings(
+        url="mqtt://127.0.0.1:1883", alertmanager_urls=(url,), alertmanager_resend_interval=resend
+    )
+    sender = AlertmanagerSender(settings, time.time)
+    sender.start()
+    return sender

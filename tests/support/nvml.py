@@ -18,7 +18,7 @@ from agent.contracts.collector import (
 from agent.contracts.model import Collection, Event, Sample
 from agent.runtime.blocking import PooledCaller
 from agent.runtime.rounds import WAIT_IN_PLACE
-from collectors._nvml import NvmlBackend
+from collectors._nvml import NvmlBackend, NvmlUnavailable
 from collectors._xid import XidCorrelator
 from collectors.gpu.collector import GpuCollector, GpuSettings
 from tests.support.nvml_fake import FakeGpu, FakeNvml
@@ -114,3 +114,18 @@ def kinds(events: list[Event] | tuple[Event, ...] | Collection) -> list[str]:
 
 def series_names(collection: Collection) -> Iterator[str]:
     return (s.family.name for s in collection.samples)
+
+
+def real_gpu_count() -> int:
+    """How many GPUs the real NVML of this host lists; skips the test where there is none."""
+    import pytest
+
+    backend = NvmlBackend()
+    try:
+        backend.start()
+    except NvmlUnavailable as exc:
+        pytest.skip(f"no NVML here: {exc}")
+    try:
+        return backend.device_count()
+    finally:
+        backend.stop()
