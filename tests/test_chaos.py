@@ -28,3 +28,27 @@ def test_what_the_node_sees_is_delivered_whatever_happens(tmp_path: Path, seed: 
     chaos = Chaos(seed, tmp_path)
     violations = chaos.run(STEPS)
     assert not violations, report(chaos)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gpu", [0, 1])
+def test_an_nvml_xid_after_the_backlog_line_of_it_is_no_second_alert(
+    tmp_path: Path, gpu: int
+) -> None:
+    """What the harness found (seed 2, 30 steps): a kernel-log Xid line the agent had not
+    stored when it died is read again at start as backlog; NVML's Xid of the same GPU and
+    code right after the start raised a second `xid` alert instead of confirming the first
+    (the backlog's event opened no incident and started no holdoff). Here the line is
+    logged while the agent is down, NVML reports the same Xid as soon as the agent runs:
+    one alert, its confirmation within 5 s or held back by the holdoff after."""
+    chaos = Chaos(0, tmp_path)
+    with chaos.running():
+        chaos.stop_agent()
+        chaos.op_kmsg_xid(gpu, 74)
+        chaos.start_agent()
+        chaos.op_nvml_xid(gpu, 74)
+        chaos.heal()
+        chaos.check()
+    alerts = [e for e in chaos.events() if e["kind"] == "xid"]
+    assert len(alerts) == 1, report(chaos)
+    assert not chaos.violations, report(chaos)
