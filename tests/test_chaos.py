@@ -18,8 +18,8 @@ import pytest
 
 from tests.support.chaos import Chaos, env_seeds, report
 
-SEEDS = env_seeds([1, 2])
-STEPS = int(os.environ.get("GPUWARDEN_CHAOS_STEPS", "10"))
+SEEDS = env_seeds([1, 2, 3])
+STEPS = int(os.environ.get("GPUWARDEN_CHAOS_STEPS", "12"))
 
 
 @pytest.mark.slow

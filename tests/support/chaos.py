@@ -231,6 +231,15 @@ class Chaos:
         self.agent.config_text = self.config()
         self.agent.start(timeout=60.0)
         self._wait_event_thread()
+        # /metrics answers before the collectors' first rounds: the kernel_log collector's
+        # series (the Xid counters) are absent until its first, which is no counter going
+        # down; a carried counter that is absent after it is one.
+        healthz = self.agent.metrics_url.replace("/metrics", "/healthz")
+        wait_until(
+            lambda: not http_get(healthz, 10.0)[1].startswith("starting"),
+            60.0,
+            "every collector's first round",
+        )
 
     def stop_agent(self) -> None:
         """A clean stop, for a scenario of its own (the schedule restarts at once)."""
