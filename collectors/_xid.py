@@ -268,9 +268,10 @@ class XidCorrelator:
     A live Xid raises its event at first sight. Within `window` seconds of that sighting
     the same GPU and code from the other source is its twin (an `xid_confirmed` follow-up,
     counted in `confirmations`), from the same source a repeat (counted; the next event
-    says how many). Xids that predate the agent (kernel-log backlog) expect no twin:
+    says how many). Xids that predate the agent (kernel-log backlog) are grouped:
     `observe_backlog` makes one event per GPU and code of a batch, so a backlog of 500
-    identical lines is one event saying 500.
+    identical lines is one event saying 500; that event is then an incident like a live
+    one's (a twin confirms it, the holdoff runs from it).
     """
 
     def __init__(
