@@ -301,9 +301,10 @@ class XidCorrelator:
     A live Xid raises its event at first sight. Within `window` seconds of that sighting
     the same GPU and code from the other source is its twin (an `xid_confirmed` follow-up,
     counted in `confirmations`), from the same source a repeat (counted; the next event
-    says how many). Xids that predate the agent (kernel-log backlog) expect no twin:
+    says how many). Xids that predate the agent (kernel-log backlog) are grouped:
     `observe_backlog` makes one event per GPU and code of a batch, so a backlog of 500
-    identical lines is one event saying 500.
+    identical lines is one event saying 500; that event is then an incident like a live
+    one's (a twin confirms it, the holdoff runs from it).
     """
 
     def __init__(
@@ -664,7 +665,10 @@ class XidCorrelator:
 
     def observe_backlog(self, observations: Sequence[XidObservation]) -> list[Event]:
         """Xids logged before the agent started (one read's worth): one event per GPU and
-        code, at once, standing for all of them; no twin is expected, no holdoff applies."""
+        code, at once, standing for all of them; no holdoff holds it back. From then on it
+        is an Xid event like a live one: the other source's sighting within `window` of it
+        is its twin, the same source's a repeat, and the holdoff runs from it (as it would
+        from the stored event after a restart: `seed`)."""
         # Lines that ask otherwise are apart (an Xid 154 to a reset and back to None): in
         # the order they were first logged, so the all-clear comes after what it clears.
         groups: dict[tuple[str, int, Asks | None], list[XidObservation]] = {}
@@ -688,8 +692,22 @@ class XidCorrelator:
                 shown = dataclasses.replace(group[0], text=worst.text)
                 sources = frozenset(o.source for o in group)
                 texts = [o.text for o in group if o.text][:8]
-                out.append(self._event(shown, sources, len(group), 0, texts=texts))
+                event = self._event(shown, sources, len(group), 0, texts=texts)
+                out.append(event)
+                self._opened(key, group, event)
         return out
+
+    def _opened(self, key: tuple[str, int], group: Sequence[XidObservation], event: Event) -> None:
+        """A backlog's event is the open incident of its GPU and code, and the holdoff runs
+        from it, as `seed` takes it over after a restart (under the lock)."""
+        asks = _asks(group[0])
+        incident = _Incident(group[0], event.id, event.subject, event.severity, asks=asks)
+        for obs in group:
+            incident.per_source[obs.source] = incident.per_source.get(obs.source, 0) + 1
+        self._open[key] = incident
+        last = self._last_event.get(key)
+        if last is None or last[0] <= event.time:
+            self._last_event[key] = (event.time, asks)
 
     def _prune(self, now: float) -> None:
         """Forget incidents whose window closed (called under the lock)."""

@@ -19,6 +19,10 @@ mosquitto: when aiomqtt starts reporting refusals itself, that test fails and th
 
 A lost connection is seen through aiomqtt's public API: its message iterator raises MqttError
 when the connection ends (`connection()`).
+
+The writer for the socket is registered by our handler of paho's public
+`on_socket_register_write`, in place of aiomqtt's, which adds it a loop turn late, when the
+socket may have closed (`_register_writes_now`).
 """
 
 from __future__ import annotations
@@ -174,7 +178,7 @@ def new_client(
     """An aiomqtt client for one connection: v5, the explicit keepalive, TLS that checks the
     host name, `client_id` or the caller's default."""
     address = settings.address
-    return aiomqtt.Client(
+    client = aiomqtt.Client(
         address.host,
         address.port,
         username=settings.username or None,
@@ -188,6 +192,41 @@ def new_client(
         queue_type=queue_type,
         max_inflight_messages=max_inflight,
     )
+    _register_writes_now(client._client, asyncio.get_running_loop())
+    return client
+
+
+def _register_writes_now(paho_client: paho.Client, loop: asyncio.AbstractEventLoop) -> None:
+    """paho asks for a writer when it has bytes to send; aiomqtt 2.x schedules
+    `add_writer(fd)` for the loop's next turn, and a connection lost in between (paho closes
+    the socket on the broker's EOF, on the loop too) leaves it a closed descriptor (the loop
+    logs EBADF with a traceback) or, its number taken again by the next file opened, a writer
+    on that file that calls loop_write whenever it is writable, never removed
+    (tests/test_mqtt_socket_writes.py). Here the writer is added at once on the loop's
+    thread, and from paho's connect in an executor thread on the next turn only if the socket
+    is still the connection's and open. paho handles a failed write itself (its loop_write
+    closes the socket on an OSError and reports the disconnect, which aiomqtt hears)."""
+
+    def write() -> None:
+        paho_client.loop_write()
+
+    def register(client: paho.Client, _userdata: Any, sock: Any) -> None:
+        fd = sock.fileno()
+
+        def add() -> None:
+            if fd >= 0 and sock.fileno() == fd and client.socket() is sock:
+                loop.add_writer(fd, write)
+
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            add()
+        else:
+            loop.call_soon_threadsafe(add)
+
+    paho_client.on_socket_register_write = register
 
 
 @contextlib.asynccontextmanager

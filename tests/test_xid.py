@@ -262,6 +262,37 @@ class TestCorrelator:
         assert event.time == 100.0
         assert correlator.counts == {(PCI, 13): 500}
 
+    @pytest.mark.parametrize("lines", [1, 3])
+    @pytest.mark.parametrize("source", ["nvml", "kmsg"])
+    @pytest.mark.parametrize(
+        ("delay", "kind"),
+        [(0.2, "twin"), (4.9, "twin"), (5.5, None), (120.0, None), (299.0, None), (301.0, "xid")],
+    )
+    def test_a_live_sighting_after_a_backlog_event_is_its_twin_or_held_back(
+        self, lines: int, source: XidSource, delay: float, kind: str | None
+    ) -> None:
+        """The backlog's event is an Xid event like any other: the other source's sighting
+        within the window of its time (its first line's, as a restart's `seed` reads it back)
+        confirms it, the same source's is a repeat, and new incidents within the holdoff
+        raise no event. The fault harness found an NVML Xid
+        0.7 s after a kernel-log line the restarted agent read as backlog raised a second
+        alert (tests/test_chaos.py: a line logged just before a kill -9, read again at start)."""
+        correlator = XidCorrelator(window=5.0, clock=FakeClock(2000.0))
+        backlog = [obs("kmsg", 1000.0 + i, predates=True) for i in range(lines)]
+        [event] = correlator.observe_backlog(backlog)
+        live = correlator.observe(obs(source, event.time + delay))
+        twin = kind == "twin"
+        if twin and source == "nvml":
+            assert live is not None and live.kind == "xid_confirmed", live
+            assert live.attributes["confirms"] == event.id
+        elif kind == "xid":
+            assert live is not None and live.kind == "xid", live
+        else:  # a repeat of the same source, or an incident the holdoff holds back
+            assert live is None, live
+        counted = lines + (0 if twin and source == "nvml" else 1)
+        assert correlator.counts == {(PCI, 79): counted}
+        assert correlator.confirmations == ({(PCI, 79): 1} if twin and source == "nvml" else {})
+
     def test_custom_builder(self) -> None:
         """set_builder replaces the default; occurrences are still added."""
         correlator = XidCorrelator(window=0.0, clock=FakeClock(0.0))

@@ -36,6 +36,9 @@ class Subscriber:
     topic_filter: str = "gpuwarden/v1/#"
     client_id: str = ""
     persistent: bool = False
+    reconnect_max: int = 120
+    """Seconds between reconnects at most (paho's default): lower for a broker the test
+    stops and starts again."""
     messages: list[Received] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _client: paho.Client | None = None
@@ -44,6 +47,7 @@ class Subscriber:
         client = paho.Client(
             CallbackAPIVersion.VERSION2, client_id=self.client_id, clean_session=not self.persistent
         )
+        client.reconnect_delay_set(min(1, self.reconnect_max), self.reconnect_max)
         subscribed = threading.Event()
         client.on_message = lambda _c, _u, msg: self._record(msg)
         client.on_subscribe = lambda *_args: subscribed.set()
