@@ -92,6 +92,14 @@ VALUES = st.recursive(
 )
 
 
+def shipped_prometheus(workdir: Path) -> PrometheusServer:
+    """A started Prometheus in `workdir` (beside the targets the role wrote) on the shipped
+    configs/prometheus/prometheus.yml and rules, unchanged."""
+    shutil.copy(ROOT / "configs" / "prometheus" / "gpuwarden-rules.yml", workdir)
+    config = (ROOT / "configs" / "prometheus" / "prometheus.yml").read_text()
+    return PrometheusServer(workdir, config).start()
+
+
 class TestToml:
     @settings(max_examples=300, deadline=None)
     @given(st.dictionaries(KEYS, VALUES, max_size=6))
@@ -774,11 +782,7 @@ class TestOnHost:
         self, deployed: Deployed
     ) -> None:
         """configs/prometheus/prometheus.yml, unchanged, reads the directory the role wrote."""
-        workdir = deployed.targets.parent
-        shutil.copy(ROOT / "configs" / "prometheus" / "gpuwarden-rules.yml", workdir)
-        server = PrometheusServer(
-            workdir, (ROOT / "configs" / "prometheus" / "prometheus.yml").read_text()
-        ).start()
+        server = shipped_prometheus(deployed.targets.parent)
         try:
 
             def discovered() -> list[dict[str, Any]]:
@@ -932,11 +936,7 @@ class TestWatcherOnHost:
                 "labels": {"cluster": "a", "tier": "1"},
             }
         ]
-        workdir = deployed.targets.parent
-        shutil.copy(ROOT / "configs" / "prometheus" / "gpuwarden-rules.yml", workdir)
-        server = PrometheusServer(
-            workdir, (ROOT / "configs" / "prometheus" / "prometheus.yml").read_text()
-        ).start()
+        server = shipped_prometheus(deployed.targets.parent)
         try:
 
             def active() -> list[dict[str, Any]]:
