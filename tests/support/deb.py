@@ -241,10 +241,14 @@ def host_package() -> Iterator[HostPackage]:
                 package.purge()
             for path in LEFTOVERS:
                 shutil.rmtree(path, ignore_errors=True)
-            # Enable links and deb-systemd-helper's records of them.
+            # Enable links and deb-systemd-helper's records of them, and drop-in folders
+            # (the Ansible role's gpuwarden-watch.service.d).
             for top in (Path("/etc/systemd/system"), Path("/var/lib/systemd")):
                 for link in top.glob("**/gpuwarden*.service*"):
-                    link.unlink(missing_ok=True)
+                    if link.is_dir() and not link.is_symlink():
+                        shutil.rmtree(link, ignore_errors=True)
+                    else:
+                        link.unlink(missing_ok=True)
             if not had_user and run(["getent", "passwd", PACKAGE], check=False).returncode == 0:
                 run(["userdel", PACKAGE])
                 run(["groupdel", PACKAGE], check=False)  # gone with the user where USERGROUPS_ENAB
