@@ -290,6 +290,18 @@ class GpuState:
     skips: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
+@dataclass
+class _ProcessRuns:
+    """Each GPU's `GpuState`, shared by the benchmark collectors of one process (the runtime's
+    SharedServices): the runs, failures and skips are the agent's counts and the last run and
+    success its record, not an instance's. A reload makes the collector again; an instance
+    that began empty lowered every counter and dropped the last run's and last success's
+    times until the next run (a `period` later), which hid a failing GPU from
+    GpuwardenBenchmarkFailing and paged GpuwardenBenchmarkStale for an idle one."""
+
+    gpus: dict[str, GpuState] = field(default_factory=dict)
+
+
 class BenchmarkCollector:
     name = SOURCE
 
@@ -317,7 +329,7 @@ class BenchmarkCollector:
         self.history = HistoryFile.in_state_dir(deps.state_dir)
         self._history_error: str | None = None
         """Why the history file failed last (logged once per outage), None while it works."""
-        self.gpus: dict[str, GpuState] = {}
+        self.gpus = deps.shared.get(_ProcessRuns, _ProcessRuns).gpus
         self._no_gpu_logged = False
         self.state: KeyValueStore = deps.state
         """Never raises: what a full disk refuses the runtime keeps (this process still sees
@@ -440,6 +452,8 @@ class BenchmarkCollector:
             )
             mine = [r for r in self.history.records if r.gpu_uuid == gpu.uuid]
             state.last = mine[-1] if mine else None
+        elif state.quiet.maxlen != self.settings.idle_rounds:  # an earlier instance's
+            state.quiet = collections.deque(state.quiet, maxlen=self.settings.idle_rounds)
         return state
 
     async def _observe(self, ctx: CollectContext, gpu: GpuIdentity) -> None:

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.contracts.collector import (
@@ -230,6 +230,12 @@ class _ProcessLog:
     """Shared by the kernel_log collectors of one process (the runtime's SharedServices)."""
 
     backlog_read: bool = False
+    totals: Counter[str] = field(default_factory=Counter)
+    """The records read, malformed, lost, ... since the agent started: a reload that makes
+    the collector again is no start (the counters' help says "since the agent started"), and
+    an instance of its own that began at zero lowered every one of them."""
+    ignored: Counter[str] = field(default_factory=Counter)
+    """The matchers' user-space findings, counted the same way (MatcherSet.ignored)."""
 
 
 class KernelLogCollector:
@@ -243,11 +249,15 @@ class KernelLogCollector:
         self.io = io
         self.correlator = shared_correlator(deps)
         self.recurrence = shared_recurrence(deps, lambda: read_boot_id(settings.boot_id_path))
+        process = deps.shared.get(_ProcessLog, _ProcessLog)
         self.matchers = MatcherSet()
+        self.matchers.ignored = process.ignored
         self.reader: LogReader | None = None
         self.findings: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
         self.sxids: Counter[tuple[str, str, int]] = Counter()
-        self.totals: Counter[str] = Counter()
+        # The process's, not this instance's (the finding counters are taken over from the
+        # store instead, `_load_counts`: they count the boot).
+        self.totals = process.totals
         self.suppressed: Counter[str] = Counter()
         self.pauses = deps.shared.get(PauseHistory, PauseHistory)
         self.paused_findings: Counter[str] = Counter(dict.fromkeys(sorted(PAUSABLE_KINDS), 0))
