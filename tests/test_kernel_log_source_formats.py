@@ -521,7 +521,8 @@ HOST = [
     ),
     # fs/ext4/super.c `__ext4_error` ("EXT4-fs error (device %s): %s:%d: comm %s: ..."),
     # `__ext4_std_error` ("... in %s:%d: %s"); fs/xfs (xfs_alert); fs/btrfs messages.c (6.2
-    # on) adds " state %s" after the device when the file system has a state flag set.
+    # on; newer kernels add " state %s" after the device when a state flag is set, as public
+    # reports show).
     _f(
         "ext4 __ext4_error",
         "EXT4-fs error (device sda1): ext4_find_entry:1455: inode #2: comm "
