@@ -85,8 +85,9 @@ _XID = re.compile(
 )
 _PID = re.compile(r"\bpid=(?P<pid>\d+)")
 # `pid=%s, name=%s, %s` (kernel_rc.c): the name is a task's comm, which may hold spaces,
-# parentheses and commas; it ends at the `, ` before the driver's text (or the line's end).
-_NAME = re.compile(r"\bname=(?P<name>[^\n]{0,64}?)(?:, |$)", re.MULTILINE)
+# parentheses and commas; it ends at the `, ` before the driver's text, or, where that text is
+# empty (`pMsg` NULL or ""), at the `,` the line ends with once its trailing space is gone.
+_NAME = re.compile(r"\bname=(?P<name>[^\n]{0,64}?)(?:, |,?[ \t]*$)", re.MULTILINE)
 _XID_TRIGGER: Final = "NVRM: Xid ("
 
 
