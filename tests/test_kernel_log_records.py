@@ -25,6 +25,7 @@ from agent.program.commands.scan import scan_lines
 from collectors._xid import XidCorrelator
 from collectors.kernel_log.matchers import KINDS, Finding, MatcherSet
 from collectors.kernel_log.parse import LogRecord, ParseStats, parse_lines
+from tests.support.klog_shapes import SHAPES, Record, render
 from tests.support.kmsg import FakeKmsg, capture_records
 from tests.test_kmsg_collector import IDENTITY, PCI, Harness
 
@@ -694,3 +695,24 @@ class TestLiveRecords:
         events, _ = await h.collect()
         assert events == []
         await h.collector.close()
+
+
+FALLEN_OFF = (
+    "NVRM: The NVIDIA GPU 0000:3b:00.0\n"
+    "NVRM: (PCI ID: 10de:2335) installed in this system has\n"
+    "NVRM: fallen off the bus and is not responding to commands."
+)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_line_handed_over_with_its_newline_reads_as_without(shape: str) -> None:
+    """`parse_line` takes a line's `\\r\\n` off; a further, indented line of a record kept its
+    `\\n`, and the driver's three-line "fallen off the bus" record then split into four parts
+    and was missed by a caller that hands `readlines()`' lines over as they are."""
+    text = render(shape, Record(FALLEN_OFF, seq=1, usec=5_000_001))
+    bare = text.split("\n")
+    for ending in ("\n", "\r\n"):
+        kept = [line + ending for line in bare]
+        assert [r.message for r in parse_lines(kept)] == [r.message for r in parse_lines(bare)]
+        assert scan_lines(kept, ParseStats()) == scan_lines(bare, ParseStats())
+    assert any(f.kind == "gpu_fallen_off_bus" for f in scan_lines(bare, ParseStats())), shape

@@ -570,7 +570,7 @@ def _continued(previous: LogRecord, text: str, line: int) -> LogRecord:
     if TERMINAL_ESCAPE in text:
         text = _TERMINAL.sub("", text)
     return LogRecord(
-        message=text.lstrip(" ").rstrip("\r"),
+        message=text.lstrip(" ").rstrip("\r\n"),
         line=line,
         format=previous.format,
         facility=previous.facility,
@@ -603,7 +603,7 @@ def last_record_lines(lines: Sequence[str | None]) -> int:
 
 def _fields(text: str) -> tuple[str, str] | None:
     """A raw record's ` KEY=value` line, or None."""
-    match = _CONTINUATION.fullmatch(text.rstrip("\r"))
+    match = _CONTINUATION.fullmatch(text.rstrip("\r\n"))
     return None if match is None else (match[1], unescape_kmsg(match[2]))
 
 
