@@ -665,6 +665,58 @@ class StateStore:
         kept = [p for p in self.problems if p.kind not in IN_MEMORY_PROBLEMS]
         self.problems = [*kept, problem]
 
+    # -- a spill (agent/runtime/spill.py): what a clean stop could not store -------------
+
+    def copy_into(self, conn: sqlite3.Connection) -> None:
+        """Everything this store's database holds, its schema included, into `conn` (an
+        empty database): SQLite's backup, under the lock."""
+        with self._lock:
+            self._conn.backup(conn)
+
+    def unsaved_removals(self) -> tuple[list[tuple[int, str]], list[tuple[str, str]]]:
+        """In memory: what it removed of what it read back from its database at start, which
+        that database still holds: outbox entries (seq, key) delivered since, and key-value
+        keys (namespace, key) deleted since. Nothing for a durable store."""
+        with self._lock:
+            outbox = {(int(row[0]), str(row[2])) for row in self._read_back.rows.get("outbox", [])}
+            kv = {(str(row[0]), str(row[1])) for row in self._read_back.rows.get("kv", [])}
+            if not outbox and not kv:
+                return [], []
+            have = {(int(s), str(k)) for s, k in self._conn.execute("SELECT seq, key FROM outbox")}
+            keys = {
+                (str(n), str(k)) for n, k in self._conn.execute("SELECT namespace, key FROM kv")
+            }
+        return sorted(outbox - have), sorted(kv - keys)
+
+    @contextlib.contextmanager
+    def transaction(self, failure: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock (a spill's adoption); any error rolls it back
+        and raises StateStoreError(`failure`: error). The outbox is counted again after it."""
+        with self._transaction(failure) as conn:
+            yield conn
+        usage = self._count_outbox()
+        with self._usage_lock:
+            self._usage = usage
+
+    def to_memory(self, why: str) -> StateStore:
+        """This durable store, whose disk cannot take a write, as a store in memory that
+        starts from everything its database holds (read through its own connection: a disk
+        too full for the `-shm` index cannot be read otherwise) and goes back there once
+        the disk has room (`disk_attempt`, `Move`). This store is closed."""
+        state_dir = self.state_dir
+        found = Salvage()
+        with self._lock:
+            for table, columns in COLUMNS.items():
+                sql = f"SELECT {columns} FROM {table} ORDER BY rowid"  # noqa: S608
+                rows = [tuple(row) for row in self._conn.execute(sql)]
+                if rows:
+                    found.rows[table] = rows
+        self.close()
+        problem = _unusable(
+            state_dir or Path("."), OSError(errno.ENOSPC, why, str(state_dir)), (), found
+        )
+        return StateStore.in_memory([*self.problems, problem], found, state_dir=state_dir)
+
     @property
     def durable(self) -> bool:
         return self.path is not None
