@@ -243,3 +243,34 @@ def test_an_unusable_runtime_dir_is_a_log_line_naming_what_is_lost(
         assert lines[0]["outbox_entries_lost"] == 5 and lines[0]["values_lost"] == 1
         if fault != "missing":
             assert [n for n in os.listdir(runtime_dir) if n != ".filler"] == []
+
+
+def test_a_spill_adopted_into_memory_stays_until_the_store_is_durable(tmp_path: Path) -> None:
+    """A kill -9 of the life that adopted a spill into memory (the disk still full) must not
+    lose it: the next start finds it again; once the store is on the disk it goes."""
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir()
+    ids = memory_spill(runtime_dir, BOOT)
+    with SmallDisk(tmp_path / "disk", size=1 * MIB) as disk:
+        state_dir = disk.path / "state"
+        StateStore.open(state_dir).close()
+        disk.fill()
+        store, adopted = spill.adopt_all(StateStore.open(state_dir), runtime_dir, boot_id=BOOT)
+        assert not store.durable and [a.error for a in adopted] == [None]
+        assert set(outbox_ids(store)) == set(ids)
+        store.outbox_ack([entry.seq for entry in store.outbox_peek(1)])  # one delivered
+        store.close()  # and the life killed: nothing of memory survives
+        store, adopted = spill.adopt_all(StateStore.open(state_dir), runtime_dir, boot_id=BOOT)
+        assert set(outbox_ids(store)) == set(ids)  # found again: none lost
+        disk.free()
+        attempt = store.disk_attempt()
+        assert attempt is not None
+        store.adopt(attempt.future.result(20))
+        assert store.durable and spill.found(runtime_dir) == []
+        store.close()
+        store = StateStore.open(state_dir)
+        try:
+            assert set(outbox_ids(store)) == set(ids)
+            assert spill.adopt_all(store, runtime_dir, boot_id=BOOT)[1] == []
+        finally:
+            store.close()

@@ -23,6 +23,9 @@ spill found into the store in one transaction each and removes it:
   values deleted) is removed there too;
 - a marker (the spill's id, in the same transaction) makes adoption happen once: a kill -9
   after the commit and before the file is removed, and the spill is found again and skipped.
+  Adopted into memory, the spill stays (`StateStore.held_files`) until the store is durable
+  or a newer spill holds it: a kill -9 meanwhile finds it again at the next start (what was
+  delivered of it since goes again, under the same id and payload, rather than being lost).
 
 A store on a disk too full to take the merge goes to memory, starting from all its database
 holds (`StateStore.to_memory`), and adopts the spill there; it moves back to the disk once
@@ -165,6 +168,7 @@ def write(
         temporary.rename(final)
         hook("renamed")
         _sync_dir(runtime_dir)
+        store.drop_held_files()  # the spills this store adopted: this one holds them now
     except (OSError, sqlite3.Error, StateStoreError) as exc:
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
@@ -324,10 +328,12 @@ def adopt_all(
                 **report.counts,
             )
         else:
-            try:
-                path.unlink()
-            except OSError as exc:  # adopted: its marker keeps it from being adopted again
-                log.error("an adopted spill could not be removed", path=str(path), error=str(exc))
+            # Into memory, it stays until the store is durable or a newer spill holds it: a
+            # kill -9 meanwhile would lose it, and the kernel log, read again from the disk's
+            # older cursor, would deliver its findings again under a changed payload.
+            store.held_files.append(path)
+            if store.durable:
+                store.drop_held_files()
             log.warning(
                 "state_spill_adopted: the state the last stop spilled is in the store",
                 kind="state_spill_adopted",

@@ -466,6 +466,10 @@ class StateStore:
         """The error of the latest write while writes fail; None once one works again."""
         self.clock_steps: list[float] = []
         """Steps of the wall clock this store moved its stamps by (seconds), in order."""
+        self.held_files: list[Path] = []
+        """Files whose content this store holds in memory only (spills adopted into it:
+        agent/runtime/spill.py): kept, so that a kill -9 loses none of it, and removed once
+        the store is durable (`Move.finish`) or a newer spill holds it."""
         self._steps = StepWatch()
         self._epoch = time.monotonic()
         """Since when the stamps this store made are on the wall clock as it reads now."""
@@ -687,6 +691,15 @@ class StateStore:
                 (str(n), str(k)) for n, k in self._conn.execute("SELECT namespace, key FROM kv")
             }
         return sorted(outbox - have), sorted(kv - keys)
+
+    def drop_held_files(self) -> None:
+        """Remove `held_files`: what they held is stored elsewhere now."""
+        for path in self.held_files:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # its marker keeps it from being adopted again
+                log.error("an adopted spill could not be removed", path=str(path), error=str(exc))
+        self.held_files = []
 
     @contextlib.contextmanager
     def transaction(self, failure: str) -> Iterator[sqlite3.Connection]:
@@ -1248,6 +1261,7 @@ class Move:
                     before = memory._usage.get(kind, (0, 0))
                     memory._usage[kind] = (before[0] + count, before[1] + size)
         memory.problems = [p for p in memory.problems if p.kind not in IN_MEMORY_PROBLEMS]
+        memory.drop_held_files()  # what they held is on the disk now (their markers too)
         moved = {
             "outbox_moved": self._outbox_moved,
             "outbox_renumbered": self._set_aside,
