@@ -89,19 +89,24 @@ def section_lines(name: str, obj: Any) -> list[str]:
 
 
 def render() -> str:
-    # The state_dir default follows $STATE_DIRECTORY; the example shows the FHS place.
-    saved = os.environ.pop("STATE_DIRECTORY", None)
+    # The state_dir and runtime_dir defaults follow systemd's $STATE_DIRECTORY and
+    # $RUNTIME_DIRECTORY; the example shows the FHS places.
+    saved = {name: os.environ.pop(name, None) for name in ("STATE_DIRECTORY", "RUNTIME_DIRECTORY")}
     try:
         defaults = config.parse({})
     finally:
-        if saved is not None:
-            os.environ["STATE_DIRECTORY"] = saved
+        for name, value in saved.items():
+            if value is not None:
+                os.environ[name] = value
     out = [HEADER]
     core = table_lines(defaults.core)
     out += [
         line.replace(
             '#state_dir = "/var/lib/gpuwarden"',
             '#state_dir = "/var/lib/gpuwarden"   # or $STATE_DIRECTORY',
+        ).replace(
+            '#runtime_dir = "/run/gpuwarden"',
+            '#runtime_dir = "/run/gpuwarden"   # or $RUNTIME_DIRECTORY',
         )
         for line in core
     ]

@@ -76,6 +76,7 @@ PATH_KEYS = (
     # time by a collector that reports a missing one as its own error): only the characters
     # of the path are judged at load.
     "state_dir",
+    "runtime_dir",
     "collectors.system.proc_root",
     "collectors.disk.proc_root",
     "collectors.disk.rootfs",

@@ -38,12 +38,24 @@ def _default_state_dir() -> Path:
     return Path(env) if env else Path("/var/lib/gpuwarden")
 
 
+def _default_runtime_dir() -> Path:
+    # systemd's RuntimeDirectory= sets this (a tmpfs: it outlives a restart of the agent,
+    # RuntimeDirectoryPreserve=yes, and not a reboot); outside systemd the FHS place applies.
+    env = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return Path(env) if env else Path("/run/gpuwarden")
+
+
 @dataclass(frozen=True)
 class CoreSettings:
     node_id: str = setting("", help="node name in topics and labels; empty: the host name")
     state_dir: Path = setting(
         factory=_default_state_dir,
         help="state database, outbox, benchmark history",
+    )
+    runtime_dir: Path = setting(
+        factory=_default_runtime_dir,
+        help="where a clean stop spills what the state store could not take (a full state "
+        "disk, a store in memory), for the next start to adopt",
     )
     log_level: LogLevel = setting("info", help="debug, info, warning or error")
     state_open_timeout: float = setting(

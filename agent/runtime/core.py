@@ -1006,7 +1006,13 @@ class Runtime:
         """Keys of `new` that differ from what runs: (read only at start, not read at all)."""
         pending = [
             key
-            for key in ("node_id", "state_dir", "state_open_timeout", "state_retry_interval")
+            for key in (
+                "node_id",
+                "state_dir",
+                "runtime_dir",
+                "state_open_timeout",
+                "state_retry_interval",
+            )
             if getattr(new.core, key) != getattr(self.config.core, key)
         ]
         read = {*self._sink_specs, "heartbeat"}

@@ -466,6 +466,10 @@ class StateStore:
         """The error of the latest write while writes fail; None once one works again."""
         self.clock_steps: list[float] = []
         """Steps of the wall clock this store moved its stamps by (seconds), in order."""
+        self.held_files: list[Path] = []
+        """Files whose content this store holds in memory only (spills adopted into it:
+        agent/runtime/spill.py): kept, so that a kill -9 loses none of it, and removed once
+        the store is durable (`Move.finish`) or a newer spill holds it."""
         self._steps = StepWatch()
         self._epoch = time.monotonic()
         """Since when the stamps this store made are on the wall clock as it reads now."""
@@ -664,6 +668,67 @@ class StateStore:
         # A new list, never changed in place: the runtime reads it from another thread.
         kept = [p for p in self.problems if p.kind not in IN_MEMORY_PROBLEMS]
         self.problems = [*kept, problem]
+
+    # -- a spill (agent/runtime/spill.py): what a clean stop could not store -------------
+
+    def copy_into(self, conn: sqlite3.Connection) -> None:
+        """Everything this store's database holds, its schema included, into `conn` (an
+        empty database): SQLite's backup, under the lock."""
+        with self._lock:
+            self._conn.backup(conn)
+
+    def unsaved_removals(self) -> tuple[list[tuple[int, str]], list[tuple[str, str]]]:
+        """In memory: what it removed of what it read back from its database at start, which
+        that database still holds: outbox entries (seq, key) delivered since, and key-value
+        keys (namespace, key) deleted since. Nothing for a durable store."""
+        with self._lock:
+            outbox = {(int(row[0]), str(row[2])) for row in self._read_back.rows.get("outbox", [])}
+            kv = {(str(row[0]), str(row[1])) for row in self._read_back.rows.get("kv", [])}
+            if not outbox and not kv:
+                return [], []
+            have = {(int(s), str(k)) for s, k in self._conn.execute("SELECT seq, key FROM outbox")}
+            keys = {
+                (str(n), str(k)) for n, k in self._conn.execute("SELECT namespace, key FROM kv")
+            }
+        return sorted(outbox - have), sorted(kv - keys)
+
+    def drop_held_files(self) -> None:
+        """Remove `held_files`: what they held is stored elsewhere now."""
+        for path in self.held_files:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # its marker keeps it from being adopted again
+                log.error("an adopted spill could not be removed", path=str(path), error=str(exc))
+        self.held_files = []
+
+    @contextlib.contextmanager
+    def transaction(self, failure: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction under the lock (a spill's adoption); any error rolls it back
+        and raises StateStoreError(`failure`: error). The outbox is counted again after it."""
+        with self._transaction(failure) as conn:
+            yield conn
+        usage = self._count_outbox()
+        with self._usage_lock:
+            self._usage = usage
+
+    def to_memory(self, why: str) -> StateStore:
+        """This durable store, whose disk cannot take a write, as a store in memory that
+        starts from everything its database holds (read through its own connection: a disk
+        too full for the `-shm` index cannot be read otherwise) and goes back there once
+        the disk has room (`disk_attempt`, `Move`). This store is closed."""
+        state_dir = self.state_dir
+        found = Salvage()
+        with self._lock:
+            for table, columns in COLUMNS.items():
+                sql = f"SELECT {columns} FROM {table} ORDER BY rowid"  # noqa: S608
+                rows = [tuple(row) for row in self._conn.execute(sql)]
+                if rows:
+                    found.rows[table] = rows
+        self.close()
+        problem = _unusable(
+            state_dir or Path("."), OSError(errno.ENOSPC, why, str(state_dir)), (), found
+        )
+        return StateStore.in_memory([*self.problems, problem], found, state_dir=state_dir)
 
     @property
     def durable(self) -> bool:
@@ -1196,6 +1261,7 @@ class Move:
                     before = memory._usage.get(kind, (0, 0))
                     memory._usage[kind] = (before[0] + count, before[1] + size)
         memory.problems = [p for p in memory.problems if p.kind not in IN_MEMORY_PROBLEMS]
+        memory.drop_held_files()  # what they held is on the disk now (their markers too)
         moved = {
             "outbox_moved": self._outbox_moved,
             "outbox_renumbered": self._set_aside,

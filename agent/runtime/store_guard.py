@@ -145,11 +145,26 @@ class StoreGuard:
     def pending(self) -> bool:
         return bool(self._events or self._values)
 
+    def pending_deletes(self) -> set[tuple[str, str]]:
+        """The keys a write that waits deletes (a value held as None, an event's change)."""
+        with self._lock:
+            held = {key for key, text in self._values.items() if text is None}
+            for changes in self._bound.values():
+                held.update(key for key, text in changes.items() if text is None)
+        return held
+
     # -- writing (blocking: the runtime's store thread) -------------------------------------
 
     def flush(self, outbox: bool) -> bool:
         """Write what waits: events oldest first, `EVENTS_PER_TRANSACTION` at a time, the
         key-value changes with the last of them. True when everything was written."""
+        return self._flush(self.store, outbox)
+
+    def flush_into(self, store: StateStore, outbox: bool) -> bool:
+        """`flush`, into another store: a spill at a clean stop (agent/runtime/spill.py)."""
+        return self._flush(store, outbox)
+
+    def _flush(self, target: StateStore, outbox: bool) -> bool:
         with self._flushing:
             with self._lock:
                 events = list(self._events)
@@ -166,7 +181,7 @@ class StoreGuard:
                     changes: dict[tuple[str, str], str | None] = dict(general) if last else {}
                     for e in chunk:  # in order: the later event's change wins
                         changes.update(bound.get(e.id, {}))
-                    self._write(chunk, changes, outbox)
+                    self._write(target, chunk, changes, outbox)
                 with self._lock:
                     for key in superseded & values.keys():
                         if key in self._values and self._values[key] is values[key]:
@@ -183,11 +198,13 @@ class StoreGuard:
             self._error = None
             return True
 
-    def _write(self, events: Sequence[Event], values: KvChanges, outbox: bool) -> None:
+    def _write(
+        self, store: StateStore, events: Sequence[Event], values: KvChanges, outbox: bool
+    ) -> None:
         with self._lock:
             self._in_flight = len(events)
         try:
-            self.store.write_batch(events, values, outbox=outbox)
+            store.write_batch(events, values, outbox=outbox)
         except BaseException:
             with self._lock:
                 self._in_flight = 0

@@ -17,8 +17,9 @@ What is required at the end (docs/mqtt.md, docs/metrics.md "Xid correlation"):
   file and the cursor outlive the process). An NVML Xid whose injection was taken is
   required unless the process died before it was safe: neither delivered nor in the state
   database on the disk when the process was gone, after a kill -9 (NVML's queue dies with the
-  process) or with the disk full (events then wait in memory: docs/ARCHITECTURE.md step 2);
-  a clean stop with the disk writable loses nothing;
+  process; with the disk full, what waited in memory dies with it: docs/ARCHITECTURE.md step
+  2); a clean stop loses nothing, the disk full or not (what waits in memory is spilled to
+  the runtime dir and adopted by the next start: agent/runtime/spill.py);
 - an Xid and its twin of the other source within 5 s are one incident: at most one `xid`
   event per GPU and code in any 5 s;
 - no event id is delivered with two different payloads;
@@ -159,6 +160,9 @@ class Chaos:
         self.devices = self.workdir / "dev"
         self.klog = self.workdir / "kern.log"
         self.disk = SmallDisk(self.workdir / "agent" / "state", size=16 * MIB)
+        self.runtime_dir = self.workdir / "run"
+        """The agent's runtime dir (a spill of a clean stop on a full disk), outside the
+        state disk as /run is."""
         self.broker = Broker(
             self.workdir / "broker",
             extra_config=persistent_broker_lines(self.workdir / "broker"),
@@ -167,7 +171,7 @@ class Chaos:
             self.workdir / "agent",
             node_id=NODE,
             entry=["-m", "tests.support.fake_nvml_agent", str(self.devices), str(GPUS)],
-            core_text="state_retry_interval = 1.0\n",
+            core_text=f'state_retry_interval = 1.0\nruntime_dir = "{self.runtime_dir}"\n',
         )
         self.subscriber = Subscriber(
             self.broker.port,
@@ -318,17 +322,24 @@ class Chaos:
         )
 
     def _stored(self) -> list[dict[str, Any]]:
-        """The events of the state database on the disk, read from a copy (the process is
-        gone; the copy leaves the disk as the next process finds it)."""
+        """The events of the state database on the disk and of the spills in the runtime dir
+        (a clean stop's), read from copies (the process is gone; the copy leaves the disk as
+        the next process finds it)."""
+        out = self._stored_in(self.disk.path / "state.db")
+        for spilled in sorted(self.runtime_dir.glob("spill-*.db")):
+            out += self._stored_in(spilled)
+        return out
+
+    def _stored_in(self, database: Path) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as folder:
             for suffix in ("", "-wal", "-shm"):
-                source = self.disk.path / f"state.db{suffix}"
+                source = Path(f"{database}{suffix}")
                 if source.exists():
                     shutil.copy(source, Path(folder) / source.name)
-            if not (Path(folder) / "state.db").exists():
+            if not (Path(folder) / database.name).exists():
                 return []
             try:
-                conn = sqlite3.connect(Path(folder) / "state.db")
+                conn = sqlite3.connect(Path(folder) / database.name)
                 try:
                     rows = conn.execute("SELECT body FROM events").fetchall()
                 finally:
@@ -345,9 +356,10 @@ class Chaos:
         return out
 
     def _settle_nvml(self, how: str) -> None:
-        """The process is gone: each NVML Xid not yet known safe is safe now if delivered or
-        stored on the disk; else it died with the process, excused after a kill -9 or with
-        the disk full since it was taken, a violation after a clean stop."""
+        """The process is gone: each NVML Xid not yet known safe is safe now if delivered,
+        stored on the disk or spilled; else it died with the process, excused after a kill -9
+        (with the disk full since it was taken, or within STORE_BOUND of it), a violation
+        after a clean stop, the disk full or not."""
         open_ones = [x for x in self.xids if x.via == "nvml" and x.required and not x.safe]
         if not open_ones:
             return
@@ -356,10 +368,10 @@ class Chaos:
         for xid in open_ones:
             if any(self._matches(e, xid, kinds) for e in seen):
                 xid.safe = True
-            elif (
+            elif how == "kill" and (
                 self.disk_full
                 or self.disk_full_until >= xid.at - 1.0
-                or (how == "kill" and time.time() - xid.at < STORE_BOUND)
+                or time.time() - xid.at < STORE_BOUND
             ):
                 xid.required = False
                 xid.excused = f"{how} before it was stored (disk full: {self.disk_full})"
@@ -445,6 +457,8 @@ class Chaos:
             )
         )
         unsaved = unsaved or metric(before or "", "gpuwarden_state_store_durable") != 1.0
+        # A clean stop spills what is unsaved (agent/runtime/spill.py): nothing is excused.
+        unsaved = unsaved and not (signum == signal.SIGTERM and late_kill is None)
         process = self.agent.process
         assert process is not None
         process.send_signal(signum)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import functools
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from agent.program import config_loader, registry
 from agent.program.control import ControlServer
 from agent.program.control_client import socket_path
 from agent.program.hangup import HANGUPS
-from agent.runtime import logs
+from agent.runtime import logs, spill
 from agent.runtime.core import Runtime, cancel_tasks
 from agent.runtime.state import StateStore
 from agent.runtime.systemd import Notifier, run_watchdog, watchdog_interval
@@ -36,6 +38,9 @@ FIRST_ROUND_WAIT = 30.0
 """READY=1 waits for the first round of every collector, but not forever."""
 STOP_BUDGET = 4.0
 """SIGTERM to exit: well inside systemd's and the contract's 5 seconds."""
+SPILL_BUDGET = 3.0
+"""Seconds a spill at the stop may take (a tmpfs takes a full outbox in well under one):
+with STOP_BUDGET, inside the unit's TimeoutStopSec=10s."""
 SETTLE = config_loader.SETTLE
 SETTLE_BOUND = config_loader.SETTLE_BOUND
 START_AGAIN = "start the agent again once it is written"
@@ -79,13 +84,12 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     """Run until SIGTERM/SIGINT. Returns the exit code and the number of calls still hung."""
     loop = asyncio.get_running_loop()
     log.info("starting", config=cfg.source, node=cfg.node_id, state_dir=str(cfg.state_dir))
-    # Bounded: a state dir on a mount that hangs must not keep the agent from starting.
-    store = await asyncio.to_thread(
-        StateStore.open_within, cfg.state_dir, cfg.core.state_open_timeout
-    )
+    store, adopted, boot_id = await asyncio.to_thread(_open_store, cfg)
     runtime = Runtime(
-        cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS, boot_id=_boot_id()
+        cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS, boot_id=boot_id
     )
+    for report in adopted:  # stored and sent once the runtime starts, as its start problems
+        runtime.emit(report.event(str(cfg.state_dir)))
     notifier = Notifier()
     stop = asyncio.Event()
     reloads: asyncio.Queue[None] = asyncio.Queue()
@@ -100,9 +104,10 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     except OSError as exc:
         log.error("cannot start", error=str(exc))
         await runtime.stop()
+        stuck = await _spill(runtime, store, cfg)
         store.close()
         HANGUPS.ignore()
-        return 1, runtime.calls_outstanding()
+        return 1, runtime.calls_outstanding() + stuck
     control = ControlServer(runtime, socket_path(cfg.state_dir))
     if any(p.kind == "state_store_hung" for p in store.problems):
         # Its socket is in the state dir, which hangs: binding it would hold up the loop.
@@ -142,14 +147,65 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         await asyncio.wait_for(runtime.stop(), STOP_BUDGET)
     except TimeoutError:
         log.warning("some tasks did not stop in time; exiting anyway")
+    stuck = await _spill(runtime, store, cfg)
     store.close()
     notifier.close()
     HANGUPS.ignore()  # from here to the exit: nothing is left to reload
     # Hung calls, and calls the stop cancelled while they ran: the interpreter would wait for
     # each of those threads at exit.
-    hung = runtime.calls_outstanding()
+    hung = runtime.calls_outstanding() + stuck
     log.info("stopped", seconds=round(time.monotonic() - began, 3), hung_calls=hung)
     return 0, hung
+
+
+def _open_store(cfg: config_module.Config) -> tuple[StateStore, list[spill.Adopted], str]:
+    """The state store, bounded (a state dir on a mount that hangs must not keep the agent
+    from starting), with what the last clean stop could not store adopted into it before
+    anything reads it (the runtime's counts, the collectors' cursors): a disk too full for
+    that puts the store in memory. And this boot's id, which the spills are judged by."""
+    boot_id = _boot_id()
+    store = StateStore.open_within(cfg.state_dir, cfg.core.state_open_timeout)
+    store, adopted = spill.adopt_all(store, cfg.core.runtime_dir, boot_id=boot_id)
+    return store, adopted, boot_id
+
+
+async def _spill(runtime: Runtime, store: StateStore, cfg: config_module.Config) -> int:
+    """What the store could not take (a full disk, a store in memory) into the runtime dir
+    (agent/runtime/spill.py), in a thread of its own given SPILL_BUDGET seconds: a stop
+    stays inside systemd's TimeoutStopSec. Returns 1 if the thread is still stuck."""
+    if not spill.needed(store, runtime.guard):
+        return 0
+    done: concurrent.futures.Future[spill.Spilled] = concurrent.futures.Future()
+
+    def write() -> None:
+        try:
+            done.set_result(
+                spill.write(
+                    store,
+                    runtime.guard,
+                    cfg.core.runtime_dir,
+                    boot_id=runtime.boot_id,
+                    outbox=runtime.outbox_enabled,
+                )
+            )
+        except BaseException as exc:  # handed to the waiter, whatever it is
+            done.set_exception(exc)
+
+    threading.Thread(target=write, name="state-spill", daemon=True).start()
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(done), SPILL_BUDGET)
+    except TimeoutError:
+        log.error(
+            "unsaved state not spilled within the stop's time; it is lost with this stop",
+            runtime_dir=str(cfg.core.runtime_dir),
+            seconds=SPILL_BUDGET,
+            events_lost=runtime.guard.queued_events,
+            values_lost=runtime.guard.queued_values,
+        )
+        return 1
+    except Exception:
+        log.exception("unsaved state not spilled; it is lost with this stop")
+    return 0
 
 
 def _boot_id() -> str:
