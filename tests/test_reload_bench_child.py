@@ -196,6 +196,43 @@ class Bench:
             self.watch.violations.append(f"status messages {states}")
 
 
+@pytest.mark.slow
+class TestAReloadWhileTheChildRuns:
+    def test_left_alone_or_killed_and_run_again_once(self, tmp_path: Path, broker: Broker) -> None:
+        """A reload of another collector leaves the child running; one of the benchmark's
+        own settings kills it, and the new instance runs the GPU again, alone: one run of
+        GPU 0 counted in the end, with its result, no failure."""
+        gate = Gate(tmp_path / "gate")
+        bench = Bench(tmp_path, broker, gate)
+        with bench.running():
+            wait_until(lambda: len(gate.started()) == 1, timeout=30, what="the first child")
+            first = gate.started()[0]
+            bench.reload(system_interval=0.8)
+            interval = ("gpuwarden_collector_interval_seconds", (("collector", "system"),))
+            assert bench.scrape()[interval] == 0.8
+            assert alive(first), "a reload of the system collector killed the benchmark child"
+            assert gate.started() == [first]
+
+            bench.reload(benchmark_interval=1.5)
+            wait_until(lambda: len(gate.started()) == 2, timeout=30, what="the run again")
+            assert not alive(first)
+            gate.release()
+            wait_until(
+                lambda: (
+                    bench.gpu_series("gpuwarden_benchmark_last_success_timestamp_seconds")
+                    is not None
+                ),
+                what="GPU 0's result",
+            )
+            mine = ("gpuwarden_collector_interval_seconds", (("collector", "benchmark"),))
+            assert bench.scrape()[mine] == 1.5
+            # One run of GPU 0 gave a result; the run the reload killed is none.
+            assert bench.gpu_series("gpuwarden_benchmark_runs_total") == 1.0
+            assert bench.failures() == {}
+            assert gate.overlaps() == []
+        assert not bench.watch.violations, "\n".join(bench.watch.violations)
+
+
 def fuse_or_skip() -> None:
     why = fuse_usable()
     if why:

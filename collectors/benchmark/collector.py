@@ -528,7 +528,14 @@ class BenchmarkCollector:
         device, env = self.device_plan(gpu)
         driver = await ctx.call("benchmark:driver", self.activity.driver_version)
         state.runs += 1
-        outcome = await self.runner.run(child_arguments(self.settings.request(device)), env)
+        try:
+            outcome = await self.runner.run(child_arguments(self.settings.request(device)), env)
+        except asyncio.CancelledError:
+            # Cut short by a reload that restarts this collector, or by a stop: its child is
+            # killed, and like one a pause kills it is no run of the GPU's (the instance a
+            # reload makes runs it again when due, at once: no attempt was stored).
+            state.runs -= 1
+            raise
         if self.runner.stopped:
             # Killed by a pause: not a failure of the GPU, not an attempt (it runs when due
             # after the pause), no record.
