@@ -4,7 +4,8 @@ Every round (the collector's interval, a minute by default) samples each GPU's c
 and utilization; a GPU whose benchmark is due (`period`, six hours by default) is tested when it
 has had no compute process and low utilization for `idle_rounds` rounds in a row (`when = "idle"`),
 or at once (`when = "always"`). At most one GPU is tested per round, one at a time, so tests never
-overlap and a round stays well inside the runtime's bound.
+overlap and a round stays well inside the runtime's bound; none starts while a child killed
+earlier (a reload, a pause, a timeout) is still alive, stuck in the driver (runner.LiveChildren).
 
 The test runs in `python -m collectors.benchmark.child` (collectors/benchmark/runner.py starts it): the
 daemon never imports torch and never holds a CUDA context. Its record joins the history
@@ -45,7 +46,7 @@ from collectors.benchmark.history import (
     judge,
 )
 from collectors.benchmark.request import PROFILES, Request, child_arguments
-from collectors.benchmark.runner import ChildOutcome, ChildRunner, default_command
+from collectors.benchmark.runner import ChildOutcome, ChildRunner, LiveChildren, default_command
 
 log = structlog.get_logger(component="benchmark")
 
@@ -321,8 +322,12 @@ class BenchmarkCollector:
             deps.shared.get(NvmlBackend, NvmlBackend)
         )
         self.runner = runner or ChildRunner(
-            default_command(settings.python), settings.child_timeout
+            default_command(settings.python),
+            settings.child_timeout,
+            children=deps.shared.get(LiveChildren, LiveChildren),
         )
+        self._alive_logged: list[int] = []
+        """The earlier children still alive that the log has named (said once)."""
         self.device_plan = device_plan
         self.source = source
         self.policy = settings.policy()
@@ -406,10 +411,11 @@ class BenchmarkCollector:
         for gpu in gpus:
             await self._observe(ctx, gpu)
         chosen: GpuIdentity | None = None
+        earlier = self._earlier_child_alive()
         for gpu in sorted(gpus, key=lambda g: self._last_attempt(g) or 0.0):
             if not self._due(gpu, ctx.now):
                 continue
-            reason = self._blocked(gpu)
+            reason = "previous_child_alive" if earlier else self._blocked(gpu)
             if reason:
                 self._state(gpu).skips[reason] += 1
             elif chosen is None:
@@ -479,6 +485,19 @@ class BenchmarkCollector:
             state.quiet.append(True)
             state.busy_reason = "settling"
 
+    def _earlier_child_alive(self) -> bool:
+        """A child killed earlier (by a reload, a pause, its timeout) that has not died: no
+        run starts beside it (two tests on one GPU, or a second one stuck in the driver)."""
+        pids = self.runner.children.alive()
+        if pids and pids != self._alive_logged:
+            log.warning(
+                "an earlier benchmark child is still alive after its kill (stuck in the "
+                "driver?): no benchmark runs until it is gone",
+                pids=pids,
+            )
+        self._alive_logged = pids
+        return bool(pids)
+
     def _idle(self, gpu: GpuIdentity) -> bool:
         quiet = self._state(gpu).quiet
         return len(quiet) == self.settings.idle_rounds and all(quiet)
@@ -509,7 +528,14 @@ class BenchmarkCollector:
         device, env = self.device_plan(gpu)
         driver = await ctx.call("benchmark:driver", self.activity.driver_version)
         state.runs += 1
-        outcome = await self.runner.run(child_arguments(self.settings.request(device)), env)
+        try:
+            outcome = await self.runner.run(child_arguments(self.settings.request(device)), env)
+        except asyncio.CancelledError:
+            # Cut short by a reload that restarts this collector, or by a stop: its child is
+            # killed, and like one a pause kills it is no run of the GPU's (the instance a
+            # reload makes runs it again when due, at once: no attempt was stored).
+            state.runs -= 1
+            raise
         if self.runner.stopped:
             # Killed by a pause: not a failure of the GPU, not an attempt (it runs when due
             # after the pause), no record.

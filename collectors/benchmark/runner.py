@@ -108,16 +108,43 @@ def _describe_exit(code: int) -> str:
     return f"exit status {code}"
 
 
+class LiveChildren:
+    """The children a process's runners started that have not ended yet.
+
+    A child killed (a reload that restarts the collector, a pause, its timeout) and stuck in
+    the driver is not dead at SIGKILL: it stays in state D until the driver lets go, which
+    may take long or never happen, and it still holds its GPU. The runner waits for it only
+    up to REAP_TIMEOUT, and a reload's cancellation may cut that wait short; a child is
+    known dead only once its exit is seen (asyncio reaps it, awaited or not). Shared by the
+    benchmark collectors of one process (the runtime's SharedServices), so that the instance
+    a reload makes knows the child of the one it replaced."""
+
+    def __init__(self) -> None:
+        self._processes: set[asyncio.subprocess.Process] = set()
+
+    def add(self, process: asyncio.subprocess.Process) -> None:
+        self._processes.add(process)
+
+    def alive(self) -> list[int]:
+        """The pids of the children not seen to exit yet."""
+        self._processes = {p for p in self._processes if p.returncode is None}
+        return sorted(p.pid for p in self._processes)
+
+
 class ChildRunner:
     def __init__(
         self,
         command: Sequence[str] | None = None,
         timeout: float = 120.0,
         env: Mapping[str, str] | None = None,
+        children: LiveChildren | None = None,
     ) -> None:
         self.command = list(command or default_command())
         self.timeout = timeout
         self.env = dict(env or {})
+        self.children = children or LiveChildren()
+        """Every child this runner started and that has not ended: the collector starts no
+        other beside one (shared with the other runners of the process)."""
         self._running: asyncio.subprocess.Process | None = None
         self.stopped = False
         """While True (a pause), no child runs: one that starts is killed at once."""
@@ -169,6 +196,7 @@ class ChildRunner:
             )
         assert process.stdout is not None
         assert process.stderr is not None
+        self.children.add(process)
         self._running = process
         if self.stopped:  # stopped while it was being started
             await self._kill_group(process)

@@ -8,6 +8,9 @@ name, are written as JSON to `calls_path(DEVICE_DIR)` (beside it, not in it) eve
 "no call while paused". An Xid is injected from outside with `inject_xid`: a file in
 `inject_dir(DEVICE_DIR)` that the process turns into an NVML Xid event of its fake and then
 removes (so a process killed after the removal never gets it again; `injected` says when).
+A GPU hangs from outside too: while `hang_gpu` has left a file in `hang_dir(DEVICE_DIR)`, every
+call on that GPU blocks (a hung driver), `stuck_calls` says how many calls wait there now, and
+`unhang_gpu` lets them return.
 """
 
 from __future__ import annotations
@@ -63,6 +66,63 @@ def injected(request: Path) -> bool:
     return not request.exists()
 
 
+def hang_dir(device_dir: Path) -> Path:
+    return device_dir.parent / f"{device_dir.name}-nvml-hang"
+
+
+def hang_gpu(device_dir: Path, gpu: int) -> None:
+    """From the process's next look (every 0.02 s), every NVML call on GPU `gpu` blocks."""
+    folder = hang_dir(device_dir)
+    folder.mkdir(exist_ok=True)
+    (folder / str(gpu)).write_text("")
+
+
+def unhang_gpu(device_dir: Path, gpu: int) -> None:
+    (hang_dir(device_dir) / str(gpu)).unlink(missing_ok=True)
+
+
+def stuck_calls(device_dir: Path, gpu: int) -> int:
+    """NVML calls on GPU `gpu` that wait in its hang now (as of the process's last look):
+    each is a thread of the agent's stuck there."""
+    path = hang_dir(device_dir) / f"stuck-{gpu}"
+    return int(path.read_text()) if path.exists() else 0
+
+
+class _Hang(threading.Event):
+    """A GPU's hang that counts the calls waiting in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck = 0
+        self._count = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._count:
+            self.stuck += 1
+        try:
+            return super().wait(timeout)
+        finally:
+            with self._count:
+                self.stuck -= 1
+
+
+def _hang(fake: FakeNvml, folder: Path) -> None:
+    folder.mkdir(exist_ok=True)
+    while True:
+        hung = {int(path.name) for path in folder.iterdir() if path.name.isdigit()}
+        for index, gpu in enumerate(fake.gpus):
+            hang = gpu.hang
+            if index in hung and (hang is None or hang.is_set()):
+                gpu.hang = hang = _Hang()
+            elif index not in hung and hang is not None:
+                hang.set()  # kept, set: a call that has just read it must not find None
+            stuck = hang.stuck if isinstance(hang, _Hang) else 0
+            tmp = folder / f".stuck-{index}.tmp"
+            tmp.write_text(str(stuck))
+            tmp.replace(folder / f"stuck-{index}")
+        time.sleep(0.02)
+
+
 def _inject(fake: FakeNvml, folder: Path) -> None:
     import pynvml
 
@@ -89,4 +149,5 @@ if __name__ == "__main__":
     fake = _install(Path(directory), int(gpus))
     threading.Thread(target=_report, args=(fake, calls_path(Path(directory))), daemon=True).start()
     threading.Thread(target=_inject, args=(fake, inject_dir(Path(directory))), daemon=True).start()
+    threading.Thread(target=_hang, args=(fake, hang_dir(Path(directory))), daemon=True).start()
     sys.exit(main(rest))
