@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import sys
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent_proc import AgentProcess
+from tests.support.agent_proc import AgentProcess, run_gpuwarden
 from tests.support.bench import RECORD_CHILD
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber
@@ -294,4 +295,54 @@ class TestAChildThatDoesNotDie:
             wait_until(lambda: not alive(first), what="the stuck child's end")
             wait_until(lambda: len(gate.started()) > 1, timeout=30, what="the next child")
             assert gate.overlaps() == []
+        assert not bench.watch.violations, "\n".join(bench.watch.violations)
+
+
+@pytest.mark.slow
+class TestAPauseBesideAStuckChild:
+    def test_the_benchmark_is_not_released_while_its_child_lives(
+        self, tmp_path: Path, broker: Broker, stuck_mount: tuple[Path, Path]
+    ) -> None:
+        """`gpuwarden pause` tells the operator the GPUs may be reset; a child that a reload
+        killed and that is stuck in the driver outlives its SIGKILL and still holds its GPU.
+        Before, the new instance, running no child of its own, answered "no benchmark child
+        was running; none starts", released, exit 0, and a reset then met a GPU in use; now
+        it names the live child, not released, exit 1, and says released once the child is
+        gone and a new pause is asked."""
+        mountpoint, state = stuck_mount
+        gate = Gate(tmp_path / "gate", stuck_in=mountpoint)
+        bench = Bench(tmp_path, broker, gate)
+        bench.agent.prefix = hang_launcher(mountpoint, state)
+        gate.release()
+        with bench.running():
+            wait_until(lambda: bool(gate.started()), timeout=30, what="the first child")
+            wait_until(lambda: "statfs" in state.read_text(), what="its statfs")
+            first = gate.started()[0]
+            # A reload kills it, and the instance it makes waits for it (the test above).
+            bench.reload(benchmark_interval=1.5)
+            waited = ("gpuwarden_benchmark_skips_total", "previous_child_alive")
+            wait_until(
+                lambda: any(
+                    (name, dict(labels).get("reason")) == waited for name, labels in bench.scrape()
+                ),
+                timeout=40,
+                what="the new instance's wait for the stuck child",
+            )
+            state_dir = str(bench.agent.workdir / "state")
+            done = run_gpuwarden("pause", "--state-dir", state_dir, "--for", "5m", "--json")
+            assert process_state(first) == "D", "the stuck child died: nothing was tested"
+            reply = json.loads(done.stdout)
+            benchmark = reply["released"]["benchmark"]
+            assert benchmark["released"] is False, benchmark
+            assert str(first) in benchmark["detail"], benchmark
+            assert done.returncode == 1, done.stdout
+            kill_daemon(state)
+            wait_until(lambda: not alive(first), what="the stuck child's end")
+            # A pause asked again only moves its deadline: resume, then pause anew.
+            done = run_gpuwarden("resume", "--state-dir", state_dir)
+            assert done.returncode == 0, done.stdout
+            again = run_gpuwarden("pause", "--state-dir", state_dir, "--for", "5m", "--json")
+            assert json.loads(again.stdout)["released"]["benchmark"]["released"] is True, again
+            assert again.returncode == 0, again.stdout
+            assert run_gpuwarden("resume", "--state-dir", state_dir).returncode == 0
         assert not bench.watch.violations, "\n".join(bench.watch.violations)

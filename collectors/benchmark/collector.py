@@ -378,6 +378,15 @@ class BenchmarkCollector:
                 return Released(
                     self.name, False, f"an NVML call has not returned within {wait:g} s"
                 )
+        alive = self.runner.children.alive()
+        if alive:  # killed (now, or by a reload or a timeout before) and stuck in the driver
+            pids = ", ".join(map(str, alive))
+            return Released(
+                self.name,
+                False,
+                f"benchmark child {pids} is still alive after its SIGKILL (stuck in the "
+                "driver?) and may hold its GPU",
+            )
         if killed:
             return Released(self.name, True, "the running benchmark child was killed")
         return Released(self.name, True, "no benchmark child was running; none starts")
