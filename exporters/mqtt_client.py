@@ -22,7 +22,9 @@ when the connection ends (`connection()`).
 
 The writer for the socket is registered by our handler of paho's public
 `on_socket_register_write`, in place of aiomqtt's, which adds it a loop turn late, when the
-socket may have closed (`_register_writes_now`).
+socket may have closed (`_register_writes_now`). aiomqtt's reader, scheduled the same way from
+paho's connect thread, needs no such handler: nothing can close the socket before it is added
+(tests/test_mqtt_socket_reads.py says why and holds the loop in that window to show it).
 """
 
 from __future__ import annotations

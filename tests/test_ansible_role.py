@@ -11,7 +11,10 @@ in no output, the file_sd file's JSON and that a real Prometheus discovers its t
 the installed agent as its own user on that configuration against a password broker.
 TestWatcherOnHost then makes the same host run the watcher too (gpuwarden_runs [agent, watch]),
 then the watcher alone ([watch]), each twice, and runs the installed watcher as its unit would,
-with the unit's credentials; TestRemoval takes the host out (state absent, purge). Marked
+with the unit's credentials; TestRoleChange then makes it an agent's host again ([agent], the
+watcher's variables still set, HTTPS dropped), twice, and checks that each move left no secret,
+credential or drop-in of the unit left (nor the dropped HTTPS files) and the package's credential
+files as postinst makes them; TestRemoval takes the host out (state absent, purge). Marked
 `host`: root only, the package purged afterwards. test_a_bad_variable_... needs neither.
 
 Not tested here: starting and stopping the units under a running systemd (this machine's PID 1
@@ -565,6 +568,7 @@ class Watching:
     alone_config: str
     alone_units: dict[str, str]
     alone_targets: list[str]
+    alone_files: dict[str, FileState | None]  # the role's files once the agent was gone
     refused: PlaybookRun
     config_after_refusal: str
     variables: Mapping[str, object]  # the watcher-only play's
@@ -578,6 +582,39 @@ WATCH_DROP_IN = Path("/etc/systemd/system/gpuwarden-watch.service.d/gpuwarden-an
 WATCH_CREDENTIALS = Path("/run/credentials/gpuwarden-watch.service")
 WATCH_PASSWORD = "watch-pw-\"'$ {{ nor_this }}"
 ALERTMANAGER_PASSWORD = "am-pw-Zk2 {{ x }}"
+
+
+# The files the role writes for one unit, by the unit that uses them: name in /etc/gpuwarden
+# (or the drop-in's path) -> what it is where that unit is not run. The two credential files
+# the package's units name in their LoadCredential= go back to the package's state (postinst
+# makes them empty, root's, 0600: a unit whose credential file is missing does not start);
+# the others the role alone made, and they go.
+FileState = tuple[str, str, int, int]  # owner, group, mode, size
+EMPTIED: FileState = ("root", "root", 0o600, 0)
+AGENT_FILES: dict[str, FileState | None] = {
+    "mqtt-password": EMPTIED,
+    "web-users": None,
+    "tls.crt": None,
+    "tls.key": None,
+}
+WATCH_FILES: dict[str, FileState | None] = {
+    "watch-mqtt-password": EMPTIED,
+    "watch-alertmanager-password": None,
+    str(WATCH_DROP_IN): None,
+}
+
+
+def role_files() -> dict[str, FileState | None]:
+    """Each of the role's files as it is now, None where there is none."""
+    found: dict[str, FileState | None] = {}
+    for name in (*AGENT_FILES, *WATCH_FILES):
+        path = CONFIG_DIR / name  # an absolute name stays itself
+        if not path.exists():
+            found[name] = None
+            continue
+        info = path.stat()
+        found[name] = (path.owner(), path.group(), stat.S_IMODE(info.st_mode), info.st_size)
+    return found
 
 
 def units_enabled() -> dict[str, str]:
@@ -635,6 +672,7 @@ def watching(deployed: Deployed, deb_packages: DebPackages) -> Iterator[Watching
         alone_again = run(alone_vars)
         alone_config = (CONFIG_DIR / "gpuwarden.toml").read_text()
         alone_units, alone_targets = units_enabled(), target_files(deployed.targets)
+        alone_files = role_files()
         # A [watch] key the watcher refuses: the old file stays.
         refused = run({**alone_vars, "gpuwarden_config": {"watch": {"no_such_key": 1}}})
         yield Watching(
@@ -648,6 +686,7 @@ def watching(deployed: Deployed, deb_packages: DebPackages) -> Iterator[Watching
             alone_config,
             alone_units,
             alone_targets,
+            alone_files,
             refused,
             (CONFIG_DIR / "gpuwarden.toml").read_text(),
             alone_vars,
@@ -658,6 +697,40 @@ def watching(deployed: Deployed, deb_packages: DebPackages) -> Iterator[Watching
     finally:
         alertmanager.stop()
         broker.stop()
+
+
+@dataclass(frozen=True)
+class Returned:
+    """The watcher's host made an agent's host again ([agent]), the watcher's variables still
+    set and HTTPS dropped (gpuwarden_tls_*_file ""): run twice, read after the first."""
+
+    back: PlaybookRun
+    back_again: PlaybookRun
+    files: dict[str, FileState | None]
+    config: str
+    units: dict[str, str]
+    targets: list[str]
+
+
+@pytest.fixture(scope="module")
+def returned(deployed: Deployed, watching: Watching, deb_packages: DebPackages) -> Returned:
+    """Runs after TestWatcherOnHost, whose tests read the watcher's host `watching` left."""
+    deb = deb_packages.path(deb_packages.next_version)  # installed: apt sees nothing to do
+    variables = {
+        **watching.variables,
+        "gpuwarden_runs": ["agent"],
+        "gpuwarden_tls_cert_file": "",
+        "gpuwarden_tls_key_file": "",
+    }
+
+    def run() -> PlaybookRun:
+        play = write_play(deployed.work, deb, variables, deployed.listen_port, deployed.broker.port)
+        return playbook(deployed.env, "-i", str(deployed.inventory), str(play))
+
+    back = run()
+    files, config = role_files(), (CONFIG_DIR / "gpuwarden.toml").read_text()
+    units, targets = units_enabled(), target_files(deployed.targets)
+    return Returned(back, run(), files, config, units, targets)
 
 
 @dataclass(frozen=True)
@@ -999,6 +1072,57 @@ class TestWatcherOnHost:
         finally:
             watcher.terminate()
             watcher.wait(15)
+
+
+@pytest.mark.host
+@pytest.mark.slow
+class TestRoleChange:
+    """A host moved from one unit to the other keeps no secret, credential or drop-in of the
+    one it no longer runs (its variables still set: the inventory's groups changed, not its
+    values), nor one the configuration stopped naming; the one it runs keeps its own."""
+
+    @pytest.mark.parametrize(
+        ("left", "name"),
+        [*(("watch", name) for name in AGENT_FILES), *(("agent", name) for name in WATCH_FILES)],
+    )
+    def test_the_files_of_the_unit_left_go_or_return_to_the_packages_state(
+        self, watching: Watching, returned: Returned, left: str, name: str
+    ) -> None:
+        files = watching.alone_files if left == "watch" else returned.files
+        expected = {**AGENT_FILES, **WATCH_FILES}[name]
+        assert files[name] == expected, (left, name, files)
+
+    def test_a_secret_the_configuration_no_longer_names_goes_and_the_others_come_back(
+        self, deployed: Deployed, returned: Returned
+    ) -> None:
+        assert returned.back.returncode == 0, returned.back.output
+        assert returned.files["tls.crt"] is None, returned.files
+        assert returned.files["tls.key"] is None, returned.files
+        for name in ("mqtt-password", "web-users"):
+            state = returned.files[name]
+            assert state is not None, name
+            assert state[:3] == ("gpuwarden", "gpuwarden", 0o600), returned.files
+            assert state[3] > 0, name
+        assert (CONFIG_DIR / "mqtt-password").read_text() == BROKER_PASSWORD + "\n"
+        assert tomllib.loads(returned.config)["prometheus"] == {
+            "listen": f"127.0.0.1:{deployed.listen_port}",
+            "basic_auth_users_file": "/etc/gpuwarden/web-users",
+        }
+
+    def test_the_move_back_changes_the_host_once_and_then_nothing(self, returned: Returned) -> None:
+        assert returned.back.returncode == 0, returned.back.output
+        assert returned.back.total("changed") >= 1, returned.back.recap()
+        assert returned.back_again.returncode == 0, returned.back_again.output
+        assert returned.back_again.total("changed") == 0, returned.back_again.output
+        assert returned.units == {
+            "gpuwarden.service": "enabled",
+            "gpuwarden-watch.service": "disabled",
+        }
+        assert returned.targets == ["gpuwarden-node-a.json"]
+        for run in (returned.back, returned.back_again):
+            assert BROKER_PASSWORD not in run.output
+            assert WATCH_PASSWORD not in run.output
+            assert ALERTMANAGER_PASSWORD not in run.output
 
 
 @pytest.mark.host
