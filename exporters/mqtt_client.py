@@ -22,16 +22,20 @@ when the connection ends (`connection()`).
 
 The writer for the socket is registered by our handler of paho's public
 `on_socket_register_write`, in place of aiomqtt's, which adds it a loop turn late, when the
-socket may have closed (`_register_writes_now`). aiomqtt's reader, scheduled the same way from
+socket may have closed (`_SocketHooks`). aiomqtt's reader, scheduled the same way from
 paho's connect thread, needs no such handler: nothing can close the socket before it is added
-(tests/test_mqtt_socket_reads.py says why and holds the loop in that window to show it).
+(tests/test_mqtt_socket_reads.py says why and holds the loop in that window to show it). Our
+handler of paho's public `on_socket_open` runs aiomqtt's, then ends the connection of a
+connect given up before `async with client` returned (`_SocketHooks`, `connection`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -194,12 +198,21 @@ def new_client(
         queue_type=queue_type,
         max_inflight_messages=max_inflight,
     )
-    _register_writes_now(client._client, asyncio.get_running_loop())
+    hooks = _SocketHooks(client._client, asyncio.get_running_loop())
+    _hooks[client] = hooks
     return client
 
 
-def _register_writes_now(paho_client: paho.Client, loop: asyncio.AbstractEventLoop) -> None:
-    """paho asks for a writer when it has bytes to send; aiomqtt 2.x schedules
+_hooks: weakref.WeakKeyDictionary[aiomqtt.Client, _SocketHooks] = weakref.WeakKeyDictionary()
+"""The hooks of each client `new_client` made, for `connection` to give up its connect."""
+
+
+class _SocketHooks:
+    """What we add to paho's socket callbacks of one client: the writer registered at once
+    (`register_write`), and a connect given up before `async with client` returned
+    (`abandon`) ended however far it got.
+
+    The writer. paho asks for one when it has bytes to send; aiomqtt 2.x schedules
     `add_writer(fd)` for the loop's next turn, and a connection lost in between (paho closes
     the socket on the broker's EOF, on the loop too) leaves it a closed descriptor (the loop
     logs EBADF with a traceback) or, its number taken again by the next file opened, a writer
@@ -207,28 +220,94 @@ def _register_writes_now(paho_client: paho.Client, loop: asyncio.AbstractEventLo
     (tests/test_mqtt_socket_writes.py). Here the writer is added at once on the loop's
     thread, and from paho's connect in an executor thread on the next turn only if the socket
     is still the connection's and open. paho handles a failed write itself (its loop_write
-    closes the socket on an OSError and reports the disconnect, which aiomqtt hears)."""
+    closes the socket on an OSError and reports the disconnect, which aiomqtt hears).
 
-    def write() -> None:
-        paho_client.loop_write()
+    The abandoned connect. aiomqtt runs paho's connect in an executor thread that a cancel
+    does not stop, and on a cancel or a timeout while it awaits the CONNACK it leaves the
+    socket open with its reader and keepalive task: a connection nobody owns, logged in with
+    our client id and our Will (tests/test_mqtt_connect_abandoned.py). So the socket is ended
+    on the loop once it is open and the connect given up, whichever comes last; `opened` is
+    queued from the connect thread behind aiomqtt's `add_reader`, so the end never comes
+    before the reader. Nothing written yet (the CONNECT goes out only through the writer: with
+    a register-write handler paho's connect sends nothing itself): the socket is shut down
+    and nothing more is written, so the broker never sees the CONNECT (sent late, it would take
+    over the session that replaced this one); paho reads the end and closes the socket, its
+    reader, writer and keepalive task with it. Something written: a DISCONNECT follows it at
+    once (a stop may end the process before the writer's next turn), so the broker ends the
+    session without its Will (a bare close would publish it), and paho closes the socket once
+    it is sent. Nothing is published, and nothing waits: a stop stays in its budget. aiomqtt
+    hears nothing of that end (`_on_disconnect`).
+    """
 
-    def register(client: paho.Client, _userdata: Any, sock: Any) -> None:
+    def __init__(self, paho_client: paho.Client, loop: asyncio.AbstractEventLoop) -> None:
+        self._paho = paho_client
+        self._loop = loop
+        self._abandoned = False
+        self._wrote = False
+        self._sock: Any = None
+        """The connection's socket, once its reader is in place."""
+        self._aiomqtt_open = paho_client.on_socket_open
+        paho_client.on_socket_open = self._on_socket_open
+        self._aiomqtt_disconnect = paho_client.on_disconnect
+        paho_client.on_disconnect = self._on_disconnect
+        paho_client.on_socket_register_write = self._register_write
+
+    def abandon(self) -> None:
+        """The connect was given up (on the loop): end its connection, now or once open."""
+        self._abandoned = True
+        if self._sock is not None:
+            self._end()
+
+    def _on_socket_open(self, client: paho.Client, userdata: Any, sock: Any) -> None:
+        if self._aiomqtt_open is not None:
+            self._aiomqtt_open(client, userdata, sock)  # queues add_reader
+        self._loop.call_soon_threadsafe(self._opened, sock)  # behind it
+
+    def _on_disconnect(self, *args: Any) -> None:
+        # Nobody awaits aiomqtt's futures of a connect given up, and a cancel there has
+        # cancelled its `_connected`, on which aiomqtt's handler raises CancelledError (out of
+        # paho's loop_read or loop_write, before paho closes the socket).
+        if not self._abandoned and self._aiomqtt_disconnect is not None:
+            self._aiomqtt_disconnect(*args)
+
+    def _opened(self, sock: Any) -> None:
+        self._sock = sock
+        if self._abandoned:
+            self._end()
+
+    def _end(self) -> None:
+        sock: Any = self._sock
+        if sock is None or sock.fileno() < 0 or self._paho.socket() is not sock:
+            return  # paho has closed it already
+        if not self._wrote:
+            if isinstance(sock, socket.socket):  # an ssl.SSLSocket too; no websockets here
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            return
+        if self._paho.disconnect() == paho.MQTT_ERR_SUCCESS:
+            self._paho.loop_write()
+
+    def _write(self) -> None:
+        self._wrote = True
+        self._paho.loop_write()
+
+    def _register_write(self, client: paho.Client, _userdata: Any, sock: Any) -> None:
         fd = sock.fileno()
 
         def add() -> None:
+            if self._abandoned and not self._wrote:
+                return  # never start writing on a connection given up
             if fd >= 0 and sock.fileno() == fd and client.socket() is sock:
-                loop.add_writer(fd, write)
+                self._loop.add_writer(fd, self._write)
 
         try:
-            on_loop = asyncio.get_running_loop() is loop
+            on_loop = asyncio.get_running_loop() is self._loop
         except RuntimeError:
             on_loop = False
         if on_loop:
             add()
         else:
-            loop.call_soon_threadsafe(add)
-
-    paho_client.on_socket_register_write = register
+            self._loop.call_soon_threadsafe(add)
 
 
 @contextlib.asynccontextmanager
@@ -237,12 +316,21 @@ async def connection(client: aiomqtt.Client) -> AsyncIterator[asyncio.Task[None]
 
     The task reads `client.messages`, aiomqtt's public view of the connection: the caller
     handles messages through `queue_type` (the watcher) or subscribes to nothing (the sink).
+    A connect that fails, times out or is cancelled leaves no connection behind
+    (`_SocketHooks`, for a client from `new_client`).
     """
     lost: asyncio.Task[None] | None = None
+    entered = False
     try:
         async with client:
+            entered = True
             lost = asyncio.create_task(_until_lost(client), name="mqtt:until-lost")
             yield lost
+    except BaseException:
+        hooks = _hooks.get(client)
+        if not entered and hooks is not None:
+            hooks.abandon()
+        raise
     finally:
         if lost is not None:
             await _settle(lost)
