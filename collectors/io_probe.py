@@ -1,16 +1,15 @@
 """Write probe: how fast a directory takes a burst of writes that must reach the disk.
 
 Off by default and never run in a directory it was not given: it writes real data (64 MiB by
-default) to the file system the jobs use. The file is unique (mkstemp), written in 1 MiB chunks
-of random bytes (zeros would be compressed away by ZFS or btrfs), flushed with fdatasync, and
-removed in every case. It refuses to start when the free space after it would fall below a margin.
+default) to the file system the jobs use. The file has no name (`_create_unnamed`), so that it
+is gone in every case, a kill -9 included; it is written in 1 MiB chunks of random bytes
+(zeros would be compressed away by ZFS or btrfs) and flushed with fdatasync. It refuses to start when the free space after it would fall below a margin.
 
 `run_write_probe` is a plain function so that `gpuwarden check --io-test DIR` reuses it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import tempfile
@@ -117,7 +116,7 @@ def run_write_probe(
             "free space there or lower size_mib / free_margin_mib",
         )
     try:
-        fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=path)
+        fd = _create_unnamed(path)
     except OSError as exc:
         raise ProbeFailed(
             f"{path}: cannot create the probe file: {exc.strerror}", _failed_action(exc, path)
@@ -130,8 +129,30 @@ def run_write_probe(
         ) from exc
     finally:
         os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
+
+
+def _create_unnamed(directory: Path) -> int:
+    """A new file in `directory` that no name points to, open for writing: its blocks are
+    the file system's again when the descriptor closes, which the kernel does for a process
+    killed by SIGKILL too (no `finally` runs then). A named probe file outlived every kill
+    of the agent mid-probe, up to size_mib MiB each time, in the jobs' own directory.
+    O_TMPFILE (Linux 3.11; ext4, XFS, btrfs, tmpfs) never has a name; where the file
+    system refuses it (NFS, many FUSE file systems), a named file is removed as soon as it
+    is open (NFS keeps its data under a `.nfs*` name until the close, then removes it)."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        # open(2): EOPNOTSUPP where the file system lacks it; EISDIR from a kernel or
+        # file system that does not know the flag (it then reads as O_DIRECTORY).
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=directory)
+    try:
+        os.unlink(name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _failed_action(exc: OSError, path: Path) -> str:
