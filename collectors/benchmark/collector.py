@@ -135,6 +135,12 @@ UNSAVED = MetricFamily(
     "Benchmark records kept in memory that the history file in state_dir has not taken "
     "(full disk, read-only, failing or hung state dir); written when it takes them again",
 )
+BAD_LINES = MetricFamily(
+    "gpuwarden_benchmark_history_bad_lines",
+    G,
+    "Lines of the history file in state_dir that are not records (cut short by a crash or a "
+    "full disk, garbage): skipped, the records around them kept",
+)
 
 Profile = Literal["fp32", "tf32", "bf16", "fp16"]
 When = Literal["idle", "always"]
@@ -334,6 +340,8 @@ class BenchmarkCollector:
         self.history = HistoryFile.in_state_dir(deps.state_dir)
         self._history_error: str | None = None
         """Why the history file failed last (logged once per outage), None while it works."""
+        self._bad_lines_said = 0
+        """The count of unreadable history lines the log has told (said again when it moves)."""
         self.gpus = deps.shared.get(_ProcessRuns, _ProcessRuns).gpus
         self._no_gpu_logged = False
         self.state: KeyValueStore = deps.state
@@ -347,6 +355,7 @@ class BenchmarkCollector:
         return (
             GPUS,
             UNSAVED,
+            BAD_LINES,
             FLOPS,
             BASELINE_RATIO,
             PEER_RATIO,
@@ -450,6 +459,7 @@ class BenchmarkCollector:
                 )
             self._history_error = self._history_error or error
             return
+        self._say_bad_lines()
         if self._history_error is not None:
             log.info(
                 "benchmark history written again",
@@ -458,6 +468,21 @@ class BenchmarkCollector:
                 unsaved=len(self.history.unsaved),
             )
             self._history_error = None
+
+    def _say_bad_lines(self) -> None:
+        """Lines of the history that are not records: skipped (the rest are read), said once
+        for each count, with the first few line numbers and why."""
+        bad = self.history.bad_lines
+        if len(bad) == self._bad_lines_said:
+            return
+        self._bad_lines_said = len(bad)
+        if bad:
+            log.warning(
+                "benchmark history: unreadable lines skipped, the other records read",
+                path=str(self.history.path),
+                bad_lines=len(bad),
+                first=[f"line {number}: {reason}" for number, reason in bad[:3]],
+            )
 
     def _state(self, gpu: GpuIdentity) -> GpuState:
         state = self.gpus.get(gpu.uuid)
@@ -609,7 +634,11 @@ class BenchmarkCollector:
     # -- samples ------------------------------------------------------------------------------
 
     def _samples(self, gpus: Sequence[GpuIdentity]) -> list[Sample]:
-        samples = [GPUS.sample(len(gpus)), UNSAVED.sample(len(self.history.unsaved))]
+        samples = [
+            GPUS.sample(len(gpus)),
+            UNSAVED.sample(len(self.history.unsaved)),
+            BAD_LINES.sample(len(self.history.bad_lines)),
+        ]
         for gpu in gpus:
             state, labels = self._state(gpu), gpu.labels()
             samples.append(IDLE.sample_map(1 if self._idle(gpu) else 0, labels))
