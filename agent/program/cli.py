@@ -1,7 +1,8 @@
 """The `gpuwarden` command line (docs/ARCHITECTURE.md, command-line contract).
 
 Exit codes: 0 success; 1 a runtime failure, or warnings for `check`; 2 a usage or configuration
-error, failures found by `check`, or a command not implemented yet.
+error, failures found by `check`, or a command not implemented yet; 74 the output could not be
+written (agent/program/stdout_guard.py), whatever the command found.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent import __version__
+from agent.program import stdout_guard
 from agent.program.hangup import HANGUPS
+
+DAEMONS = frozenset({"run", "watch"})
+"""Their stdout is their log, not a result: not guarded (agent/program/stdout_guard.py)."""
 
 # command -> (module under agent.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -82,7 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         HANGUPS.install()
     parser = build_parser(command)
     args = parser.parse_args(argv)
-    code: int = args._module.main(args)
+    if command not in DAEMONS:
+        stdout_guard.guard()
+    try:
+        code: int = args._module.main(args)
+        sys.stdout.flush()
+    except stdout_guard.OutputNotWritten as exc:
+        return stdout_guard.not_written(exc)
     return code
 
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import structlog
@@ -135,6 +137,16 @@ UNSAVED = MetricFamily(
     "Benchmark records kept in memory that the history file in state_dir has not taken "
     "(full disk, read-only, failing or hung state dir); written when it takes them again",
 )
+BAD_LINES = MetricFamily(
+    "gpuwarden_benchmark_history_bad_lines",
+    G,
+    "Lines of the history file in state_dir that are not records (cut short by a crash or a "
+    "full disk, garbage): skipped, the records around them kept",
+)
+
+CLOSE_SAVE_SECONDS: Final = 1.0
+"""How long a close waits for its last write of the history (the runtime bounds a close at
+1.5 s at a stop)."""
 
 Profile = Literal["fp32", "tf32", "bf16", "fp16"]
 When = Literal["idle", "always"]
@@ -292,6 +304,24 @@ class GpuState:
 
 
 @dataclass
+class _Histories:
+    """The history file of each state dir, shared like `_ProcessRuns`: the records that wait
+    for a full or read-only disk (`HistoryFile.unsaved`) are the process's, not an
+    instance's. A reload makes the collector again; the records that waited in the
+    instance it replaced were gone, the agent running on."""
+
+    files: dict[Path, HistoryFile] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def at(self, state_dir: Path) -> HistoryFile:
+        with self.lock:
+            found = self.files.get(state_dir)
+            if found is None:
+                found = self.files[state_dir] = HistoryFile.in_state_dir(state_dir)
+            return found
+
+
+@dataclass
 class _ProcessRuns:
     """Each GPU's `GpuState`, shared by the benchmark collectors of one process (the runtime's
     SharedServices): the runs, failures and skips are the agent's counts and the last run and
@@ -331,9 +361,11 @@ class BenchmarkCollector:
         self.device_plan = device_plan
         self.source = source
         self.policy = settings.policy()
-        self.history = HistoryFile.in_state_dir(deps.state_dir)
+        self.history = deps.shared.get(_Histories, _Histories).at(deps.state_dir)
         self._history_error: str | None = None
         """Why the history file failed last (logged once per outage), None while it works."""
+        self._bad_lines_said = 0
+        """The count of unreadable history lines the log has told (said again when it moves)."""
         self.gpus = deps.shared.get(_ProcessRuns, _ProcessRuns).gpus
         self._no_gpu_logged = False
         self.state: KeyValueStore = deps.state
@@ -347,6 +379,7 @@ class BenchmarkCollector:
         return (
             GPUS,
             UNSAVED,
+            BAD_LINES,
             FLOPS,
             BASELINE_RATIO,
             PEER_RATIO,
@@ -363,7 +396,25 @@ class BenchmarkCollector:
         )
 
     async def close(self) -> None:
-        return None
+        """One more write of the records that wait (bounded: the runtime gives a close
+        1.5 s, and a hung state dir must not take them); what still waits is said, with the
+        file: after a reload the next instance writes it, after a stop it is lost."""
+        if not self.history.unsaved:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.history.save), CLOSE_SAVE_SECONDS)
+        except (OSError, TimeoutError) as exc:
+            error = str(exc) or type(exc).__name__
+        else:
+            error = self._history_error or ""
+        if self.history.unsaved:
+            log.warning(
+                "benchmark history not written at close: records wait in memory (a reload "
+                "writes them later; they are lost if the agent stops now)",
+                path=str(self.history.path),
+                unsaved=len(self.history.unsaved),
+                error=error,
+            )
 
     # -- pause and resume (agent/contracts/pause.py) -------------------------------------------
 
@@ -450,6 +501,7 @@ class BenchmarkCollector:
                 )
             self._history_error = self._history_error or error
             return
+        self._say_bad_lines()
         if self._history_error is not None:
             log.info(
                 "benchmark history written again",
@@ -458,6 +510,21 @@ class BenchmarkCollector:
                 unsaved=len(self.history.unsaved),
             )
             self._history_error = None
+
+    def _say_bad_lines(self) -> None:
+        """Lines of the history that are not records: skipped (the rest are read), said once
+        for each count, with the first few line numbers and why."""
+        bad = self.history.bad_lines
+        if len(bad) == self._bad_lines_said:
+            return
+        self._bad_lines_said = len(bad)
+        if bad:
+            log.warning(
+                "benchmark history: unreadable lines skipped, the other records read",
+                path=str(self.history.path),
+                bad_lines=len(bad),
+                first=[f"line {number}: {reason}" for number, reason in bad[:3]],
+            )
 
     def _state(self, gpu: GpuIdentity) -> GpuState:
         state = self.gpus.get(gpu.uuid)
@@ -609,7 +676,11 @@ class BenchmarkCollector:
     # -- samples ------------------------------------------------------------------------------
 
     def _samples(self, gpus: Sequence[GpuIdentity]) -> list[Sample]:
-        samples = [GPUS.sample(len(gpus)), UNSAVED.sample(len(self.history.unsaved))]
+        samples = [
+            GPUS.sample(len(gpus)),
+            UNSAVED.sample(len(self.history.unsaved)),
+            BAD_LINES.sample(len(self.history.bad_lines)),
+        ]
         for gpu in gpus:
             state, labels = self._state(gpu), gpu.labels()
             samples.append(IDLE.sample_map(1 if self._idle(gpu) else 0, labels))
