@@ -304,33 +304,31 @@ class GpuState:
 
 
 @dataclass
-class _Histories:
-    """The history file of each state dir, shared like `_ProcessRuns`: the records that wait
-    for a full or read-only disk (`HistoryFile.unsaved`) are the process's, not an
-    instance's. A reload makes the collector again; the records that waited in the
-    instance it replaced were gone, the agent running on."""
+class _ProcessBench:
+    """What the benchmark collectors of one process share (the runtime's SharedServices): a
+    reload makes the collector again, and an instance that began empty lost what the one it
+    replaced held.
 
-    files: dict[Path, HistoryFile] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def at(self, state_dir: Path) -> HistoryFile:
-        with self.lock:
-            found = self.files.get(state_dir)
-            if found is None:
-                found = self.files[state_dir] = HistoryFile.in_state_dir(state_dir)
-            return found
-
-
-@dataclass
-class _ProcessRuns:
-    """Each GPU's `GpuState`, shared by the benchmark collectors of one process (the runtime's
-    SharedServices): the runs, failures and skips are the agent's counts and the last run and
-    success its record, not an instance's. A reload makes the collector again; an instance
-    that began empty lowered every counter and dropped the last run's and last success's
-    times until the next run (a `period` later), which hid a failing GPU from
-    GpuwardenBenchmarkFailing and paged GpuwardenBenchmarkStale for an idle one."""
+    - `gpus`: each GPU's `GpuState`. The runs, failures and skips are the agent's counts and
+      the last run and success its record; an empty instance lowered every counter and
+      dropped the last run's and last success's times until the next run (a `period`
+      later), which hid a failing GPU from GpuwardenBenchmarkFailing and paged
+      GpuwardenBenchmarkStale for an idle one.
+    - the history file of each state dir (`history_at`): the records that wait for a full or
+      read-only disk (`HistoryFile.unsaved`) were gone with the instance, the agent running
+      on.
+    """
 
     gpus: dict[str, GpuState] = field(default_factory=dict)
+    histories: dict[Path, HistoryFile] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def history_at(self, state_dir: Path) -> HistoryFile:
+        with self.lock:
+            found = self.histories.get(state_dir)
+            if found is None:
+                found = self.histories[state_dir] = HistoryFile.in_state_dir(state_dir)
+            return found
 
 
 class BenchmarkCollector:
@@ -361,12 +359,13 @@ class BenchmarkCollector:
         self.device_plan = device_plan
         self.source = source
         self.policy = settings.policy()
-        self.history = deps.shared.get(_Histories, _Histories).at(deps.state_dir)
+        process = deps.shared.get(_ProcessBench, _ProcessBench)
+        self.history = process.history_at(deps.state_dir)
         self._history_error: str | None = None
         """Why the history file failed last (logged once per outage), None while it works."""
         self._bad_lines_said = 0
         """The count of unreadable history lines the log has told (said again when it moves)."""
-        self.gpus = deps.shared.get(_ProcessRuns, _ProcessRuns).gpus
+        self.gpus = process.gpus
         self._no_gpu_logged = False
         self.state: KeyValueStore = deps.state
         """Never raises: what a full disk refuses the runtime keeps (this process still sees
