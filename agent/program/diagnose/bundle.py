@@ -4,18 +4,21 @@ Every member goes through the `Redactor` as it is added; nothing unredacted is h
 archive. The manifest lists each member with its size and SHA-256 (of the redacted bytes that
 are in the archive), and a redaction report counts what was removed, by kind, never the values.
 
-Atomic: the archive is written to a temp file in the target's directory, fsynced, renamed over
-the final name, and the directory fsynced. On any error the temp file is removed, so the final
-name either holds a complete bundle or does not exist.
+Atomic: the archive is written to a temp file in the target's directory that has no name
+(O_TMPFILE), fsynced, given a name, renamed over the final name, and the directory fsynced.
+On any error the temp file is removed, and a kill -9 leaves none, so the final name either
+holds a complete bundle or what it held before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
+import secrets
 import tarfile
 import tempfile
 import time
@@ -117,25 +120,107 @@ class Bundle:
                 tar.addfile(info, io.BytesIO(data))
 
 
+_NO_UNNAMED_FILES = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+"""open(2) with O_TMPFILE: EOPNOTSUPP where the file system lacks it (NFS, most FUSE file
+systems); EISDIR or EINVAL from a kernel or file system that does not know the flag."""
+
+
 def write_atomically(final: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """`write` fills a temp file beside `final`; then fsync, rename, fsync the directory."""
+    """`write` fills a temp file beside `final`; then fsync, rename, fsync the directory.
+
+    The temp file has no name while `write` fills it (O_TMPFILE): a kill -9 then leaves
+    nothing behind, and the kernel frees its blocks with the process. It gets a name only
+    once whole and synced, for the rename over `final`. Where the file system refuses
+    unnamed files, the temp file is named from the start, with the writer's pid in the
+    name, and the next bundle written to the same name sweeps up those of dead writers.
+    """
     directory = final.parent
-    fd, temp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=directory)
+    _sweep_dead_writers(directory, final.name)
+    fd = _open_unnamed(directory)
+    temp_name: str | None = None
+    if fd is None:
+        fd, temp_name = tempfile.mkstemp(
+            prefix=_temp_prefix(final.name, os.getpid()), suffix=_TEMP_SUFFIX, dir=directory
+        )
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+            if temp_name is None:
+                temp_name = _give_name(handle.fileno(), directory, final.name)
         os.replace(temp_name, final)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
+        if temp_name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp_name)
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+_TEMP_SUFFIX = ".partial"
+
+
+def _temp_prefix(final_name: str, pid: int) -> str:
+    return f".{final_name}.{pid}."
+
+
+def _open_unnamed(directory: Path) -> int | None:
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in _NO_UNNAMED_FILES:
+            raise
+        return None
+
+
+def _give_name(fd: int, directory: Path, final_name: str) -> str:
+    """Link the unnamed file at `fd` into `directory` under a new temp name: linkat(2) of
+    /proc/self/fd/N with AT_SYMLINK_FOLLOW, which needs no privilege (os.link calls plain
+    link(2), which does not follow that link, unless given a directory descriptor)."""
+    prefix = _temp_prefix(final_name, os.getpid())
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        while True:
+            name = f"{prefix}{secrets.token_hex(4)}{_TEMP_SUFFIX}"
+            try:
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+            except FileExistsError:
+                continue
+            return str(directory / name)
+    finally:
+        os.close(dir_fd)
+
+
+def _sweep_dead_writers(directory: Path, final_name: str) -> None:
+    """Remove the named temp files of writers to `final_name` that no longer run."""
+    start = f".{final_name}."
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return  # the write itself says what is wrong with the directory
+    for name in names:
+        if not (name.startswith(start) and name.endswith(_TEMP_SUFFIX)):
+            continue
+        pid_text = name[len(start) :].split(".", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue  # an older version's name (no pid), or a writer at work
+        with contextlib.suppress(OSError):
+            os.unlink(directory / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def utc_stamp(now: float) -> str:
