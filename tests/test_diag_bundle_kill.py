@@ -12,9 +12,6 @@ is a real one from outside, at a point the child says it has reached.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -22,31 +19,20 @@ from typing import IO
 import pytest
 
 from agent.program.diagnose.bundle import write_atomically
-from tests.support.agent_proc import REPO, pythonpath
 from tests.support.disk import SmallDisk
+from tests.support.kill_points import kill_at
 
 MIB = 1 << 20
 OLD = b"the previous bundle, whole"
 
 CHILD = """
-import errno, os, sys
+import os, sys
 from pathlib import Path
 from agent.program.diagnose import bundle
 
-final, point, kind = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-
-if kind == "named":  # a file system without O_TMPFILE (NFS, FUSE): open(2) says EOPNOTSUPP
-    real_open = os.open
-    def refusing_open(path, flags, *args):
-        if flags & os.O_TMPFILE == os.O_TMPFILE:
-            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP), path)
-        return real_open(path, flags, *args)
-    os.open = refusing_open
-
-def reached(name):
-    if name == point:
-        print(name, flush=True)
-        sys.stdin.readline()  # killed here
+final, kind = Path(sys.argv[1]), sys.argv[2]
+if kind == "named":
+    refuse_unnamed_files()
 
 real_fsync = os.fsync
 def fsync(fd):
@@ -85,27 +71,6 @@ def others(directory: Path, final: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name != final.name)
 
 
-def kill_at(final: Path, point: str, kind: str) -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(final), point, kind],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": pythonpath()},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    try:
-        said = child.stdout.readline().strip()
-        assert said == point, (said, child.stderr.read() if child.stderr else "")
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(20)
-    assert child.returncode == -signal.SIGKILL, "the kill did not land in the write"
-
-
 @pytest.mark.parametrize("old", [True, False], ids=["over-a-bundle", "new-file"])
 @pytest.mark.parametrize("point", POINTS)
 def test_a_write_killed_leaves_no_temp_file_and_no_used_space(
@@ -115,7 +80,7 @@ def test_a_write_killed_leaves_no_temp_file_and_no_used_space(
     if old:
         final.write_bytes(OLD)
     before = disk.available()
-    kill_at(final, point, "unnamed")
+    kill_at(CHILD, [str(final), "unnamed"], point)
     assert others(disk.path, final) == [], f"killed at {point}: the temp file stayed"
     assert disk.available() == before, f"killed at {point}: the write's bytes stayed in use"
     if old:
@@ -131,7 +96,7 @@ def test_without_unnamed_files_the_next_bundle_sweeps_the_killed_ones_temp(
     final = disk.path / "bundle.tar.gz"
     final.write_bytes(OLD)
     before = disk.available()
-    kill_at(final, point, "named")
+    kill_at(CHILD, [str(final), "named"], point)
     assert final.read_bytes() == OLD
     write_atomically(final, writing(b"the next bundle"))
     assert final.read_bytes() == b"the next bundle"

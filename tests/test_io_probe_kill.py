@@ -11,39 +11,24 @@ point the child says it has reached.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from collectors.io_probe import MIB, PROBE_PREFIX
-from tests.support.agent_proc import REPO, pythonpath
 from tests.support.disk import SmallDisk
+from tests.support.kill_points import kill_at
 
 SIZE_MIB = 8
 
 CHILD = """
-import errno, os, sys
+import os, sys
 from collectors import io_probe
 
-directory, point, kind, size_mib = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-
-if kind == "named":  # a file system without O_TMPFILE (NFS, FUSE): open(2) says EOPNOTSUPP
-    real_open = os.open
-    def refusing_open(path, flags, *args):
-        if flags & os.O_TMPFILE == os.O_TMPFILE:
-            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP), path)
-        return real_open(path, flags, *args)
-    os.open = refusing_open
-
-def reached(name):
-    if name == point:
-        print(name, flush=True)
-        sys.stdin.readline()  # killed here
+directory, kind, size_mib = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if kind == "named":
+    refuse_unnamed_files()
 
 calls = 0
 def clock():
@@ -87,23 +72,6 @@ def test_a_probe_killed_leaves_no_file_and_no_used_space(
 ) -> None:
     """`kind`: the file system takes O_TMPFILE (tmpfs, ext4, XFS, btrfs) or refuses it."""
     before = disk.available()
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(disk.path), point, kind, str(SIZE_MIB)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": pythonpath()},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None
-    try:
-        said = child.stdout.readline().strip()
-        assert said == point, (said, child.stderr.read() if child.stderr else "")
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(20)
-    assert child.returncode == -signal.SIGKILL, "the kill did not land in the probe"
+    kill_at(CHILD, [str(disk.path), kind, str(SIZE_MIB)], point)
     assert probe_files(disk.path) == [], f"killed at {point}: the probe file stayed"
     assert disk.available() == before, f"killed at {point}: the probe's bytes stayed in use"
