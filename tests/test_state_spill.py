@@ -22,8 +22,9 @@ import sqlite3
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import structlog
@@ -54,6 +55,29 @@ def life(*args: str) -> int:
     return done.returncode
 
 
+class Spilled(NamedTuple):
+    state_dir: Path
+    runtime_dir: Path
+    wanted: dict[str, Any]
+    """What the life meant to spill: its outbox ids and its cursor."""
+    code: int
+    """The spilling life's exit: 0 when it ran to its end, else killed (-SIGKILL)."""
+
+
+@contextlib.contextmanager
+def spilled(tmp_path: Path, source: str, point: str) -> Iterator[Spilled]:
+    """A life on a full disk whose stop spills `source`'s state, killed at `point` (none:
+    ""); yields once the disk has room again, as the next start finds it."""
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir()
+    plan = tmp_path / "plan.json"
+    with SmallDisk(tmp_path / "disk", size=4 * MIB) as disk:
+        state_dir = disk.path / "state"
+        code = life("spill", str(state_dir), str(runtime_dir), source, point, str(plan))
+        (state_dir / "fill" / "filler").unlink(missing_ok=True)
+        yield Spilled(state_dir, runtime_dir, json.loads(plan.read_text()), code)
+
+
 def outbox_ids(store: StateStore) -> Counter[str]:
     return Counter(entry.key for entry in store.outbox_peek(10_000) if entry.kind == "event")
 
@@ -63,14 +87,8 @@ def outbox_ids(store: StateStore) -> Counter[str]:
 def test_a_spill_killed_while_written_is_all_or_nothing(
     tmp_path: Path, source: str, point: str
 ) -> None:
-    runtime_dir = tmp_path / "run"
-    runtime_dir.mkdir()
-    plan = tmp_path / "plan.json"
-    with SmallDisk(tmp_path / "disk", size=4 * MIB) as disk:
-        state_dir = disk.path / "state"
-        code = life("spill", str(state_dir), str(runtime_dir), source, point, str(plan))
-        (state_dir / "fill" / "filler").unlink(missing_ok=True)
-        wanted = json.loads(plan.read_text())
+    with spilled(tmp_path, source, point) as done:
+        state_dir, runtime_dir, wanted, code = done
         store = StateStore.open(state_dir)
         try:
             store, adopted = spill.adopt_all(store, runtime_dir, boot_id=BOOT)
@@ -95,14 +113,9 @@ def test_a_spill_killed_while_written_is_all_or_nothing(
 def test_an_adoption_killed_anywhere_adopts_once_at_the_next_start(
     tmp_path: Path, source: str, point: str
 ) -> None:
-    runtime_dir = tmp_path / "run"
-    runtime_dir.mkdir()
-    plan = tmp_path / "plan.json"
-    with SmallDisk(tmp_path / "disk", size=4 * MIB) as disk:
-        state_dir = disk.path / "state"
-        assert life("spill", str(state_dir), str(runtime_dir), source, "", str(plan)) == 0
-        (state_dir / "fill" / "filler").unlink(missing_ok=True)
-        wanted = json.loads(plan.read_text())
+    with spilled(tmp_path, source, "") as done:
+        state_dir, runtime_dir, wanted, code = done
+        assert code == 0
         life("adopt", str(state_dir), str(runtime_dir), "-", point, "-")
         store = StateStore.open(state_dir)  # the next start: adopts what is left, if anything
         try:
