@@ -421,7 +421,9 @@ class GpuCollector:
         except GpuwardenError:  # unreadable: the kernel_log collector's snapshot alone
             return
         if isinstance(saved, dict) and saved.get("boot") == self.boot_id:
-            self.correlator.carry_counts(*parse_snapshot(saved), origin="nvml")
+            self.correlator.carry_counts(
+                *parse_snapshot(saved), origin="nvml", life=saved.get("life")
+            )
 
     def _record_xid(self, event: Event | None) -> None:
         """The NVML event thread's Xid sighting, in that thread: its event (an Xid that came

@@ -375,7 +375,7 @@ class KernelLogCollector:
             if isinstance(pci, str) and isinstance(device, str) and sxid is not None and many:
                 self.sxids[(pci, device, sxid)] += many
         counts, confirmed = parse_snapshot(saved)
-        self.correlator.carry_counts(counts, confirmed, origin="kernel_log")
+        self.correlator.carry_counts(counts, confirmed, origin="kernel_log", life=saved.get("life"))
 
     def _store_counts(self) -> None:
         """The finding counters as they are now, in the round's state (stored with its
@@ -388,7 +388,7 @@ class KernelLogCollector:
             "paused_findings": {k: n for k, n in sorted(self.paused_findings.items()) if n},
             "suppressed": {k: n for k, n in sorted(self.suppressed.items()) if n},
             "sxids": [[p, d, c, n] for (p, d, c), n in sorted(self.sxids.items())],
-            **self.correlator.snapshot(),  # "xids", "confirmed"
+            **self.correlator.snapshot(),  # "life", "xids", "confirmed"
         }
         if value != self._stored_counts:
             self.deps.state.put(STATE_NAMESPACE, COUNTS_KEY, value)
