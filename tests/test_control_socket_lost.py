@@ -322,3 +322,44 @@ def test_the_stale_socket_of_a_kill_9_is_replaced_at_the_next_start(tmp_path: Pa
         wait_until(lambda: holder(path) == pid, WAIT, "the new agent's socket")
         assert not control_problems(again)
         pause_and_resume(again)
+
+
+@pytest.mark.parametrize("at_path", ["nothing", "stale-socket", "regular-file", "full-queue"])
+def test_the_command_says_why_it_cannot_reach_the_agent_without_a_traceback(
+    tmp_path: Path, at_path: str
+) -> None:
+    """No agent of this state dir runs: each shape of what the path holds gets one line of
+    why and exit 1. A listener whose queue is full (an agent out of files for long, another
+    process's socket) made connect() fail with EAGAIN, and the command end in a traceback."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir(mode=0o700)
+    path = socket_path(state_dir)
+    held: list[socket.socket] = []
+    try:
+        if at_path == "stale-socket":
+            leave_stale_socket(path)
+        elif at_path == "regular-file":
+            put_regular_file(path)
+        elif at_path == "full-queue":
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.append(listener)
+            with reachable(path) as name:
+                listener.bind(name)
+                listener.listen(0)
+                while True:  # queued until the kernel takes no more
+                    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    client.setblocking(False)
+                    held.append(client)
+                    try:
+                        client.connect(name)
+                    except BlockingIOError:
+                        break
+        done = run_gpuwarden("resume", "--state-dir", str(state_dir))
+    finally:
+        for each in held:
+            each.close()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuwarden resume: "), lines
+    assert str(path) in lines[0], lines

@@ -99,6 +99,11 @@ def request(state_dir: Path, payload: dict[str, Any], timeout: float) -> dict[st
                 _not_there(state_dir, f"{path} refuses connections")
                 or f"{path} refuses connections: the agent is not running"
             ) from None
+        except BlockingIOError:  # EAGAIN: a listener whose queue is full
+            raise ControlError(
+                f"{path} takes no more connections (its queue is full): the agent is busy or "
+                "out of files, or another process listens there; try again shortly"
+            ) from None
         except PermissionError:
             raise ControlError(
                 f"permission denied on {path}: run this as root or as the agent's user"
