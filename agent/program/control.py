@@ -37,7 +37,7 @@ from typing import Any, Final
 
 import structlog
 
-from agent.contracts.errors import ModelError
+from agent.contracts.errors import CallStillHung, CallTimedOut, ModelError
 from agent.contracts.json_text import parse_json
 from agent.contracts.model import (
     ActiveRepair,
@@ -48,6 +48,7 @@ from agent.contracts.model import (
     Severity,
 )
 from agent.program.control_client import reachable
+from agent.runtime.blocking import CallPool, PooledCaller
 from agent.runtime.core import Runtime
 from agent.runtime.pause import PauseRefused
 from exporters.listener import ACCEPT_FAILURES, AcceptFailures, Listener
@@ -61,6 +62,9 @@ CHECK_INTERVAL: Final = 2.0
 """Seconds between looks at the socket file (one lstat), and between binds tried while it is
 not there: an operator who frees the disk, or removes what took its place, can pause within
 that."""
+LOOK_TIMEOUT: Final = 2.0
+"""Seconds a look at the socket file (or a bind) may take in its thread: the state dir on a
+file server that stopped answering leaves it hung there, and the loop goes on."""
 BACKLOG: Final = 64
 """Connections the kernel queues while the agent cannot accept (out of files, a busy loop)."""
 
@@ -151,6 +155,10 @@ class ControlServer:
         """The socket file this agent bound (`_identity`): another at the path is not its."""
         self._keeper: asyncio.Task[None] | None = None
         self._dir_fd: int | None = None
+        # Every look at the file system (lstat, bind, unlink) runs in a thread of its own:
+        # the state dir may hang (a file server gone) after the store's probe answered.
+        self._pool = CallPool(1, "gpuwarden-control")
+        self._caller = PooledCaller(self._pool, LOOK_TIMEOUT)
         self.problem: str | None = None
         """Why the socket is not there (with its path and the cause), for health; None: it is."""
         self.accept_failures = AcceptFailures(
@@ -204,14 +212,12 @@ class ControlServer:
         the file removed or replaced) is bound again once it can be. Raises OSError, with the
         problem health says, when the first bind fails; the keeping goes on regardless."""
         self.attach()
-        self._hold_dir()
         try:
-            self._bind()
-        except OSError as exc:
-            self._unavailable(_said(exc))
-            raise
+            await self.check()
         finally:
             self.keep()
+        if self.problem is not None:
+            raise OSError(self.problem)
         log.info("control socket ready", path=str(self.path))
 
     def keep(self) -> None:
@@ -223,41 +229,65 @@ class ControlServer:
 
     async def _keep(self) -> None:
         while True:
+            await asyncio.sleep(CHECK_INTERVAL)
             try:
-                self.check()
+                await self.check()
             except Exception as exc:  # nothing ends the keeping: said, and looked at again
                 self._unavailable(
                     f"control socket {self.path} not available ({type(exc).__name__}: {exc}): "
                     "pause and resume cannot reach this agent"
                 )
-            await asyncio.sleep(CHECK_INTERVAL)
 
-    def check(self) -> None:
+    async def check(self) -> None:
         """One look: the socket still there and ours, or bound again, or the problem said."""
         if self._hangs():
-            # Its socket is in the state dir, which hangs: a bind there would hold the loop.
+            # Its socket is in the state dir, which hangs: a bind there would hold a thread.
             self._unavailable(
                 f"control socket {self.path} not available (the state dir hangs): pause and "
                 "resume cannot reach this agent; bound once the state dir answers"
             )
             return
-        self._hold_dir()
-        if self._server is not None:
-            if self._still_ours():
-                return
-            # Removed (tmpfiles, an operator's rm) or replaced: ours listens on a name that
-            # no longer leads to it.
-            log.warning("control socket gone from its path; binding it again", path=str(self.path))
-            self._server.close()
-            self._server, self._bound = None, None
         try:
-            self._bind()
+            bound = await self._caller.call("control:look", self._look)
+        except (CallTimedOut, CallStillHung):
+            self._unavailable(
+                f"control socket {self.path} not looked at: the state dir did not answer "
+                f"within {LOOK_TIMEOUT:g} s (a hung file server or disk); pause and resume "
+                "may not reach this agent"
+            )
+            return
         except OSError as exc:
             self._unavailable(_said(exc))
             return
+        if bound is not None:
+            sock, identity = bound
+            if self._server is not None:
+                # Removed (tmpfiles, an operator's rm) or replaced: ours listened on a name
+                # that no longer led to it.
+                log.warning("control socket gone from its path; bound again", path=str(self.path))
+                self._server.close()
+            try:
+                # Not asyncio's start_unix_server: out of files, its listener logged a
+                # traceback for every accept it tried, hundreds a second (exporters/listener.py).
+                self._server = Listener(
+                    [sock], self._protocol, self._cannot_accept, self.accept_failures.aborted
+                )
+            except BaseException:
+                sock.close()
+                self._server, self._bound = None, None
+                raise
+            self._bound = identity
         if self.problem is not None:
             log.info("control socket ready again", path=str(self.path), was=self.problem)
         self.problem = None
+
+    def _look(self) -> tuple[socket.socket, tuple[int, int, int]] | None:
+        """In the caller's thread: None while the socket at the path is still ours; else a
+        new one bound and listening there (`_bind`), or the OSError that says why not."""
+        self._hold_dir()
+        if self._server is not None and self._still_ours():
+            return None
+        return self._bind()
 
     def _still_ours(self) -> bool:
         try:
@@ -273,8 +303,8 @@ class ControlServer:
             log.error("control socket not available", path=str(self.path), problem=problem)
         self.problem = problem
 
-    def _bind(self) -> None:
-        """Bind and listen. What is at the path: nothing, or a stale socket (an agent killed
+    def _bind(self) -> tuple[socket.socket, tuple[int, int, int]]:
+        """Bind and listen (in the caller's thread): the socket and its file's identity. What is at the path: nothing, or a stale socket (an agent killed
         before it removed it), replaced; a socket another process listens on (a second agent
         on this state dir), or anything else, is left alone and the OSError says so."""
         path = self.path
@@ -321,11 +351,6 @@ class ControlServer:
             os.chmod(path, 0o600)
             bound = os.lstat(path)
             sock.listen(BACKLOG)
-            # Not asyncio's start_unix_server: out of files, its listener logged a traceback
-            # for every accept it tried, hundreds a second (exporters/listener.py).
-            self._server = Listener(
-                [sock], self._protocol, self._cannot_accept, self.accept_failures.aborted
-            )
         except OSError as exc:
             sock.close()
             with contextlib.suppress(OSError):  # what this bind made, if it got that far
@@ -339,7 +364,7 @@ class ControlServer:
         except BaseException:
             sock.close()
             raise
-        self._bound = _identity(bound)
+        return sock, _identity(bound)
 
     async def stop(self) -> None:
         keeper, self._keeper = self._keeper, None
@@ -352,15 +377,22 @@ class ControlServer:
             os.close(dir_fd)
         server, self._server = self._server, None
         if server is None:  # never bound (a state dir that hangs): nothing of ours is there
+            self._pool.shutdown(wait=False, cancel_futures=True)
             return
         server.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), 1.0)
-        # Only our own: a socket that replaced it (another agent's) is not this stop's.
-        if self._still_ours():
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+        # Only our own: a socket that replaced it (another agent's) is not this stop's. In
+        # a thread: a state dir that hangs holds that thread, never the stop.
+        if not self._caller.hung:  # its one thread is not stuck in the state dir
+            with contextlib.suppress(CallTimedOut, CallStillHung, OSError):
+                await self._caller.call("control:unlink", self._unlink_own)
         self._bound = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _unlink_own(self) -> None:
+        if self._still_ours():
+            os.unlink(self.path)
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
