@@ -26,13 +26,11 @@ from typing import Any
 import pytest
 
 from agent.program import config_file as config
-from agent.program import control
-from agent.program import registry
+from agent.program import control, registry
 from agent.program.control import LOOK_TIMEOUT, ControlServer
 from agent.program.control_client import socket_path
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
-
 
 REAL_LSTAT = os.lstat
 
