@@ -211,6 +211,19 @@ def test_the_real_agent_serves_says_the_state_dir_hangs_and_stops_at_once(
     assert metric_value(body, "gpuwarden_state_store_durable") == 0
     status, health = http_get(agent_process.metrics_url.replace("/metrics", "/healthz"))
     assert status != 200 and "hangs" in health, health
+    # Its control socket would be in that state dir: said, and nothing there touched (a
+    # look at the socket file would hang the loop, and the stop below with it).
+    wait_until(
+        lambda: any(
+            line.startswith(f"control socket {agent_process.workdir / 'state'}")
+            and "the state dir hangs" in line
+            for line in http_get(agent_process.metrics_url.replace("/metrics", "/healthz"))[
+                1
+            ].splitlines()
+        ),
+        timeout=20,
+        what="the control socket's problem",
+    )
     assert hung_state_dir.read_text()  # it did ask the mount (a statfs or a look-up)
     wait_until(
         lambda: "the last attempt to open the state store is still stuck" in agent_process.log(),

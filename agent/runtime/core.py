@@ -1083,6 +1083,8 @@ class Runtime:
         elif "state_store_unwritable" in kinds:
             problems.append("state store is in memory (state dir unusable)")
         problems.extend(self._start_problems())
+        for source in self.problem_sources:
+            problems.extend(source())
         return Health(not problems, tuple(problems), self._notices())
 
     def _start_problems(self) -> list[str]:
@@ -1192,6 +1194,10 @@ class Runtime:
                     attributes=moved,
                 )
             )
+
+    problem_sources: tuple[Callable[[], Sequence[str]], ...] = ()
+    """Health problems of parts of the program outside the runtime (the control socket),
+    asked at each health(); the program replaces the tuple to add one."""
 
     _move_failing = False
     """The last move of the store onto the disk failed (said once, until one works)."""

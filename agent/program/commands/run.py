@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import os
 import signal
@@ -108,19 +109,16 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
         store.close()
         HANGUPS.ignore()
         return 1, runtime.calls_outstanding() + stuck
-    control = ControlServer(runtime, socket_path(cfg.state_dir))
-    if any(p.kind == "state_store_hung" for p in store.problems):
-        # Its socket is in the state dir, which hangs: binding it would hold up the loop.
-        log.error(
-            "control socket not available: the state dir hangs (pause and resume cannot "
-            "reach this agent until it restarts)",
-            path=str(control.path),
-        )
+    control = ControlServer(
+        runtime, socket_path(cfg.state_dir), hangs=functools.partial(_state_dir_hangs, runtime)
+    )
+    if _state_dir_hangs(runtime):
+        control.keep()  # said in health, bound once the store is on the disk again
     else:
-        try:
+        # The agent still watches without it; only pause and resume cannot reach it. Said
+        # (logged, a health problem) and tried again until it binds (ControlServer.check).
+        with contextlib.suppress(OSError):
             await control.start()
-        except OSError as exc:  # the agent still watches; only pause and resume cannot reach it
-            log.error("control socket not available", path=str(control.path), error=str(exc))
     helpers = [asyncio.create_task(_reload_loop(runtime, path, reloads))]
     if await _first_round_or_stop(runtime, stop):
         notifier.ready(runtime.health().summary())
@@ -206,6 +204,12 @@ async def _spill(runtime: Runtime, store: StateStore, cfg: config_module.Config)
     except Exception:
         log.exception("unsaved state not spilled; it is lost with this stop")
     return 0
+
+
+def _state_dir_hangs(runtime: Runtime) -> bool:
+    """The state store is in memory because its state dir hangs (not since gone back)."""
+    store = runtime.store
+    return not store.durable and any(p.kind == "state_store_hung" for p in store.problems)
 
 
 def _boot_id() -> str:
