@@ -15,6 +15,7 @@ from collectors.kernel_log.kmsg import (
     KMSG_CURSOR_KEY,
     STATE_NAMESPACE,
     FileLogReader,
+    HandedOn,
     KernelLogError,
     KmsgReader,
     OsKmsgIO,
@@ -221,6 +222,87 @@ class TestRestart:
         batch = reader_for(device, boot, state).read()
         assert batch.lost == 3
         assert [r.seq for r in batch.records] == [6, 7, 8, 9]
+
+
+def garbled(seq: int) -> bytes:
+    """A record the kernel numbered whose header does not parse (a priority out of range)."""
+    return f"9999,{seq},0,-;garbled {seq}\n".encode()
+
+
+def ring_with_garbled(size: int, garbled_at: set[int]) -> FakeKmsg:
+    return FakeKmsg.with_records(
+        garbled(seq) if seq in garbled_at else kmsg_record(seq, f"r{seq}") for seq in range(size)
+    )
+
+
+PLACES = [
+    pytest.param({0}, id="first"),
+    pytest.param({3}, id="middle"),
+    pytest.param({6}, id="last"),
+    pytest.param({2, 3}, id="two-together"),
+    pytest.param({0, 6}, id="both-ends"),
+]
+
+
+class TestRecordsCountedOnce:
+    """A record that does not parse is malformed, once: not also lost (its number is no gap
+    in the sequence), and not again when a reader the process makes anew (a reload) reads the
+    ring from its start; nor is a record the process already handed on skipped again."""
+
+    @pytest.mark.parametrize("garbled_at", PLACES)
+    def test_a_garbled_record_is_malformed_and_not_lost(
+        self, tmp_path: Path, garbled_at: set[int]
+    ) -> None:
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = ring_with_garbled(7, garbled_at)
+        batch = reader_for(device, boot, MemoryKeyValueStore()).read()
+        assert (batch.malformed, batch.lost, batch.skipped) == (len(garbled_at), 0, 0)
+        assert [r.seq for r in batch.records] == sorted(set(range(7)) - garbled_at)
+        assert batch.cursor == {"boot_id": BOOT_A, "seq": 6}  # past a garbled last record
+
+    @pytest.mark.parametrize("garbled_at", PLACES)
+    @pytest.mark.parametrize("reloads", [1, 3])
+    def test_a_reader_made_again_counts_nothing_twice(
+        self, tmp_path: Path, garbled_at: set[int], reloads: int
+    ) -> None:
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = ring_with_garbled(7, garbled_at)
+        state, handed_on = MemoryKeyValueStore(), HandedOn()
+        totals = {"records": 0, "malformed": 0, "lost": 0, "skipped": 0}
+        for life in range(reloads + 1):
+            reader = reader_for(device, boot, state, handed_on=handed_on, backlog=life == 0)
+            batch = reader.read()
+            for name, value in (
+                ("records", len(batch.records)),
+                ("malformed", batch.malformed),
+                ("lost", batch.lost),
+                ("skipped", batch.skipped),
+            ):
+                totals[name] += value
+            reader.commit(batch)
+            reader.close()
+            device.write(f"after reader {life}")
+        written = 7 + reloads + 1
+        reader = reader_for(device, boot, state, handed_on=handed_on, backlog=False)
+        last = reader.read()
+        assert (len(last.records), last.malformed, last.skipped) == (1, 0, 0)
+        totals["records"] += 1
+        assert totals == {
+            "records": written - len(garbled_at),
+            "malformed": len(garbled_at),
+            "lost": 0,
+            "skipped": 0,
+        }
+
+    def test_a_restart_still_counts_the_replay_skipped(self, tmp_path: Path) -> None:
+        """A new process (its own `HandedOn`) skips what the last one handed on, and says so."""
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = ring_with_garbled(7, {3})
+        state = MemoryKeyValueStore()
+        first = reader_for(device, boot, state, handed_on=HandedOn())
+        first.commit(first.read())
+        batch = reader_for(device, boot, state, handed_on=HandedOn()).read()
+        assert (batch.records, batch.malformed, batch.skipped) == ([], 0, 7)
 
 
 class TestFileSource:

@@ -58,6 +58,7 @@ from collectors._xid import (
 from collectors.kernel_log.kmsg import (
     STATE_NAMESPACE,
     FileLogReader,
+    HandedOn,
     KmsgIO,
     KmsgReader,
     LogReader,
@@ -236,6 +237,9 @@ class _ProcessLog:
     an instance of its own that began at zero lowered every one of them."""
     ignored: Counter[str] = field(default_factory=Counter)
     """The matchers' user-space findings, counted the same way (MatcherSet.ignored)."""
+    handed_on: HandedOn = field(default_factory=HandedOn)
+    """How far this process's /dev/kmsg readers have handed records on: the reader a reload
+    makes reads the ring again from its start, and counts none of those records twice."""
 
 
 class KernelLogCollector:
@@ -297,7 +301,12 @@ class KernelLogCollector:
         backlog, process.backlog_read = not process.backlog_read, True
         if is_character_device(path) or self.io is not None:
             return KmsgReader(
-                path, self.settings.boot_id_path, self.deps.state, io=self.io, backlog=backlog
+                path,
+                self.settings.boot_id_path,
+                self.deps.state,
+                io=self.io,
+                backlog=backlog,
+                handed_on=process.handed_on,
             )
         return FileLogReader(path, self.deps.state, backlog=backlog)
 
