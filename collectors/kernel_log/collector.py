@@ -370,6 +370,10 @@ class KernelLogCollector:
             return
         saved = self.deps.state.get(STATE_NAMESPACE, COUNTS_KEY)
         if not isinstance(saved, dict) or saved.get("boot") != self._boot:
+            # Nothing of this boot's last life: and none to come, since what is stored from
+            # here on is this process's own counts, which the correlator holds already (a
+            # collector made again by a reload took them over a second time).
+            self.correlator.carry_counts({}, {}, origin="kernel_log")
             return
         self._stored_counts = saved
         for name, into in (
