@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine, Generator
 from pathlib import Path
@@ -34,9 +35,10 @@ from agent.program import config_file as config
 from agent.program import registry
 from agent.runtime.core import Runtime
 from agent.runtime.state import StateStore
+from collectors._repair import XidRecurrence
 from collectors.kernel_log.collector import COUNTS_KEY, KernelLogCollector, KernelLogSettings
 from collectors.kernel_log.kmsg import KMSG_CURSOR_KEY, STATE_NAMESPACE
-from tests.support.kmsg import FakeKmsg, write_boot_id
+from tests.support.kmsg import FakeKmsg, record_seq, write_boot_id
 from tests.support.waiting import until
 
 GPUS = ("0000:3b:00.0", "0000:86:00.0")
@@ -110,12 +112,12 @@ class Armed(KernelLogCollector):
 
 
 class Rig:
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, ring: FakeKmsg | None = None, timeout: float = 5.0) -> None:
         tmp_path.mkdir()
-        self.kmsg = FakeKmsg()
+        self.kmsg = FakeKmsg() if ring is None else ring
         self.boot_id = write_boot_id(tmp_path / "boot_id", "boot-a")
         self.settings = KernelLogSettings(
-            interval=0.05, timeout=5.0, path=Path("/dev/kmsg"), boot_id_path=self.boot_id
+            interval=0.05, timeout=timeout, path=Path("/dev/kmsg"), boot_id_path=self.boot_id
         )
         self.driver: CancelAt | None = None
         self.driven: CancelAt | None = None
@@ -232,6 +234,10 @@ def check(rig: Rig) -> None:
     assert set(by_line.values()) == {1}, [line for line, n in by_line.items() if n > 1]
     ids = {e.id for e in events}
     assert len(ids) == xids
+    # Batch a was in the ring before the start, batch b came after: read again, each is read
+    # as it was the first time.
+    predates = {str(e.attributes["text"]): e.attributes["predates_agent"] for e in events}
+    assert predates == {line: "job-a" in line for line in rig.lines}, predates
     queued = Counter(entry.key for entry in rig.store.outbox_peek(limit=10_000))
     assert {i: queued[i] for i in ids} == dict.fromkeys(ids, 1), queued
     assert rig.value("gpuwarden_events_total", "gpu", "xid") == xids
@@ -254,3 +260,75 @@ async def test_a_round_cut_short_at_any_await_counts_its_batch_once(
     # The first round awaits its open, its counts, its read and the Xid boots; a later one
     # at least its read.
     assert points >= (4 if first else 1), points
+
+
+class SlowRing(FakeKmsg):
+    """The ring; while `slow` is set, a read of the record numbered `slow_at` waits for
+    `gate` (the read call times out meanwhile, and its thread finishes later)."""
+
+    slow_at = -1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.waiting = threading.Event()
+
+    def read(self, fd: int, size: int) -> bytes:
+        record = super().read(fd, size)
+        if record_seq(record) == self.slow_at:
+            self.waiting.set()
+            self.gate.wait(30)
+        return record
+
+
+def read_timed_out(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """The read call times out after it read half the batch; its thread ends later."""
+    ring = rig.kmsg
+    assert isinstance(ring, SlowRing)
+    ring.slow_at = ring.next_seq - 3
+    return ring.gate.set
+
+
+def xid_boots_timed_out(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """The first round's load of the Xid boots (after the read) outlasts its call timeout: a
+    state store slow to answer."""
+    load = XidRecurrence.load
+    gate = threading.Event()
+    calls: list[bool] = []
+
+    def slow(self: XidRecurrence) -> None:
+        if not calls:
+            calls.append(True)
+            gate.wait(30)
+        load(self)
+
+    monkeypatch.setattr(XidRecurrence, "load", slow)
+    return gate.set
+
+
+@pytest.mark.parametrize("fail", [read_timed_out, xid_boots_timed_out])
+async def test_a_round_that_fails_after_its_read_reads_the_batch_again(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fail: Callable[[Rig, pytest.MonkeyPatch], Callable[[], None]],
+) -> None:
+    """A failed round hands nothing on: neither its cursor nor its findings. The records it
+    read must come back at the next read, or they are lost: no event, no count."""
+    rig = Rig(tmp_path / "run", ring=SlowRing(), timeout=0.3)
+    rig.write_batch("a")
+    heal = fail(rig, monkeypatch)
+    runtime = rig.runtime
+    await runtime.start()
+    try:
+        status = runtime.collectors["kernel_log"]
+        await until(lambda: status.failures >= 1, what="the round that fails")
+        heal()
+        await until(rig.cursor_at_end, what="the batch read again")
+        assert await runtime.settle()
+        check(rig)
+        # Read again as it was read first: the records in the ring before the start.
+        events = [e for e in rig.store.recent_events(limit=1000) if e.kind == "xid"]
+        assert all(e.attributes["predates_agent"] is True for e in events), events
+    finally:
+        await runtime.stop()
+        rig.store.close()

@@ -89,6 +89,7 @@ class TestReading:
         assert (batch.overruns, batch.malformed) == (0, 0)
         assert device.reads == len(device.records) + 1  # the last read is the EAGAIN
         assert device.einval == 0
+        reader.commit(batch)
         second = reader.read()
         assert second.records == []
         assert not second.predates_agent
@@ -102,7 +103,10 @@ class TestReading:
         reader = reader_for(
             device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
         )
-        batches = [reader.read() for _ in range(4)]
+        batches = []
+        for _ in range(4):
+            batches.append(reader.read())
+            reader.commit(batches[-1])  # handed on: the next read goes on from it
         assert [len(b.records) for b in batches] == [100, 100, 100, len(device.records) - 300]
         assert all(b.predates_agent for b in batches)
         device.write("INFO: task python3:1 blocked for more than 120 seconds.")
@@ -125,7 +129,9 @@ class TestReading:
         reader = reader_for(
             device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
         )
-        assert len(reader.read().records) == 5
+        first = reader.read()
+        assert len(first.records) == 5
+        reader.commit(first)
         for i in range(5, 15):
             device.write(f"r{i}")
         device.overwrite_oldest(8)  # r5 .. r7 were never read
@@ -194,6 +200,30 @@ class TestRestart:
         device = h200_device()
         assert reader_for(device, boot, state).read().records
         assert len(reader_for(device, boot, state).read().records) == len(device.records)
+
+    @pytest.mark.parametrize("more", [0, 3])
+    def test_a_batch_never_committed_is_read_again_by_the_same_reader(
+        self, tmp_path: Path, more: int
+    ) -> None:
+        """Its round failed or its call timed out: the next read gives its records again
+        (and what came since), not only what came since; none counted lost or skipped."""
+        state = MemoryKeyValueStore()
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = FakeKmsg.with_records([kmsg_record(i, f"r{i}") for i in range(4)])
+        reader = reader_for(device, boot, state)
+        reader.commit(reader.read())
+        for i in range(4, 8):
+            device.write(f"r{i}")
+        dropped = reader.read()
+        for i in range(8, 8 + more):
+            device.write(f"r{i}")
+        again = reader.read()
+        assert [r.seq for r in again.records] == [r.seq for r in dropped.records] + list(
+            range(8, 8 + more)
+        )
+        assert (again.lost, again.skipped, again.overruns) == (0, 0, 0)
+        reader.commit(again)
+        assert reader.read().records == []
 
     def test_new_boot_reads_from_the_start(self, tmp_path: Path) -> None:
         """A different boot id: the ring buffer is all new, even with lower sequence numbers."""

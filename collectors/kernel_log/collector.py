@@ -231,6 +231,9 @@ class _ProcessLog:
     """Shared by the kernel_log collectors of one process (the runtime's SharedServices)."""
 
     backlog_read: bool = False
+    """A batch that reached the end of the log is committed: what a reader reads from then
+    on was written while the agent ran. Not before: a reader made again by a reload that
+    cut the first rounds short reads their records again, as the backlog they are."""
     totals: Counter[str] = field(default_factory=Counter)
     """The records read, malformed, lost, ... since the agent started: a reload that makes
     the collector again is no start (the counters' help says "since the agent started"), and
@@ -295,10 +298,10 @@ class KernelLogCollector:
 
     def _open_reader(self) -> LogReader:
         path = self.settings.path
-        # Only the process's first reader reads a backlog that predates the agent: a reader
-        # made again by a configuration reload picks up records the agent was running for.
+        # Only the backlog read first predates the agent: a reader made again by a reload
+        # after it picks up records the agent was running for (`_ProcessLog.backlog_read`).
         process = self.deps.shared.get(_ProcessLog, _ProcessLog)
-        backlog, process.backlog_read = not process.backlog_read, True
+        backlog = not process.backlog_read
         if is_character_device(path) or self.io is not None:
             return KmsgReader(
                 path,
@@ -327,6 +330,8 @@ class KernelLogCollector:
         # them with (never after) this cursor, so no death of the process between here and
         # the store loses a finding, and a restart does not skip one. Never raises.
         reader.commit(batch)
+        if not batch.more:
+            self.deps.shared.get(_ProcessLog, _ProcessLog).backlog_read = True
         return Collection(samples=self._samples(), events=events)
 
     async def wake(self, timeout: float) -> None:

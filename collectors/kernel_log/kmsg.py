@@ -208,11 +208,22 @@ class KmsgReader:
                     ) from exc
                 raise KernelLogError(f"reading {self.path}: {exc.strerror or exc}") from exc
 
-    def read(self) -> ReadBatch:
-        """Every record written since the last call (or since the cursor, at start)."""
+    def _descriptor(self) -> int:
+        """The descriptor to read on. A batch read and never committed (its round failed, or
+        its call timed out and the answer was dropped) is read again: a descriptor reads on
+        where it stopped, so that one is given up and a new one reads the ring again from
+        the cursor (what this reader handed on passes uncounted, `HandedOn`)."""
+        committed = self._committed
+        if self._fd is not None and committed is not None and committed["seq"] != self._last_seq:
+            self.close()
         if self._fd is None:
             self._fd = self._open()
-        fd = self._fd  # close() may run meanwhile (a stop); this read keeps its descriptor
+        return self._fd
+
+    def read(self) -> ReadBatch:
+        """Every record written since the last batch committed (or since the cursor, at
+        start)."""
+        fd = self._descriptor()  # close() may run meanwhile (a stop); this read keeps its fd
         batch = ReadBatch(predates_agent=self._first_batch)
         expected = self._last_seq + 1 if self._last_seq >= 0 else None
         mine = self.handed_on
@@ -220,9 +231,8 @@ class KmsgReader:
         while len(batch.records) < MAX_RECORDS_PER_READ:
             data = self._read_one(fd)
             if data is None:
-                # The backlog ends at the first EAGAIN, which may be several rounds in when
-                # the ring held more than one round's worth.
-                self._first_batch = False
+                # The backlog ends at the first EAGAIN (which may be several rounds in when
+                # the ring held more than one round's worth), once that batch is committed.
                 break
             if not data:
                 batch.overruns += 1
@@ -279,6 +289,8 @@ class KmsgReader:
 
         Compared with the last cursor saved, not with "the batch has records": after a failed
         commit (a full disk) the next one saves the cursor even if no record came since."""
+        if not batch.more:
+            self._first_batch = False  # a batch read again is read as it was the first time
         if batch.cursor is not None:
             seq = batch.cursor.get("seq")
             if isinstance(seq, int):
