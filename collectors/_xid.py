@@ -33,7 +33,6 @@ import dataclasses
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -344,9 +343,6 @@ class XidCorrelator:
         self._attached: dict[int, str] = {}
         """id() -> name of the collectors feeding it now (`attach`): its series are exported
         while there is one."""
-        self.life = uuid.uuid4().hex
-        """This process's: in every snapshot it stores, so that none is taken over as the
-        last life's (`carry_counts`)."""
         self._carried_from: set[str] = set()
         self._carried: tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]] = ({}, {})
         """What `carry_counts` took over: (counts, confirmations) of the last life."""
@@ -356,20 +352,15 @@ class XidCorrelator:
         counts: Mapping[tuple[str, int], int],
         confirmations: Mapping[tuple[str, int], int],
         origin: str = "kernel_log",
-        life: object = None,
     ) -> bool:
         """Take over the counts the process's last life had on this boot, as one of its
         stored snapshots says (`origin`: the kernel_log collector's, stored with its rounds;
         the NVML thread's, `NVML_COUNTS`, stored with its Xids), once per origin and process:
         a collector rebuilt by a reload finds its own taken. Each snapshot is the shared
         counts as they were when it was stored, so what was carried is, per GPU and code,
-        the larger of them: the one stored last. `life` is the snapshot's (`snapshot`): one
-        this process stored holds counts it has already, and is never taken over (a
-        collector first built before anything was stored, rebuilt by a reload after, would
-        count them twice). False when nothing was taken over."""
+        the larger of them: the one stored last. False when this origin's was already."""
         with self._lock:
-            if origin in self._carried_from or life == self.life:
-                self._carried_from.add(origin)
+            if origin in self._carried_from:
                 return False
             self._carried_from.add(origin)
             tables = (self.counts, self.confirmations)
@@ -422,11 +413,9 @@ class XidCorrelator:
         return samples
 
     def snapshot(self) -> dict[str, JSONValue]:
-        """`counts` and `confirmations` as stored (`parse_snapshot` reads them back), and the
-        process's `life`."""
+        """`counts` and `confirmations` as stored (`parse_snapshot` reads them back)."""
         with self._lock:
             return {
-                "life": self.life,
                 "xids": [[p, c, n] for (p, c), n in sorted(self.counts.items())],
                 "confirmed": [[p, c, n] for (p, c), n in sorted(self.confirmations.items())],
             }

@@ -15,6 +15,7 @@ from collectors.kernel_log.kmsg import (
     KMSG_CURSOR_KEY,
     STATE_NAMESPACE,
     FileLogReader,
+    HandedOn,
     KernelLogError,
     KmsgReader,
     OsKmsgIO,
@@ -88,6 +89,7 @@ class TestReading:
         assert (batch.overruns, batch.malformed) == (0, 0)
         assert device.reads == len(device.records) + 1  # the last read is the EAGAIN
         assert device.einval == 0
+        reader.commit(batch)
         second = reader.read()
         assert second.records == []
         assert not second.predates_agent
@@ -101,7 +103,10 @@ class TestReading:
         reader = reader_for(
             device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
         )
-        batches = [reader.read() for _ in range(4)]
+        batches = []
+        for _ in range(4):
+            batches.append(reader.read())
+            reader.commit(batches[-1])  # handed on: the next read goes on from it
         assert [len(b.records) for b in batches] == [100, 100, 100, len(device.records) - 300]
         assert all(b.predates_agent for b in batches)
         device.write("INFO: task python3:1 blocked for more than 120 seconds.")
@@ -124,7 +129,9 @@ class TestReading:
         reader = reader_for(
             device, write_boot_id(tmp_path / "boot_id", BOOT_A), MemoryKeyValueStore()
         )
-        assert len(reader.read().records) == 5
+        first = reader.read()
+        assert len(first.records) == 5
+        reader.commit(first)
         for i in range(5, 15):
             device.write(f"r{i}")
         device.overwrite_oldest(8)  # r5 .. r7 were never read
@@ -194,6 +201,30 @@ class TestRestart:
         assert reader_for(device, boot, state).read().records
         assert len(reader_for(device, boot, state).read().records) == len(device.records)
 
+    @pytest.mark.parametrize("more", [0, 3])
+    def test_a_batch_never_committed_is_read_again_by_the_same_reader(
+        self, tmp_path: Path, more: int
+    ) -> None:
+        """Its round failed or its call timed out: the next read gives its records again
+        (and what came since), not only what came since; none counted lost or skipped."""
+        state = MemoryKeyValueStore()
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = FakeKmsg.with_records([kmsg_record(i, f"r{i}") for i in range(4)])
+        reader = reader_for(device, boot, state)
+        reader.commit(reader.read())
+        for i in range(4, 8):
+            device.write(f"r{i}")
+        dropped = reader.read()
+        for i in range(8, 8 + more):
+            device.write(f"r{i}")
+        again = reader.read()
+        assert [r.seq for r in again.records] == [r.seq for r in dropped.records] + list(
+            range(8, 8 + more)
+        )
+        assert (again.lost, again.skipped, again.overruns) == (0, 0, 0)
+        reader.commit(again)
+        assert reader.read().records == []
+
     def test_new_boot_reads_from_the_start(self, tmp_path: Path) -> None:
         """A different boot id: the ring buffer is all new, even with lower sequence numbers."""
         state = MemoryKeyValueStore()
@@ -221,6 +252,87 @@ class TestRestart:
         batch = reader_for(device, boot, state).read()
         assert batch.lost == 3
         assert [r.seq for r in batch.records] == [6, 7, 8, 9]
+
+
+def garbled(seq: int) -> bytes:
+    """A record the kernel numbered whose header does not parse (a priority out of range)."""
+    return f"9999,{seq},0,-;garbled {seq}\n".encode()
+
+
+def ring_with_garbled(size: int, garbled_at: set[int]) -> FakeKmsg:
+    return FakeKmsg.with_records(
+        garbled(seq) if seq in garbled_at else kmsg_record(seq, f"r{seq}") for seq in range(size)
+    )
+
+
+PLACES = [
+    pytest.param({0}, id="first"),
+    pytest.param({3}, id="middle"),
+    pytest.param({6}, id="last"),
+    pytest.param({2, 3}, id="two-together"),
+    pytest.param({0, 6}, id="both-ends"),
+]
+
+
+class TestRecordsCountedOnce:
+    """A record that does not parse is malformed, once: not also lost (its number is no gap
+    in the sequence), and not again when a reader the process makes anew (a reload) reads the
+    ring from its start; nor is a record the process already handed on skipped again."""
+
+    @pytest.mark.parametrize("garbled_at", PLACES)
+    def test_a_garbled_record_is_malformed_and_not_lost(
+        self, tmp_path: Path, garbled_at: set[int]
+    ) -> None:
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = ring_with_garbled(7, garbled_at)
+        batch = reader_for(device, boot, MemoryKeyValueStore()).read()
+        assert (batch.malformed, batch.lost, batch.skipped) == (len(garbled_at), 0, 0)
+        assert [r.seq for r in batch.records] == sorted(set(range(7)) - garbled_at)
+        assert batch.cursor == {"boot_id": BOOT_A, "seq": 6}  # past a garbled last record
+
+    @pytest.mark.parametrize("garbled_at", PLACES)
+    @pytest.mark.parametrize("reloads", [1, 3])
+    def test_a_reader_made_again_counts_nothing_twice(
+        self, tmp_path: Path, garbled_at: set[int], reloads: int
+    ) -> None:
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = ring_with_garbled(7, garbled_at)
+        state, handed_on = MemoryKeyValueStore(), HandedOn()
+        totals = {"records": 0, "malformed": 0, "lost": 0, "skipped": 0}
+        for life in range(reloads + 1):
+            reader = reader_for(device, boot, state, handed_on=handed_on, backlog=life == 0)
+            batch = reader.read()
+            for name, value in (
+                ("records", len(batch.records)),
+                ("malformed", batch.malformed),
+                ("lost", batch.lost),
+                ("skipped", batch.skipped),
+            ):
+                totals[name] += value
+            reader.commit(batch)
+            reader.close()
+            device.write(f"after reader {life}")
+        written = 7 + reloads + 1
+        reader = reader_for(device, boot, state, handed_on=handed_on, backlog=False)
+        last = reader.read()
+        assert (len(last.records), last.malformed, last.skipped) == (1, 0, 0)
+        totals["records"] += 1
+        assert totals == {
+            "records": written - len(garbled_at),
+            "malformed": len(garbled_at),
+            "lost": 0,
+            "skipped": 0,
+        }
+
+    def test_a_restart_still_counts_the_replay_skipped(self, tmp_path: Path) -> None:
+        """A new process (its own `HandedOn`) skips what the last one handed on, and says so."""
+        boot = write_boot_id(tmp_path / "boot_id", BOOT_A)
+        device = ring_with_garbled(7, {3})
+        state = MemoryKeyValueStore()
+        first = reader_for(device, boot, state, handed_on=HandedOn())
+        first.commit(first.read())
+        batch = reader_for(device, boot, state, handed_on=HandedOn()).read()
+        assert (batch.records, batch.malformed, batch.skipped) == ([], 0, 7)
 
 
 class TestFileSource:

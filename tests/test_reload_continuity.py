@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -315,3 +316,64 @@ class TestAStopDuringAReload:
         rounds = [len(c.rounds) for c in made]
         await asyncio.sleep(0.2)
         assert [len(c.rounds) for c in made] == rounds  # nothing runs after the stop
+
+
+OFF = FAST.replace(enabled=False)
+SEQUENCES = [
+    pytest.param([OFF, FAST], id="disabled-enabled"),
+    pytest.param([OFF, FAST.replace(interval=0.07)], id="disabled-enabled-changed"),
+    pytest.param([OFF, OFF.replace(interval=0.07), FAST], id="disabled-changed-enabled"),
+    pytest.param([OFF, FAST, OFF, FAST], id="twice"),
+    pytest.param([FAST.replace(interval=0.07), OFF, FAST], id="restarted-disabled-enabled"),
+    pytest.param([OFF, "refused", FAST], id="enable-refused-then-built"),
+]
+
+
+class TestCountersOfTheProcess:
+    """`gpuwarden_collector_runs_total` and `..._failures_total` count the collector's rounds in
+    this process: a reload that disables it and a later one that enables it again is no
+    restart of the agent. Before, the collector came back with both at 0."""
+
+    @pytest.mark.parametrize("mode", ["ok", "raise"])
+    @pytest.mark.parametrize("sequence", SEQUENCES)
+    async def test_never_lower_over_the_reloads(
+        self, mode: str, sequence: list[CollectorSettings | str]
+    ) -> None:
+        rig = Rig({"a": mode, "b": "ok"})
+        runtime = rig.runtime
+        families = ("gpuwarden_collector_runs_total", "gpuwarden_collector_failures_total")
+        high: dict[str, float] = {}
+
+        def check() -> None:
+            for family in families:
+                value = sample(runtime, family, "a")
+                if value is not None:
+                    assert value >= high.get(family, value), (family, value, high)
+                    high[family] = max(value, high.get(family, value))
+
+        def rounds_ran(goal: float) -> bool:
+            return (sample(runtime, families[0], "a") or 0.0) >= goal
+
+        await runtime.start()
+        try:
+            await until(lambda: rounds_ran(3), what="a's first rounds")
+            check()
+            for step in sequence:
+                if step == "refused":
+                    rig.refuse["a"] = "no"
+                    await runtime.reload(rig.with_collectors(a=FAST))
+                    rig.refuse.clear()
+                    check()
+                    continue
+                assert isinstance(step, CollectorSettings)
+                await runtime.reload(rig.with_collectors(a=step))
+                check()
+                if step.enabled:
+                    goal = high[families[0]] + 2
+                    await until(functools.partial(rounds_ran, goal), what="a's rounds again")
+                    check()
+            assert high[families[0]] >= 5
+            if mode == "raise":
+                assert high[families[1]] >= 5
+        finally:
+            await runtime.stop()

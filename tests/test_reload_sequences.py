@@ -6,9 +6,11 @@ Each step picks a collector and does one of: enable it, disable it, change its i
 change one of its own keys (a threshold, a period), write a value the loader refuses, or
 restore the last good file. The agent is scraped throughout. Required:
 
-- no counter goes down while its series is there, and none of a collector that stays enabled
-  goes missing (a reload is not a restart: `gpuwarden_kernel_log_records_total` counts "since
-  the agent started", the benchmark's runs and failures count the agent's runs);
+- no counter goes down over the whole run, whatever the reloads between two scrapes did, a
+  collector disabled and enabled again included (a reload is not a restart:
+  `gpuwarden_collector_runs_total` counts the collector's rounds in this process,
+  `gpuwarden_kernel_log_records_total` counts "since the agent started", the benchmark's runs
+  and failures count the agent's runs); none of a collector that stays enabled goes missing;
 - no timestamp series of a collector that stays enabled goes missing either (the benchmark's
   last run and last success: `GpuwardenBenchmarkFailing` reads them, and without its last
   success `GpuwardenBenchmarkStale` pages for an idle GPU, configs/prometheus);
@@ -271,11 +273,6 @@ class Watch:
         if violation not in self.violations:
             self.violations.append(violation)
 
-    def forget(self, collector: str) -> None:
-        """A collector disabled: its series go, and come back from zero if enabled again."""
-        for series in [s for s in self.high if owner(s) == collector]:
-            del self.high[series]
-
 
 @pytest.fixture
 def kernel_log_lines(tmp_path: Path) -> Path:
@@ -363,8 +360,8 @@ class Reloads:
         self.trace.append(done)
         watch.step = f"step {number} ({done})"
         enabled = model.enabled()
-        for gone in was - enabled:
-            watch.forget(gone)
+        # A collector disabled here keeps its high marks: its series go with it, and come
+        # back no lower when a later step enables it again.
         with self.kernel_log.open("a") as log:
             log.write(f"2026-01-01T00:01:{number:02d}+00:00 n kernel: step {number}\n")
         answers = self._answers()
@@ -458,4 +455,27 @@ def test_every_collector_restarted_in_turn_keeps_its_series(
 
     sequence = Reloads(tmp_path, broker, kernel_log_lines, model)
     violations = sequence.run(len(order), restart)
+    assert not violations, "\n".join([" | ".join(sequence.trace), *violations[:30]])
+
+
+@pytest.mark.slow
+def test_every_collector_disabled_and_enabled_again_takes_up_its_counters(
+    tmp_path: Path, broker: Broker, kernel_log_lines: Path
+) -> None:
+    """Each collector disabled by one reload and enabled by the next, one after the other, all
+    of them running otherwise: every counter of the process (the runtime's rounds and
+    failures, the collector's own) comes back where it was, never from zero."""
+    tables = knobs(tmp_path)
+    model = Model(tables)
+    for name in tables:
+        model.settings[name]["enabled"] = True
+    toggles = [name for name in sorted(tables) for _ in range(2)]
+
+    def toggle(m: Model, number: int) -> tuple[str, set[str]]:
+        name = toggles[number]
+        m.settings[name]["enabled"] = not m.settings[name]["enabled"]
+        return f"{'enable' if m.settings[name]['enabled'] else 'disable'} {name}", {name}
+
+    sequence = Reloads(tmp_path, broker, kernel_log_lines, model)
+    violations = sequence.run(len(toggles), toggle)
     assert not violations, "\n".join([" | ".join(sequence.trace), *violations[:30]])

@@ -694,6 +694,8 @@ class Runtime:
         status = CollectorStatus(name, settings, collector, caller, executor)
         if previous is not None:
             status.carry_over(previous, ("collector", name) in self.stale)
+        elif name in self._stopped_counts:  # disabled by a reload, enabled by another
+            status.runs, status.failures = self._stopped_counts.pop(name)
         self.collectors[name] = status
         self.start_failures.pop(name, None)
         self.supervisor.register(
@@ -817,6 +819,12 @@ class Runtime:
             status.last_error = outcome.error
         # The round's state values after its events: never stored before them.
         state.release()
+
+    @functools.cached_property
+    def _stopped_counts(self) -> dict[str, tuple[int, int]]:
+        """(runs, failures) of each collector a reload stopped, by name: enabled again, it
+        counts on from them (a counter of the process never goes down; `_install`)."""
+        return {}
 
     @functools.cached_property
     def heap(self) -> HeapTrimmer:
@@ -953,7 +961,8 @@ class Runtime:
         waiting = dict(built)
         try:
             for name in to_stop:
-                await self._retire(name)
+                stopped = await self._retire(name)
+                self._stopped_counts[name] = (stopped.runs, stopped.failures)
                 del self.collectors[name]
                 self._release_pool(name)
                 applied.append(f"collector {name} stopped")

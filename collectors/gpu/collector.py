@@ -419,11 +419,13 @@ class GpuCollector:
         try:
             saved = self.deps.state.get(*NVML_COUNTS)
         except GpuwardenError:  # unreadable: the kernel_log collector's snapshot alone
-            return
+            saved = None
         if isinstance(saved, dict) and saved.get("boot") == self.boot_id:
-            self.correlator.carry_counts(
-                *parse_snapshot(saved), origin="nvml", life=saved.get("life")
-            )
+            self.correlator.carry_counts(*parse_snapshot(saved), origin="nvml")
+        else:
+            # Taken over as nothing, once: what is stored from here on is this process's
+            # own counts (a collector made again by a reload took them over a second time).
+            self.correlator.carry_counts({}, {}, origin="nvml")
 
     def _record_xid(self, event: Event | None) -> None:
         """The NVML event thread's Xid sighting, in that thread: its event (an Xid that came

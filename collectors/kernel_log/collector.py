@@ -58,6 +58,7 @@ from collectors._xid import (
 from collectors.kernel_log.kmsg import (
     STATE_NAMESPACE,
     FileLogReader,
+    HandedOn,
     KmsgIO,
     KmsgReader,
     LogReader,
@@ -230,12 +231,18 @@ class _ProcessLog:
     """Shared by the kernel_log collectors of one process (the runtime's SharedServices)."""
 
     backlog_read: bool = False
+    """A batch that reached the end of the log is committed: what a reader reads from then
+    on was written while the agent ran. Not before: a reader made again by a reload that
+    cut the first rounds short reads their records again, as the backlog they are."""
     totals: Counter[str] = field(default_factory=Counter)
     """The records read, malformed, lost, ... since the agent started: a reload that makes
     the collector again is no start (the counters' help says "since the agent started"), and
     an instance of its own that began at zero lowered every one of them."""
     ignored: Counter[str] = field(default_factory=Counter)
     """The matchers' user-space findings, counted the same way (MatcherSet.ignored)."""
+    handed_on: HandedOn = field(default_factory=HandedOn)
+    """How far this process's /dev/kmsg readers have handed records on: the reader a reload
+    makes reads the ring again from its start, and counts none of those records twice."""
 
 
 class KernelLogCollector:
@@ -291,13 +298,18 @@ class KernelLogCollector:
 
     def _open_reader(self) -> LogReader:
         path = self.settings.path
-        # Only the process's first reader reads a backlog that predates the agent: a reader
-        # made again by a configuration reload picks up records the agent was running for.
+        # Only the backlog read first predates the agent: a reader made again by a reload
+        # after it picks up records the agent was running for (`_ProcessLog.backlog_read`).
         process = self.deps.shared.get(_ProcessLog, _ProcessLog)
-        backlog, process.backlog_read = not process.backlog_read, True
+        backlog = not process.backlog_read
         if is_character_device(path) or self.io is not None:
             return KmsgReader(
-                path, self.settings.boot_id_path, self.deps.state, io=self.io, backlog=backlog
+                path,
+                self.settings.boot_id_path,
+                self.deps.state,
+                io=self.io,
+                backlog=backlog,
+                handed_on=process.handed_on,
             )
         return FileLogReader(path, self.deps.state, backlog=backlog)
 
@@ -318,6 +330,8 @@ class KernelLogCollector:
         # them with (never after) this cursor, so no death of the process between here and
         # the store loses a finding, and a restart does not skip one. Never raises.
         reader.commit(batch)
+        if not batch.more:
+            self.deps.shared.get(_ProcessLog, _ProcessLog).backlog_read = True
         return Collection(samples=self._samples(), events=events)
 
     async def wake(self, timeout: float) -> None:
@@ -361,6 +375,10 @@ class KernelLogCollector:
             return
         saved = self.deps.state.get(STATE_NAMESPACE, COUNTS_KEY)
         if not isinstance(saved, dict) or saved.get("boot") != self._boot:
+            # Nothing of this boot's last life: and none to come, since what is stored from
+            # here on is this process's own counts, which the correlator holds already (a
+            # collector made again by a reload took them over a second time).
+            self.correlator.carry_counts({}, {}, origin="kernel_log")
             return
         self._stored_counts = saved
         for name, into in (
@@ -375,7 +393,7 @@ class KernelLogCollector:
             if isinstance(pci, str) and isinstance(device, str) and sxid is not None and many:
                 self.sxids[(pci, device, sxid)] += many
         counts, confirmed = parse_snapshot(saved)
-        self.correlator.carry_counts(counts, confirmed, origin="kernel_log", life=saved.get("life"))
+        self.correlator.carry_counts(counts, confirmed, origin="kernel_log")
 
     def _store_counts(self) -> None:
         """The finding counters as they are now, in the round's state (stored with its
@@ -388,7 +406,7 @@ class KernelLogCollector:
             "paused_findings": {k: n for k, n in sorted(self.paused_findings.items()) if n},
             "suppressed": {k: n for k, n in sorted(self.suppressed.items()) if n},
             "sxids": [[p, d, c, n] for (p, d, c), n in sorted(self.sxids.items())],
-            **self.correlator.snapshot(),  # "life", "xids", "confirmed"
+            **self.correlator.snapshot(),  # "xids", "confirmed"
         }
         if value != self._stored_counts:
             self.deps.state.put(STATE_NAMESPACE, COUNTS_KEY, value)

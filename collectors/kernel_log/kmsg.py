@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import time
 from collections.abc import Callable
@@ -104,6 +105,28 @@ class ReadBatch:
     """Saved lines: the record that indented lines at the start of the next read continue."""
 
 
+@dataclass
+class HandedOn:
+    """How far this process's readers of /dev/kmsg have handed records on (`commit`): shared
+    by the readers one process makes one after the other (a reload makes the collector, and
+    its reader, again). A new descriptor starts at the oldest record in the ring, so the next
+    reader reads again what an earlier one handed on; those records were counted when they
+    were read, and are passed over uncounted: neither skipped (that is a restart's replay)
+    nor, for a record that does not parse, malformed a second time."""
+
+    boot_id: str = ""
+    seq: int = -1
+
+
+_KMSG_SEQ = re.compile(rb"\d{1,4},(\d{1,20})[,;]")
+"""A record's sequence number, read from a header that does not parse as a whole."""
+
+
+def _seq_of(data: bytes) -> int | None:
+    match = _KMSG_SEQ.match(data)
+    return int(match[1]) if match is not None else None
+
+
 def read_boot_id(path: Path) -> str:
     try:
         boot_id = path.read_text(encoding="ascii").strip()
@@ -131,10 +154,13 @@ class KmsgReader:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         backlog: bool = True,
+        handed_on: HandedOn | None = None,
     ) -> None:
         """`backlog`: the first records read predate the agent (False for a reader made
-        again by a configuration reload in the same process)."""
+        again by a configuration reload in the same process). `handed_on`: the process's
+        (`HandedOn`); None, this reader's own."""
         self.path = path
+        self.handed_on = HandedOn() if handed_on is None else handed_on
         self.boot_id_path = boot_id_path
         self.state = state
         self.io = io or OsKmsgIO()
@@ -182,36 +208,56 @@ class KmsgReader:
                     ) from exc
                 raise KernelLogError(f"reading {self.path}: {exc.strerror or exc}") from exc
 
-    def read(self) -> ReadBatch:
-        """Every record written since the last call (or since the cursor, at start)."""
+    def _descriptor(self) -> int:
+        """The descriptor to read on. A batch read and never committed (its round failed, or
+        its call timed out and the answer was dropped) is read again: a descriptor reads on
+        where it stopped, so that one is given up and a new one reads the ring again from
+        the cursor (what this reader handed on passes uncounted, `HandedOn`)."""
+        committed = self._committed
+        if self._fd is not None and committed is not None and committed["seq"] != self._last_seq:
+            self.close()
         if self._fd is None:
             self._fd = self._open()
-        fd = self._fd  # close() may run meanwhile (a stop); this read keeps its descriptor
+        return self._fd
+
+    def read(self) -> ReadBatch:
+        """Every record written since the last batch committed (or since the cursor, at
+        start)."""
+        fd = self._descriptor()  # close() may run meanwhile (a stop); this read keeps its fd
         batch = ReadBatch(predates_agent=self._first_batch)
         expected = self._last_seq + 1 if self._last_seq >= 0 else None
+        mine = self.handed_on
+        handed = mine.seq if mine.boot_id == self._boot_id else -1
         while len(batch.records) < MAX_RECORDS_PER_READ:
             data = self._read_one(fd)
             if data is None:
-                # The backlog ends at the first EAGAIN, which may be several rounds in when
-                # the ring held more than one round's worth.
-                self._first_batch = False
+                # The backlog ends at the first EAGAIN (which may be several rounds in when
+                # the ring held more than one round's worth), once that batch is committed.
                 break
             if not data:
                 batch.overruns += 1
                 continue
             try:
-                record = parse_kmsg_record(data)
+                record: LogRecord | None = parse_kmsg_record(data)
             except MalformedLine:
-                batch.malformed += 1
-                continue
-            seq = record.seq if record.seq is not None else -1
-            if seq <= self._last_seq:
+                record = None
+            # A record that does not parse still has its number, as a rule: it is in its
+            # place in the sequence (no gap: none lost), and the cursor moves past it.
+            known = _seq_of(data) if record is None else record.seq
+            seq = known if known is not None else -1
+            if known is not None and seq <= handed:
+                continue  # this process read and counted it already (before a reload)
+            if known is not None and seq <= self._last_seq:
                 batch.skipped += 1
                 continue
-            if expected is not None and seq > expected:
-                batch.lost += seq - expected
-            expected = seq + 1
-            self._last_seq = seq
+            if known is not None:
+                if expected is not None and seq > expected:
+                    batch.lost += seq - expected
+                expected = seq + 1
+                self._last_seq = seq
+            if record is None:
+                batch.malformed += 1
+                continue
             batch.records.append(record)
         else:
             batch.more = True  # stopped at the bound, not at the end of the ring
@@ -243,6 +289,12 @@ class KmsgReader:
 
         Compared with the last cursor saved, not with "the batch has records": after a failed
         commit (a full disk) the next one saves the cursor even if no record came since."""
+        if not batch.more:
+            self._first_batch = False  # a batch read again is read as it was the first time
+        if batch.cursor is not None:
+            seq = batch.cursor.get("seq")
+            if isinstance(seq, int):
+                self.handed_on.boot_id, self.handed_on.seq = self._boot_id, seq
         if batch.cursor is not None and batch.cursor != self._committed:
             self.state.put(STATE_NAMESPACE, KMSG_CURSOR_KEY, batch.cursor)
             self._committed = batch.cursor
