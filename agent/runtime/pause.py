@@ -1,8 +1,10 @@
 """The runtime's side of a pause: who is asked to let go of the GPUs, until when, and the end.
 
 `PauseControl.pause` asks every running `PausableCollector` (agent/contracts/pause.py) to
-release the GPUs, all at once, and returns what each did; a pause already in
-force is extended (its deadline moves, nothing is released twice). `resume` lifts it, wakes
+release the GPUs, all at once, and returns what each did; a pause already in force is
+extended: its deadline moves, and every collector is asked again (one that did not let go
+the first time tries again; one that did says it still holds nothing), so the answer is the
+truth now. `resume` lifts it, wakes
 each such collector for a round at once and returns that round's events (a GPU that did not
 come back is one). A collector built while a pause is in force (a reload) is paused before
 its first round.
@@ -109,7 +111,7 @@ class PauseControl:
         self._deadline: asyncio.Task[None] | None = None
         self.state: PauseState | None = None
         self.released: dict[str, Released] = {}
-        """What each collector said when it was paused (this pause)."""
+        """What each collector said when it was last asked to let go (this pause)."""
         self.history = PauseHistory()
         """This pause and the last ended ones, shared with the collectors (a kernel-log
         record logged in one is judged by it, whenever it is read)."""
@@ -223,8 +225,13 @@ class PauseControl:
         length = self.duration(seconds)
         async with self._lock:
             now = time.time()
-            extended = self.state is not None
-            since = self.state.since if self.state is not None else now
+            earlier = self.state
+            extended = earlier is not None
+            since = earlier.since if earlier is not None else now
+            # Asked again without a reason, the pause is still for what it was asked for (the
+            # heartbeat, the notice and the kernel log's marks keep saying it).
+            if earlier is not None and not reason:
+                reason = earlier.reason
             state = PauseState(since, now + length, reason, by)
             self.state = state
             self._publish()  # a record logged from now on is the pause's, whoever reads it
@@ -235,11 +242,12 @@ class PauseControl:
             # All at once: every gate shuts before any of them waits for its round, so the
             # benchmark cannot start a child on a GPU while the gpu collector lets go (NVML
             # itself waits for the calls in flight, whoever made them).
-            todo = [s for s in self._pausable().values() if not s.paused]
-            for status, released in zip(
-                todo, await asyncio.gather(*(self._pause_one(s) for s in todo)), strict=True
-            ):
-                self.released[status.name] = released
+            # Every one, paused already or not: asked again, a part that did not let go the
+            # first time (a call or a child stuck in the driver) tries again and says how it
+            # stands now, and the answer is this pause's, not what the first one said.
+            todo = self._pausable()
+            answers = await asyncio.gather(*(self._pause_one(s) for s in todo.values()))
+            self.released = dict(zip(todo, answers, strict=True))
             self.arm()
             self._emit(
                 Event(
