@@ -20,17 +20,20 @@ driver).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from agent.contracts.pause import PauseSettings
+from agent.runtime import pause as pause_module
 from agent.runtime.core import Runtime
 from collectors.gpu.collector import GpuSettings
 from exporters.heartbeat import heartbeat_payload
@@ -38,6 +41,8 @@ from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeGpu, FakeNvml
 from tests.support.waiting import until
 from tests.test_pause_runtime import GPU, events, gauge, make_runtime, names, stop
+
+T = TypeVar("T")
 
 
 class GatedNvml(FakeNvml):
@@ -230,4 +235,165 @@ async def test_the_deadline_is_moved_from_now_and_said_everywhere(
         assert fake.initialised == 1 and not runtime.collectors["gpu"].paused
         assert runtime.pause.released == {}
     finally:
+        await stop(runtime)
+
+
+class OpenCounting(FakeNvml):
+    """The fake NVML, which notes every nvmlInit made while `forbidden` is set: between a
+    pause that answered released and the next resume, nothing may open the GPUs."""
+
+    def __init__(self, gpus: list[FakeGpu]) -> None:
+        super().__init__(gpus)
+        self.forbidden = False
+        self.opened_while_paused = 0
+
+    def nvmlInit(self) -> None:
+        if self.forbidden:
+            self.opened_while_paused += 1
+        super().nvmlInit()
+
+
+class Gate:
+    """Holds one awaited step of the agent (an old instance's close, a new instance's first
+    round) until `open`: the pause and resume requests land inside it."""
+
+    def __init__(self) -> None:
+        self.reached = asyncio.Event()
+        self._open = asyncio.Event()
+
+    def wrap(self, step: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        async def held(*args: Any, **kwargs: Any) -> T:
+            if not self._open.is_set():
+                self.reached.set()
+                await self._open.wait()
+            return await step(*args, **kwargs)
+
+        return held
+
+    def open(self) -> None:
+        self._open.set()
+
+
+SEQUENCES = [("pause",), ("pause", "resume", "pause"), ("resume", "pause")]
+"""What the operator asks while the reload is held; one starting with resume starts paused."""
+WHERE = ["the old instance's close", "the new instance's first round"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("sequence", SEQUENCES, ids="-".join)
+async def test_pause_and_resume_racing_a_reload_open_nothing_while_paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, sequence: tuple[str, ...]
+) -> None:
+    """A SIGHUP reload that restarts the gpu collector, held at one of its awaits while the
+    operator pauses, resumes and pauses again: the last pause answers released, and from
+    its answer until the resume nothing calls NVML, neither the old instance nor the new one
+    (built before, started after, or in its first round then)."""
+    # A resume while the new instance's first round is held here waits for that round, up
+    # to the bound: shortened, this test is about what opens NVML, not about that wait.
+    monkeypatch.setattr(pause_module, "FIRST_ROUND_BOUND", 1.0)
+    fake = OpenCounting(fake_gpus(2))
+    runtime = make_runtime(fake, tmp_path / "state")
+    await runtime.start()
+    gate = Gate()
+    try:
+        await until(lambda: "gpuwarden_gpu_up" in names(runtime), what="GPU series")
+        if sequence[0] == "resume":
+            assert (await runtime.pause.pause(600.0)).ok
+        old = runtime.collectors["gpu"]
+        if where == WHERE[0]:
+            monkeypatch.setattr(old.collector, "close", gate.wrap(old.collector.close))
+        else:
+            build = runtime._build
+
+            def gated(name: str, settings: Any) -> Any:
+                collector = build(name, settings)
+                if collector is not None:
+                    monkeypatch.setattr(collector, "collect", gate.wrap(collector.collect))
+                return collector
+
+            monkeypatch.setattr(runtime, "_build", gated)
+        changed = dataclasses.replace(
+            runtime.config, collectors={"gpu": GPU.replace(interval=0.15)}
+        )
+        reload = asyncio.ensure_future(runtime.reload(changed))
+        await asyncio.wait_for(gate.reached.wait(), 20)
+        for step in sequence:
+            if step == "pause":
+                reply = await runtime.pause.pause(600.0, "reset")
+                assert reply.ok, [r.detail for r in reply.released]
+                fake.forbidden = True
+            else:
+                fake.forbidden = False
+                assert (await runtime.pause.resume()).resumed
+        gate.open()
+        assert not (await reload).failed
+        status = runtime.collectors["gpu"]
+        assert status is not old
+        calls = sum(fake.lib_calls.values())
+        rounds = status.rounds_done
+        await until(lambda: status.rounds_done >= rounds + 3, what="rounds of the new instance")
+        assert status.paused
+        assert sum(fake.lib_calls.values()) == calls
+        assert fake.initialised == 0 and fake.opened_while_paused == 0
+        assert "gpuwarden_gpu_up" not in names(runtime)
+
+        fake.forbidden = False
+        resumed = await runtime.pause.resume()
+        assert resumed.resumed and resumed.waited_out == ()
+        assert fake.initialised == 1 and "gpuwarden_gpu_up" in names(runtime)
+    finally:
+        gate.open()
+        await stop(runtime)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["restarted", "restarted, the new instance's first round held", "stopped"],
+)
+async def test_a_resume_during_a_reload_waits_for_the_instance_that_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """`gpuwarden resume` while a reload replaces the gpu collector (or stops it) answers
+    with the first round of the instance that runs after it. Before, it waited for a round
+    of the instance being retired, which never came: FIRST_ROUND_BOUND (20 s) later it said
+    the collector's first round was waited out, and reported nothing the round found."""
+    fake = FakeNvml(fake_gpus(2))
+    runtime = make_runtime(fake, tmp_path / "state")
+    await runtime.start()
+    gate = Gate()
+    try:
+        await until(lambda: "gpuwarden_gpu_up" in names(runtime), what="GPU series")
+        assert (await runtime.pause.pause(600.0)).ok
+        old = runtime.collectors["gpu"]
+        if change == "restarted, the new instance's first round held":
+            build = runtime._build
+
+            def gated(name: str, settings: Any) -> Any:
+                collector = build(name, settings)
+                if collector is not None:
+                    monkeypatch.setattr(collector, "collect", gate.wrap(collector.collect))
+                return collector
+
+            monkeypatch.setattr(runtime, "_build", gated)
+        else:
+            monkeypatch.setattr(old.collector, "close", gate.wrap(old.collector.close))
+        gpu = GPU.replace(interval=0.15, enabled=change != "stopped")
+        reload = asyncio.ensure_future(
+            runtime.reload(dataclasses.replace(runtime.config, collectors={"gpu": gpu}))
+        )
+        await asyncio.wait_for(gate.reached.wait(), 20)
+        resume = asyncio.ensure_future(runtime.pause.resume())
+        await until(lambda: runtime.pause_state() is None, what="the hold lifted")
+        gate.open()
+        reply = await resume
+        await reload
+        assert reply.resumed and reply.waited_out == ()
+        if change == "stopped":
+            assert "gpu" not in runtime.collectors and reply.first_round == {}
+        else:
+            assert reply.first_round.keys() == {"gpu"}
+            assert runtime.collectors["gpu"] is not old
+            assert fake.initialised == 1 and "gpuwarden_gpu_up" in names(runtime)
+    finally:
+        gate.open()
         await stop(runtime)

@@ -340,7 +340,7 @@ class PauseControl:
                 resumed[name] = (status, status.rounds_done)
                 status.wake.set()  # its first round now, not an interval later
             self._emit(self._resumed_event(state, why, by=by))
-        first, late = await _first_rounds(resumed)
+        first, late = await _first_rounds(resumed, self._collectors)
         return ResumeReply(True, why, first, late)
 
     def _resumed_event(
@@ -446,14 +446,30 @@ def ended_pauses(stored: object) -> tuple[list[PauseWindow], int]:
 
 async def _first_rounds(
     resumed: Mapping[str, tuple[CollectorStatus, int]],
+    running: Callable[[], Mapping[str, CollectorStatus]],
 ) -> tuple[dict[str, tuple[Event, ...]], tuple[str, ...]]:
-    """Wait (bounded) for a round of each collector after `resumed`'s round counts."""
+    """Wait (bounded) for a round of each collector after `resumed`'s round counts.
+
+    Of the instance that runs under the collector's name (`running`): a reload that replaced
+    it meanwhile retired the one resumed, whose rounds are over, and every round of its
+    successor comes after the resume (it was installed after `resumed` was taken). One that
+    a reload stopped is not waited for."""
     deadline = time.monotonic() + FIRST_ROUND_BOUND
     first: dict[str, tuple[Event, ...]] = {}
     late: list[str] = []
-    for name, (status, done) in resumed.items():
-        while status.rounds_done <= done and time.monotonic() < deadline:
+    for name, (was, rounds) in resumed.items():
+        status, done = was, rounds
+        while True:
+            now = running().get(name)
+            if now is None:
+                break
+            if now is not status:
+                status, done = now, 0
+            if status.rounds_done > done or time.monotonic() >= deadline:
+                break
             await asyncio.sleep(0.05)
+        if now is None:
+            continue
         if status.rounds_done > done:
             first[name] = tuple(status.last_events)
         else:
