@@ -39,8 +39,8 @@ from collectors.gpu.collector import GpuSettings
 from exporters.heartbeat import heartbeat_payload
 from tests.support.nvml import fake_gpus
 from tests.support.nvml_fake import FakeGpu, FakeNvml
-from tests.support.waiting import until
-from tests.test_pause_runtime import GPU, events, gauge, make_runtime, names, stop
+from tests.support.waiting import announced, until
+from tests.test_pause_runtime import GPU, gauge, make_runtime, names, stop
 
 T = TypeVar("T")
 
@@ -169,8 +169,7 @@ class TestAPauseAskedAgain:
         rounds = status.rounds_done
         await until(lambda: status.rounds_done >= rounds + 3, what="paused rounds")
         assert sum(fake.lib_calls.values()) == calls  # nothing opens NVML again while paused
-        await until(lambda: len(events(runtime, "gpu_paused")) == 3, what="the events")
-        said = [e.attributes["not_released"] for e in events(runtime, "gpu_paused")]
+        said = [e.attributes["not_released"] for e in await announced(runtime, "gpu_paused", 3)]
         assert said == ["gpu", "gpu", ""]
 
         resumed = await runtime.pause.resume()
@@ -223,7 +222,7 @@ async def test_the_deadline_is_moved_from_now_and_said_everywhere(
         assert isinstance(stored, dict) and stored["until"] == two.state.until
         if length < 5:
             await until(lambda: runtime.pause_state() is None, timeout=10, what="the deadline")
-            (ended,) = events(runtime, "gpu_resumed")
+            (ended,) = await announced(runtime, "gpu_resumed")
             assert ended.attributes["why"] == "deadline"
             assert ended.attributes["until_ts"] == round(two.state.until, 3)
             await until(lambda: "gpuwarden_gpu_up" in names(runtime), what="GPU series back")
@@ -396,4 +395,67 @@ async def test_a_resume_during_a_reload_waits_for_the_instance_that_runs(
             assert fake.initialised == 1 and "gpuwarden_gpu_up" in names(runtime)
     finally:
         gate.open()
+        await stop(runtime)
+
+
+async def test_a_paused_round_that_ends_across_the_resume_is_not_its_first_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round that began paused (no NVML call, no event) and ended while `resume` lifted
+    the hold was taken for the first round after it: the command reported nothing, and a
+    GPU the reset left out went unsaid (exit 0). The first round is one that began after the
+    collector was resumed.
+
+    Made to happen: the paused round is held after it returned (not yet counted) until the
+    collector is resumed; the round after it is held before it starts until the resume has
+    looked at the rounds twice since (or answered, as it did before)."""
+    fake = FakeNvml(fake_gpus(2))
+    runtime = make_runtime(fake, tmp_path / "state")
+    await runtime.start()
+    paused_round, resumed = asyncio.Event(), asyncio.Event()
+    next_round, go = asyncio.Event(), asyncio.Event()
+    looks = [0]
+    try:
+        await until(lambda: "gpuwarden_gpu_up" in names(runtime), what="GPU series")
+        assert (await runtime.pause.pause(600.0)).ok
+        status = runtime.collectors["gpu"]
+        collect = status.collector.collect
+        rounds = [0]
+
+        async def held(ctx: Any) -> Any:
+            rounds[0] += 1
+            if rounds[0] == 2:  # the round after the paused one: held before it begins
+                next_round.set()
+                await go.wait()
+            result = await collect(ctx)
+            if rounds[0] == 1:  # paused: returned at once, empty; held before it is counted
+                paused_round.set()
+                await resumed.wait()
+            return result
+
+        monkeypatch.setattr(status.collector, "collect", held)
+        look = runtime.pause._collectors
+
+        def counted() -> Any:
+            looks[0] += 1
+            return look()
+
+        monkeypatch.setattr(runtime.pause, "_collectors", counted)
+        await asyncio.wait_for(paused_round.wait(), 20)
+        gone = fake.gpus.pop()
+        resume = asyncio.ensure_future(runtime.pause.resume())
+        await until(lambda: not status.paused, what="the collector resumed")
+        looked = looks[0]
+        resumed.set()  # the paused round is counted; the next one begins and is held
+        await until(next_round.is_set, what="the next round")
+        seen = status.rounds_done
+        await until(lambda: resume.done() or looks[0] >= looked + 2, what="the resume's looks")
+        assert status.rounds_done == seen
+        go.set()
+        reply = await resume
+        lost = [e.subject for e in reply.first_round["gpu"] if e.kind == "gpu_lost"]
+        assert lost == [gone.uuid], [e.message for e in reply.first_round["gpu"]]
+    finally:
+        resumed.set()
+        go.set()
         await stop(runtime)

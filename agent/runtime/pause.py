@@ -328,7 +328,8 @@ class PauseControl:
             if self._deadline is not None and self._deadline is not asyncio.current_task():
                 self._deadline.cancel()
             self._deadline = None
-            resumed: dict[str, tuple[CollectorStatus, int]] = {}
+            lifted = time.monotonic()
+            resumed: dict[str, tuple[CollectorStatus, float]] = {}
             for name, status in self._pausable().items():
                 collector = status.collector
                 assert isinstance(collector, PausableCollector)
@@ -337,10 +338,11 @@ class PauseControl:
                 except Exception:
                     log.exception("collector failed to resume", collector=name)
                 status.paused = False
-                resumed[name] = (status, status.rounds_done)
+                # Its first round is one that begins from now: one in flight began paused.
+                resumed[name] = (status, time.monotonic())
                 status.wake.set()  # its first round now, not an interval later
             self._emit(self._resumed_event(state, why, by=by))
-        first, late = await _first_rounds(resumed, self._collectors)
+        first, late = await _first_rounds(resumed, self._collectors, lifted)
         return ResumeReply(True, why, first, late)
 
     def _resumed_event(
@@ -444,37 +446,62 @@ def ended_pauses(stored: object) -> tuple[list[PauseWindow], int]:
     return windows, bad
 
 
+class _FirstRound:
+    """Watches one instance of a collector for its first round that began at `after` or later
+    (time.monotonic()), and keeps that round's events: a later round's do not replace them."""
+
+    def __init__(self, status: CollectorStatus, after: float) -> None:
+        self.status = status
+        self.after = after
+        self.events: tuple[Event, ...] | None = None
+        status.round_watchers.append(self._ended)
+
+    def _ended(self) -> None:
+        status = self.status
+        if self.events is None and status.last_round_began >= self.after:
+            self.events = tuple(status.last_events) if status.success else ()
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.status.round_watchers.remove(self._ended)
+
+
 async def _first_rounds(
-    resumed: Mapping[str, tuple[CollectorStatus, int]],
+    resumed: Mapping[str, tuple[CollectorStatus, float]],
     running: Callable[[], Mapping[str, CollectorStatus]],
+    lifted: float,
 ) -> tuple[dict[str, tuple[Event, ...]], tuple[str, ...]]:
-    """Wait (bounded) for a round of each collector after `resumed`'s round counts.
+    """Wait (bounded) for each collector's first round after the resume: the first that
+    began (time.monotonic()) after it was resumed, as `resumed` says, and ended; its events.
+    A round in flight then began paused: it called nothing and found nothing, and taking it
+    for the first round made the command report nothing (a GPU the reset left out unsaid).
 
     Of the instance that runs under the collector's name (`running`): a reload that replaced
-    it meanwhile retired the one resumed, whose rounds are over, and every round of its
-    successor comes after the resume (it was installed after `resumed` was taken). One that
-    a reload stopped is not waited for."""
+    it meanwhile retired the one resumed, whose rounds are over, and its successor, installed
+    after the hold was lifted (`lifted`), never ran paused. One that a reload stopped is not
+    waited for."""
     deadline = time.monotonic() + FIRST_ROUND_BOUND
-    first: dict[str, tuple[Event, ...]] = {}
-    late: list[str] = []
-    for name, (was, rounds) in resumed.items():
-        status, done = was, rounds
-        while True:
-            now = running().get(name)
-            if now is None:
-                break
-            if now is not status:
-                status, done = now, 0
-            if status.rounds_done > done or time.monotonic() >= deadline:
+    watching = {name: _FirstRound(status, since) for name, (status, since) in resumed.items()}
+    gone: set[str] = set()
+    try:
+        while time.monotonic() < deadline:
+            for name, watch in watching.items():
+                now = running().get(name)
+                if now is None:
+                    gone.add(name)
+                elif now is not watch.status and watch.events is None:
+                    watch.close()
+                    watching[name] = _FirstRound(now, lifted)
+            if all(w.events is not None for n, w in watching.items() if n not in gone):
                 break
             await asyncio.sleep(0.05)
-        if now is None:
-            continue
-        if status.rounds_done > done:
-            first[name] = tuple(status.last_events)
-        else:
-            late.append(name)
-    return first, tuple(late)
+    finally:
+        for watch in watching.values():
+            watch.close()
+    first = {n: w.events for n, w in watching.items() if n not in gone and w.events is not None}
+    late = tuple(n for n, w in watching.items() if n not in gone and w.events is None)
+    return first, late
 
 
 def _clock(ts: float) -> str:
