@@ -381,6 +381,7 @@ async def test_a_resume_during_a_reload_waits_for_the_instance_that_runs(
             runtime.reload(dataclasses.replace(runtime.config, collectors={"gpu": gpu}))
         )
         await asyncio.wait_for(gate.reached.wait(), 20)
+        gone = fake.gpus.pop()  # the reset left one GPU out: the first round says so
         resume = asyncio.ensure_future(runtime.pause.resume())
         await until(lambda: runtime.pause_state() is None, what="the hold lifted")
         gate.open()
@@ -391,6 +392,16 @@ async def test_a_resume_during_a_reload_waits_for_the_instance_that_runs(
             assert "gpu" not in runtime.collectors and reply.first_round == {}
         else:
             assert reply.first_round.keys() == {"gpu"}
+            if change == "restarted":  # the new instance, never paused, counts the GPUs
+                critical = {
+                    (e.kind, e.subject)
+                    for e in reply.first_round["gpu"]
+                    if e.severity.label == "critical"
+                }
+                assert ("gpu_count_dropped", "host") in critical or (
+                    "gpu_lost",
+                    gone.uuid,
+                ) in critical, [e.message for e in reply.first_round["gpu"]]
             assert runtime.collectors["gpu"] is not old
             assert fake.initialised == 1 and "gpuwarden_gpu_up" in names(runtime)
     finally:

@@ -493,6 +493,9 @@ async def _first_rounds(
                 elif now is not watch.status and watch.events is None:
                     watch.close()
                     watching[name] = _FirstRound(now, lifted)
+                    if now.first_round_events is not None:  # it ran before this look
+                        watching[name].events = tuple(now.first_round_events)
+                        watching[name].close()
             if all(w.events is not None for n, w in watching.items() if n not in gone):
                 break
             await asyncio.sleep(0.05)
