@@ -18,7 +18,7 @@ import pytest
 
 from agent.program.control_client import socket_path
 from tests.support.agent_proc import AgentProcess, http_get, run_gpuwarden
-from tests.support.fake_nvml_agent import calls_path
+from tests.support.fake_nvml_agent import calls_path, hang_gpu, stuck_calls, unhang_gpu
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber
 from tests.support.waiting import wait_until
@@ -152,6 +152,76 @@ class TestPauseCommand:
         reply = as_user(65534, agent.workdir / "state", {"op": "pause", "seconds": 60})
         assert reply["ok"] is False and "refused" in reply["error"]
         assert metric(agent, "gpuwarden_gpu_paused ") == ["gpuwarden_gpu_paused 0.0"]
+
+
+@pytest.fixture
+def hung_agent(tmp_path: Path, broker: Broker) -> Iterator[tuple[AgentProcess, Path]]:
+    """The agent with a short NVML call timeout: a call hung on a GPU stays in the driver
+    beyond it, and a pause waits for it no longer than that timeout and a second."""
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    agent = AgentProcess(
+        tmp_path / "agent",
+        entry=["-m", "tests.support.fake_nvml_agent", str(devices), "2"],
+        config_text=(
+            f'[mqtt]\nenabled = true\nurl = "{broker.url}"\nreconnect_min = 0.2\n'
+            "[heartbeat]\ninterval = 0.5\n"
+            "[collectors.gpu]\ninterval = 0.5\ntimeout = 0.5\nevent_wait_ms = 100\n"
+            'sysfs_root = "/nonexistent"\n'
+            "[collectors.benchmark]\nenabled = false\n"
+        ),
+    )
+    agent.start()
+    yield agent, devices
+    unhang_gpu(devices, 1)
+    agent.stop()
+
+
+@pytest.mark.slow
+class TestAPauseAskedAgain:
+    def test_what_did_not_let_go_is_asked_again(
+        self, hung_agent: tuple[AgentProcess, Path]
+    ) -> None:
+        """`gpuwarden pause` while paused asks again. Before, it only moved the deadline and
+        printed the first pause's answer: once the hung NVML call had returned, the agent
+        still held the device files for the whole pause, and the operator who asked again
+        read NOT RELEASED (exit 1) with nothing held back, or released when it was not."""
+        agent, devices = hung_agent
+        assert agent.process is not None
+        pid = agent.process.pid
+        state = str(agent.workdir / "state")
+        wait_until(lambda: len(device_files(pid, devices)) == 3, what="the fake's device files")
+        hang_gpu(devices, 1)
+        wait_until(lambda: stuck_calls(devices, 1) == 1, what="a call hung on GPU 1")
+
+        def pause() -> tuple[int, dict[str, Any]]:
+            done = gpuwarden("pause", "--state-dir", state, "--for", "10m", "--json")
+            reply: dict[str, Any] = json.loads(done.stdout)
+            return done.returncode, reply
+
+        for asked in ("first", "again while it hangs"):
+            code, reply = pause()
+            gpu = reply["released"]["gpu"]
+            assert (code, gpu["released"]) == (1, False), (asked, reply)
+            assert "has not returned" in gpu["detail"], (asked, reply)
+            assert reply["extended"] is (asked != "first")
+            assert len(device_files(pid, devices)) == 3  # NVML is not shut under the call
+
+        unhang_gpu(devices, 1)
+        wait_until(lambda: stuck_calls(devices, 1) == 0, what="the hung call's return")
+        code, reply = pause()
+        assert reply["extended"] is True
+        assert (code, reply["released"]["gpu"]["released"]) == (0, True), reply
+        assert device_files(pid, devices) == []  # nvidia-smi -r may go ahead now
+        released = time.time()
+        before = calls(devices, since=released)
+        wait_until(lambda: calls_path(devices).stat().st_mtime > released + 1.5, what="rounds")
+        assert calls(devices, since=time.time()) == before  # nothing opens NVML while paused
+
+        done = gpuwarden("resume", "--state-dir", state)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert len(device_files(pid, devices)) == 3
+        wait_until(lambda: len(metric(agent, "gpuwarden_gpu_up{")) == 2, what="both GPUs up")
 
 
 def as_user(uid: int, state_dir: Path, payload: dict[str, Any]) -> dict[str, Any]:

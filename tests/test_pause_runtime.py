@@ -34,11 +34,15 @@ GPU = GpuSettings(interval=0.1, event_thread=True, event_wait_ms=50, sysfs_root=
 
 
 def make_runtime(
-    fake: FakeNvml, state_dir: Path, boot: str = "boot-1", pause: PauseSettings | None = None
+    fake: FakeNvml,
+    state_dir: Path,
+    boot: str = "boot-1",
+    pause: PauseSettings | None = None,
+    gpu: GpuSettings = GPU,
 ) -> Runtime:
     cfg = config.parse({"prometheus": {"enabled": False}, "state_dir": str(state_dir)})
     sections = {**cfg.sections, "pause": pause or PauseSettings()}
-    cfg = dataclasses.replace(cfg, collectors={"gpu": GPU}, sections=sections)
+    cfg = dataclasses.replace(cfg, collectors={"gpu": gpu}, sections=sections)
     runtime = Runtime(
         cfg,
         StateStore.open(state_dir),

@@ -305,15 +305,17 @@ class TestAChildThatDoesNotDie:
 
 @pytest.mark.slow
 class TestAPauseBesideAStuckChild:
+    @pytest.mark.parametrize("again", ["asked again", "resumed and paused anew"])
     def test_the_benchmark_is_not_released_while_its_child_lives(
-        self, tmp_path: Path, broker: Broker, stuck_mount: tuple[Path, Path]
+        self, tmp_path: Path, broker: Broker, stuck_mount: tuple[Path, Path], again: str
     ) -> None:
         """`gpuwarden pause` tells the operator the GPUs may be reset; a child that a reload
         killed and that is stuck in the driver outlives its SIGKILL and still holds its GPU.
         Before, the new instance, running no child of its own, answered "no benchmark child
         was running; none starts", released, exit 0, and a reset then met a GPU in use; now
         it names the live child, not released, exit 1, and says released once the child is
-        gone and a new pause is asked."""
+        gone and the pause is asked again, or a new one after a resume. (Asked again, a
+        pause used to answer what the first had said: the dead child, exit 1.)"""
         mountpoint, state = stuck_mount
         gate = Gate(tmp_path / "gate", stuck_in=mountpoint)
         bench = Bench(tmp_path, broker, gate)
@@ -341,13 +343,20 @@ class TestAPauseBesideAStuckChild:
             assert benchmark["released"] is False, benchmark
             assert str(first) in benchmark["detail"], benchmark
             assert done.returncode == 1, done.stdout
+            if again == "asked again":  # still stuck: still said, by its pid
+                done = run_gpuwarden("pause", "--state-dir", state_dir, "--for", "5m", "--json")
+                benchmark = json.loads(done.stdout)["released"]["benchmark"]
+                assert benchmark["released"] is False and str(first) in benchmark["detail"]
+                assert done.returncode == 1, done.stdout
             kill_daemon(state)
             wait_until(lambda: not alive(first), what="the stuck child's end")
-            # A pause asked again only moves its deadline: resume, then pause anew.
-            done = run_gpuwarden("resume", "--state-dir", state_dir)
+            if again != "asked again":
+                done = run_gpuwarden("resume", "--state-dir", state_dir)
+                assert done.returncode == 0, done.stdout
+            done = run_gpuwarden("pause", "--state-dir", state_dir, "--for", "5m", "--json")
+            reply = json.loads(done.stdout)
+            assert reply["extended"] is (again == "asked again"), reply
+            assert reply["released"]["benchmark"]["released"] is True, reply
             assert done.returncode == 0, done.stdout
-            again = run_gpuwarden("pause", "--state-dir", state_dir, "--for", "5m", "--json")
-            assert json.loads(again.stdout)["released"]["benchmark"]["released"] is True, again
-            assert again.returncode == 0, again.stdout
             assert run_gpuwarden("resume", "--state-dir", state_dir).returncode == 0
         assert not bench.watch.violations, "\n".join(bench.watch.violations)

@@ -176,6 +176,15 @@ class CollectorStatus:
     """Set to run the next round now (the first after a pause)."""
     last_events: Sequence[Event] = ()
     """The events of the last round that succeeded."""
+    last_round_began: float = float("-inf")
+    """When (time.monotonic()) the last round that ended began: a round that began paused and
+    ended after a resume is not the first round after it (agent/runtime/pause.py)."""
+    first_round_events: Sequence[Event] | None = None
+    """The events of this instance's first round, once it has ended (none if it failed): a
+    resume during the reload that started this instance reads them, however late it looks."""
+    round_watchers: list[Callable[[], None]] = field(default_factory=list)
+    """Called after each round ends, in the loop, before the next begins (the resume's wait
+    for the first round after the pause reads that round's events, not a later one's)."""
     stale_kept: bool = False
     """Stale when a reload restarted it: stale until a round succeeds, whatever its new
     interval and timeout allow."""
@@ -734,9 +743,15 @@ class Runtime:
         round_number = 0
         await self.pause.enter(status)  # built while paused: it lets go before its first round
         while True:
+            began = time.monotonic()
             await self._run_round(status, round_number, logger)
             round_number += 1
+            status.last_round_began = began
             status.rounds_done += 1
+            if status.first_round_events is None:
+                status.first_round_events = status.last_events if status.success else ()
+            for watch in list(status.round_watchers):
+                watch()
             self.supervisor.beat(f"collector:{status.name}")
             if round_number == 1:
                 self._maybe_first_round_done()

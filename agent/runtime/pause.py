@@ -1,8 +1,10 @@
 """The runtime's side of a pause: who is asked to let go of the GPUs, until when, and the end.
 
 `PauseControl.pause` asks every running `PausableCollector` (agent/contracts/pause.py) to
-release the GPUs, all at once, and returns what each did; a pause already in
-force is extended (its deadline moves, nothing is released twice). `resume` lifts it, wakes
+release the GPUs, all at once, and returns what each did; a pause already in force is
+extended: its deadline moves, and every collector is asked again (one that did not let go
+the first time tries again; one that did says it still holds nothing), so the answer is the
+truth now. `resume` lifts it, wakes
 each such collector for a round at once and returns that round's events (a GPU that did not
 come back is one). A collector built while a pause is in force (a reload) is paused before
 its first round.
@@ -109,7 +111,7 @@ class PauseControl:
         self._deadline: asyncio.Task[None] | None = None
         self.state: PauseState | None = None
         self.released: dict[str, Released] = {}
-        """What each collector said when it was paused (this pause)."""
+        """What each collector said when it was last asked to let go (this pause)."""
         self.history = PauseHistory()
         """This pause and the last ended ones, shared with the collectors (a kernel-log
         record logged in one is judged by it, whenever it is read)."""
@@ -223,8 +225,13 @@ class PauseControl:
         length = self.duration(seconds)
         async with self._lock:
             now = time.time()
-            extended = self.state is not None
-            since = self.state.since if self.state is not None else now
+            earlier = self.state
+            extended = earlier is not None
+            since = earlier.since if earlier is not None else now
+            # Asked again without a reason, the pause is still for what it was asked for (the
+            # heartbeat, the notice and the kernel log's marks keep saying it).
+            if earlier is not None and not reason:
+                reason = earlier.reason
             state = PauseState(since, now + length, reason, by)
             self.state = state
             self._publish()  # a record logged from now on is the pause's, whoever reads it
@@ -235,11 +242,12 @@ class PauseControl:
             # All at once: every gate shuts before any of them waits for its round, so the
             # benchmark cannot start a child on a GPU while the gpu collector lets go (NVML
             # itself waits for the calls in flight, whoever made them).
-            todo = [s for s in self._pausable().values() if not s.paused]
-            for status, released in zip(
-                todo, await asyncio.gather(*(self._pause_one(s) for s in todo)), strict=True
-            ):
-                self.released[status.name] = released
+            # Every one, paused already or not: asked again, a part that did not let go the
+            # first time (a call or a child stuck in the driver) tries again and says how it
+            # stands now, and the answer is this pause's, not what the first one said.
+            todo = self._pausable()
+            answers = await asyncio.gather(*(self._pause_one(s) for s in todo.values()))
+            self.released = dict(zip(todo, answers, strict=True))
             self.arm()
             self._emit(
                 Event(
@@ -320,7 +328,8 @@ class PauseControl:
             if self._deadline is not None and self._deadline is not asyncio.current_task():
                 self._deadline.cancel()
             self._deadline = None
-            resumed: dict[str, tuple[CollectorStatus, int]] = {}
+            lifted = time.monotonic()
+            resumed: dict[str, tuple[CollectorStatus, float]] = {}
             for name, status in self._pausable().items():
                 collector = status.collector
                 assert isinstance(collector, PausableCollector)
@@ -329,10 +338,11 @@ class PauseControl:
                 except Exception:
                     log.exception("collector failed to resume", collector=name)
                 status.paused = False
-                resumed[name] = (status, status.rounds_done)
+                # Its first round is one that begins from now: one in flight began paused.
+                resumed[name] = (status, time.monotonic())
                 status.wake.set()  # its first round now, not an interval later
             self._emit(self._resumed_event(state, why, by=by))
-        first, late = await _first_rounds(resumed)
+        first, late = await _first_rounds(resumed, self._collectors, lifted)
         return ResumeReply(True, why, first, late)
 
     def _resumed_event(
@@ -436,21 +446,65 @@ def ended_pauses(stored: object) -> tuple[list[PauseWindow], int]:
     return windows, bad
 
 
+class _FirstRound:
+    """Watches one instance of a collector for its first round that began at `after` or later
+    (time.monotonic()), and keeps that round's events: a later round's do not replace them."""
+
+    def __init__(self, status: CollectorStatus, after: float) -> None:
+        self.status = status
+        self.after = after
+        self.events: tuple[Event, ...] | None = None
+        status.round_watchers.append(self._ended)
+
+    def _ended(self) -> None:
+        status = self.status
+        if self.events is None and status.last_round_began >= self.after:
+            self.events = tuple(status.last_events) if status.success else ()
+            self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.status.round_watchers.remove(self._ended)
+
+
 async def _first_rounds(
-    resumed: Mapping[str, tuple[CollectorStatus, int]],
+    resumed: Mapping[str, tuple[CollectorStatus, float]],
+    running: Callable[[], Mapping[str, CollectorStatus]],
+    lifted: float,
 ) -> tuple[dict[str, tuple[Event, ...]], tuple[str, ...]]:
-    """Wait (bounded) for a round of each collector after `resumed`'s round counts."""
+    """Wait (bounded) for each collector's first round after the resume: the first that
+    began (time.monotonic()) after it was resumed, as `resumed` says, and ended; its events.
+    A round in flight then began paused: it called nothing and found nothing, and taking it
+    for the first round made the command report nothing (a GPU the reset left out unsaid).
+
+    Of the instance that runs under the collector's name (`running`): a reload that replaced
+    it meanwhile retired the one resumed, whose rounds are over, and its successor, installed
+    after the hold was lifted (`lifted`), never ran paused. One that a reload stopped is not
+    waited for."""
     deadline = time.monotonic() + FIRST_ROUND_BOUND
-    first: dict[str, tuple[Event, ...]] = {}
-    late: list[str] = []
-    for name, (status, done) in resumed.items():
-        while status.rounds_done <= done and time.monotonic() < deadline:
+    watching = {name: _FirstRound(status, since) for name, (status, since) in resumed.items()}
+    gone: set[str] = set()
+    try:
+        while time.monotonic() < deadline:
+            for name, watch in watching.items():
+                now = running().get(name)
+                if now is None:
+                    gone.add(name)
+                elif now is not watch.status and watch.events is None:
+                    watch.close()
+                    watching[name] = _FirstRound(now, lifted)
+                    if now.first_round_events is not None:  # it ran before this look
+                        watching[name].events = tuple(now.first_round_events)
+                        watching[name].close()
+            if all(w.events is not None for n, w in watching.items() if n not in gone):
+                break
             await asyncio.sleep(0.05)
-        if status.rounds_done > done:
-            first[name] = tuple(status.last_events)
-        else:
-            late.append(name)
-    return first, tuple(late)
+    finally:
+        for watch in watching.values():
+            watch.close()
+    first = {n: w.events for n, w in watching.items() if n not in gone and w.events is not None}
+    late = tuple(n for n, w in watching.items() if n not in gone and w.events is None)
+    return first, late
 
 
 def _clock(ts: float) -> str:

@@ -281,6 +281,9 @@ class GpuCollector:
         self._before_pause: dict[str, dict[str, str]] = {}
         """uuid -> labels of the GPUs NVML listed when the pause began, until the first round
         after it has seen them again (a reset that failed leaves one out)."""
+        self._unstopped: GpuEventThread | None = None
+        """An event thread a pause asked to stop that did not (stuck in the driver): the next
+        `pause` (the same pause asked again) waits for it again, and says so while it lives."""
         # The NVML thread's Xids count in the correlator's series, exported while this runs
         # (or the kernel_log collector does): with the kernel log off or unreadable too.
         self.correlator.attach(self, self.name)
@@ -955,6 +958,8 @@ class GpuCollector:
 
     async def close(self) -> None:
         self.correlator.detach(self)
+        if self._unstopped is not None:
+            self._unstopped.request_stop()  # stuck in the driver: not joined here
         thread, self.events_thread = self.events_thread, None
         if thread is not None:
             await asyncio.to_thread(thread.stop)
@@ -966,12 +971,21 @@ class GpuCollector:
         (NVML is never shut down under a call), then the event thread is stopped and joined,
         NVML shut down and held shut for the whole process, and this process's NVIDIA device
         files counted (none may be left for `nvidia-smi -r`)."""
+        again = self.paused  # the same pause asked again: what held on before is asked again
         self.paused = True
         async with self._round_lock:
-            if self.events_thread is not None:
-                thread, self.events_thread = self.events_thread, None
+            # The running thread, and one an earlier pause could not stop (still in the
+            # driver, or ended since: then stop() says so at once).
+            threads = [t for t in (self.events_thread, self._unstopped) if t is not None]
+            self.events_thread = None
+            if threads:
+                self._unstopped = threads[-1]  # known until it has ended, cancelled or not
                 wait = self.settings.event_wait_ms / 1000.0 + 5.0
-                if not await asyncio.to_thread(thread.stop, wait):
+                for thread in threads:
+                    thread.request_stop()  # all at once: each ends within one wait
+                alive = [t for t in threads if not await asyncio.to_thread(t.stop, wait)]
+                if alive:
+                    self._unstopped = alive[0]
                     self.backend.hold("gpuwarden pause", 0.0)  # no new call, nothing shut
                     return Released(
                         self.name,
@@ -980,11 +994,13 @@ class GpuCollector:
                         "the driver that does not return); NVML stays initialised: stop the "
                         "agent to release the GPUs",
                     )
-            self._before_pause = {
-                g.static.identity.uuid: g.static.identity.labels()
-                for g in self.gpus.values()
-                if g.static is not None and g.static.identity.uuid
-            } or self._stored_this_boot()
+                self._unstopped = None
+            if not (again and self._before_pause):  # asked again, the readings are gone
+                self._before_pause = {
+                    g.static.identity.uuid: g.static.identity.labels()
+                    for g in self.gpus.values()
+                    if g.static is not None and g.static.identity.uuid
+                } or self._stored_this_boot()
             was_up = self.backend.up
             wait = self.settings.timeout + 1.0
             if not await asyncio.to_thread(self.backend.hold, "gpuwarden pause", wait):
@@ -1005,7 +1021,13 @@ class GpuCollector:
                     False,
                     "NVML is shut down, but the agent still holds " + ", ".join(left),
                 )
-            done = "NVML shut down" if was_up else "NVML was not initialised"
+            done = (
+                "NVML shut down"
+                if was_up
+                else "NVML stays shut down"
+                if again
+                else "NVML was not initialised"
+            )
             return Released(
                 self.name, True, f"{done}, event thread stopped, no NVIDIA device file open"
             )
