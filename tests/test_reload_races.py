@@ -34,7 +34,7 @@ from tests.support.fake_nvml_agent import calls_path, hang_gpu, stuck_calls, unh
 from tests.support.mosquitto import Broker
 from tests.support.mqtt import Subscriber
 from tests.support.waiting import wait_until
-from tests.test_reload_sequences import HEARTBEAT, STALE_AFTER, Series, Watch
+from tests.test_reload_sequences import HEARTBEAT, STALE_AFTER, Series, Watch, broker_violations
 
 ENABLED = {"system", "processes", "disk", "gpu", "kernel_log"}
 XID_LINE = (
@@ -183,16 +183,7 @@ class Races:
 
     def heard(self, sub: Subscriber) -> None:
         violations = self.watch.violations
-        beats = [m.json() for m in sub.on("test-node/heartbeat")]
-        gaps = [b["ts"] - a["ts"] for a, b in itertools.pairwise(beats)]
-        if gaps and max(gaps) >= HEARTBEAT * STALE_AFTER:
-            violations.append(f"heartbeat gap {max(gaps):.2f} s: the watcher's stale")
-        unhealthy = [b["health"] for b in beats if b["health"] != "ok"]
-        if unhealthy:
-            violations.append(f"unhealthy heartbeats: {unhealthy[:3]}")
-        states = [m.json()["state"] for m in sub.on("test-node/status")]
-        if states != ["online"]:
-            violations.append(f"status messages {states}")
+        violations.extend(broker_violations(sub))
         ids = collections.Counter(m.json()["id"] for m in sub.on("test-node/events"))
         twice = [i for i, n in ids.items() if n > 1]
         if twice:

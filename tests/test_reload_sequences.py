@@ -408,17 +408,24 @@ class Reloads:
             watch.violations.append(f"{watch.step}: the refusal names no file or key: {said}")
 
     def _the_broker_heard(self, sub: Subscriber) -> None:
-        watch = self.watch
-        beats = [m.json() for m in sub.on("test-node/heartbeat")]
-        gaps = [b["ts"] - a["ts"] for a, b in itertools.pairwise(beats)]
-        if gaps and max(gaps) >= HEARTBEAT * STALE_AFTER:
-            watch.violations.append(f"heartbeat gap {max(gaps):.2f} s: the watcher's stale")
-        unhealthy = [b["health"] for b in beats if b["health"] != "ok"]
-        if unhealthy:
-            watch.violations.append(f"unhealthy heartbeats: {unhealthy[:3]}")
-        states = [m.json()["state"] for m in sub.on("test-node/status")]
-        if states != ["online"]:
-            watch.violations.append(f"status messages {states}")
+        self.watch.violations.extend(broker_violations(sub))
+
+
+def broker_violations(sub: Subscriber) -> list[str]:
+    """What the broker heard of test-node that a watcher would page on: a heartbeat gap past
+    its stale limit, an unhealthy heartbeat, a status other than one `online`."""
+    violations: list[str] = []
+    beats = [m.json() for m in sub.on("test-node/heartbeat")]
+    gaps = [b["ts"] - a["ts"] for a, b in itertools.pairwise(beats)]
+    if gaps and max(gaps) >= HEARTBEAT * STALE_AFTER:
+        violations.append(f"heartbeat gap {max(gaps):.2f} s: the watcher's stale")
+    unhealthy = [b["health"] for b in beats if b["health"] != "ok"]
+    if unhealthy:
+        violations.append(f"unhealthy heartbeats: {unhealthy[:3]}")
+    states = [m.json()["state"] for m in sub.on("test-node/status")]
+    if states != ["online"]:
+        violations.append(f"status messages {states}")
+    return violations
 
 
 @pytest.mark.slow
