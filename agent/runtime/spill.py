@@ -440,7 +440,7 @@ class LiveSpill:
             return
         with self._lock:
             self._event_at = self._value_at = None
-        self._write()
+        self.write_now()
 
     def _settle(self) -> None:
         """Durable, holding all: the spill goes (marked already by the flush that stored it)."""
@@ -460,7 +460,8 @@ class LiveSpill:
             self._current = None
         self.error = None
 
-    def _write(self) -> None:
+    def write_now(self) -> None:
+        """One write, as the thread makes it (bench/state_spill.py times it)."""
         began = time.monotonic()
         cpu = time.thread_time()
         spill_id = uuid.uuid4().hex
