@@ -287,3 +287,50 @@ def test_a_spill_adopted_into_memory_stays_until_the_store_is_durable(tmp_path: 
             assert spill.adopt_all(store, runtime_dir, boot_id=BOOT)[1] == []
         finally:
             store.close()
+
+
+@contextlib.contextmanager
+def spilled_live(tmp_path: Path, source: str, point: str) -> Iterator[Spilled]:
+    """A life on a full disk (or a store in memory) whose spill kept while it runs holds a
+    first batch, then a second write with more is killed at `point` ("": not killed;
+    "stored": the disk had room again and all was stored, killed before the spill went)."""
+    runtime_dir = tmp_path / "run"
+    runtime_dir.mkdir()
+    plan = tmp_path / "plan.json"
+    with SmallDisk(tmp_path / "disk", size=4 * MIB) as disk:
+        state_dir = disk.path / "state"
+        code = life("live", str(state_dir), str(runtime_dir), source, point, str(plan))
+        (state_dir / "fill" / "filler").unlink(missing_ok=True)
+        yield Spilled(state_dir, runtime_dir, json.loads(plan.read_text()), code)
+
+
+LIVE_CASES = [
+    *((source, point) for source in ("guard", "memory") for point in ["start", *WRITE_POINTS]),
+    ("guard", "stored"),
+]
+
+
+@pytest.mark.parametrize(("source", "point"), LIVE_CASES, ids=lambda p: p or "whole")
+def test_a_kill_9_while_running_keeps_the_last_whole_live_spill(
+    tmp_path: Path, source: str, point: str
+) -> None:
+    """The spill kept while the store cannot take the state: a kill -9 anywhere in a write
+    leaves the one before it (or this one, whole); the next start queues each event once
+    and takes the newest values it holds. One the store holds all of (it was marked by the
+    flush that stored it) is not adopted over the store's newer values."""
+    with spilled_live(tmp_path, source, point) as done:
+        state_dir, runtime_dir, wanted, code = done
+        assert code == -signal.SIGKILL or point == "", code
+        store = StateStore.open(state_dir)
+        try:
+            store, adopted = spill.adopt_all(store, runtime_dir, boot_id=BOOT)
+            ids = outbox_ids(store)
+            assert all(n == 1 for n in ids.values()), f"queued twice: {ids}"
+            held = wanted["all"] if point in ("renamed", "", "stored") else wanted["first"]
+            assert set(ids) == set(held["outbox"]), (sorted(ids), held)
+            assert store.get("test", "cursor") == held["cursor"]
+            assert store.get("test", "gone") is None
+            assert len(adopted) <= 2 and all(a.error is None for a in adopted)
+            assert os.listdir(runtime_dir) == []
+        finally:
+            store.close()

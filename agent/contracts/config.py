@@ -54,8 +54,9 @@ class CoreSettings:
     )
     runtime_dir: Path = setting(
         factory=_default_runtime_dir,
-        help="where a clean stop spills what the state store could not take (a full state "
-        "disk, a store in memory), for the next start to adopt",
+        help="where what the state store could not take (a full state disk, a store in "
+        "memory) is spilled, kept up to date while it cannot and at a clean stop, for the "
+        "next start to adopt",
     )
     log_level: LogLevel = setting("info", help="debug, info, warning or error")
     state_open_timeout: float = setting(

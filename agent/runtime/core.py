@@ -56,6 +56,7 @@ from agent.runtime.metrics import RuntimeMetrics
 from agent.runtime.pause import PauseControl
 from agent.runtime.repairs import RepairLedger
 from agent.runtime.rounds import CollectorPool, Failure, RoundOutcome, collector_pool, run_round
+from agent.runtime.spill import LiveSpill
 from agent.runtime.state import IN_MEMORY_PROBLEMS, KvChanges, StateStore
 from agent.runtime.store_guard import RETRY_EVERY, CollectorState, StoreGuard
 from agent.runtime.systemd import Supervisor
@@ -281,6 +282,9 @@ class Runtime:
     """How many of the store's clock steps have been told (an event each)."""
     _disk_task: asyncio.Task[None] | None = None
     """Moving a store that started in memory back to the disk (`_back_to_disk`)."""
+    live_spill: LiveSpill | None = None
+    """The spill kept up to date while the store is not durable (the program starts it:
+    agent/runtime/spill.py); its trouble is a health problem."""
 
     def __init__(
         self,
@@ -1098,6 +1102,8 @@ class Runtime:
         for sink in self.sinks.values():
             problems.extend(sink.problems())
         problems.extend(self.guard.problems())
+        if self.live_spill is not None:
+            problems.extend(self.live_spill.problems())
         kinds = {p.kind for p in self.store.problems}
         if "state_store_hung" in kinds:
             problems.append(

@@ -40,6 +40,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -53,7 +54,7 @@ from agent.contracts.errors import StateStoreError
 from agent.contracts.model import Event, RepairAction, Severity
 from agent.runtime.salvage import COLUMNS, salvage
 from agent.runtime.state import StateStore, _migrate, _new_events
-from agent.runtime.store_guard import StoreGuard
+from agent.runtime.store_guard import SPILLED_NAMESPACE, Queued, StoreGuard
 
 log = structlog.get_logger(component="state")
 
@@ -61,8 +62,9 @@ PREFIX, SUFFIX = "spill-", ".db"
 """A spill's file name: `spill-<time>-<pid>.db`; anything else in the runtime dir is not one."""
 TEMPORARY = ".spill-"
 """The prefix of a spill being written; one left by a kill -9 is removed."""
-ADOPTED_NAMESPACE = "spill_adopted"
-"""The key-value namespace of the adopted spills' ids (the marker)."""
+ADOPTED_NAMESPACE = SPILLED_NAMESPACE
+"""The key-value namespace of the adopted spills' ids (the marker); a flush that stores all
+a spill written while the store could not take it marks that spill there too."""
 META = "spill_meta"
 GONE = "spill_gone"
 DELETED = "spill_deleted"
@@ -153,50 +155,92 @@ def write(
     queue, and for a store in memory all it holds) into a spill in `runtime_dir`. Never
     raises for the disk: a runtime dir that cannot take it is one error log line, naming
     the path and what is lost."""
-    events, values = guard.queued_events, guard.queued_values
-    entries = 0 if store.durable else sum(store.outbox_depth().values())
     if not needed(store, guard):
         return Spilled(None)
+    done = _spill(store, guard, runtime_dir, boot_id=boot_id, outbox=outbox, hook=hook, live=False)
+    if done.error is not None:
+        log.error(
+            "unsaved state not spilled; it is lost with this stop",
+            runtime_dir=str(runtime_dir),
+            error=done.error,
+            events_lost=done.events,
+            values_lost=done.values,
+            outbox_entries_lost=done.outbox,
+            store="disk" if store.durable else "memory",
+        )
+        return done
+    log.warning(
+        "state_spilled: what the state store could not take is kept in the runtime dir "
+        "until the next start adopts it",
+        kind="state_spilled",
+        path=str(done.path),
+        events=done.events,
+        values=done.values,
+        outbox_entries=done.outbox,
+        store="disk" if store.durable else "memory",
+    )
+    return done
+
+
+def _spill(
+    store: StateStore,
+    guard: StoreGuard,
+    runtime_dir: Path,
+    *,
+    boot_id: str,
+    outbox: bool,
+    hook: Hook,
+    live: bool,
+    spill_id: str | None = None,
+) -> Spilled:
+    """One spill file, written under a temporary name, fsynced, renamed; then the spills it
+    replaces (`StateStore.held_files`) are removed and it is held in their place. `live`:
+    written while the agent runs, from a snapshot of the guard's queue (which keeps it),
+    not from a flush (which empties it, at the stop)."""
+    hook("start")
+    events, values = guard.queued_events, guard.queued_values
+    entries = 0 if store.durable else sum(store.outbox_depth().values())
+    spill_id = spill_id or uuid.uuid4().hex
     name = f"{PREFIX}{time.time_ns()}-{os.getpid()}{SUFFIX}"
     temporary = runtime_dir / f"{TEMPORARY}{name}"
     try:
         if not runtime_dir.is_dir():
             runtime_dir.mkdir(mode=0o700)  # outside systemd; its parent (/run) must be there
-        _write_file(store, guard, temporary, boot_id=boot_id, outbox=outbox, hook=hook)
+        _write_file(
+            store,
+            guard,
+            temporary,
+            boot_id=boot_id,
+            outbox=outbox,
+            hook=hook,
+            spill_id=spill_id,
+            live=live,
+        )
         hook("synced")
         final = runtime_dir / name
         temporary.rename(final)
         hook("renamed")
         _sync_dir(runtime_dir)
-        store.drop_held_files()  # the spills this store adopted: this one holds them now
+        store.drop_held_files()  # the spills this store adopted or wrote: this one holds them
+        if live:
+            store.held_files.append(final)
     except (OSError, sqlite3.Error, StateStoreError) as exc:
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
-        log.error(
-            "unsaved state not spilled; it is lost with this stop",
-            runtime_dir=str(runtime_dir),
-            error=str(exc),
-            events_lost=events,
-            values_lost=values,
-            outbox_entries_lost=entries,
-            store="disk" if store.durable else "memory",
-        )
-        return Spilled(None, events, values, entries, str(exc))
-    log.warning(
-        "state_spilled: what the state store could not take is kept in the runtime dir "
-        "until the next start adopts it",
-        kind="state_spilled",
-        path=str(final),
-        events=events,
-        values=values,
-        outbox_entries=entries,
-        store="disk" if store.durable else "memory",
-    )
+        return Spilled(None, events, values, entries, str(exc) or type(exc).__name__)
     return Spilled(final, events, values, entries)
 
 
 def _write_file(
-    store: StateStore, guard: StoreGuard, path: Path, *, boot_id: str, outbox: bool, hook: Hook
+    store: StateStore,
+    guard: StoreGuard,
+    path: Path,
+    *,
+    boot_id: str,
+    outbox: bool,
+    hook: Hook,
+    spill_id: str,
+    live: bool,
 ) -> None:
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
@@ -204,23 +248,35 @@ def _write_file(
         conn.execute("PRAGMA journal_mode=MEMORY")  # atomic by the rename, not by a journal
         gone: Sequence[tuple[int, str]] = ()
         deleted: set[tuple[str, str]] = set()
+        queued: Queued | None = None
         if store.durable:
             _migrate(conn)
+            if live:
+                queued = guard.snapshot(spill_id)
         else:
-            store.copy_into(conn)
-            gone, removed = store.unsaved_removals()
+            # No flush between the queue's snapshot and the store's copy: what moves from
+            # the one to the other meanwhile would be in neither.
+            with guard.writing if live else contextlib.nullcontext():
+                if live:
+                    queued = guard.snapshot(spill_id)
+                store.copy_into(conn)
+                gone, removed = store.unsaved_removals()
             deleted.update(removed)
         hook("begun")
-        deleted.update(guard.pending_deletes())
         spill = StateStore(conn, None, [])
-        if guard.pending and not guard.flush_into(spill, outbox):
-            raise StateStoreError(f"cannot write the queued state into {path}: {guard.failing}")
+        if queued is not None:
+            deleted.update(queued.deletes)
+            queued.into(spill, outbox)
+        else:
+            deleted.update(guard.pending_deletes())
+            if guard.pending and not guard.flush_into(spill, outbox):
+                raise StateStoreError(f"cannot write the queued state into {path}: {guard.failing}")
         conn.execute("BEGIN IMMEDIATE")
         conn.execute(f"CREATE TABLE {META} (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
         conn.execute(f"CREATE TABLE {GONE} (seq INTEGER NOT NULL, key TEXT NOT NULL)")
         conn.execute(f"CREATE TABLE {DELETED} (namespace TEXT NOT NULL, key TEXT NOT NULL)")
         meta = {
-            "id": uuid.uuid4().hex,
+            "id": spill_id,
             "boot_id": boot_id,
             "written": repr(time.time()),
             "store": "disk" if store.durable else "memory",
@@ -243,6 +299,211 @@ def _sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- while the agent runs ---------------------------------------------------------------
+
+EVENT_DELAY = 0.2
+"""Seconds from an event queued while the store cannot take it to the spill that holds it:
+a burst within it is one write."""
+VALUE_DELAY = 1.0
+"""Seconds from a value (a cursor, a count) changed while the store cannot take it to the
+spill that holds it."""
+MAX_SHARE = 0.1
+"""The share of one CPU the spill takes at most: after a write of c seconds the next waits
+c * (1 / MAX_SHARE - 1) seconds (bench/state_spill.py measures c)."""
+CHECK_EVERY = 0.5
+"""Seconds between looks at the store while nothing is said to have changed (a write
+refused, a store moved onto the disk)."""
+RETRY_EVERY = 5.0
+"""Seconds between attempts while the runtime dir refuses the spill."""
+
+
+class LiveSpill:
+    """While the store is not durable (in memory, or its disk refuses the writes and the
+    guard queues them), a spill in `runtime_dir` kept up to date, so that a kill -9 loses
+    only what changed within the last EVENT_DELAY (an event) or VALUE_DELAY (a value).
+
+    A thread of its own (never the event loop: a spill copies the whole backlog). The guard
+    says what changed (`StoreGuard.changed`); a burst is one write; each write replaces the
+    one before (whole or not at all, as at the stop) and is marked by the flush that stores
+    all of it, so that, left behind by a kill -9, it is not adopted over newer values. Once
+    the store is durable and holds all of it, the spill is removed. A runtime dir that
+    refuses it is one log line and a health problem naming what is at risk."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        guard: StoreGuard,
+        runtime_dir: Path,
+        *,
+        boot_id: str,
+        outbox: Callable[[], bool],
+        hook: Hook = _nothing,
+    ) -> None:
+        self.store, self.guard, self.runtime_dir = store, guard, runtime_dir
+        self.boot_id, self._outbox, self._hook = boot_id, outbox, hook
+        self.writes = 0
+        self.seconds = 0.0
+        """Time spent writing spills, in all."""
+        self.last_cost = 0.0
+        self.error: str | None = None
+        """Why the latest spill could not be written; None once one is."""
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._event_at: float | None = None
+        self._value_at: float | None = None
+        self._not_before = 0.0
+        self._at_risk = False
+        self._current: str | None = None
+        """The id of the spill written last (held by the store)."""
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.guard.changed = self._changed
+        self._thread = threading.Thread(target=self._run, name="state-live-spill", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop the thread (a write under way ends first, within `timeout`). False when it
+        is still writing (the runtime dir hangs)."""
+        self.guard.changed = None
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _changed(self, event: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if event and self._event_at is None:
+                self._event_at = now
+            elif not event and self._value_at is None:
+                self._value_at = now
+        self._wake.set()
+
+    def at_risk(self) -> bool:
+        """What exists only in this process's memory: a store in memory, or a queue the
+        store refuses."""
+        if not self.store.durable:
+            return True
+        return self.guard.pending and self.guard.failing is not None
+
+    def problems(self) -> list[str]:
+        if self.error is None or not self.at_risk():
+            return []
+        return [
+            f"unsaved state cannot be spilled to {self.runtime_dir} ({self.error}): a kill "
+            f"loses {self.guard.queued_events} events and {self.guard.queued_values} state "
+            "values waiting in memory"
+            + ("" if self.store.durable else ", and all the state store holds in memory")
+        ]
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(self._timeout())
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                self._step()
+            except Exception:  # a bug must not end the spills for good
+                log.exception("the live spill failed; retrying")
+                self._not_before = time.monotonic() + RETRY_EVERY
+
+    def _due(self) -> float | None:
+        with self._lock:
+            said = ((self._event_at, EVENT_DELAY), (self._value_at, VALUE_DELAY))
+        times = [at + delay for at, delay in said if at is not None]
+        return max(min(times), self._not_before) if times else None
+
+    def _timeout(self) -> float:
+        due = self._due()
+        if due is None:
+            return CHECK_EVERY
+        return min(CHECK_EVERY, max(0.0, due - time.monotonic()))
+
+    def _step(self) -> None:
+        risk = self.at_risk()
+        if not risk:
+            if self._at_risk or self.store.held_files:
+                self._settle()
+            return
+        if not self._at_risk:  # what waits now was said before it was at risk
+            self._at_risk = True
+            self._changed(self.guard.queued_events > 0)
+        due = self._due()
+        if due is None or time.monotonic() < due:
+            return
+        with self._lock:
+            self._event_at = self._value_at = None
+        self.write_now()
+
+    def _settle(self) -> None:
+        """Durable, holding all: the spill goes (marked already by the flush that stored it)."""
+        if not self.store.durable or self.guard.pending:
+            return
+        self._at_risk = False
+        with self._lock:
+            self._event_at = self._value_at = None
+        if self.store.held_files:
+            log.info(
+                "the state store holds all a spill held; removed",
+                paths=[str(p) for p in self.store.held_files],
+            )
+            self.store.drop_held_files()
+        if self._current is not None:
+            self.guard.forget_spill(self._current)
+            self._current = None
+        self.error = None
+
+    def write_now(self) -> None:
+        """One write, as the thread makes it (bench/state_spill.py times it)."""
+        began = time.monotonic()
+        cpu = time.thread_time()
+        spill_id = uuid.uuid4().hex
+        done = _spill(
+            self.store,
+            self.guard,
+            self.runtime_dir,
+            boot_id=self.boot_id,
+            outbox=self._outbox(),
+            hook=self._hook,
+            live=True,
+            spill_id=spill_id,
+        )
+        cost = max(time.thread_time() - cpu, 0.0)
+        self.last_cost = time.monotonic() - began
+        self.seconds += self.last_cost
+        if done.error is not None:
+            self.guard.forget_spill(spill_id)
+            if self.error is None:
+                log.error(
+                    "unsaved state cannot be spilled to the runtime dir; a kill loses it",
+                    runtime_dir=str(self.runtime_dir),
+                    error=done.error,
+                    events_at_risk=done.events,
+                    values_at_risk=done.values,
+                    outbox_entries_at_risk=done.outbox,
+                    store="disk" if self.store.durable else "memory",
+                )
+            self.error = done.error
+            self._not_before = time.monotonic() + RETRY_EVERY
+            self._changed(True)  # tried again then
+            return
+        if self.error is not None:
+            log.warning("unsaved state is spilled to the runtime dir again", path=str(done.path))
+        self.error = None
+        self.writes += 1
+        if self._current is not None:
+            self.guard.forget_spill(self._current)  # its file is replaced by this one
+        self._current = spill_id
+        # The next write no sooner than its own cost allows: at most MAX_SHARE of a CPU.
+        self._not_before = time.monotonic() + max(cost, self.last_cost) * (1 / MAX_SHARE - 1)
+        log.debug("state spilled while running", path=str(done.path), events=done.events)
 
 
 # -- the start -----------------------------------------------------------------------------

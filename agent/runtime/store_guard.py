@@ -26,7 +26,8 @@ import json
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -48,6 +49,29 @@ RETRY_EVERY = 1.0
 """Seconds between attempts while writes fail."""
 QUEUE_FULL = "store_queue_full"
 """The reason label of events dropped because the store could not take them in time."""
+SPILLED_NAMESPACE = "spill_adopted"
+"""The key-value namespace of the spills whose content the store holds (agent/runtime/
+spill.py: adopted, or written while the store could not take it and stored since)."""
+
+Changed = Callable[[bool], None]
+"""Told of each change that waits (True: an event; False: values only, or a write refused)."""
+
+
+@dataclass(frozen=True)
+class Queued:
+    """What waits, as it was at one moment (`StoreGuard.snapshot`): for a spill written while
+    the store cannot take it. Writing it (`into`) takes nothing off the queue."""
+
+    events: tuple[Event, ...]
+    values: dict[tuple[str, str], str | None]
+    bound: dict[str, KvChanges]
+    deletes: frozenset[tuple[str, str]]
+
+    def into(self, target: StateStore, outbox: bool) -> None:
+        """Into `target` (a spill's own store) as a flush would write it. Raises
+        StateStoreError."""
+        for chunk, changes in _batches(self.events, self.values, self.bound, {}):
+            target.write_batch(chunk, changes, outbox=outbox)
 
 
 class StoreGuard:
@@ -77,6 +101,13 @@ class StoreGuard:
         self._error: str | None = None
         self._failing_since: float | None = None
         self._dropped_reported = 0
+        self.changed: Changed | None = None
+        """Told of each change queued here (the spill written while the store cannot take
+        it: agent/runtime/spill.py `LiveSpill`); called with the queue's lock held: cheap."""
+        self._spills: list[str] = []
+        """Ids of the spills that hold a snapshot of this queue (`snapshot`): the flush that
+        writes all of it marks them in its last transaction, so that a spill left behind by a
+        kill -9 after that is skipped at the next start, not adopted over newer values."""
 
     # -- key-value ------------------------------------------------------------------------
 
@@ -103,6 +134,11 @@ class StoreGuard:
         """Key-value changes to write with the next flush (JSON text; None deletes)."""
         with self._lock:
             self._values.update(values)
+            self._tell(False)
+
+    def _tell(self, event: bool) -> None:
+        if self.changed is not None:
+            self.changed(event)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -124,6 +160,8 @@ class StoreGuard:
                     self._bound[event.id] = changes
                 self._drop_past_bound()
             self._values.update(values)
+            if events or values:
+                self._tell(bool(events))
 
     def _drop_past_bound(self) -> None:
         while len(self._events) > max(self.max_events, self._in_flight + 1):
@@ -153,6 +191,30 @@ class StoreGuard:
                 held.update(key for key, text in changes.items() if text is None)
         return held
 
+    def snapshot(self, spill_id: str) -> Queued:
+        """What waits now, for the spill `spill_id` (written while the store cannot take it):
+        the flush that writes all of this marks the spill as held by the store."""
+        with self._lock:
+            events = tuple(self._events)
+            bound = {e.id: self._bound[e.id] for e in events if e.id in self._bound}
+            deletes = {key for key, text in self._values.items() if text is None}
+            for changes in bound.values():
+                deletes.update(key for key, text in changes.items() if text is None)
+            self._spills.append(spill_id)
+            return Queued(events, dict(self._values), bound, frozenset(deletes))
+
+    def forget_spill(self, spill_id: str) -> None:
+        """The spill is gone (replaced by a newer one): no flush needs to mark it."""
+        with self._lock:
+            if spill_id in self._spills:
+                self._spills.remove(spill_id)
+
+    @property
+    def writing(self) -> threading.Lock:
+        """Held by each flush: a spill of a store in memory holds it while it copies the
+        store and this queue, so that nothing moves from one to the other meanwhile."""
+        return self._flushing
+
     # -- writing (blocking: the runtime's store thread) -------------------------------------
 
     def flush(self, outbox: bool) -> bool:
@@ -170,22 +232,17 @@ class StoreGuard:
                 events = list(self._events)
                 values = dict(self._values)
                 bound = {e.id: self._bound[e.id] for e in events if e.id in self._bound}
-            # A value held on its own for a key that an event here changes is older than that
-            # event (only the ledger writes those keys so, at start): the event's change wins.
+                spills = list(self._spills)
+            marks = {(SPILLED_NAMESPACE, s): json.dumps(time.time()) for s in spills}
             superseded = {key for changes in bound.values() for key in changes}
-            general = {key: text for key, text in values.items() if key not in superseded}
             try:
-                for start in range(0, max(len(events), 1), EVENTS_PER_TRANSACTION):
-                    chunk = events[start : start + EVENTS_PER_TRANSACTION]
-                    last = start + EVENTS_PER_TRANSACTION >= len(events)
-                    changes: dict[tuple[str, str], str | None] = dict(general) if last else {}
-                    for e in chunk:  # in order: the later event's change wins
-                        changes.update(bound.get(e.id, {}))
+                for chunk, changes in _batches(events, values, bound, marks):
                     self._write(target, chunk, changes, outbox)
                 with self._lock:
                     for key in superseded & values.keys():
                         if key in self._values and self._values[key] is values[key]:
                             del self._values[key]
+                    self._spills = [s for s in self._spills if s not in spills]
             except StateStoreError as exc:
                 if self._error is None:
                     log.error(
@@ -194,6 +251,8 @@ class StoreGuard:
                         queued_events=self.queued_events,
                     )
                 self._error = str(exc)
+                with self._lock:
+                    self._tell(False)
                 return False
             self._error = None
             return True
@@ -357,6 +416,27 @@ class CollectorState:
         returns no events, so none of its writes may be stored or read either."""
         with self._lock:
             self._held = dict(mark)
+
+
+def _batches(
+    events: Sequence[Event],
+    values: Mapping[tuple[str, str], str | None],
+    bound: Mapping[str, KvChanges],
+    marks: KvChanges,
+) -> Iterator[tuple[Sequence[Event], dict[tuple[str, str], str | None]]]:
+    """The transactions a flush writes: events oldest first, `EVENTS_PER_TRANSACTION` at a
+    time, each with its own changes; the values held on their own (and `marks`) with the
+    last. A value held on its own for a key that an event here changes is older than that
+    event (only the ledger writes those keys so, at start): the event's change wins."""
+    superseded = {key for changes in bound.values() for key in changes}
+    general = {key: text for key, text in values.items() if key not in superseded}
+    for start in range(0, max(len(events), 1), EVENTS_PER_TRANSACTION):
+        chunk = events[start : start + EVENTS_PER_TRANSACTION]
+        last = start + EVENTS_PER_TRANSACTION >= len(events)
+        changes: dict[tuple[str, str], str | None] = {**general, **marks} if last else {}
+        for e in chunk:  # in order: the later event's change wins
+            changes.update(bound.get(e.id, {}))
+        yield chunk, changes
 
 
 def _decode(text: str | None) -> JSONValue | None:

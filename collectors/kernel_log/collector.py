@@ -73,6 +73,7 @@ from collectors.kernel_log.matchers import (
     MatcherSet,
     about_gpu,
 )
+from collectors.kernel_log.parse import LogRecord
 
 # The Xid event's own attributes (collectors/_xid.py build_xid_event); the finding's other
 # attributes (MIG instance, a fallen-off-the-bus block's facts) travel on as details.
@@ -81,6 +82,12 @@ _XID_OWN = frozenset({"fault", "known", "text"})
 C = MetricType.COUNTER
 
 COUNTS_KEY = "finding_counts"
+LIVE_FROM_KEY = "live_from"
+"""Where this boot's agent first read the log live, past the backlog it found at its first
+start: {"boot", "log", "position"} (the log as `LogReader.origin` names it, the record's
+position there). A record from there on was logged while an agent ran, so that a later life
+reading it again (killed before its cursor was stored) does not call it "logged before the
+agent started", and makes of it the event the first life made: one payload per id."""
 """The state key of the finding counters (`_Counts`), stored with each round's cursor."""
 
 SXID_ERRORS = MetricFamily(
@@ -276,6 +283,10 @@ class KernelLogCollector:
         self._counts_loaded = False
         self._boot: str | None = None
         self._stored_counts: JSONValue | None = None
+        self._live_from: tuple[str, int] | None = None
+        """(log, position) of `LIVE_FROM_KEY` on this boot, once known."""
+        self._live_from_set = False
+        """This instance has taken (or kept) the mark, at its first live batch."""
         # The Xid counters are the correlator's series, exported while this runs (or the gpu
         # collector does): never this collector's own samples, which a failed round drops.
         self.correlator.attach(self, self.name)
@@ -373,6 +384,9 @@ class KernelLogCollector:
         except GpuwardenError:
             self._boot = None  # no boot to tie them to: neither carried nor stored
             return
+        self._live_from = _live_from(
+            self.deps.state.get(STATE_NAMESPACE, LIVE_FROM_KEY), self._boot
+        )
         saved = self.deps.state.get(STATE_NAMESPACE, COUNTS_KEY)
         if not isinstance(saved, dict) or saved.get("boot") != self._boot:
             # Nothing of this boot's last life: and none to come, since what is stored from
@@ -427,21 +441,24 @@ class KernelLogCollector:
         findings.extend(self.matchers.settle())
         events: list[Event] = []
         backlog: list[XidObservation] = []
+        if not batch.predates_agent or not batch.more:  # the backlog ended, or had
+            self._mark_live(reader, batch)
         for finding in findings:
             origin = (self.deps.node_id, *reader.origin(finding.record))
             when = reader.record_time(finding.record)
+            predates = batch.predates_agent and not self._read_live(origin[1:])
             # Judged by when it was logged: a record of the pause read after the resume is
             # still the pause's.
             window = self.pauses.covering(when) if about_gpu(finding) else None
             if window is not None:
-                paused = self._paused(finding, when, batch.predates_agent, origin, window)
+                paused = self._paused(finding, when, predates, origin, window)
                 if paused is not None:
                     events.append(paused)
                 continue
-            xid = self._xid(finding, when, batch.predates_agent, origin)
+            xid = self._xid(finding, when, predates, origin)
             if xid is None:
-                event = self._handle(finding, when, batch.predates_agent, origin)
-            elif batch.predates_agent:
+                event = self._handle(finding, when, predates, origin)
+            elif predates:
                 backlog.append(xid)
                 continue
             else:
@@ -450,6 +467,47 @@ class KernelLogCollector:
                 events.append(self.recurrence.escalate(event))
         events.extend(self.recurrence.escalate(e) for e in self.correlator.observe_backlog(backlog))
         return events
+
+    def _mark_live(self, reader: LogReader, batch: ReadBatch) -> None:
+        """Where this boot's agent first read the log live (past the backlog): the first
+        record of a live batch, or the one the cursor is before (a live batch with none, the
+        backlog's last batch). Stored (with the round's events and cursor) unless an earlier
+        life of this boot stored it already."""
+        if self._boot is None or self._live_from_set:
+            return
+        if batch.records and not batch.predates_agent:
+            first = batch.records[0]
+        elif batch.cursor is not None:  # nothing new: the next record is past the cursor
+            seq, line = batch.cursor.get("seq"), batch.cursor.get("line")
+            first = LogRecord(
+                "",
+                line=line + 1 if isinstance(line, int) else 0,
+                seq=seq + 1 if isinstance(seq, int) else None,
+            )
+        else:
+            return
+        origin = reader.origin(first)
+        self._live_from_set = True
+        if len(origin) != 2 or not origin[1].isdigit():
+            return
+        if self._live_from is not None and self._live_from[0] == origin[0]:
+            return  # the first life's mark stays: it tells what was read live since then
+        self._live_from = (origin[0], int(origin[1]))
+        self.deps.state.put(
+            STATE_NAMESPACE,
+            LIVE_FROM_KEY,
+            {"boot": self._boot, "log": origin[0], "position": int(origin[1])},
+        )
+
+    def _read_live(self, where: tuple[str, ...]) -> bool:
+        """Whether the record at `where` ((log, position): `LogReader.origin`) was logged
+        after this boot's agent first read the log live: an earlier life of it ran then."""
+        if self._live_from is None or len(where) != 2 or where[0] != self._live_from[0]:
+            return False
+        try:
+            return int(where[1]) >= self._live_from[1]
+        except ValueError:
+            return False
 
     def _paused(
         self,
@@ -629,6 +687,16 @@ def _pairs(value: object) -> list[tuple[str, int]]:
     if not isinstance(value, dict):
         return []
     return [(k, n) for k, v in value.items() if (n := _count(v)) is not None and isinstance(k, str)]
+
+
+def _live_from(value: object, boot: str | None) -> tuple[str, int] | None:
+    """A stored `LIVE_FROM_KEY` of this boot, what of it is well formed."""
+    if not isinstance(value, dict) or boot is None or value.get("boot") != boot:
+        return None
+    log_name, position = value.get("log"), value.get("position")
+    if not isinstance(log_name, str) or not isinstance(position, int) or isinstance(position, bool):
+        return None
+    return log_name, position
 
 
 def _rows(value: object, width: int) -> list[list[object]]:

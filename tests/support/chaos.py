@@ -16,15 +16,17 @@ What is required at the end (docs/mqtt.md, docs/metrics.md "Xid correlation"):
   earlier event stands for it) to 60 s after it. A kernel-log line is always required (the
   file and the cursor outlive the process). An NVML Xid whose injection was taken is
   required unless the process died before it was safe: neither delivered nor in the state
-  database on the disk when the process was gone, after a kill -9 (NVML's queue dies with the
-  process; with the disk full, what waited in memory dies with it: docs/ARCHITECTURE.md step
-  2); a clean stop loses nothing, the disk full or not (what waits in memory is spilled to
+  database on the disk or a spill in the runtime dir when the process was gone, after a
+  kill -9 within STORE_BOUND of it (NVML's queue dies with the process) or, with the disk
+  full, within SPILL_BOUND of when it waited in memory (the spill kept while the store
+  cannot write holds it after that: agent/runtime/spill.py); a clean stop loses nothing, the disk full or not (what waits in memory is spilled to
   the runtime dir and adopted by the next start: agent/runtime/spill.py);
 - an Xid and its twin of the other source within 5 s are one incident: at most one `xid`
   event per GPU and code in any 5 s;
 - no event id is delivered with two different payloads;
 - the counters carried across restarts on the same boot (`gpuwarden_events_total`, the Xid
-  counters) never go down between two scrapes;
+  counters) never go down between two scrapes (after a kill -9 within SPILL_BOUND of a
+  change while the store was not durable, or in a start, they may);
 - the agent runs whenever it should (its process lives, /healthz answers), a broken config
   on SIGHUP leaves it running on the last good one;
 - no traceback in its log.
@@ -69,6 +71,11 @@ STORE_BOUND = 15.0
 """Seconds within which an NVML Xid taken with the disk writable is stored (the event thread
 hands it on at once, the store writes it within a second): one older is no longer excused
 by a kill -9."""
+SPILL_BOUND = 3.0
+"""Seconds within which what waits in memory while the store is not durable (the disk full,
+the store in memory) is in the spill kept in the runtime dir (agent/runtime/spill.py
+`LiveSpill`: 0.2 s for an event, 1 s for a value, with a loaded machine's slack): only what
+changed within it before a kill -9 is excused."""
 LATE = 60.0
 """An event's time may lie this far after the Xid it stands for (a loaded machine)."""
 CARRIED = ("gpuwarden_events_total", "gpuwarden_xid_errors_total", "gpuwarden_xid_confirmed_total")
@@ -152,6 +159,10 @@ class Chaos:
     disk_full_until: float = -1.0
     """When the disk was last freed (-1: never full): an NVML Xid taken before that may have
     waited in memory."""
+    disk_full_since: float = -1.0
+    """When the disk was last filled (-1: never)."""
+    changed_at: float = -1.0
+    """When the last operation that can change the agent's state began (all but a wait)."""
     broker_up: bool = True
     broker_hung: bool = False
 
@@ -368,11 +379,7 @@ class Chaos:
         for xid in open_ones:
             if any(self._matches(e, xid, kinds) for e in seen):
                 xid.safe = True
-            elif how == "kill" and (
-                self.disk_full
-                or self.disk_full_until >= xid.at - 1.0
-                or time.time() - xid.at < STORE_BOUND
-            ):
+            elif how == "kill" and self._lost_with_a_kill(xid):
                 xid.required = False
                 xid.excused = f"{how} before it was stored (disk full: {self.disk_full})"
                 self._count("nvml xids lost with the process")
@@ -387,6 +394,17 @@ class Chaos:
                     "with the disk writable"
                 )
                 xid.required = False
+
+    def _lost_with_a_kill(self, xid: Xid) -> bool:
+        """Whether a kill -9 now may have lost `xid` (NVML's): with the disk writable since it
+        was taken, not yet stored (STORE_BOUND); with the disk full meanwhile, not yet in the
+        spill kept while the store cannot write (SPILL_BOUND from when it waited there)."""
+        now = time.time()
+        full_meanwhile = self.disk_full or self.disk_full_until >= xid.at - 1.0
+        if not full_meanwhile:
+            return now - xid.at < STORE_BOUND
+        waited_from = max(xid.at, self.disk_full_since)
+        return now - waited_from < SPILL_BOUND
 
     # -- the operations ----------------------------------------------------------------------
 
@@ -459,6 +477,9 @@ class Chaos:
         unsaved = unsaved or metric(before or "", "gpuwarden_state_store_durable") != 1.0
         # A clean stop spills what is unsaved (agent/runtime/spill.py): nothing is excused.
         unsaved = unsaved and not (signum == signal.SIGTERM and late_kill is None)
+        # A kill -9: the spill kept while running holds all but what changed within its
+        # delay (and the first moments of a start, before the store is open).
+        unsaved = unsaved and (early or time.time() - self.changed_at < SPILL_BOUND)
         process = self.agent.process
         assert process is not None
         process.send_signal(signum)
@@ -580,6 +601,7 @@ class Chaos:
         else:
             self.disk.fill()
             self.disk_full = True
+            self.disk_full_since = time.time()
             self.note("disk full")
 
     def op_wait(self) -> None:
@@ -609,6 +631,8 @@ class Chaos:
         weights = [weight for _, weight in self.OPS]
         name = self.rng.choices(names, weights)[0]
         self._count(name)
+        if name != "op_wait":
+            self.changed_at = time.time()
         operation: Callable[[], None] = getattr(self, name)
         operation()
         self.scrape(f"after {name}")

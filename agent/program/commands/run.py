@@ -89,8 +89,6 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     runtime = Runtime(
         cfg, store, collectors=registry.COLLECTORS, sinks=registry.SINKS, boot_id=boot_id
     )
-    for report in adopted:  # stored and sent once the runtime starts, as its start problems
-        runtime.emit(report.event(str(cfg.state_dir)))
     notifier = Notifier()
     stop = asyncio.Event()
     reloads: asyncio.Queue[None] = asyncio.Queue()
@@ -100,6 +98,7 @@ async def serve(cfg: config_module.Config, path: Path | None) -> tuple[int, int]
     # the process) when the loop closes. One noted since the command began is a reload now.
     HANGUPS.install()
     HANGUPS.attach(loop, functools.partial(reloads.put_nowait, None))
+    _take_over(runtime, store, adopted, cfg)
     try:
         await runtime.start()
     except OSError as exc:
@@ -167,11 +166,35 @@ def _open_store(cfg: config_module.Config) -> tuple[StateStore, list[spill.Adopt
     return store, adopted, boot_id
 
 
+def _take_over(
+    runtime: Runtime, store: StateStore, adopted: list[spill.Adopted], cfg: config_module.Config
+) -> None:
+    """What the spills found at start gave, told (stored and sent once the runtime starts,
+    as its start problems). While the store is not durable (in memory, or its disk refusing writes), a spill in
+    the runtime dir kept up to date: a kill -9 then loses only what changed within its
+    delay (agent/runtime/spill.py `LiveSpill`)."""
+    for report in adopted:
+        runtime.emit(report.event(str(cfg.state_dir)))
+    runtime.live_spill = spill.LiveSpill(
+        store,
+        runtime.guard,
+        cfg.core.runtime_dir,
+        boot_id=runtime.boot_id,
+        outbox=lambda: runtime.outbox_enabled,
+    )
+    runtime.live_spill.start()
+
+
 async def _spill(runtime: Runtime, store: StateStore, cfg: config_module.Config) -> int:
     """What the store could not take (a full disk, a store in memory) into the runtime dir
     (agent/runtime/spill.py), in a thread of its own given SPILL_BUDGET seconds: a stop
-    stays inside systemd's TimeoutStopSec. Returns 1 if the thread is still stuck."""
+    stays inside systemd's TimeoutStopSec. Returns 1 if the thread is still stuck. The
+    spill kept while running stops first; the stop's spill replaces it (or, with nothing
+    left unsaved, it goes)."""
+    if runtime.live_spill is not None:
+        await asyncio.to_thread(runtime.live_spill.stop)
     if not spill.needed(store, runtime.guard):
+        store.drop_held_files()  # durable and holding all: a spill written meanwhile goes
         return 0
     done: concurrent.futures.Future[spill.Spilled] = concurrent.futures.Future()
 
