@@ -429,6 +429,10 @@ class LiveSpill:
     def _step(self) -> None:
         risk = self.at_risk()
         if not risk:
+            # What was told is the store's already: nothing is due (a due time left set
+            # would make every wait 0, and the thread spin, holding the GIL from the loop).
+            with self._lock:
+                self._event_at = self._value_at = None
             if self._at_risk or self.store.held_files:
                 self._settle()
             return
