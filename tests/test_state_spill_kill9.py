@@ -112,6 +112,23 @@ def test_a_kill_on_an_unusable_state_disk_loses_nothing_spilled(
                 disk.fill()
             else:
                 assert gauge(agent_process, "gpuwarden_state_store_durable") == 0
+            # Its first round read the log's backlog: the lines below are logged while it runs
+            # (written before that read, they would rightly predate it).
+            wait_until(
+                lambda: (
+                    (
+                        gauge(
+                            agent_process,
+                            "gpuwarden_collector_runs_total",
+                            'collector="kernel_log"',
+                        )
+                        or 0.0
+                    )
+                    >= 1.0
+                ),
+                60,
+                "the kernel_log collector's first round",
+            )
             with log.open("a") as handle:
                 handle.write(xid_lines(0, FIRST))
             first = {address(n) for n in range(FIRST)}
