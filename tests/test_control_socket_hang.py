@@ -25,12 +25,9 @@ from typing import Any
 
 import pytest
 
-from agent.program import config_file as config
-from agent.program import registry
 from agent.program.control import LOOK_TIMEOUT, ControlServer
 from agent.program.control_client import socket_path
-from agent.runtime.core import Runtime
-from agent.runtime.state import StateStore
+from tests.support.control import started_runtime
 
 REAL_LSTAT = os.lstat
 
@@ -51,22 +48,16 @@ class Hang:
 
 
 @pytest.fixture
-async def served(tmp_path: Path) -> AsyncIterator[tuple[ControlServer, Runtime]]:
-    state_dir = tmp_path / "state"
-    state_dir.mkdir(mode=0o700)
-    cfg = config.parse({"prometheus": {"enabled": False}})
-    cfg = dataclasses.replace(
-        cfg, core=dataclasses.replace(cfg.core, state_dir=state_dir), collectors={}
-    )
-    store = StateStore.open(state_dir)
-    runtime = Runtime(cfg, store, collectors={}, sinks=registry.SINKS, boot_id="boot-a")
-    await runtime.start()
-    server = ControlServer(runtime, socket_path(state_dir))
-    try:
-        yield server, runtime
-    finally:
-        await runtime.stop()
-        store.close()
+async def hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[ControlServer, Hang]]:
+    """The socket bound, its lstat in the control module's hands (`Hang`)."""
+    async with started_runtime(tmp_path / "state") as runtime:
+        server = ControlServer(runtime, socket_path(tmp_path / "state"))
+        hang = Hang()
+        monkeypatch.setattr(os, "lstat", hang.lstat)
+        await server.start()
+        yield server, hang
 
 
 def problem(server: ControlServer) -> str | None:
@@ -84,12 +75,9 @@ async def ticks_while(work: asyncio.Future[Any], every: float = 0.05) -> int:
 
 
 async def test_a_look_that_hangs_holds_no_loop_and_is_said(
-    served: tuple[ControlServer, Runtime], monkeypatch: pytest.MonkeyPatch
+    hung: tuple[ControlServer, Hang],
 ) -> None:
-    server, _ = served
-    hang = Hang()
-    monkeypatch.setattr(os, "lstat", hang.lstat)
-    await server.start()
+    server, hang = hung
     assert problem(server) is None
     hang.hanging = True
     began = time.monotonic()
@@ -112,12 +100,9 @@ async def test_a_look_that_hangs_holds_no_loop_and_is_said(
 
 
 async def test_the_look_comes_back_once_the_state_dir_answers(
-    served: tuple[ControlServer, Runtime], monkeypatch: pytest.MonkeyPatch
+    hung: tuple[ControlServer, Hang],
 ) -> None:
-    server, _ = served
-    hang = Hang()
-    monkeypatch.setattr(os, "lstat", hang.lstat)
-    await server.start()
+    server, hang = hung
     hang.hanging = True
     await server.check()
     assert problem(server) is not None

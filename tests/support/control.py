@@ -17,8 +17,9 @@ from agent.runtime.state import StateStore
 
 
 @contextlib.asynccontextmanager
-async def controlled_runtime(state_dir: Path) -> AsyncIterator[Runtime]:
-    """Started, with its control socket at `socket_path(state_dir)`; stopped after."""
+async def started_runtime(state_dir: Path) -> AsyncIterator[Runtime]:
+    """A runtime with no collectors on a real state store in `state_dir` (made here), started;
+    stopped after."""
     state_dir.mkdir(mode=0o700)
     cfg = config.parse({"prometheus": {"enabled": False}})
     cfg = dataclasses.replace(
@@ -27,11 +28,20 @@ async def controlled_runtime(state_dir: Path) -> AsyncIterator[Runtime]:
     store = StateStore.open(state_dir)
     runtime = Runtime(cfg, store, collectors={}, sinks=registry.SINKS, boot_id="boot-a")
     await runtime.start()
-    control = ControlServer(runtime, socket_path(state_dir))
-    await control.start()
     try:
         yield runtime
     finally:
-        await control.stop()
         await runtime.stop()
         store.close()
+
+
+@contextlib.asynccontextmanager
+async def controlled_runtime(state_dir: Path) -> AsyncIterator[Runtime]:
+    """Started, with its control socket at `socket_path(state_dir)`; stopped after."""
+    async with started_runtime(state_dir) as runtime:
+        control = ControlServer(runtime, socket_path(state_dir))
+        await control.start()
+        try:
+            yield runtime
+        finally:
+            await control.stop()
